@@ -1,0 +1,99 @@
+"""``convert(model)``: swap supported submodules for their BPPSA versions, keeping the same Parameters.
+
+Each family of modules registers a *converter* with :func:`register_converter`. A converter looks at one
+module and answers ``None`` (not mine: keep looking, recurse into its children) or a
+:class:`Conversion`: the replacement module (or ``None`` when the module stays on autograd) and a
+human-readable reason. Replacements reuse the original ``Parameter`` objects, so optimizers,
+schedulers and checkpoints built on the original model keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["Conversion", "ConversionRecord", "convert", "register_converter"]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A converter's answer for one module: ``replacement is None`` means it stays on autograd."""
+
+    replacement: nn.Module | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConversionRecord:
+    """One row of the conversion table: where a module's backward runs, and why."""
+
+    path: str
+    module_type: str
+    scanned: bool
+    reason: str
+
+
+Converter = Callable[[nn.Module], "Conversion | None"]
+_CONVERTERS: list[Converter] = []
+
+
+def register_converter(converter: Converter) -> Converter:
+    """Register a converter (usable as a decorator). Registering the same function twice is a no-op."""
+    if converter not in _CONVERTERS:
+        _CONVERTERS.append(converter)
+    return converter
+
+
+def _convert_one(module: nn.Module) -> Conversion | None:
+    for converter in _CONVERTERS:
+        answer = converter(module)
+        if answer is not None:
+            return answer
+    return None
+
+
+def convert(
+    model: nn.Module, *, modules: Sequence[str] | None = None, report: list[ConversionRecord] | None = None
+) -> nn.Module:
+    """Swap supported submodules of ``model`` in place for their BPPSA versions.
+
+    Args:
+        model: any ``nn.Module``; if ``model`` itself is supported, the replacement is returned.
+        modules: qualified names (as in ``model.named_modules()``) to restrict conversion to; ``None``
+            converts every supported module.
+        report: if given, one :class:`ConversionRecord` per module a converter looked at is appended.
+
+    Returns:
+        The converted model (the same object unless ``model`` itself was replaced).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.RNN(1, 20, batch_first=True))
+        >>> model = convert(model)
+        >>> type(model[0]).__module__.startswith("lightning_bppsa")
+        True
+    """
+    wanted = None if modules is None else set(modules)
+    if wanted is not None:
+        known = {name for name, _ in model.named_modules()}
+        missing = sorted(wanted - known)
+        if missing:
+            raise ValueError(f"modules {missing} not found in {type(model).__name__}; known: {sorted(known)}")
+    return _convert(model, "", wanted, report)
+
+
+def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list | None) -> nn.Module:
+    answer = _convert_one(module) if wanted is None or path in wanted else None
+    if answer is not None:
+        if report is not None:
+            scanned = answer.replacement is not None
+            report.append(ConversionRecord(path or "<root>", type(module).__name__, scanned, answer.reason))
+        if answer.replacement is not None:
+            return answer.replacement
+    for name, child in list(module.named_children()):
+        new = _convert(child, f"{path}.{name}" if path else name, wanted, report)
+        if new is not child:
+            setattr(module, name, new)
+    return module

@@ -1,0 +1,48 @@
+"""Test utilities shared by the test suite and by users checking their own models.
+
+Tolerances are derived, not guessed: a fast path in some dtype may be as far from the float64 truth
+as ``factor`` times the plain baseline (autograd, or the linear scan) in the same dtype, plus a floor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["assert_derived_close", "relative_error"]
+
+
+def relative_error(actual: Tensor, reference: Tensor) -> float:
+    """Norm-wise relative error ``‖actual - reference‖ / ‖reference‖`` computed in float64."""
+    actual, reference = actual.detach().double(), reference.detach().double()
+    scale = reference.norm().item()
+    diff = (actual - reference).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_derived_close(
+    actual: Tensor,
+    reference: Tensor,
+    baseline: Tensor | None = None,
+    *,
+    factor: float = 2.0,
+    floor: float | None = None,
+    name: str = "value",
+) -> None:
+    """Assert ``actual`` is as close to the float64 ``reference`` as ``baseline`` is, up to ``factor``.
+
+    Args:
+        actual: the fast path's result, any dtype.
+        reference: the float64 ground truth.
+        baseline: the plain implementation's result in ``actual``'s dtype; ``None`` uses only ``floor``.
+        factor: allowed ratio of errors.
+        floor: absolute floor on the relative error (default: 1e-12 for float64, 1e-5 otherwise).
+    """
+    if actual.shape != reference.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
+    if floor is None:
+        floor = 1e-12 if actual.dtype == torch.float64 else 1e-5
+    allowed = floor + (factor * relative_error(baseline, reference) if baseline is not None else 0.0)
+    error = relative_error(actual, reference)
+    if not error <= allowed:  # also catches NaN
+        raise AssertionError(f"{name}: relative error {error:.3e} exceeds allowed {allowed:.3e}")
