@@ -339,6 +339,10 @@ def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "aut
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    if isinstance(jacobians_t, (list, tuple)):  # a chain of CSR transposed Jacobians (layer chains)
+        from lightning_bppsa.sparse_scan import sparse_backprop_scan
+
+        return sparse_backprop_scan(jacobians_t, grad, algorithm=algorithm)
     if isinstance(jacobians_t, FactoredJacobians):
         batch, n, d, m = _validate_factored(jacobians_t, grad)
         algorithm, chunk = cost_model.choose(algorithm, n=n, d=d, batch=batch, width=m, device=grad.device.type)

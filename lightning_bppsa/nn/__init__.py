@@ -1,5 +1,11 @@
-"""BPPSA versions of torch modules and ``convert(model)``."""
+"""BPPSA versions of torch modules and ``convert(model)``.
 
+Importing this package registers the converters of every module family with ``convert``.
+"""
+
+from lightning_bppsa.nn import chain, recurrent
+from lightning_bppsa.nn.chain import *  # noqa: F403
 from lightning_bppsa.nn.convert import Conversion, ConversionRecord, convert, register_converter
+from lightning_bppsa.nn.recurrent import *  # noqa: F403
 
-__all__ = ["Conversion", "ConversionRecord", "convert", "register_converter"]
+__all__ = ["Conversion", "ConversionRecord", "convert", "register_converter", *recurrent.__all__, *chain.__all__]
