@@ -171,7 +171,7 @@ def test_flush_denormal_state_is_restored():
         (torch.randn(2, 3, 4, 4), torch.randn(2, 4, dtype=torch.float64), {}, TypeError, "dtype"),
         (torch.ones(2, 3, 4, 4, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int64), {}, TypeError, "floating"),
         (torch.randn(2, 3, 4, 4), torch.randn(2, 4), {"algorithm": "fast"}, ValueError, "algorithm must be"),
-        ([[1.0]], torch.randn(2, 4), {}, TypeError, "jacobians_t must be"),
+        ("not a tensor", torch.randn(2, 4), {}, TypeError, "jacobians_t must be"),
     ],
 )
 def test_bad_input_names_the_argument(jt, grad, kwargs, error, match):
