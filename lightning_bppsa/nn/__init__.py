@@ -7,5 +7,12 @@ from lightning_bppsa.nn import chain, recurrent
 from lightning_bppsa.nn.chain import *  # noqa: F403
 from lightning_bppsa.nn.convert import Conversion, ConversionRecord, convert, register_converter
 from lightning_bppsa.nn.recurrent import *  # noqa: F403
+from lightning_bppsa.nn._mode import reference_backward
 
-__all__ = ["Conversion", "ConversionRecord", "convert", "register_converter", *recurrent.__all__, *chain.__all__]
+__all__ = [
+    "Conversion",
+    "ConversionRecord",
+    "convert",
+    "reference_backward",
+    "register_converter",
+    *recurrent.__all__, *chain.__all__]
