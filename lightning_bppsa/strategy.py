@@ -1,33 +1,64 @@
-"""``BPPSAStrategy``: the Lightning glue that routes supported modules' backward through the scan."""
+"""``BPPSAStrategy``: the Lightning glue that routes supported modules' backward through the scan.
+
+The scan itself lives in the converted modules (their autograd Functions run ``backprop_scan``), so
+``loss.backward()`` anywhere — automatic or manual optimization, gradient accumulation, AMP — already
+uses it. The strategy converts the model at ``connect``, reports what runs where, and owns
+``backward`` so that the hooks around it stay in Lightning's order and gradient checks can run.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bppsa.gradcheck import gradient_difference
 from lightning_bppsa.nn import ConversionRecord, convert
 from lightning_bppsa.scan import ALGORITHMS
 
-__all__ = ["BPPSAStrategy"]
+__all__ = ["BPPSAStrategy", "format_conversion_table"]
 
 log = logging.getLogger(__name__)
+
+
+def format_conversion_table(records: Sequence[ConversionRecord]) -> str:
+    """The conversion report as a fixed-width table (module, type, backward path, reason)."""
+    if not records:
+        return "BPPSA: no supported module found; every backward stays on autograd."
+    rows = [("module", "type", "backward", "why")]
+    rows += [(r.path, r.module_type, "scan" if r.scanned else "autograd", r.reason) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "BPPSA conversion:\n" + "\n".join(lines)
 
 
 class BPPSAStrategy(SingleDeviceStrategy):
     """Single-device strategy whose supported modules run their backward as a BPPSA scan.
 
     Args:
-        algorithm: scan algorithm for every converted module (see ``backprop_scan``).
+        algorithm: scan algorithm for every converted module (see ``backprop_scan``); ``"auto"``
+            lets each module pick, falling back to autograd where the scan does not pay.
         modules: qualified module names to convert; ``None`` converts every supported module.
+        check_every: every ``check_every`` backward passes, also compute the gradients with autograd
+            and log the largest relative difference as ``bppsa/grad_rel_diff`` (0 = off).
+        check_threshold: warn when that difference exceeds this value.
         device: the device to train on; by default the one the Trainer's accelerator picks.
 
     Example:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(strategy="bppsa", accelerator="cpu", max_steps=1, logger=False)
+        >>> trainer = pl.Trainer(strategy=BPPSAStrategy(algorithm="chunked", check_every=100), logger=False)
     """
 
     strategy_name = "bppsa"
@@ -36,18 +67,27 @@ class BPPSAStrategy(SingleDeviceStrategy):
         self,
         algorithm: str = "auto",
         modules: Sequence[str] | None = None,
+        check_every: int = 0,
+        check_threshold: float = 1e-4,
         device: torch.device | str | int | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+        if not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"check_every must be an int >= 0; got {check_every!r}")
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self.algorithm = algorithm
         self.modules = None if modules is None else list(modules)
+        self.check_every = check_every
+        self.check_threshold = check_threshold
         self._explicit_device = device is not None
         # Filled by the accelerator connector when the strategy was made from a string.
         self.parallel_devices: list[torch.device] | None = None
         self.conversion_report: list[ConversionRecord] = []
+        self.last_gradient_difference: float | None = None
+        self._backward_calls = 0
+        self._warned_backward_override = False
 
     @property
     @override
@@ -57,13 +97,54 @@ class BPPSAStrategy(SingleDeviceStrategy):
         return super().root_device
 
     @override
-    def connect(self, model) -> None:
+    def connect(self, model: pl.LightningModule) -> None:
         report: list[ConversionRecord] = []
-        converted = convert(model, modules=self.modules, report=report)
-        if converted is not model:
+        if convert(model, modules=self.modules, report=report) is not model:
             raise TypeError("the LightningModule itself cannot be replaced by convert()")
+        for module in model.modules():
+            if type(module).__module__.startswith("lightning_bppsa.nn") and hasattr(module, "algorithm"):
+                module.algorithm = self.algorithm
         self.conversion_report = report
+        rank_zero_info(format_conversion_table(report))
         super().connect(model)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """``Strategy.backward`` with the same hooks in the same order; the scan runs inside autograd."""
+        module = self.lightning_module
+        assert module is not None
+        self._warn_if_backward_overridden(module)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._backward_calls += 1
+        if self.check_every and self._backward_calls % self.check_every == 0:
+            self._check_gradients(closure_loss, module)
+        closure_loss.backward(*args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _warn_if_backward_overridden(self, module: pl.LightningModule) -> None:
+        if not self._warned_backward_override and is_overridden("backward", module, pl.LightningModule):
+            self._warned_backward_override = True
+            warnings.warn(
+                f"{type(module).__name__}.backward is overridden, but strategy 'bppsa' calls loss.backward() "
+                "itself so that the scan and the gradient checks run; the override is bypassed.",
+                stacklevel=2,
+            )
+
+    def _check_gradients(self, loss: Tensor, module: pl.LightningModule) -> None:
+        difference = gradient_difference(loss, module.parameters())
+        self.last_gradient_difference = difference
+        trainer = module._trainer
+        if trainer is not None and trainer.logger is not None:
+            trainer.logger.log_metrics({"bppsa/grad_rel_diff": difference}, step=trainer.global_step)
+        if difference > self.check_threshold:
+            warnings.warn(
+                f"BPPSA gradients differ from autograd's by {difference:.3e} (relative) at backward call "
+                f"{self._backward_calls}, above check_threshold={self.check_threshold:g}.",
+                stacklevel=2,
+            )
 
     @classmethod
     @override

@@ -96,4 +96,6 @@ def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list
         new = _convert(child, f"{path}.{name}" if path else name, wanted, report)
         if new is not child:
             setattr(module, name, new)
+            if name == "_orig_mod" and hasattr(module, "_initialize"):
+                module._initialize()  # a torch.compile wrapper binds its forward to the original module
     return module

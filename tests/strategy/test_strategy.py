@@ -1,0 +1,264 @@
+"""Trainer(strategy="bppsa"): same weights as "auto", Lightning features keep working."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_bppsa
+from lightning_bppsa import BPPSAStrategy
+from lightning_bppsa.strategy import format_conversion_table
+
+CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
+
+
+class SeqModel(pl.LightningModule):
+    """Embedding -> recurrent layer -> linear head; loss on the last step or on every step."""
+
+    def __init__(self, cell="rnn", every_step=False, manual=False, lr=0.05, two_optimizers=False, compile_rnn=False):
+        super().__init__()
+        self.embed = nn.Embedding(7, 5)
+        self.rnn = CELLS[cell](5, 6, batch_first=True)
+        if compile_rnn:
+            self.rnn = torch.compile(self.rnn)
+        self.head = nn.Linear(6, 3)
+        self.every_step, self.lr, self.two_optimizers = every_step, lr, two_optimizers
+        self.automatic_optimization = not manual
+
+    def loss(self, batch):
+        tokens, labels = batch
+        out, _ = self.rnn(self.embed(tokens))
+        if self.every_step:
+            logits = self.head(out)
+            return nn.functional.cross_entropy(logits.flatten(0, 1), labels.repeat_interleave(out.shape[1]))
+        return nn.functional.cross_entropy(self.head(out[:, -1]), labels)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.automatic_optimization:
+            return loss
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in optimizers:
+            opt.step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        if self.two_optimizers:
+            rnn_params = list(self.rnn.parameters())
+            rest = [p for n, p in self.named_parameters() if not n.startswith("rnn.")]
+            return [torch.optim.SGD(rnn_params, lr=self.lr), torch.optim.Adam(rest, lr=self.lr / 10)]
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def loader(length=13, samples=16, batch=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 7, (samples, length), generator=g)
+    labels = torch.randint(0, 3, (samples,), generator=g)
+    return DataLoader(TensorDataset(tokens, labels), batch_size=batch)
+
+
+def trainer(strategy, **kwargs):
+    defaults = dict(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, precision="64-true", num_sanity_val_steps=0,
+    )
+    return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+def train(strategy, model_kwargs=None, data=None, **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(**(model_kwargs or {}))
+    trainer(strategy, **trainer_kwargs).fit(model, data or loader())
+    return model
+
+
+def assert_same_weights(a, b, rtol):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        err = ((pa - pb).norm() / pb.norm().clamp_min(1e-30)).item()
+        assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
+
+
+def test_string_strategy_resolves_to_bppsa_on_the_accelerators_device():
+    t = trainer("bppsa")
+    assert isinstance(t.strategy, BPPSAStrategy)
+    assert t.strategy.root_device == torch.device("cpu")
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        BPPSAStrategy(algorithm="fastest")
+    with pytest.raises(ValueError, match="check_every"):
+        BPPSAStrategy(check_every=-1)
+
+
+@pytest.mark.parametrize("cell", ["rnn", "gru", "lstm"])
+@pytest.mark.parametrize("every_step", [False, True])
+def test_automatic_optimization_matches_autograd_float64(cell, every_step):
+    kwargs = dict(model_kwargs=dict(cell=cell, every_step=every_step))
+    strategy = BPPSAStrategy(algorithm="chunked")  # force the scan even where "auto" would fall back
+    assert_same_weights(train(strategy, **kwargs), train("auto", **kwargs), rtol=1e-9)
+
+
+@pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.01)])
+def test_accumulation_and_clipping_match_autograd(clip):
+    kwargs = dict(
+        model_kwargs=dict(cell="gru"), accumulate_grad_batches=2, max_steps=2,
+        gradient_clip_algorithm=clip[0], gradient_clip_val=clip[1],
+    )
+    assert_same_weights(train(BPPSAStrategy(algorithm="blelloch"), **kwargs), train("auto", **kwargs), rtol=1e-9)
+
+
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_manual_optimization_matches_autograd(two_optimizers):
+    kwargs = dict(model_kwargs=dict(cell="rnn", manual=True, two_optimizers=two_optimizers))
+    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
+
+
+def test_float32_matches_autograd():
+    kwargs = dict(model_kwargs=dict(cell="gru", every_step=True), precision="32-true", data=loader(length=200))
+    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-4)
+
+
+def test_bf16_mixed_trains_close_to_autograd():
+    kwargs = dict(model_kwargs=dict(cell="rnn"), precision="bf16-mixed")
+    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=2e-2)
+
+
+def test_parameters_stay_the_same_objects_and_table_is_reported():
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="gru")
+    before = {name: id(p) for name, p in model.named_parameters()}
+    strategy = BPPSAStrategy()
+    trainer(strategy, max_steps=1).fit(model, loader())
+    assert {name: id(p) for name, p in model.named_parameters()} == before
+    assert [(r.path, r.scanned) for r in strategy.conversion_report] == [("rnn", True)]
+    assert type(model.rnn).__module__.startswith("lightning_bppsa.nn")
+    assert "rnn" in format_conversion_table(strategy.conversion_report)
+
+
+def test_unsupported_configuration_stays_on_autograd_with_a_reason():
+    class ProjModel(SeqModel):
+        def __init__(self):
+            super().__init__(cell="lstm")
+            self.rnn = nn.LSTM(5, 6, batch_first=True, proj_size=6)
+
+    pl.seed_everything(0, verbose=False)
+    model = ProjModel()
+    reference = copy.deepcopy(model)
+    strategy = BPPSAStrategy()
+    trainer(strategy).fit(model, loader())
+    trainer("auto").fit(reference, loader())
+    record = strategy.conversion_report[0]
+    assert not record.scanned and "proj_size" in record.reason
+    assert_same_weights(model, reference, rtol=1e-12)
+
+
+def test_compiled_submodule_is_converted_and_matches():
+    kwargs = dict(model_kwargs=dict(cell="rnn", compile_rnn=True))
+    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
+
+
+def test_hooks_run_once_per_backward_in_order():
+    calls = []
+
+    class Recorder(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            calls.append("before")
+
+        def on_after_backward(self, trainer, pl_module):
+            calls.append("after")
+
+    train("bppsa", callbacks=[Recorder()], max_steps=2)
+    assert calls == ["before", "after"] * 2
+
+
+def test_user_backward_override_is_bypassed_with_a_warning():
+    class Custom(SeqModel):
+        def backward(self, loss, *args, **kwargs):
+            raise AssertionError("must not be called")
+
+    pl.seed_everything(0, verbose=False)
+    with pytest.warns(UserWarning, match="backward is overridden"):
+        trainer("bppsa", max_steps=1).fit(Custom(), loader())
+
+
+def test_check_every_measures_the_gradient_difference():
+    strategy = BPPSAStrategy(algorithm="chunked", check_every=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(strategy, max_steps=2)
+    assert not [w for w in caught if "differ from autograd" in str(w.message)]
+    assert strategy.last_gradient_difference is not None and strategy.last_gradient_difference < 1e-9
+
+
+def test_checkpoint_moves_between_strategies_and_plain_torch(tmp_path):
+    kwargs = dict(enable_checkpointing=True, default_root_dir=tmp_path)
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="lstm")
+    t = trainer("bppsa", **kwargs)
+    t.fit(model, loader())
+    path = tmp_path / "bppsa.ckpt"
+    t.save_checkpoint(path)
+    # into a plain torch model
+    plain = SeqModel(cell="lstm").double()
+    plain.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    assert_same_weights(plain, model, rtol=0)
+    # resume under "auto" and under "bppsa": same weights after two more steps
+    resumed = {}
+    for name in ("auto", "bppsa"):
+        pl.seed_everything(0, verbose=False)
+        m = SeqModel(cell="lstm")
+        trainer(name if name == "auto" else BPPSAStrategy(algorithm="chunked"), max_steps=5).fit(
+            m, loader(), ckpt_path=path
+        )
+        resumed[name] = m
+    assert_same_weights(resumed["bppsa"], resumed["auto"], rtol=1e-9)
+
+
+def test_validation_and_predict_loops_run():
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="gru")
+    t = trainer("bppsa", limit_val_batches=2, val_check_interval=2, max_steps=4)
+    t.fit(model, loader(), loader())
+    t.validate(model, loader(), verbose=False)
+
+
+def live_tensor_count():
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+def test_nothing_recorded_outlives_its_step():
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="gru", every_step=True)
+    data = loader(length=50, samples=64)
+    t = trainer(BPPSAStrategy(algorithm="chunked"), max_steps=2)
+    t.fit(model, data)
+    after_two = live_tensor_count()
+    t = trainer(BPPSAStrategy(algorithm="chunked"), max_steps=10)
+    t.fit(model, data)
+    assert live_tensor_count() <= after_two + 8  # optimizer state etc. may differ by a handful, not per step
+    for module in model.modules():
+        leftovers = [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in ("_parameters", "_buffers")]
+        assert not leftovers, f"{type(module).__name__} keeps tensors {leftovers} between steps"
+
+
+def test_reimport_keeps_registration():
+    import importlib
+
+    importlib.reload(lightning_bppsa)
+    assert isinstance(trainer("bppsa").strategy, BPPSAStrategy)
