@@ -1,0 +1,45 @@
+"""Per-step interval timing shared by the timing callbacks: ``perf_counter`` on CPU, CUDA events on GPU."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["Stopwatch"]
+
+
+class Stopwatch:
+    """Named time marks within one training step; intervals are read once the step is over.
+
+    On CUDA the marks are recorded events, so nothing synchronises until :meth:`seconds` is called
+    (at the end of the step); on CPU they are ``time.perf_counter()`` readings.
+    """
+
+    def __init__(self) -> None:
+        self._marks: dict[str, float | torch.cuda.Event] = {}
+
+    def clear(self) -> None:
+        """Forget every mark (call at the start of a step)."""
+        self._marks.clear()
+
+    def mark(self, name: str, device: torch.device) -> None:
+        """Record the current time (on ``device``'s stream when it is a CUDA device) under ``name``."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks[name] = event
+        else:
+            self._marks[name] = time.perf_counter()
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` was marked since the last :meth:`clear`."""
+        return name in self._marks
+
+    def seconds(self, start: str, end: str) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (waits for the CUDA event ``end``)."""
+        first, last = self._marks[start], self._marks[end]
+        if isinstance(first, float) and isinstance(last, float):
+            return last - first
+        last.synchronize()
+        return first.elapsed_time(last) / 1000.0

@@ -1,0 +1,119 @@
+"""What every recipe shares: a classification LightningModule and a cached tensor DataModule.
+
+A recipe subclasses both: the module gets the network (``forward``) and the optimizer, the DataModule
+says how to build its tensors (from the real dataset, or a generated stand-in) and how to name the cache.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+__all__ = ["ClassificationTask", "DEFAULT_CACHE_DIR", "TensorDataModule", "Split", "announce_stand_in"]
+
+DEFAULT_CACHE_DIR = "~/.cache/lightning-bppsa"
+
+Split = dict[str, Tensor]
+"""Cached tensors: ``train_x``, ``train_y``, ``val_x``, ``val_y`` (labels int64, class indices)."""
+
+
+def announce_stand_in(recipe: str, what: str) -> None:
+    """Log the one line saying a recipe trains on generated data instead of the real dataset."""
+    rank_zero_info(f"{recipe}: no data_dir given, training on a generated stand-in ({what}).")
+
+
+class ClassificationTask(pl.LightningModule):
+    """Cross-entropy classification with accuracy (torchmetrics), logged as ``train/*`` and ``val/*``.
+
+    Subclasses define ``forward(x) -> logits (B, num_classes)`` and ``configure_optimizers``.
+    """
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.train_acc = MulticlassAccuracy(num_classes)
+        self.val_acc = MulticlassAccuracy(num_classes)
+
+    def _loss(self, batch: tuple[Tensor, Tensor], accuracy: MulticlassAccuracy) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        accuracy(logits, y)
+        return F.cross_entropy(logits, y)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch, self.train_acc)
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch, self.val_acc)
+        self.log("val/loss", loss, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_epoch=True, prog_bar=True)
+
+
+class TensorDataModule(pl.LightningDataModule):
+    """Train / validation tensors built once by :meth:`build` and cached to ``cache_dir/cache_name()``.
+
+    Args:
+        batch_size: training and validation batch size.
+        cache_dir: where the built tensors are cached (``~`` is expanded).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, batch_size: int, cache_dir: str = DEFAULT_CACHE_DIR, num_workers: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        self.batch_size = batch_size
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.num_workers = num_workers
+        self.tensors: Split | None = None
+
+    @abstractmethod
+    def cache_name(self) -> str:
+        """File name of the cache: must change whenever the built tensors would."""
+
+    @abstractmethod
+    def build(self) -> Split:
+        """Build the tensors (load and preprocess the real dataset, or generate the stand-in)."""
+
+    @property
+    def cache_path(self) -> Path:
+        """Where the built tensors live."""
+        return self.cache_dir / self.cache_name()
+
+    def prepare_data(self) -> None:
+        if self.cache_path.exists():
+            return
+        tensors = self.build()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(tensors, partial)
+        os.replace(partial, self.cache_path)  # atomic: a half-written cache is never read
+        rank_zero_info(f"cached {self.cache_path}")
+
+    def setup(self, stage: str) -> None:
+        if self.tensors is None:
+            self.tensors = torch.load(self.cache_path)
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        assert self.tensors is not None, "call prepare_data() and setup() first"
+        dataset = TensorDataset(self.tensors[f"{split}_x"], self.tensors[f"{split}_y"])
+        return DataLoader(
+            dataset, self.batch_size, shuffle=shuffle, num_workers=self.num_workers, drop_last=shuffle
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
