@@ -1,0 +1,107 @@
+"""Transposed Jacobian of ``nn.Conv2d`` in CSR (BPPSA Appendix D.1, Alg. 2-4; Table 1 row 1).
+
+For ``y[o, p, q] = b[o] + Σ_{c', r, s} W[o, c', r, s] · x[g·cig + c', p·sh − ph + r·dh, q·sw − pw + s·dw]``
+(group ``g = o // (co / groups)``, ``cig = ci / groups``) the transposed Jacobian ``Jᵀ`` (``ci·hi·wi`` x
+``co·ho·wo``) has ``Jᵀ[x-index, y-index] = W[o, c', r, s]`` wherever the input pixel is inside the image:
+it depends on the weight only, so one matrix serves the whole batch (``V = 1``). Its density is about
+``hf·wf / (hi·wi)`` (Table 1, exact up to padding; ×``1/groups``). Weights that are exactly zero (pruned)
+are left out of the pattern, which is rebuilt only when the set of zero weights changes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from lightning_bppsa.jacobians._window import pair, window_positions
+from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
+from lightning_bppsa.jacobians.dispatch import register_linearizer
+
+__all__: list[str] = []
+
+
+def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int]:
+    # torch pads d·(k − 1) in total, the smaller half before (the odd extra goes after)
+    return tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilation, strict=True))
+
+
+@functools.lru_cache(maxsize=32)
+def _full_pattern(
+    channels: tuple[int, int, int],
+    in_hw: tuple[int, int],
+    out_hw: tuple[int, int],
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+) -> tuple[CSRPattern, Tensor]:
+    """Pattern of every weight (none pruned) and, per entry, the flat index of its weight."""
+    ci, co, groups = channels
+    cig, cog = ci // groups, co // groups
+    pos, valid = window_positions(in_hw, out_hw, kernel, stride, padding, dilation)  # (P, K)
+    n_pix, n_k, n_in = pos.shape[0], pos.shape[1], in_hw[0] * in_hw[1]
+    o = torch.arange(co)[:, None, None, None]  # (co, P, cig, K) broadcast below
+    c = (o // cog) * cig + torch.arange(cig)[None, None, :, None]
+    in_idx = c * n_in + pos[None, :, None, :]
+    out_idx = o * n_pix + torch.arange(n_pix)[None, :, None, None]
+    w_idx = (o * cig + torch.arange(cig)[None, None, :, None]) * n_k + torch.arange(n_k)
+    mask = valid[None, :, None, :].expand(co, n_pix, cig, n_k)
+    in_idx, out_idx, w_idx = (t.expand(co, n_pix, cig, n_k)[mask] for t in (in_idx, out_idx, w_idx))
+    pattern, order = CSRPattern.from_coo(in_idx, out_idx, (ci * n_in, co * n_pix))
+    return pattern, w_idx[order]
+
+
+class _PrunedPatterns:
+    """The last pattern per geometry with pruned weights left out, rebuilt when the zero set changes."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple, tuple[Tensor, CSRPattern, Tensor]] = {}
+
+    def get(self, geometry: tuple, weight: Tensor) -> tuple[CSRPattern, Tensor]:
+        pattern, w_idx = _full_pattern(*geometry)
+        nonzero = weight.detach().reshape(-1).cpu() != 0
+        if bool(nonzero.all()):
+            return pattern, w_idx
+        cached = self._last.get(geometry)
+        if cached is None or not torch.equal(cached[0], nonzero):
+            keep = nonzero[w_idx]
+            cached = (nonzero, pattern.select(keep), w_idx[keep])
+            self._last[geometry] = cached
+        return cached[1], cached[2]
+
+
+_PRUNED = _PrunedPatterns()
+
+
+@register_linearizer(nn.Conv2d)
+def linearize_conv2d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
+    """``(y, Jᵀ)`` for a batch ``x`` of shape ``(B, ci, hi, wi)``; ``Jᵀ`` is shared by the batch."""
+    if module.padding_mode != "zeros":
+        raise NotImplementedError(
+            f"Conv2d with padding_mode={module.padding_mode!r}: only 'zeros' is supported"
+        )
+    if x.dim() != 4:
+        raise ValueError(f"Conv2d needs samples of shape (C, H, W); got a batch of shape {tuple(x.shape)}")
+    y = module(x)
+    kernel, stride, dilation = pair(module.kernel_size), pair(module.stride), pair(module.dilation)
+    if module.padding == "same":
+        padding = _same_padding(kernel, dilation)
+    elif module.padding == "valid":
+        padding = (0, 0)
+    else:
+        padding = pair(module.padding)
+    geometry = (
+        (module.in_channels, module.out_channels, module.groups),
+        tuple(x.shape[-2:]),
+        tuple(y.shape[-2:]),
+        kernel,
+        stride,
+        padding,
+        dilation,
+    )
+    pattern, w_idx = _PRUNED.get(geometry, module.weight)
+    pattern = pattern.to(x.device)
+    values = module.weight.detach().reshape(-1)[w_idx.to(x.device)]
+    return y, BatchedCSR(pattern, values.unsqueeze(0))
