@@ -36,6 +36,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_bppsa  # noqa: F401  (registers strategy "bppsa")
 from lightning_bppsa.callbacks import BackwardTimer
+from lightning_bppsa.recipes._common import RecipeConfigError
 
 __all__ = [
     "BENCHMARKS",
@@ -508,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _run_lightning(command, rest)
         else:
             raise CLIError(f"unknown command {command!r}; use fit, validate, test, predict, compare or bench")
-    except CLIError as error:
+    except (CLIError, RecipeConfigError) as error:
         sys.exit(f"lightning-bppsa: error: {error}")
 
 

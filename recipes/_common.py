@@ -18,12 +18,28 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["ClassificationTask", "DEFAULT_CACHE_DIR", "TensorDataModule", "Split", "announce_stand_in"]
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "ClassificationTask",
+    "MissingDataError",
+    "RecipeConfigError",
+    "Split",
+    "TensorDataModule",
+    "announce_stand_in",
+]
 
 DEFAULT_CACHE_DIR = "~/.cache/lightning-bppsa"
 
 Split = dict[str, Tensor]
 """Cached tensors: ``train_x``, ``train_y``, ``val_x``, ``val_y`` (labels int64, class indices)."""
+
+
+class RecipeConfigError(ValueError):
+    """A recipe's configuration cannot work (impossible shapes, bad values); the CLI prints it in one line."""
+
+
+class MissingDataError(RecipeConfigError, FileNotFoundError):
+    """A recipe's ``data_dir`` is missing or lacks the expected layout (which the message shows)."""
 
 
 def announce_stand_in(recipe: str, what: str) -> None:
@@ -71,8 +87,6 @@ class TensorDataModule(pl.LightningDataModule):
 
     def __init__(self, batch_size: int, cache_dir: str = DEFAULT_CACHE_DIR, num_workers: int = 0) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
         self.batch_size = batch_size
         self.cache_dir = Path(cache_dir).expanduser()
         self.num_workers = num_workers
@@ -81,6 +95,15 @@ class TensorDataModule(pl.LightningDataModule):
     @abstractmethod
     def cache_name(self) -> str:
         """File name of the cache: must change whenever the built tensors would."""
+
+    def check(self) -> None:
+        """Raise :class:`RecipeConfigError` when the configuration cannot work (called before any work).
+
+        Checks run here rather than in ``__init__`` so that the error reaches the user as it is
+        (jsonargparse wraps exceptions raised while it builds the object).
+        """
+        if self.batch_size < 1:
+            raise RecipeConfigError(f"batch_size must be >= 1; got {self.batch_size}")
 
     @abstractmethod
     def build(self) -> Split:
@@ -92,6 +115,7 @@ class TensorDataModule(pl.LightningDataModule):
         return self.cache_dir / self.cache_name()
 
     def prepare_data(self) -> None:
+        self.check()
         if self.cache_path.exists():
             return
         tensors = self.build()
@@ -102,6 +126,7 @@ class TensorDataModule(pl.LightningDataModule):
         rank_zero_info(f"cached {self.cache_path}")
 
     def setup(self, stage: str) -> None:
+        self.check()
         if self.tensors is None:
             self.tensors = torch.load(self.cache_path)
 

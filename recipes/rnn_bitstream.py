@@ -12,7 +12,13 @@ The dataset is generated deterministically from ``seed`` and cached. Under ``str
 from __future__ import annotations
 
 import torch
-from lightning_bppsa.recipes._common import DEFAULT_CACHE_DIR, ClassificationTask, Split, TensorDataModule
+from lightning_bppsa.recipes._common import (
+    DEFAULT_CACHE_DIR,
+    ClassificationTask,
+    RecipeConfigError,
+    Split,
+    TensorDataModule,
+)
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -64,12 +70,16 @@ class BitstreamDataModule(TensorDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__(batch_size, cache_dir, num_workers)
-        if seq_len < 1 or num_samples < batch_size or val_samples < 1:
-            raise ValueError(
-                f"need seq_len >= 1, num_samples >= batch_size and val_samples >= 1; got seq_len={seq_len}, "
-                f"num_samples={num_samples}, batch_size={batch_size}, val_samples={val_samples}"
-            )
         self.seq_len, self.num_samples, self.val_samples, self.seed = seq_len, num_samples, val_samples, seed
+
+    def check(self) -> None:
+        super().check()
+        if self.seq_len < 1 or self.num_samples < self.batch_size or self.val_samples < 1:
+            raise RecipeConfigError(
+                "need seq_len >= 1, num_samples >= batch_size and val_samples >= 1; got "
+                f"seq_len={self.seq_len}, num_samples={self.num_samples}, batch_size={self.batch_size}, "
+                f"val_samples={self.val_samples}"
+            )
 
     def cache_name(self) -> str:
         return f"bitstream-T{self.seq_len}-n{self.num_samples}-v{self.val_samples}-seed{self.seed}.pt"

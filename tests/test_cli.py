@@ -104,9 +104,20 @@ def test_compare_needs_a_budget(workdir: Path) -> None:
         cli.compare("rnn_bitstream", max_steps=0)
 
 
-def test_impossible_shapes_are_rejected(workdir: Path) -> None:
-    with pytest.raises(ValueError, match="num_samples >= batch_size"):
-        cli.main(["fit", "--config", "rnn_bitstream", "--data.num_samples=4", "--data.batch_size=8"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--config", "rnn_bitstream", "--data.num_samples=4", "--data.batch_size=8"],
+            "num_samples >= batch_size",
+        ),
+        (["--config", "lenet5_convergence", "--data.data_dir=missing"], "data_batch_1 .. "),
+    ],
+)
+def test_bad_recipe_config_is_one_clear_line(workdir: Path, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", *argv])
+    assert message in str(exit_info.value)
 
 
 def test_bench_follows_the_script_contract(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
