@@ -1,0 +1,139 @@
+"""The sparse scan against a plain dense loop; schedules, plans, the FLOP report and errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_bppsa import backprop_scan
+from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, linearize
+from lightning_bppsa.sparse_scan import plan_schedule, scan_flop_report, sparse_backprop_scan
+
+
+def random_chain(dims, batch, shared, density=0.4):
+    """J_iᵀ of shapes (dims[i-1], dims[i]) with random patterns; per-sample values unless ``shared``."""
+    chain, dense = [], []
+    for i, (rows, cols) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        mask = torch.rand(rows, cols) < density
+        r, c = mask.nonzero(as_tuple=True)
+        pattern, order = CSRPattern.from_coo(r, c, (rows, cols))
+        values = torch.randn(1 if shared[i] else batch, pattern.nnz, dtype=torch.float64) * 0.8
+        jac = BatchedCSR(pattern, values)
+        chain.append(jac)
+        dense.append(jac.to_dense().expand(batch, rows, cols))
+    return chain, dense
+
+
+def plain_backprop(dense, grad):
+    """g_{i-1} = J_iᵀ g_i, nothing shared with the library."""
+    out = [grad]
+    for jt in reversed(dense):
+        out.insert(0, torch.einsum("bij,bj->bi", jt, out[0]))
+    return out
+
+
+def assert_states_close(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-9, rtol=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_every_schedule_matches_plain_backprop(dims, batch, seed, data):
+    torch.manual_seed(seed)
+    n = len(dims) - 1
+    shared = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    chain, dense = random_chain(dims, batch, shared)
+    grad = torch.randn(batch, dims[-1], dtype=torch.float64)
+    expected = plain_backprop(dense, grad)
+    for algorithm in ("linear", "blelloch", "chunked", "auto"):
+        assert_states_close(sparse_backprop_scan(chain, grad, algorithm=algorithm), expected)
+    levels = plan_schedule([j.pattern for j in chain], None).levels
+    for up_levels in range(len(plan_schedule([j.pattern for j in chain], 0).levels) + len(levels)):
+        if up_levels <= max(0, (n - 1).bit_length() - 1):
+            assert_states_close(sparse_backprop_scan(chain, grad, up_levels=up_levels), expected)
+
+
+def test_layer_chain_through_backprop_scan_dispatch():
+    """A conv chain's Jacobians from ``linearize``, given to ``backprop_scan`` as a list: autograd's grads."""
+    layers = [nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 2, 3), nn.Tanh()]
+    layers = [m.double() for m in layers]
+    x = torch.randn(2, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    h, jacs = x, []
+    for m in layers:
+        h, jac = linearize(m, h)
+        jacs.append(jac)
+    grad = torch.randn_like(h)
+    (expected,) = torch.autograd.grad(nn.Sequential(*layers)(x), x, grad)
+    for algorithm in ("linear", "blelloch", "auto"):
+        states = backprop_scan(jacs, grad.reshape(2, -1), algorithm=algorithm)
+        torch.testing.assert_close(states[0].reshape_as(x), expected, atol=1e-10, rtol=1e-10)
+
+
+def test_torch_csr_inputs_and_unbatched_grad():
+    eye = torch.eye(3, dtype=torch.float64)
+    batched = torch.stack([2 * eye, 3 * eye]).to_sparse_csr()  # (2, 3, 3), same pattern
+    states = sparse_backprop_scan([eye.to_sparse_csr(), batched], torch.ones(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(states[0], torch.tensor([[2.0] * 3, [3.0] * 3], dtype=torch.float64))
+    single = sparse_backprop_scan([(2 * eye).to_sparse_csr()], torch.ones(3, dtype=torch.float64))
+    assert [tuple(s.shape) for s in single] == [(3,), (3,)]
+
+
+def test_empty_chain_returns_the_gradient():
+    grad = torch.randn(2, 4)
+    states = sparse_backprop_scan([], grad)
+    assert len(states) == 1 and torch.equal(states[0], grad)
+
+
+def test_products_are_planned_once_per_pattern_pair():
+    chain, _ = random_chain([6, 5, 7, 4, 5], 1, [True] * 4)
+    patterns = [j.pattern for j in chain]
+    first, second = plan_schedule(patterns, 1), plan_schedule(patterns, 1)
+    assert first.plans[0][0] is second.plans[0][0]
+
+
+def test_auto_stops_the_up_sweep_when_products_densify():
+    """Diagonal chains never densify: auto climbs the tree; dense chains stay linear."""
+    diag = [CSRPattern.identity(50)] * 16
+    assert plan_schedule(diag, None).up_levels >= 2  # L = 2 and 3 tie on the critical path
+    dense = [CSRPattern.from_coo(*torch.ones(40, 40).nonzero(as_tuple=True), (40, 40))[0]] * 16
+    assert plan_schedule(dense, None).up_levels == 0
+
+
+def test_flop_report_counts_and_critical_path():
+    chain, _ = random_chain([6, 5, 7, 4, 5, 3], 2, [False] * 5)
+    rows = scan_flop_report(chain, up_levels=2)
+    bp = [r for r in rows if r.method == "bp"]
+    assert [r.flops for r in bp] == [2 * j.pattern.nnz for j in reversed(chain)]
+    assert all(r.critical and r.kind == "mv" for r in bp)
+    scan = [r for r in rows if r.method == "bppsa"]
+    assert [r.phase for r in scan] == ["up", "up", "up", "linear", "linear", "down", "down", "down"]
+    assert {r.kind for r in scan if r.phase == "up"} == {"mm"}
+    for step in {r.step for r in scan}:  # exactly one critical op per step, the costliest
+        ops = [r for r in scan if r.step == step]
+        critical = [r for r in ops if r.critical]
+        assert len(critical) == 1 and critical[0].flops == max(r.flops for r in ops)
+    product = chain[0].to_dense()[0] @ chain[1].to_dense()[0]
+    assert scan[0].shape == (6, 7) and scan[0].nnz >= int((product != 0).sum())
+    assert 0 < scan[0].density <= 1
+
+
+def test_mismatched_shapes_are_named():
+    chain, _ = random_chain([3, 4, 5], 1, [True, True])
+    with pytest.raises(ValueError, match=r"jacobians_t\[0\] has shape \(3, 4\)"):
+        sparse_backprop_scan([chain[0], chain[0]], torch.randn(1, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="grad has 6 features"):
+        sparse_backprop_scan(chain, torch.randn(1, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="algorithm"):
+        sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), algorithm="tree")
+    with pytest.raises(ValueError, match="up_levels"):
+        sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), up_levels=3)
+    with pytest.raises(TypeError, match=r"jacobians_t\[0\]"):
+        sparse_backprop_scan([torch.eye(3)], torch.randn(1, 3))
