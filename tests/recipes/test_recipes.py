@@ -16,6 +16,7 @@ SMOKE = {
         "--data.val_samples=8",
         "--data.batch_size=8",
     ],
+    "gru_irmas": ["--model.size=L", "--data.size=L", "--data.stand_in_clips=40", "--data.batch_size=8"],
     "lenet5_convergence": ["--data.stand_in_train=64", "--data.stand_in_val=16", "--data.batch_size=16"],
 }
 COMMON = [
@@ -31,6 +32,15 @@ COMMON = [
 
 def test_every_recipe_has_a_smoke_config() -> None:
     assert sorted(SMOKE) == cli.available_recipes()
+
+
+def test_gru_irmas_rejects_model_and_data_of_different_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", "gru_irmas", "--model.size=S", "--data.size=L", *SMOKE["gru_irmas"][2:], *COMMON]
+    with pytest.raises(SystemExit, match="--model.size=L --data.size=L"):
+        cli.main(["fit", *args, f"--data.cache_dir={tmp_path}"])
 
 
 @pytest.mark.parametrize("strategy", ["bppsa", "auto"])
