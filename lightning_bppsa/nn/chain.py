@@ -1,3 +1,190 @@
-"""BPPSA version of nn.Sequential chains of supported layers (filled in by the layer-chains work)."""
+"""BPPSA version of ``nn.Sequential`` chains of supported layers (BPPSA Sec. 3.3-3.4, 4.3, 5.3).
 
-__all__: list[str] = []
+:class:`SparseChain` is an ``nn.Sequential`` (same children, names, ``Parameter`` objects and
+``state_dict`` keys) whose backward runs through :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`:
+
+- forward: every layer runs its ordinary forward through :func:`~lightning_bppsa.jacobians.linearize`,
+  which also returns its CSR transposed Jacobian ``J_iᵀ`` (pattern cached per layer and shape, values
+  from this forward: ReLU masks, pooling indices, dropout masks);
+- backward: the scan gives ``g_i = ∇_{x_i} l`` for every state (Eq. 3-5); each layer's parameter gradients
+  come from its own input ``x_{i-1}`` and output gradient ``g_i`` (Eq. 2, no sequential dependency);
+- inside :func:`~lightning_bppsa.nn.reference_backward`, the backward is plain autograd through the
+  recorded forward instead (same dropout masks), to check the scan against.
+
+Where conversion pays off (the converter is conservative): the scan's per-step work is sparse
+matrix-vector / matrix-matrix products whose cost follows the Jacobians' sparsity. Convolution, pooling
+and element-wise layers have very sparse Jacobians (Table 1), and pruned convolutions sparser still
+(Sec. 5.3); a dense ``nn.Linear`` Jacobian is a dense block, and products with it are dense. So only
+chains with at least :data:`MIN_LAYERS` layers that contain an ``nn.Conv2d`` are converted; chains
+with ``nn.BatchNorm2d`` stay on autograd (in training mode its Jacobian couples the batch). Even
+then, on CPU the sparse scan is slower than autograd's fused convolution backward
+(``benchmarks/results/vgg-cpu.md``): conversion is meant for the paper's setting (many workers, pruned
+weights), and exactness is what the tests guarantee.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, linearize
+from lightning_bppsa.nn._mode import reference_backward_enabled
+from lightning_bppsa.nn.convert import Conversion, register_converter
+from lightning_bppsa.sparse_scan import ScanStepFlops, scan_flop_report, sparse_backprop_scan
+
+__all__ = ["MIN_LAYERS", "SparseChain"]
+
+#: the shortest chain the converter wraps
+MIN_LAYERS = 3
+
+
+class SparseChain(nn.Sequential):
+    """``nn.Sequential`` of supported layers whose backward is a sparse BPPSA scan.
+
+    Args:
+        *args: as ``nn.Sequential`` (modules, or one ``OrderedDict``).
+        algorithm: passed to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`
+            (``"auto"``: up-sweep depth from predicted FLOPs).
+
+    Inputs are batches ``(B, *sample_shape)``. Layers whose current mode has no analytic Jacobian
+    (``BatchNorm2d`` in training mode) make the whole chain run on plain autograd for that call.
+
+    Example:
+        >>> chain = SparseChain(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten())
+        >>> chain(torch.randn(4, 1, 5, 5, requires_grad=True)).sum().backward()
+    """
+
+    def __init__(self, *args: nn.Module, algorithm: str = "auto") -> None:
+        super().__init__(*args)
+        self.algorithm = algorithm
+        self._last_patterns: list[CSRPattern] | None = None
+
+    @classmethod
+    def from_sequential(cls, sequential: nn.Sequential, algorithm: str = "auto") -> SparseChain:
+        """Wrap the children of ``sequential`` (the same module and ``Parameter`` objects, same names)."""
+        chain = cls(OrderedDict(sequential.named_children()), algorithm=algorithm)
+        return chain.train(sequential.training)
+
+    def _scannable(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> bool:
+        if not torch.is_grad_enabled() or not (x.requires_grad or params):
+            return False
+        return all(is_supported(m) and not (isinstance(m, nn.BatchNorm2d) and m.training) for m in self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        params = tuple(p for p in self.parameters() if p.requires_grad)
+        if not self._scannable(x, params):
+            return super().forward(x)
+        return _ChainFunction.apply(self, x, *params)
+
+    def flop_report(self) -> list[ScanStepFlops]:
+        """:func:`~lightning_bppsa.sparse_scan.scan_flop_report` of the last scanned forward's Jacobians."""
+        if self._last_patterns is None:
+            raise RuntimeError("SparseChain.flop_report needs a forward with gradients enabled first")
+        return scan_flop_report(self._last_patterns, algorithm=self.algorithm)
+
+
+def _replay(layer: nn.Module, x: Tensor, jac: BatchedCSR) -> Tensor:
+    """``layer(x)`` under autograd, with training-mode dropout reusing the recorded mask ``diag(Jᵀ)``."""
+    if isinstance(layer, nn.Dropout) and layer.training and layer.p > 0:
+        return x * jac.values.reshape(x.shape)
+    return layer(x)
+
+
+class _ChainFunction(torch.autograd.Function):
+    """``y = chain(x)``; backward: the sparse scan for every state, then per-layer parameter gradients."""
+
+    @staticmethod
+    def forward(ctx, chain: SparseChain, x: Tensor, *params: nn.Parameter) -> Tensor:
+        h, inputs, jacs = x, [], []
+        for layer in chain:
+            inputs.append(h)
+            h, jac = linearize(layer, h)
+            jacs.append(jac)
+        ctx.chain, ctx.inputs, ctx.jacs, ctx.params = chain, inputs, jacs, params
+        chain._last_patterns = [j.pattern for j in jacs]
+        return h.clone() if h is x or h._base is x else h  # an autograd.Function must not return a view of x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        chain, inputs, jacs, params = ctx.chain, ctx.inputs, ctx.jacs, ctx.params
+        needs_x = ctx.needs_input_grad[1]
+        if reference_backward_enabled():
+            grad_x, param_grads = _autograd_backward(chain, inputs[0], jacs, params, grad_out, needs_x)
+        else:
+            grad_x, param_grads = _scan_backward(chain, inputs, jacs, params, grad_out, needs_x)
+        return (None, grad_x, *param_grads)
+
+
+def _scan_backward(
+    chain: SparseChain,
+    inputs: list[Tensor],
+    jacs: list[BatchedCSR],
+    params: tuple[nn.Parameter, ...],
+    grad_out: Tensor,
+    needs_x: bool,
+) -> tuple[Tensor | None, list[Tensor | None]]:
+    first = 0 if needs_x else 1  # without x's gradient the scan starts at x_1
+    states = sparse_backprop_scan(
+        jacs[first:], grad_out.reshape(grad_out.shape[0], -1), algorithm=chain.algorithm
+    )
+    grad_x = states[0].reshape(inputs[0].shape) if needs_x else None
+    wanted = {id(p) for p in params}
+    grads: dict[int, Tensor] = {}
+    for i, layer in enumerate(chain):
+        own = [p for p in layer.parameters() if id(p) in wanted]
+        if not own:
+            continue
+        with torch.enable_grad():
+            y = _replay(layer, inputs[i].detach(), jacs[i])
+        g = states[i + 1 - first].reshape(y.shape)
+        for p, grad in zip(own, torch.autograd.grad(y, own, g, allow_unused=True), strict=True):
+            if grad is not None:
+                grads[id(p)] = grads[id(p)] + grad if id(p) in grads else grad
+    return grad_x, [grads.get(id(p)) for p in params]
+
+
+def _autograd_backward(
+    chain: SparseChain,
+    x: Tensor,
+    jacs: list[BatchedCSR],
+    params: tuple[nn.Parameter, ...],
+    grad_out: Tensor,
+    needs_x: bool,
+) -> tuple[Tensor | None, list[Tensor | None]]:
+    """The reference: plain autograd through the recorded forward."""
+    with torch.enable_grad():
+        h = x0 = x.detach().requires_grad_(needs_x)
+        for layer, jac in zip(chain, jacs, strict=True):
+            h = _replay(layer, h, jac)
+        wrt = ([x0] if needs_x else []) + list(params)
+        grads = list(torch.autograd.grad(h, wrt, grad_out, allow_unused=True))
+    grad_x = grads.pop(0) if needs_x else None
+    return grad_x, grads
+
+
+@register_converter
+def convert_chain(module: nn.Module) -> Conversion | None:
+    """Wrap a plain ``nn.Sequential`` of supported layers in a :class:`SparseChain` where it may pay off.
+
+    Answers ``None`` (not a chain of supported layers: conversion recurses into it) or a
+    :class:`~lightning_bppsa.nn.Conversion` with the replacement, or with ``None`` and the reason it
+    stays on autograd.
+    """
+    if type(module) is not nn.Sequential or len(module) == 0 or not all(is_supported(m) for m in module):
+        return None
+    kinds = ", ".join(type(m).__name__ for m in module)
+    if not any(isinstance(m, nn.Conv2d) for m in module):
+        return Conversion(
+            None, f"chain without Conv2d ({kinds}): dense Jacobians, the sparse scan cannot pay off"
+        )
+    if any(isinstance(m, nn.BatchNorm2d) for m in module):
+        return Conversion(None, "chain with BatchNorm2d: its training-mode Jacobian couples the batch")
+    if len(module) < MIN_LAYERS:
+        return Conversion(None, f"chain of {len(module)} layers: shorter than MIN_LAYERS={MIN_LAYERS}")
+    return Conversion(
+        SparseChain.from_sequential(module), f"sparse BPPSA scan over {len(module)} layers ({kinds})"
+    )
