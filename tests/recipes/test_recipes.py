@@ -17,6 +17,13 @@ SMOKE = {
         "--data.batch_size=8",
     ],
     "gru_irmas": ["--model.size=L", "--data.size=L", "--data.stand_in_clips=40", "--data.batch_size=8"],
+    "vgg11_pruned": [
+        "--model.width=0.0625",
+        "--model.dense_epochs=0",
+        "--data.stand_in_train=32",
+        "--data.stand_in_val=8",
+        "--data.batch_size=8",
+    ],
     "lenet5_convergence": ["--data.stand_in_train=64", "--data.stand_in_val=16", "--data.batch_size=16"],
 }
 COMMON = [
