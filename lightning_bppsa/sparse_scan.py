@@ -161,8 +161,12 @@ def plan_schedule(
 
     The choice minimises the predicted critical-path FLOPs (per sample): the largest product of each
     up-sweep level, every matrix-vector product of the linear scan, the largest matrix-vector product of
-    each down-sweep level. Levels are planned only while their products pair at most ``max_pairs``
-    entries and the up-sweep alone stays cheaper than the linear scan.
+    each down-sweep level. Levels are planned only while all products of the level together pair at
+    most ``max_pairs`` entries (the plans' index arrays take ``24 · pairs`` bytes) and the up-sweep alone
+    stays cheaper than the linear scan.
+
+    Raises:
+        ValueError: a forced ``up_levels`` needs a level pairing more than ``max_pairs`` entries.
     """
     n = len(patterns)
     full = _max_levels(n)
@@ -176,8 +180,13 @@ def plan_schedule(
     while len(levels) - 1 < target:
         nodes = levels[-1]
         pairs = [_count_pairs(nodes[k], nodes[k + 1]) for k in range(0, len(nodes) - 1, 2)]
-        if up_levels is None and (max(pairs) > max_pairs or sum(up_flops) + 2 * max(pairs) >= linear_cost):
+        if up_levels is None and (sum(pairs) > max_pairs or sum(up_flops) + 2 * max(pairs) >= linear_cost):
             break
+        if sum(pairs) > max_pairs:
+            raise ValueError(
+                f"up_levels={up_levels}: level {len(levels)} pairs {sum(pairs):,} entries, more than "
+                f"max_pairs={max_pairs:,} ({24 * sum(pairs) / 2**30:.1f} GiB of plans); use fewer levels"
+            )
         level_plans: list[ProductPlan | None] = [
             _PLANS.get(nodes[k], nodes[k + 1]) for k in range(0, len(nodes) - 1, 2)
         ]
@@ -281,7 +290,8 @@ def sparse_backprop_scan(
             ``"chunked"`` (``L`` from predicted FLOPs: the paper's up-sweep / linear / down-sweep
             schedule, chunks of ``2^L`` steps reduced by a tree and scanned linearly).
         up_levels: force ``L`` (overrides ``algorithm``).
-        max_pairs: memory bound of one product's symbolic phase when ``L`` is chosen.
+        max_pairs: memory bound on the pairs of one up-sweep level's symbolic phase (see
+            :func:`plan_schedule`).
 
     Returns:
         ``[g_0, ..., g_n]``, ``g_i = ∇_{x_i} l`` of shape ``(B, d_i)`` (``(d_i,)`` for a 1-D ``grad``).
@@ -398,6 +408,9 @@ def scan_flop_report(
         ``1..L``, then the linear ``mv`` steps, then the down-sweep ``mv`` steps; in every step exactly one
         operation has ``critical=True``), then BP's ``n`` layer operations (``method="bp"``, steps ``1..n``,
         all critical). Sum ``flops`` over ``critical`` rows for the critical path of either method.
+
+    Raises:
+        ValueError: as :func:`plan_schedule`, when the forced schedule's products are too large to plan.
 
     Example:
         >>> j = torch.eye(3).to_sparse_csr()

@@ -32,18 +32,25 @@ class CSRPattern:
     Attributes:
         crow: ``(rows + 1,)`` int64 row pointers.
         col: ``(nnz,)`` int64 column of every entry, sorted within each row.
-        row: ``(nnz,)`` int64 row of every entry (the COO form, used to reduce per row).
+        row: ``(nnz,)`` int64 row of every entry (the COO form, used to reduce per row), built lazily.
         shape: ``(rows, cols)``.
         key: an integer unique to this object; the scan caches its symbolic products by it.
     """
 
-    __slots__ = ("col", "crow", "key", "row", "shape")
+    __slots__ = ("_row", "col", "crow", "key", "shape")
 
     def __init__(self, crow: Tensor, col: Tensor, shape: tuple[int, int]) -> None:
         self.crow, self.col, self.shape = crow, col, (int(shape[0]), int(shape[1]))
-        counts = crow[1:] - crow[:-1]
-        self.row = torch.repeat_interleave(torch.arange(self.shape[0], device=crow.device), counts)
+        self._row: Tensor | None = None
         self.key = next(_keys)
+
+    @property
+    def row(self) -> Tensor:
+        """``(nnz,)`` row of every entry, built on first use (large patterns often never need it)."""
+        if self._row is None:
+            counts = self.crow[1:] - self.crow[:-1]
+            self._row = torch.repeat_interleave(torch.arange(self.shape[0], device=self.crow.device), counts)
+        return self._row
 
     @property
     def nnz(self) -> int:

@@ -107,6 +107,13 @@ def test_auto_stops_the_up_sweep_when_products_densify():
     assert plan_schedule(dense, None).up_levels == 0
 
 
+def test_forced_levels_beyond_max_pairs_are_refused():
+    dense = [CSRPattern.from_coo(*torch.ones(20, 20).nonzero(as_tuple=True), (20, 20))[0]] * 8
+    with pytest.raises(ValueError, match="max_pairs"):
+        plan_schedule(dense, 2, max_pairs=1000)
+    assert plan_schedule(dense, None, max_pairs=1000).up_levels == 0
+
+
 def test_flop_report_counts_and_critical_path():
     chain, _ = random_chain([6, 5, 7, 4, 5, 3], 2, [False] * 5)
     rows = scan_flop_report(chain, up_levels=2)
