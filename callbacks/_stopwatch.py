@@ -13,11 +13,14 @@ class Stopwatch:
     """Named time marks within one training step; intervals are read once the step is over.
 
     On CUDA the marks are recorded events, so nothing synchronises until :meth:`seconds` is called
-    (at the end of the step); on CPU they are ``time.perf_counter()`` readings.
+    (at the end of the step); on CPU they are ``time.perf_counter()`` readings, or with
+    ``cpu_time=True`` ``time.process_time()`` (CPU seconds of all the process's threads: insensitive to
+    other processes competing for the cores).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_time: bool = False) -> None:
         self._marks: dict[str, float | torch.cuda.Event] = {}
+        self._clock = time.process_time if cpu_time else time.perf_counter
 
     def clear(self) -> None:
         """Forget every mark (call at the start of a step)."""
@@ -30,7 +33,7 @@ class Stopwatch:
             event.record()
             self._marks[name] = event
         else:
-            self._marks[name] = time.perf_counter()
+            self._marks[name] = self._clock()
 
     def has(self, name: str) -> bool:
         """Whether ``name`` was marked since the last :meth:`clear`."""

@@ -1,0 +1,68 @@
+"""``GradientCheck``: every N steps, compare BPPSA's gradients with autograd's on the same graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_bppsa.gradcheck import gradient_difference
+
+__all__ = ["GradientCheck"]
+
+
+class GradientCheck(Callback):
+    """Every ``every_n_steps`` optimizer steps, log the largest relative gradient error of BPPSA.
+
+    Just before the step's backward, the parameters' gradients of the loss are computed twice on the
+    same graph (``retain_graph=True``): as configured (BPPSA modules use the scan) and inside
+    :func:`lightning_bppsa.nn.reference_backward` (plain autograd); ``max |Δg| / max |g_ref|`` over
+    parameters is logged as ``key``. The real backward is untouched. Costs two extra backward passes.
+
+    Args:
+        every_n_steps: check on optimizer steps 0, N, 2N, ... (the first backward of that step).
+        threshold: warn when the error exceeds it.
+        key: the logged metric's name.
+
+    Example:
+        >>> trainer = pl.Trainer(strategy="bppsa", callbacks=[GradientCheck(every_n_steps=500)])
+    """
+
+    def __init__(
+        self, every_n_steps: int = 100, threshold: float = 1e-4, key: str = "grad_check/max_rel_err"
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1; got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.threshold = threshold
+        self.key = key
+        self.worst = 0.0
+        self.last: float | None = None
+        self._checked_step = -1
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or step == self._checked_step:
+            return
+        self._checked_step = step
+        error = gradient_difference(loss, pl_module.parameters())
+        self.last, self.worst = error, max(self.worst, error)
+        pl_module.log(self.key, error, on_step=True, on_epoch=False, batch_size=1)
+        if not error <= self.threshold:  # NaN too
+            rank_zero_warn(
+                f"GradientCheck: BPPSA gradients differ from autograd's by {error:.3e} (relative) at step "
+                f"{step}, above threshold={self.threshold:g}"
+            )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"worst": self.worst, "last": self.last}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.worst, self.last = state_dict["worst"], state_dict["last"]
