@@ -54,22 +54,26 @@ def _full_pattern(
 
 
 class _PrunedPatterns:
-    """The last pattern per geometry with pruned weights left out, rebuilt when the zero set changes."""
+    """Patterns with pruned weights left out, per geometry and zero set (a few layers may share a geometry)."""
 
-    def __init__(self) -> None:
-        self._last: dict[tuple, tuple[Tensor, CSRPattern, Tensor]] = {}
+    def __init__(self, per_geometry: int = 8) -> None:
+        self.per_geometry = per_geometry
+        self._cache: dict[tuple, list[tuple[Tensor, CSRPattern, Tensor]]] = {}
 
     def get(self, geometry: tuple, weight: Tensor) -> tuple[CSRPattern, Tensor]:
         pattern, w_idx = _full_pattern(*geometry)
         nonzero = weight.detach().reshape(-1).cpu() != 0
         if bool(nonzero.all()):
             return pattern, w_idx
-        cached = self._last.get(geometry)
-        if cached is None or not torch.equal(cached[0], nonzero):
-            keep = nonzero[w_idx]
-            cached = (nonzero, pattern.select(keep), w_idx[keep])
-            self._last[geometry] = cached
-        return cached[1], cached[2]
+        entries = self._cache.setdefault(geometry, [])
+        for mask, pruned, pruned_idx in entries:
+            if torch.equal(mask, nonzero):
+                return pruned, pruned_idx
+        keep = nonzero[w_idx]
+        entry = (nonzero, pattern.select(keep), w_idx[keep])
+        entries.insert(0, entry)
+        del entries[self.per_geometry :]
+        return entry[1], entry[2]
 
 
 _PRUNED = _PrunedPatterns()
