@@ -54,7 +54,7 @@ def _full_pattern(
 
 
 class _PrunedPatterns:
-    """Patterns with pruned weights left out, per geometry and zero set (a few layers may share a geometry)."""
+    """Patterns without pruned weights, per geometry and zero set (layers may share a geometry)."""
 
     def __init__(self, per_geometry: int = 8) -> None:
         self.per_geometry = per_geometry
