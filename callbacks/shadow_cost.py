@@ -184,6 +184,11 @@ class ShadowCostMonitor(Callback):
                 )
         return result
 
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(cpu_time=self.cpu_time)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
