@@ -55,6 +55,8 @@ SparseJacobian = BatchedCSR | Tensor
 
 #: products whose symbolic phase would pair more entries than this stay out of the up-sweep (memory)
 MAX_PAIRS = 50_000_000
+#: operations of one scan step that run concurrently in this implementation (one after another)
+WORKERS = 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,41 +148,74 @@ class ScanSchedule:
     plans: list[list[ProductPlan | None]]
 
 
-def _critical_cost(levels: list[list[CSRPattern]], up_flops: list[int], top: int) -> int:
-    """Predicted FLOPs on the critical path with ``top`` up-sweep levels (per sample)."""
-    up = sum(up_flops[:top])
+def _step_cost(flops: list[int], workers: int | None) -> float:
+    """Time of one step in FLOPs: its costliest operation, or its work shared by ``workers``."""
+    if not flops:
+        return 0.0
+    return max(max(flops), sum(flops) / workers) if workers else float(max(flops))
+
+
+def _predicted_cost(
+    levels: list[list[CSRPattern]], up_flops: list[list[int]], top: int, workers: int | None
+) -> float:
+    """Predicted FLOPs along the steps of the schedule with ``top`` up-sweep levels (per sample)."""
+    up = sum(_step_cost(flops, workers) for flops in up_flops[:top])
     linear = sum(2 * p.nnz for p in levels[top])
-    down = sum(max((2 * p.nnz for p in levels[l][1::2]), default=0) for l in range(top))
+    down = sum(_step_cost([2 * p.nnz for p in levels[l][1::2]], workers) for l in range(top))
     return up + linear + down
 
 
+_SCHEDULES: OrderedDict[tuple, ScanSchedule] = OrderedDict()
+
+
 def plan_schedule(
-    patterns: Sequence[CSRPattern], up_levels: int | None = None, *, max_pairs: int = MAX_PAIRS
+    patterns: Sequence[CSRPattern],
+    up_levels: int | None = None,
+    *,
+    max_pairs: int = MAX_PAIRS,
+    workers: int | None = WORKERS,
 ) -> ScanSchedule:
     """Plan the up-sweep for ``up_levels`` levels, or choose ``L`` when ``up_levels`` is ``None``.
 
-    The choice minimises the predicted critical-path FLOPs (per sample): the largest product of each
-    up-sweep level, every matrix-vector product of the linear scan, the largest matrix-vector product of
-    each down-sweep level. Levels are planned only while all products of the level together pair at
-    most ``max_pairs`` entries (the plans' index arrays take ``24 · pairs`` bytes) and the up-sweep alone
-    stays cheaper than the linear scan.
+    The choice minimises the predicted FLOPs along the schedule's steps (per sample); a step costs
+    ``max(costliest operation, step work / workers)``: the up-sweep levels (``mm``), every ``mv`` of the
+    linear scan, the down-sweep levels (``mv``). ``workers=None`` models unbounded workers (the
+    critical path of Fig. 10, the paper's setting); this implementation runs the operations of a step
+    one after another (each using every thread), which ``workers=1`` models: then the choice minimises
+    total work, and the tree only pays where products stay as sparse as their factors.
+    Levels are planned only while all products of the level together pair at most ``max_pairs``
+    entries (the plans' index arrays take ``24 · pairs`` bytes) and the up-sweep alone stays cheaper
+    than the linear scan.
 
     Raises:
         ValueError: a forced ``up_levels`` needs a level pairing more than ``max_pairs`` entries.
     """
+    key = (tuple(p.key for p in patterns), up_levels, max_pairs, workers)
+    schedule = _SCHEDULES.get(key)
+    if schedule is None:
+        schedule = _SCHEDULES[key] = _plan_schedule(patterns, up_levels, max_pairs, workers)
+        if len(_SCHEDULES) > 32:
+            _SCHEDULES.popitem(last=False)
+    return schedule
+
+
+def _plan_schedule(
+    patterns: Sequence[CSRPattern], up_levels: int | None, max_pairs: int, workers: int | None
+) -> ScanSchedule:
     n = len(patterns)
     full = _max_levels(n)
     if up_levels is not None and not 0 <= up_levels <= full:
         raise ValueError(f"up_levels must be in [0, {full}] for a chain of {n} Jacobians; got {up_levels}")
     levels: list[list[CSRPattern]] = [list(patterns)]
     plans: list[list[ProductPlan | None]] = []
-    up_flops: list[int] = []
+    up_flops: list[list[int]] = []
     target = full if up_levels is None else up_levels
-    linear_cost = _critical_cost(levels, up_flops, 0)
+    linear_cost = _predicted_cost(levels, up_flops, 0, workers)
     while len(levels) - 1 < target:
         nodes = levels[-1]
         pairs = [_count_pairs(nodes[k], nodes[k + 1]) for k in range(0, len(nodes) - 1, 2)]
-        if up_levels is None and (sum(pairs) > max_pairs or sum(up_flops) + 2 * max(pairs) >= linear_cost):
+        up_cost = sum(_step_cost(flops, workers) for flops in [*up_flops, [2 * p for p in pairs]])
+        if up_levels is None and (sum(pairs) > max_pairs or up_cost >= linear_cost):
             break
         if sum(pairs) > max_pairs:
             raise ValueError(
@@ -194,9 +229,9 @@ def plan_schedule(
             level_plans.append(None)
         plans.append(level_plans)
         levels.append([nodes[-1] if p is None else p.pattern for p in level_plans])
-        up_flops.append(2 * max(pairs))
+        up_flops.append([2 * p for p in pairs])
     if up_levels is None:
-        costs = [_critical_cost(levels, up_flops, top) for top in range(len(levels))]
+        costs = [_predicted_cost(levels, up_flops, top, workers) for top in range(len(levels))]
         chosen = costs.index(min(costs))
         levels, plans = levels[: chosen + 1], plans[:chosen]
     return ScanSchedule(len(levels) - 1, levels, plans)
@@ -278,6 +313,7 @@ def sparse_backprop_scan(
     algorithm: str = "auto",
     up_levels: int | None = None,
     max_pairs: int = MAX_PAIRS,
+    workers: int | None = WORKERS,
 ) -> list[Tensor]:
     """Gradients w.r.t. every state of a chain of sparse transposed Jacobians (BPPSA Sec. 3.3, 5.3).
 
@@ -290,8 +326,8 @@ def sparse_backprop_scan(
             ``"chunked"`` (``L`` from predicted FLOPs: the paper's up-sweep / linear / down-sweep
             schedule, chunks of ``2^L`` steps reduced by a tree and scanned linearly).
         up_levels: force ``L`` (overrides ``algorithm``).
-        max_pairs: memory bound on the pairs of one up-sweep level's symbolic phase (see
-            :func:`plan_schedule`).
+        max_pairs: memory bound on the pairs of one up-sweep level's symbolic phase, and
+        workers: the parallelism ``"auto"`` assumes (``None``: unbounded); see :func:`plan_schedule`.
 
     Returns:
         ``[g_0, ..., g_n]``, ``g_i = ∇_{x_i} l`` of shape ``(B, d_i)`` (``(d_i,)`` for a 1-D ``grad``).
@@ -308,9 +344,8 @@ def sparse_backprop_scan(
     squeeze = grad.dim() == 1
     g_n = grad.unsqueeze(0) if squeeze else grad
     n = len(chain)
-    schedule = plan_schedule(
-        [j.pattern for j in chain], _up_levels(algorithm, up_levels, n), max_pairs=max_pairs
-    )
+    levels = _up_levels(algorithm, up_levels, n)
+    schedule = plan_schedule([j.pattern for j in chain], levels, max_pairs=max_pairs, workers=workers)
     with _flush_denormals() if g_n.device.type == "cpu" else nullcontext():
         states = _run(schedule, chain, g_n)
     return [s.squeeze(0) for s in states] if squeeze else states
@@ -396,12 +431,13 @@ def scan_flop_report(
     algorithm: str = "auto",
     up_levels: int | None = None,
     max_pairs: int = MAX_PAIRS,
+    workers: int | None = WORKERS,
 ) -> list[ScanStepFlops]:
     """Per-operation FLOPs and sparsity of BPPSA's scan and of plain BP on one chain (BPPSA Fig. 10).
 
     Only the patterns are read (no values): ``jacobians_t`` is what :func:`sparse_backprop_scan` takes,
-    or the :class:`~lightning_bppsa.jacobians.CSRPattern` of each ``J_iᵀ``; ``algorithm``, ``up_levels``
-    and ``max_pairs`` select the schedule exactly as there.
+    or the :class:`~lightning_bppsa.jacobians.CSRPattern` of each ``J_iᵀ``; ``algorithm``, ``up_levels``,
+    ``max_pairs`` and ``workers`` select the schedule exactly as there.
 
     Returns:
         ``list[ScanStepFlops]``: first the scan's operations in execution order (up-sweep ``mm`` steps
@@ -422,7 +458,9 @@ def scan_flop_report(
         j if isinstance(j, CSRPattern) else _as_batched(j, i).pattern for i, j in enumerate(jacobians_t)
     ]
     n = len(patterns)
-    schedule = plan_schedule(patterns, _up_levels(algorithm, up_levels, n), max_pairs=max_pairs)
+    schedule = plan_schedule(
+        patterns, _up_levels(algorithm, up_levels, n), max_pairs=max_pairs, workers=workers
+    )
     steps: list[list[dict]] = []
     for level, level_plans in enumerate(schedule.plans):
         span = 2**level

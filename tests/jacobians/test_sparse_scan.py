@@ -96,15 +96,18 @@ def test_products_are_planned_once_per_pattern_pair():
     chain, _ = random_chain([6, 5, 7, 4, 5], 1, [True] * 4)
     patterns = [j.pattern for j in chain]
     first, second = plan_schedule(patterns, 1), plan_schedule(patterns, 1)
-    assert first.plans[0][0] is second.plans[0][0]
+    assert first is second  # the schedule is cached too
+    other = plan_schedule(patterns[:3], 1)
+    assert other.plans[0][0] is first.plans[0][0]  # same pair of patterns, same plan
 
 
 def test_auto_stops_the_up_sweep_when_products_densify():
     """Diagonal chains never densify: auto climbs the tree; dense chains stay linear."""
     diag = [CSRPattern.identity(50)] * 16
-    assert plan_schedule(diag, None).up_levels >= 2  # L = 2 and 3 tie on the critical path
+    assert plan_schedule(diag, None, workers=None).up_levels >= 2  # L = 2 and 3 tie on the critical path
+    assert plan_schedule(diag, None, workers=1).up_levels == 0  # the tree adds work: one worker stays linear
     dense = [CSRPattern.from_coo(*torch.ones(40, 40).nonzero(as_tuple=True), (40, 40))[0]] * 16
-    assert plan_schedule(dense, None).up_levels == 0
+    assert plan_schedule(dense, None, workers=None).up_levels == 0
 
 
 def test_forced_levels_beyond_max_pairs_are_refused():
