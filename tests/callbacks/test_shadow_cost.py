@@ -20,28 +20,6 @@ def test_growth_and_trend_of_synthetic_series() -> None:
     assert growth([1.0, 5.0]) == 1.0  # too short for a verdict
 
 
-def _busy_wait(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def test_warns_when_backward_time_grows(fit, tiny_chain) -> None:
-    class LeakyChain(tiny_chain):
-        """Backward gets slower with every batch, like a graph that drags more and more along."""
-
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            loss = super().training_step(batch, batch_idx)
-            loss.register_hook(lambda grad: _busy_wait(2e-5 * (batch_idx + 1)) or grad)
-            return loss
-
-    monitor = ShadowCostMonitor(warmup=10, min_batches=40)
-    with pytest.warns(UserWarning, match="backward time grew"):
-        fit([monitor], model=LeakyChain(samples=8 * 120), max_steps=120)
-    assert monitor.verdict()["time_growth"] > 1.3
-    assert monitor.state_dict()["backward_s"] == monitor.backward_s and len(monitor.backward_s) == 120
-
-
 @pytest.fixture
 def one_thread():  # noqa: ANN201
     """One intra-op thread: on a shared 2-core machine, two OpenMP threads competing with other processes
@@ -51,6 +29,28 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_warns_when_backward_time_grows(fit, tiny_chain, one_thread) -> None:
+    class LeakyChain(tiny_chain):
+        """Backward gets slower with every batch, like a graph that drags more and more along."""
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            loss = super().training_step(batch, batch_idx)
+            loss.register_hook(lambda grad: _busy_wait(1e-4 * (batch_idx + 1)) or grad)
+            return loss
+
+    monitor = ShadowCostMonitor(warmup=10, min_batches=40)
+    with pytest.warns(UserWarning, match="backward time grew"):
+        fit([monitor], model=LeakyChain(samples=8 * 120), max_steps=120)
+    assert monitor.verdict()["time_growth"] > 1.3
+    assert monitor.state_dict()["backward_s"] == monitor.backward_s and len(monitor.backward_s) == 120
 
 
 def test_no_shadow_cost_over_2000_bppsa_steps(fit, tiny_chain, one_thread) -> None:
