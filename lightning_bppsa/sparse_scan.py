@@ -13,9 +13,9 @@ A layer chain ``x_i = f_i(x_{i-1})``, ``i = 1..n``, has transposed Jacobians ``J
    end through itself (``mv``), giving ``g`` at every multiple of ``2^{l-1}``.
 
 ``L = 0`` is the linear scan (what autograd does), ``L = ⌈log2 n⌉ − 1`` is Blelloch's Algorithm 1
-(its root product is never needed). Products
-of sparse Jacobians get denser level by level, so ``L`` is chosen from the predicted critical-path
-FLOPs of every ``L`` (:func:`plan_schedule`).
+(its root product is never needed). Products of sparse Jacobians get denser level by level, so
+``L`` is chosen from the predicted FLOPs of every ``L`` for a given number of workers
+(:func:`plan_schedule`; unbounded workers: the critical path of Fig. 10).
 
 Because the patterns are fixed by the architecture, every product is planned once (*symbolic phase*:
 which pairs of entries meet and where their product lands, :class:`ProductPlan`, cached by pattern) and
