@@ -25,6 +25,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -141,6 +142,9 @@ def _logger_arg(save_dir: str, recipe: str, version: str | None = None) -> str:
 
 
 def _run_lightning(subcommand: str, argv: Sequence[str]) -> None:
+    if any(arg in ("-h", "--help") for arg in argv) and not any(arg.startswith("--config") for arg in argv):
+        BPPSACLI(args=[subcommand, *argv])  # LightningCLI's own help
+        return
     config, rest = _split_config(argv)
     save_dir = DEFAULT_SAVE_DIR
     BPPSACLI(args=[subcommand, "--config", str(config), *rest], recipe=config.stem, save_dir=save_dir)
@@ -484,22 +488,25 @@ def _bench_main(argv: Sequence[str]) -> None:
     bench(args.name, benchmarks_dir=args.benchmarks_dir, quick=args.quick, out=args.out)
 
 
-USAGE = f"""usage: lightning-bppsa {{fit,validate,test,predict,compare,bench}} ...
+USAGE = """usage: lightning-bppsa {{fit,validate,test,predict,compare,bench}} ...
 
   lightning-bppsa fit --config rnn_bitstream [--trainer.strategy=auto] [--data.seq_len=300 ...]
-  lightning-bppsa compare --config rnn_bitstream [--max-steps {DEFAULT_COMPARE_STEPS} | --max-epochs N]
+  lightning-bppsa compare --config rnn_bitstream [--max-steps {steps} | --max-epochs N]
   lightning-bppsa bench rnn|gru|vgg [--quick]
+  lightning-bppsa COMMAND --help
 
-recipes: {{recipes}}"""
+recipes: {recipes}"""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``lightning-bppsa`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE.format(recipes=", ".join(available_recipes())))
+        print(USAGE.format(recipes=", ".join(available_recipes()), steps=DEFAULT_COMPARE_STEPS))
         return
     command, rest = argv[0], argv[1:]
+    # We hand LightningCLI the rewritten argv on purpose; its warning about sys.argv would only confuse.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     try:
         if command == "compare":
             _compare_main(rest)

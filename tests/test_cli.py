@@ -99,6 +99,12 @@ def test_errors_are_one_clear_line(workdir: Path, argv: list[str], message: str)
     assert message in str(exit_info.value)
 
 
+def test_usage_lists_commands_and_recipes(capsys: pytest.CaptureFixture) -> None:
+    cli.main([])
+    out = capsys.readouterr().out
+    assert "compare --config rnn_bitstream" in out and "vgg11_pruned" in out
+
+
 def test_compare_needs_a_budget(workdir: Path) -> None:
     with pytest.raises(cli.CLIError, match="--max-steps"):
         cli.compare("rnn_bitstream", max_steps=0)
