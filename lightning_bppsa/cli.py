@@ -146,8 +146,7 @@ def _run_lightning(subcommand: str, argv: Sequence[str]) -> None:
         BPPSACLI(args=[subcommand, *argv])  # LightningCLI's own help
         return
     config, rest = _split_config(argv)
-    save_dir = DEFAULT_SAVE_DIR
-    BPPSACLI(args=[subcommand, "--config", str(config), *rest], recipe=config.stem, save_dir=save_dir)
+    BPPSACLI(args=[subcommand, "--config", str(config), *rest], recipe=config.stem)
 
 
 # ----------------------------------------------------------------------------------------------- compare
@@ -285,11 +284,12 @@ def compare(
     """
     path = find_recipe(config)
     recipe = path.stem
-    budget = [f"--trainer.max_epochs={max_epochs}", "--trainer.max_steps=-1"] if max_epochs else []
-    if not max_epochs:
-        if not max_steps or max_steps < 1:
-            raise CLIError("give --max-steps >= 1 or --max-epochs >= 1")
+    if max_epochs:
+        budget = [f"--trainer.max_epochs={max_epochs}", "--trainer.max_steps=-1"]
+    elif max_steps and max_steps > 0:
         budget = [f"--trainer.max_steps={max_steps}", "--trainer.max_epochs=-1"]
+    else:
+        raise CLIError("give --max-steps >= 1 or --max-epochs >= 1")
     summaries = []
     for label, strategy in (("autograd", "auto"), ("bppsa", "bppsa")):
         print(f"=== {recipe}: {label} (strategy={strategy!r}) ===", flush=True)
