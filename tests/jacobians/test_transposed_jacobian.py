@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_bppsa.jacobians import BatchedCSR, is_supported, linearize, transposed_jacobian
@@ -177,3 +179,33 @@ def test_conv_padding_mode_is_refused():
 def test_x_must_be_a_tensor():
     with pytest.raises(TypeError, match="x must be a Tensor"):
         transposed_jacobian(nn.ReLU(), [1.0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    groups=st.integers(1, 2),
+    per_group=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    padding=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    hw=st.tuples(st.integers(1, 7), st.integers(1, 7)),
+)
+def test_conv2d_fuzzed(groups, per_group, kernel, stride, padding, dilation, hw):
+    extent = [d * (k - 1) + 1 for d, k in zip(dilation, kernel, strict=True)]
+    assume(all(h + 2 * p >= e for h, p, e in zip(hw, padding, extent, strict=True)))
+    conv = nn.Conv2d(groups * per_group[0], groups * per_group[1], kernel, stride, padding, dilation, groups)
+    check(randomised(conv), (groups * per_group[0], *hw))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    dilation=st.integers(1, 2),
+    ceil_mode=st.booleans(),
+    hw=st.tuples(st.integers(3, 7), st.integers(3, 7)),
+)
+def test_maxpool2d_fuzzed(kernel, stride, dilation, ceil_mode, hw):
+    padding = (kernel[0] // 2, kernel[1] // 2)  # torch allows at most half the kernel
+    check(nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil_mode), (2, *hw))
