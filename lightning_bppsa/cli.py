@@ -232,6 +232,15 @@ def format_comparison(baseline: RunSummary, bppsa: RunSummary) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
+def _running_mean(values: Sequence[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at every position (fewer at the start)."""
+    total, out = 0.0, []
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path | None:
     """Training loss against wall-clock time (paper Fig. 7) and against the step (Fig. 6), one line per run.
 
@@ -246,13 +255,15 @@ def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path
         print("matplotlib is not installed: no PNG written (pip install matplotlib)", file=sys.stderr)
         return None
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
+    for run, color in zip(runs, ("tab:blue", "tab:orange", "tab:green"), strict=False):
         if run.loss_curve:
             steps, seconds, losses = zip(*run.loss_curve, strict=True)
-            by_time.plot(seconds, losses, label=run.label, linewidth=1)
-            by_step.plot(steps, losses, label=run.label, linewidth=1)
-    by_time.set(xlabel="wall-clock time (s)", ylabel="training loss", title="loss vs time")
-    by_step.set(xlabel="step", ylabel="training loss", title="loss vs step")
+            smooth = _running_mean(losses, max(1, len(losses) // 50))
+            for ax, x in ((by_time, seconds), (by_step, steps)):
+                ax.plot(x, losses, color=color, linewidth=0.5, alpha=0.25)
+                ax.plot(x, smooth, color=color, linewidth=1.5, label=run.label)
+    by_time.set(xlabel="wall-clock time (s)", ylabel="training loss (faint: per step)", title="loss vs time")
+    by_step.set(xlabel="step", ylabel="training loss (faint: per step)", title="loss vs step")
     by_time.legend()
     by_step.legend()
     fig.suptitle(title)
