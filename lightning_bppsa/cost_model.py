@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Machine", "MACHINES", "choose", "predict_seconds"]
+__all__ = ["Machine", "MACHINES", "choose", "predict_seconds", "recurrent_path"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,9 @@ def _best_chunk(n: int, d: int, batch: int, width: int | None, device: str) -> i
     candidates = sorted({min(2**k, n) for k in range(int(math.log2(max(n, 1))) + 1)} | {1})
     return min(
         candidates,
-        key=lambda c: predict_seconds("chunked", n=n, d=d, batch=batch, width=width, device=device, chunk_size=c),
+        key=lambda c: predict_seconds(
+            "chunked", n=n, d=d, batch=batch, width=width, device=device, chunk_size=c
+        ),
     )
 
 
@@ -88,3 +90,39 @@ def choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, dev
         for name in ("linear", "blelloch", "chunked")
     }
     return min(costs, key=costs.__getitem__), chunk
+
+
+# --------------------------------------------------------------------------------------------------
+# Recurrent layers: scan backward vs. autograd through torch's own forward.
+# --------------------------------------------------------------------------------------------------
+
+#: (torch ops per step in autograd's backward, gates G, scan state size / H, factored?) per cell mode.
+#: CPU LSTM's autograd backward is one fused op per step; RNN / GRU record several ops per step.
+_CELLS = {
+    "RNN_TANH": (3.5, 1, 1, True),
+    "RNN_RELU": (3.5, 1, 1, True),
+    "GRU": (16.0, 3, 1, True),
+    "LSTM": (1.0, 4, 2, False),
+}
+_SCAN_FIXED_OPS = 40  # Jacobian recompute, direct gradients, parameter GEMMs: independent of n
+_ELEMENTWISE_BYTES_PER_S = 2e9  # element-wise passes over (B, n, G H) in the forward and backward
+
+
+def recurrent_path(mode: str, *, n: int, hidden: int, batch: int, device: str) -> str:
+    """``"scan"`` or ``"autograd"``: which backward a recurrent layer should use (``algorithm="auto"``).
+
+    Compares the predicted backward of autograd (``n`` steps of a few small ops each) with the scan's
+    (best algorithm of :func:`predict_seconds` plus the Jacobian preparation, linear in ``B n H G``).
+    """
+    ops, gates, state, factored = _CELLS[mode]
+    mach = MACHINES.get(device, MACHINES["cuda"])
+    d = state * hidden
+    autograd = n * (ops * mach.op_seconds + 4 * batch * hidden * gates * hidden / mach.small_flops)
+    width = gates * hidden if factored and gates > 1 else (hidden if factored else None)
+    algorithm, chunk = choose("auto", n=n, d=d, batch=batch, width=width, device=device)
+    scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk)
+    extra = (
+        _SCAN_FIXED_OPS * mach.op_seconds
+        + 12 * batch * n * (gates * hidden + d * d) * 4 / _ELEMENTWISE_BYTES_PER_S
+    )
+    return "scan" if scan + extra < autograd else "autograd"

@@ -1,0 +1,145 @@
+"""One recurrent layer in one direction: fused torch forward, Jacobians, scan backward (BPPSA Sec. 4.1-4.2).
+
+:class:`LayerFunction` connects ``(x, h0[, c0], W_ih, W_hh[, b_ih, b_hh])`` to the layer's outputs
+``out`` ``(B, n, H)`` (``h_1..h_n``; ``h_n = out[:, -1]``) and, for LSTM, ``c_n`` ``(B, H)``:
+
+- forward: torch's own fused single-layer kernel (no grad), then the Jacobian data of all steps
+  (:mod:`lightning_bppsa.jacobians.recurrent`);
+- backward: one scan gives ``g_t = ∇_{h_t} l`` for ``t = 0..n`` from the per-step output gradients
+  (the ``(B, n + 1, d)`` direct-gradient form); the gate pre-activation gradients follow element-wise,
+  and every parameter, input and ``h0`` gradient is one GEMM over all ``B n`` steps (Eq. 2);
+- inside :func:`~lightning_bppsa.nn.reference_backward`: plain autograd through a recomputed forward.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.jacobians.recurrent import gru_jacobians, lstm_jacobians, rnn_jacobians
+from lightning_bppsa.nn._mode import reference_backward_enabled
+from lightning_bppsa.scan import backprop_scan
+
+__all__ = ["LayerFunction", "fused_layer"]
+
+
+def fused_layer(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: tuple[Tensor, ...]):
+    """Torch's fused forward of one layer, one direction, batch first. Returns ``(out, h_n[, c_n])``."""
+    has_bias = len(weights) == 4
+    if mode == "LSTM":
+        out, _, c_n = torch._VF.lstm(x, (h0[None], c0[None]), weights, has_bias, 1, 0.0, False, False, True)
+        return out, c_n[0]
+    fn = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru}[mode]
+    out, _ = fn(x, h0[None], weights, has_bias, 1, 0.0, False, False, True)
+    return (out,)
+
+
+def _direct(grad_out: Tensor | None, like: Tensor) -> Tensor:
+    """``(B, n + 1, H)`` direct gradients (zero at ``h_0``), or ``(B, H)`` when only ``h_n`` receives one."""
+    batch, n, hidden = like.shape
+    if grad_out is None:
+        return like.new_zeros(batch, hidden)
+    if n == 1 or not grad_out[:, :-1].any():  # loss on the last step only: skip the affine rows
+        return grad_out[:, -1].contiguous()
+    return torch.cat([grad_out.new_zeros(batch, 1, hidden), grad_out], 1)
+
+
+class LayerFunction(torch.autograd.Function):
+    """See the module docstring. Args: ``mode``, ``algorithm``, ``stats`` (dict updated in place),
+    then the tensors ``x`` ``(B, n, I)``, ``h0`` ``(B, H)``, ``c0`` ``(B, H)`` or ``None``, weights."""
+
+    @staticmethod
+    def forward(
+        ctx, mode: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights
+    ):
+        outputs = fused_layer(mode, x, h0, c0, weights)
+        start = time.perf_counter()
+        out = outputs[0]
+        h_prev = torch.cat([h0.unsqueeze(1), out[:, :-1]], 1)
+        w_ih, w_hh = weights[:2]
+        b_ih, b_hh = weights[2:] if len(weights) == 4 else (None, None)
+        if mode.startswith("RNN"):
+            jac = rnn_jacobians(out, w_hh, mode[4:].lower())
+            saved = (jac.scales,)
+        elif mode == "GRU":
+            jac, local = gru_jacobians(x, h_prev, out, w_ih, w_hh, b_ih, b_hh)
+            saved = (jac.scales, jac.diagonal, local)
+        else:
+            lj = lstm_jacobians(x, h_prev, c0, w_ih, w_hh, b_ih, b_hh)
+            saved = (lj.jacobians_t, lj.local_h, lj.local_c, lj.forget, lj.c_prev)
+        stats["jacobian_seconds"] = stats.get("jacobian_seconds", 0.0) + time.perf_counter() - start
+        ctx.mode, ctx.algorithm, ctx.stats = mode, algorithm, stats
+        ctx.save_for_backward(x, h0, c0, h_prev, *saved, *weights)
+        ctx.n_saved = len(saved)
+        return outputs if len(outputs) > 1 else out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor | None, grad_cn: Tensor | None = None):
+        x, h0, c0, h_prev, *rest = ctx.saved_tensors
+        saved, weights = rest[: ctx.n_saved], tuple(rest[ctx.n_saved :])
+        needs = ctx.needs_input_grad[3:]
+        if reference_backward_enabled():
+            grads = _reference(ctx.mode, x, h0, c0, weights, grad_out, grad_cn, needs)
+        else:
+            grads = _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn)
+        return (None, None, None, *(g if need else None for g, need in zip(grads, needs)))
+
+
+def _reference(mode, x, h0, c0, weights, grad_out, grad_cn, needs) -> list[Tensor | None]:
+    """Autograd through a recomputed fused forward: the gradients BPPSA must reproduce."""
+    inputs = [x, h0, c0, *weights]
+    leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+    with torch.enable_grad():
+        outputs = fused_layer(mode, leaves[0], leaves[1], leaves[2], tuple(leaves[3:]))
+    pairs = [(o, g) for o, g in zip(outputs, (grad_out, grad_cn)) if g is not None]
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    by_id = {id(t): g for t, g in zip(wanted, found)}
+    return [None if t is None else by_id.get(id(t)) for t in leaves]
+
+
+def _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn) -> list[Tensor | None]:
+    mode = ctx.mode
+    batch, n, hidden = h_prev.shape
+    w_ih, w_hh = weights[:2]
+    start = time.perf_counter()
+    if mode == "LSTM":
+        jac_t, local_h, local_c, forget, c_prev = saved
+        direct = h_prev.new_zeros(batch, n + 1, 2 * hidden)
+        if grad_out is not None:
+            direct[:, 1:, :hidden] = grad_out
+        if grad_cn is not None:
+            direct[:, n, hidden:] = grad_cn
+        g = backprop_scan(jac_t, direct, algorithm=ctx.algorithm)
+        gh, gc = g[:, 1:, :hidden], g[:, 1:, hidden:]
+        d_gates_h = gh.repeat(1, 1, 4) * local_h + gc.repeat(1, 1, 4) * local_c
+        d_gates_i = d_gates_h
+        g0, c0_grad = g[:, 0, :hidden], g[:, 0, hidden:]
+    else:
+        scales = saved[0]
+        diagonal = saved[1] if mode == "GRU" else None
+        g = backprop_scan(
+            FactoredJacobians(w_hh, scales, diagonal), _direct(grad_out, h_prev), algorithm=ctx.algorithm
+        )
+        tiles = w_hh.shape[0] // hidden
+        g_rows = g[:, 1:].repeat(1, 1, tiles) if tiles > 1 else g[:, 1:]
+        d_gates_h = g_rows * scales
+        d_gates_i = g_rows * saved[2] if mode == "GRU" else d_gates_h
+        g0, c0_grad = g[:, 0], None
+    ctx.stats["scan_seconds"] = ctx.stats.get("scan_seconds", 0.0) + time.perf_counter() - start
+    # Eq. 2: every parameter gradient is one GEMM over all B n steps.
+    dgi, dgh = d_gates_i.flatten(0, 1), d_gates_h.flatten(0, 1)
+    grads = [
+        (dgi @ w_ih).view_as(x),
+        g0,
+        c0_grad,
+        dgi.T @ x.flatten(0, 1),
+        dgh.T @ h_prev.flatten(0, 1),
+    ]
+    if len(weights) == 4:
+        grads += [dgi.sum(0), dgh.sum(0)]
+    return grads
