@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_bppsa.callbacks._log import log_now
 from torch import Tensor
 from typing_extensions import override
 
@@ -52,7 +53,7 @@ class GradientCheck(Callback):
         self._checked_step = step
         error = gradient_difference(loss, pl_module.parameters())
         self.last, self.worst = error, max(self.worst, error)
-        pl_module.log(self.key, error, on_step=True, on_epoch=False, batch_size=1)
+        log_now(trainer, {self.key: error})
         if not error <= self.threshold:  # NaN too
             rank_zero_warn(
                 f"GradientCheck: BPPSA gradients differ from autograd's by {error:.3e} (relative) at step "

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_bppsa.callbacks._log import log_now
 from typing_extensions import override
 
 from lightning_bppsa.sparse_scan import ScanStepFlops
@@ -74,8 +75,9 @@ class ScanProfiler(Callback):
             )
         self.last_reports = reports
         for name, rows in reports.items():
-            for key, value in summarise_flop_report(rows).items():
-                pl_module.log(f"scan/{name}/{key}", float(value), on_step=True, on_epoch=False, batch_size=1)
+            log_now(
+                trainer, {f"scan/{name}/{key}": float(v) for key, v in summarise_flop_report(rows).items()}
+            )
             if self.figures and isinstance(trainer.logger, TensorBoardLogger):
                 figure = _step_figure(rows, name)
                 if figure is not None:

@@ -50,6 +50,7 @@ __all__ = [
     "format_comparison",
     "main",
     "plot_loss_curves",
+    "read_scalars",
     "speedup_rows",
     "summarise_run",
 ]
@@ -168,7 +169,7 @@ class RunSummary:
     final: dict[str, float] = field(default_factory=dict)
 
 
-def _read_scalars(log_dir: str) -> dict[str, list[tuple[float, int, float]]]:
+def read_scalars(log_dir: str) -> dict[str, list[tuple[float, int, float]]]:
     """Every scalar of a TensorBoard run as ``tag -> [(wall_time, step, value), ...]``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -181,7 +182,7 @@ def _read_scalars(log_dir: str) -> dict[str, list[tuple[float, int, float]]]:
 
 def summarise_run(label: str, log_dir: str, final: Mapping[str, float], warmup: int = 5) -> RunSummary:
     """Build a :class:`RunSummary` from a run's TensorBoard scalars (logged by :class:`BackwardTimer`)."""
-    scalars = _read_scalars(log_dir)
+    scalars = read_scalars(log_dir)
     summary = RunSummary(label, log_dir, final=dict(final))
     for key in TIMING_KEYS:
         values = [v for _, _, v in scalars.get(f"time/{key}", [])]

@@ -49,7 +49,7 @@ def test_fit_by_recipe_name_logs_timings_to_tensorboard(workdir: Path) -> None:
         ]
     )
     run = workdir / "runs" / "rnn_bitstream" / "version_0"
-    scalars = cli._read_scalars(str(run))
+    scalars = cli.read_scalars(str(run))
     assert len(scalars["time/backward"]) == 4
     assert all(value > 0 for _, _, value in scalars["time/step"])
     assert "train/loss" in scalars

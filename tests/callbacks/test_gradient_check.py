@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_bppsa.callbacks import GradientCheck
+
+from lightning_bppsa.cli import read_scalars
 
 
 def test_logs_a_small_error_on_the_checked_steps(fit) -> None:
@@ -23,3 +26,14 @@ def test_warns_above_the_threshold(fit) -> None:
 def test_rejects_a_bad_interval() -> None:
     with pytest.raises(ValueError, match="every_n_steps"):
         GradientCheck(every_n_steps=0)
+
+
+def test_every_check_reaches_the_logger_whatever_log_every_n_steps(fit, tmp_path) -> None:
+    fit(
+        [GradientCheck(every_n_steps=3)],
+        max_steps=7,
+        log_every_n_steps=50,
+        logger=TensorBoardLogger(tmp_path, "g"),
+    )
+    logged = read_scalars(str(tmp_path / "g" / "version_0"))["grad_check/max_rel_err"]
+    assert [step for _, step, _ in logged] == [0, 3, 6]

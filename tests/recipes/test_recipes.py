@@ -62,7 +62,7 @@ def test_recipe_fits_on_generated_data(
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", recipe, *SMOKE[recipe], *COMMON, f"--data.cache_dir={tmp_path / 'cache'}"]
     cli.main([*args, f"--trainer.strategy={strategy}"])
-    scalars = cli._read_scalars(str(tmp_path / "runs" / recipe / "version_0"))
+    scalars = cli.read_scalars(str(tmp_path / "runs" / recipe / "version_0"))
     assert len(scalars["train/loss"]) == 3
     assert "val/acc" in scalars
     assert list((tmp_path / "cache").iterdir()), "the built tensors are cached"
