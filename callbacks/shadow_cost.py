@@ -27,14 +27,17 @@ __all__ = ["ShadowCostMonitor", "growth", "linear_trend"]
 
 
 def growth(values: list[float], window: float = 0.25) -> float:
-    """Robust growth of a series: median of its last ``window`` share over the median of its first.
+    """Robust growth of a series: lower quartile of its last ``window`` share over that of its first.
 
-    ``1.0`` means flat; ``1.6`` is the paper's shadow cost. Returns ``1.0`` for fewer than 8 values.
+    The lower quartile is the intrinsic cost of a step: other processes competing for the cores only
+    ever add time, to some steps, while a shadow cost shifts every step. ``1.0`` means flat; ``1.6`` is
+    the paper's shadow cost. Returns ``1.0`` for fewer than 8 values.
     """
     if len(values) < 8:
         return 1.0
     k = max(2, int(len(values) * window))
-    first, last = statistics.median(values[:k]), statistics.median(values[-k:])
+    first = statistics.quantiles(values[:k], n=4, method="inclusive")[0]
+    last = statistics.quantiles(values[-k:], n=4, method="inclusive")[0]
     return last / first if first > 0 else 1.0
 
 
@@ -72,8 +75,8 @@ class ShadowCostMonitor(Callback):
 
     For every training batch it measures the time inside ``loss.backward()`` and the memory after it
     (peak CUDA memory of the batch on a GPU, resident set size on CPU). Growth is judged only over the
-    batches whose inputs have the most common shapes (the same graph): ``growth`` compares the median
-    of the last quarter of the series with the median of the first quarter (after ``warmup`` batches),
+    batches whose inputs have the most common shapes (the same graph): :func:`growth` compares the
+    lower quartile of the last quarter of the series with that of the first (after ``warmup`` batches),
     and a least-squares line gives the trend. At every epoch end and at the end of training it logs
     ``shadow/epoch_backward_s``, ``shadow/time_growth``, ``shadow/memory_growth`` and
     ``shadow/time_trend`` (relative change per 1000 batches), and warns once per quantity when a growth
