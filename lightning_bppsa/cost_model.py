@@ -121,8 +121,7 @@ def recurrent_path(mode: str, *, n: int, hidden: int, batch: int, device: str) -
     width = gates * hidden if factored and gates > 1 else (hidden if factored else None)
     algorithm, chunk = choose("auto", n=n, d=d, batch=batch, width=width, device=device)
     scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk)
-    extra = (
-        _SCAN_FIXED_OPS * mach.op_seconds
-        + 12 * batch * n * (gates * hidden + d * d) * 4 / _ELEMENTWISE_BYTES_PER_S
-    )
+    # element-wise passes over the gates (and, for a dense chain, building the d x d Jacobians)
+    elements = batch * n * (gates * hidden + (0 if factored else d * d))
+    extra = _SCAN_FIXED_OPS * mach.op_seconds + 12 * 4 * elements / _ELEMENTWISE_BYTES_PER_S
     return "scan" if scan + extra < autograd else "autograd"

@@ -86,19 +86,21 @@ class LayerFunction(torch.autograd.Function):
             grads = _reference(ctx.mode, x, h0, c0, weights, grad_out, grad_cn, needs)
         else:
             grads = _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn)
-        return (None, None, None, *(g if need else None for g, need in zip(grads, needs)))
+        return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
 
 
 def _reference(mode, x, h0, c0, weights, grad_out, grad_cn, needs) -> list[Tensor | None]:
     """Autograd through a recomputed fused forward: the gradients BPPSA must reproduce."""
     inputs = [x, h0, c0, *weights]
-    leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+    leaves = [
+        None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs, strict=True)
+    ]
     with torch.enable_grad():
         outputs = fused_layer(mode, leaves[0], leaves[1], leaves[2], tuple(leaves[3:]))
-    pairs = [(o, g) for o, g in zip(outputs, (grad_out, grad_cn)) if g is not None]
+    pairs = [(o, g) for o, g in zip(outputs, (grad_out, grad_cn), strict=False) if g is not None]
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-    by_id = {id(t): g for t, g in zip(wanted, found)}
+    by_id = {id(t): g for t, g in zip(wanted, found, strict=True)}
     return [None if t is None else by_id.get(id(t)) for t in leaves]
 
 

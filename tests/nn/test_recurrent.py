@@ -1,0 +1,216 @@
+"""nn.RNN / GRU / LSTM: gradients equal torch autograd on the torch module with the same weights."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_bppsa import nn as bnn
+from lightning_bppsa.nn import convert, reference_backward
+from lightning_bppsa.testing import assert_derived_close
+
+PAIRS = {"RNN": (bnn.RNN, nn.RNN), "GRU": (bnn.GRU, nn.GRU), "LSTM": (bnn.LSTM, nn.LSTM)}
+
+
+def _loss(output, h_n, where, time_dim):
+    """A non-trivial loss reading the last step, every step, or h_n (and c_n for LSTM)."""
+    h, c = h_n if isinstance(h_n, tuple) else (h_n, None)
+    if where == "last":
+        return (output.select(time_dim, -1) ** 2).sum()
+    if where == "every":
+        return (output**2).sum() + output.sum()
+    return (h**2).sum() + (0.0 if c is None else c.sin().sum())
+
+
+def _grads(module, x, hx, where):
+    time_dim = 1 if module.batch_first and x.dim() == 3 else 0
+    leaves = [x] + ([] if hx is None else list(hx) if isinstance(hx, tuple) else [hx])
+    for t in leaves:
+        t.grad = None
+    module.zero_grad(set_to_none=True)
+    output, h_n = module(x, hx)
+    _loss(output, h_n, where, time_dim).backward()
+    return [t.grad for t in leaves] + [p.grad for p in module.parameters()]
+
+
+def _check(cell, *, layers, bidirectional, bias, batch_first, batch, length, inputs, hidden, where, dtype,
+           with_hx=True, unbatched=False, algorithm="auto"):  # fmt: skip
+    ours_cls, torch_cls = PAIRS[cell]
+    kw = dict(num_layers=layers, bidirectional=bidirectional, bias=bias, batch_first=batch_first)
+    ours = ours_cls(inputs, hidden, algorithm=algorithm, dtype=torch.float64, **kw)
+    ref = torch_cls(inputs, hidden, dtype=torch.float64, **kw)
+    ref.load_state_dict(ours.state_dict())
+    shape = (
+        (length, inputs)
+        if unbatched
+        else ((batch, length, inputs) if batch_first else (length, batch, inputs))
+    )
+    x64 = torch.randn(shape, dtype=torch.float64)
+    state_shape = (layers * (2 if bidirectional else 1),) + (() if unbatched else (batch,)) + (hidden,)
+    hx64 = None
+    if with_hx:
+        hx64 = torch.randn(state_shape, dtype=torch.float64) * 0.5
+        if cell == "LSTM":
+            hx64 = (hx64, torch.randn(state_shape, dtype=torch.float64))
+
+    def leaf(t, dt):
+        return None if t is None else (tuple(leaf(s, dt) for s in t) if isinstance(t, tuple) else
+                                       t.detach().to(dt).requires_grad_())  # fmt: skip
+
+    truth = _grads(ref, leaf(x64, torch.float64), leaf(hx64, torch.float64), where)
+    ours.to(dtype)
+    ref.to(dtype)
+    actual = _grads(ours, leaf(x64, dtype), leaf(hx64, dtype), where)
+    baseline = _grads(ref, leaf(x64, dtype), leaf(hx64, dtype), where) if dtype != torch.float64 else None
+    assert ours.last_stats["path"] == ("scan" if algorithm != "auto" else ours.last_stats["path"])
+    for i, (a, r) in enumerate(zip(actual, truth, strict=True)):
+        b = None if baseline is None else baseline[i]
+        floor = 1e-9 if dtype == torch.float64 else 1e-4
+        assert_derived_close(a, r, b, floor=floor, name=f"{cell} grad #{i}")
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+@pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 33])
+@pytest.mark.parametrize("where", ["last", "every", "h_n"])
+def test_named_lengths_float64(cell, length, where):
+    _check(cell, layers=1, bidirectional=False, bias=True, batch_first=True, batch=3, length=length, inputs=4,
+           hidden=5, where=where, dtype=torch.float64, algorithm="chunked")  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+@pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked"])
+def test_stack_bidirectional_no_bias_time_major(cell, algorithm):
+    _check(cell, layers=3, bidirectional=True, bias=False, batch_first=False, batch=2, length=17, inputs=3,
+           hidden=4, where="every", dtype=torch.float64, algorithm=algorithm)  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+def test_float32_long_sequence(cell):
+    _check(cell, layers=1, bidirectional=False, bias=True, batch_first=True, batch=4, length=513, inputs=3,
+           hidden=20, where="last", dtype=torch.float32, algorithm="chunked")  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+def test_unbatched_without_initial_state(cell):
+    _check(cell, layers=2, bidirectional=True, bias=True, batch_first=False, batch=1, length=5, inputs=2,
+           hidden=3, where="h_n", dtype=torch.float64, with_hx=False, unbatched=True, algorithm="blelloch")  # fmt: skip
+
+
+def test_relu_nonlinearity():
+    ours = bnn.RNN(3, 4, nonlinearity="relu", algorithm="chunked", dtype=torch.float64)
+    ref = nn.RNN(3, 4, nonlinearity="relu", dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(9, 2, 3, dtype=torch.float64, requires_grad=True)
+    a, b = _grads(ours, x, None, "every"), _grads(ref, x, None, "every")
+    for ga, gb in zip(a, b, strict=True):
+        assert_derived_close(ga, gb, floor=1e-9)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cell=st.sampled_from(list(PAIRS)),
+    layers=st.integers(1, 2),
+    bidirectional=st.booleans(),
+    bias=st.booleans(),
+    batch_first=st.booleans(),
+    batch=st.integers(1, 64),
+    length=st.one_of(st.integers(1, 40), st.sampled_from([255, 257, 3000])),
+    inputs=st.integers(1, 128),
+    hidden=st.integers(1, 128),
+    where=st.sampled_from(["last", "every", "h_n"]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+)
+def test_fuzz_against_torch(cell, layers, bidirectional, bias, batch_first, batch, length, inputs, hidden, where,
+                            dtype):  # fmt: skip
+    # keep each example small in total work: long sequences only with small batch and width
+    if length > 40:
+        batch, inputs, hidden, layers, bidirectional = min(batch, 2), min(inputs, 8), min(hidden, 8), 1, False
+    elif batch * hidden > 512:
+        hidden = max(1, 512 // batch)
+    _check(cell, layers=layers, bidirectional=bidirectional, bias=bias, batch_first=batch_first, batch=batch,
+           length=length, inputs=inputs, hidden=hidden, where=where, dtype=dtype, algorithm="chunked")  # fmt: skip
+
+
+def test_dropout_between_layers_uses_the_forward_mask():
+    ours = bnn.GRU(3, 4, num_layers=2, dropout=0.5, algorithm="chunked", dtype=torch.float64)
+    x = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
+    output, _ = ours(x)
+    scan = torch.autograd.grad(output.sum(), [x, *ours.parameters()], retain_graph=True)
+    with reference_backward():
+        auto = torch.autograd.grad(output.sum(), [x, *ours.parameters()])
+    for a, b in zip(scan, auto, strict=True):
+        assert_derived_close(a, b, floor=1e-9)
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+def test_reference_backward_matches_scan_on_the_same_graph(cell):
+    ours = PAIRS[cell][0](3, 5, algorithm="chunked", dtype=torch.float64)
+    x = torch.randn(2, 11, 3, dtype=torch.float64, requires_grad=True)
+    output, _ = ours(x)
+    loss = (output**2).sum()
+    scan = torch.autograd.grad(loss, [x, *ours.parameters()], retain_graph=True)
+    assert ours.last_stats["scan_seconds"] > 0
+    with reference_backward():
+        auto = torch.autograd.grad(loss, [x, *ours.parameters()])
+    for a, b in zip(scan, auto, strict=True):
+        assert_derived_close(a, b, floor=1e-9)
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+def test_convert_keeps_parameters_and_state_dict(cell):
+    ours_cls, torch_cls = PAIRS[cell]
+    model = nn.Sequential(torch_cls(3, 4, num_layers=2, bidirectional=True))
+    before = list(model[0].parameters())
+    names = [n for n, _ in model.named_parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    convert(model)
+    assert type(model[0]) is ours_cls
+    assert all(a is b for a, b in zip(model.parameters(), before, strict=True))
+    assert [n for n, _ in model.named_parameters()] == names
+    plain = nn.Sequential(torch_cls(3, 4, num_layers=2, bidirectional=True))
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(state)
+    x = torch.randn(5, 2, 3)
+    torch.testing.assert_close(model(x)[0], plain(x)[0])
+
+
+def test_convert_leaves_proj_size_on_autograd_with_a_reason():
+    from lightning_bppsa.nn import ConversionRecord
+
+    report: list[ConversionRecord] = []
+    lstm = nn.LSTM(3, 4, proj_size=2)
+    assert convert(lstm, report=report) is lstm
+    assert not report[0].scanned and "proj_size" in report[0].reason
+
+
+def test_unsupported_inputs_raise_clear_errors():
+    with pytest.raises(NotImplementedError, match="proj_size"):
+        bnn.LSTM(3, 4, proj_size=2)
+    with pytest.raises(ValueError, match="algorithm"):
+        bnn.RNN(3, 4, algorithm="fast")
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 3), [4, 3])
+    with pytest.raises(NotImplementedError, match="PackedSequence"):
+        bnn.GRU(3, 4)(packed)
+    with pytest.raises(ValueError, match="hx"):
+        bnn.RNN(3, 4, algorithm="linear")(torch.randn(5, 2, 3, requires_grad=True), torch.zeros(1, 3, 4))
+
+
+def test_auto_falls_back_to_autograd_and_records_it():
+    lstm = bnn.LSTM(12, 20, batch_first=True)  # CPU LSTM autograd is one fused op per step
+    lstm(torch.randn(16, 100, 12, requires_grad=True))[0].sum().backward()
+    assert lstm.last_stats["path"] == "autograd"
+    rnn = bnn.RNN(1, 20, batch_first=True)
+    rnn(torch.randn(16, 1000, 1))[0][:, -1].sum().backward()
+    assert rnn.last_stats["path"] == "scan" and rnn.last_stats["algorithm"] == "auto"
+    with torch.no_grad():
+        rnn(torch.randn(2, 10, 1))
+    assert rnn.last_stats["path"] == "autograd"
+
+
+def test_batch_and_length_may_change_between_calls():
+    rnn = bnn.GRU(2, 3, batch_first=True, algorithm="chunked", dtype=torch.float64)
+    for batch, length in [(4, 10), (1, 3), (7, 20)]:
+        x = torch.randn(batch, length, 2, dtype=torch.float64, requires_grad=True)
+        rnn(x)[0].sum().backward()
+        assert x.grad.shape == x.shape
