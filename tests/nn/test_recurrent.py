@@ -34,8 +34,23 @@ def _grads(module, x, hx, where):
     return [t.grad for t in leaves] + [p.grad for p in module.parameters()]
 
 
-def _check(cell, *, layers, bidirectional, bias, batch_first, batch, length, inputs, hidden, where, dtype,
-           with_hx=True, unbatched=False, algorithm="auto"):  # fmt: skip
+def _check(
+    cell,
+    *,
+    layers,
+    bidirectional,
+    bias,
+    batch_first,
+    batch,
+    length,
+    inputs,
+    hidden,
+    where,
+    dtype,
+    with_hx=True,
+    unbatched=False,
+    algorithm="auto",
+):
     ours_cls, torch_cls = PAIRS[cell]
     kw = dict(num_layers=layers, bidirectional=bidirectional, bias=bias, batch_first=batch_first)
     ours = ours_cls(inputs, hidden, algorithm=algorithm, dtype=torch.float64, **kw)
@@ -55,8 +70,13 @@ def _check(cell, *, layers, bidirectional, bias, batch_first, batch, length, inp
             hx64 = (hx64, torch.randn(state_shape, dtype=torch.float64))
 
     def leaf(t, dt):
-        return None if t is None else (tuple(leaf(s, dt) for s in t) if isinstance(t, tuple) else
-                                       t.detach().to(dt).requires_grad_())  # fmt: skip
+        return (
+            None
+            if t is None
+            else (
+                tuple(leaf(s, dt) for s in t) if isinstance(t, tuple) else t.detach().to(dt).requires_grad_()
+            )
+        )
 
     truth = _grads(ref, leaf(x64, torch.float64), leaf(hx64, torch.float64), where)
     ours.to(dtype)
@@ -74,27 +94,77 @@ def _check(cell, *, layers, bidirectional, bias, batch_first, batch, length, inp
 @pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 33])
 @pytest.mark.parametrize("where", ["last", "every", "h_n"])
 def test_named_lengths_float64(cell, length, where):
-    _check(cell, layers=1, bidirectional=False, bias=True, batch_first=True, batch=3, length=length, inputs=4,
-           hidden=5, where=where, dtype=torch.float64, algorithm="chunked")  # fmt: skip
+    _check(
+        cell,
+        layers=1,
+        bidirectional=False,
+        bias=True,
+        batch_first=True,
+        batch=3,
+        length=length,
+        inputs=4,
+        hidden=5,
+        where=where,
+        dtype=torch.float64,
+        algorithm="chunked",
+    )
 
 
 @pytest.mark.parametrize("cell", list(PAIRS))
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked"])
 def test_stack_bidirectional_no_bias_time_major(cell, algorithm):
-    _check(cell, layers=3, bidirectional=True, bias=False, batch_first=False, batch=2, length=17, inputs=3,
-           hidden=4, where="every", dtype=torch.float64, algorithm=algorithm)  # fmt: skip
+    _check(
+        cell,
+        layers=3,
+        bidirectional=True,
+        bias=False,
+        batch_first=False,
+        batch=2,
+        length=17,
+        inputs=3,
+        hidden=4,
+        where="every",
+        dtype=torch.float64,
+        algorithm=algorithm,
+    )
 
 
 @pytest.mark.parametrize("cell", list(PAIRS))
 def test_float32_long_sequence(cell):
-    _check(cell, layers=1, bidirectional=False, bias=True, batch_first=True, batch=4, length=513, inputs=3,
-           hidden=20, where="last", dtype=torch.float32, algorithm="chunked")  # fmt: skip
+    _check(
+        cell,
+        layers=1,
+        bidirectional=False,
+        bias=True,
+        batch_first=True,
+        batch=4,
+        length=513,
+        inputs=3,
+        hidden=20,
+        where="last",
+        dtype=torch.float32,
+        algorithm="chunked",
+    )
 
 
 @pytest.mark.parametrize("cell", list(PAIRS))
 def test_unbatched_without_initial_state(cell):
-    _check(cell, layers=2, bidirectional=True, bias=True, batch_first=False, batch=1, length=5, inputs=2,
-           hidden=3, where="h_n", dtype=torch.float64, with_hx=False, unbatched=True, algorithm="blelloch")  # fmt: skip
+    _check(
+        cell,
+        layers=2,
+        bidirectional=True,
+        bias=True,
+        batch_first=False,
+        batch=1,
+        length=5,
+        inputs=2,
+        hidden=3,
+        where="h_n",
+        dtype=torch.float64,
+        with_hx=False,
+        unbatched=True,
+        algorithm="blelloch",
+    )
 
 
 def test_relu_nonlinearity():
@@ -121,15 +191,28 @@ def test_relu_nonlinearity():
     where=st.sampled_from(["last", "every", "h_n"]),
     dtype=st.sampled_from([torch.float64, torch.float32]),
 )
-def test_fuzz_against_torch(cell, layers, bidirectional, bias, batch_first, batch, length, inputs, hidden, where,
-                            dtype):  # fmt: skip
+def test_fuzz_against_torch(
+    cell, layers, bidirectional, bias, batch_first, batch, length, inputs, hidden, where, dtype
+):
     # keep each example small in total work: long sequences only with small batch and width
     if length > 40:
         batch, inputs, hidden, layers, bidirectional = min(batch, 2), min(inputs, 8), min(hidden, 8), 1, False
     elif batch * hidden > 512:
         hidden = max(1, 512 // batch)
-    _check(cell, layers=layers, bidirectional=bidirectional, bias=bias, batch_first=batch_first, batch=batch,
-           length=length, inputs=inputs, hidden=hidden, where=where, dtype=dtype, algorithm="chunked")  # fmt: skip
+    _check(
+        cell,
+        layers=layers,
+        bidirectional=bidirectional,
+        bias=bias,
+        batch_first=batch_first,
+        batch=batch,
+        length=length,
+        inputs=inputs,
+        hidden=hidden,
+        where=where,
+        dtype=dtype,
+        algorithm="chunked",
+    )
 
 
 def test_dropout_between_layers_uses_the_forward_mask():
