@@ -13,3 +13,4 @@ __all__ = ["BPPSAStrategy", "FactoredJacobians", "backprop_scan"]
 __version__ = "0.1.0"
 
 BPPSAStrategy.register_strategies()
+from lightning_bppsa._distributed_strategy import ModelParallelStrategy  # noqa: E402,F401  (registers "bppsa_model_parallel")
