@@ -1,0 +1,139 @@
+"""Recurrent layers on CPU: BPPSA (lightning_bppsa.nn) vs torch autograd, BPPSA Tables 4-6 for this machine.
+
+Per row, with the same weights in one process: forward only, forward + backward with autograd on the
+torch module, forward + backward with the BPPSA module (medians of ``torch.utils.benchmark``);
+backward = (forward + backward) - forward of the same module (the BPPSA forward includes the Jacobian
+preparation). Loss on the last step. Peak memory = resident-set growth
+during one forward + backward (``benchmarks/_common.peak_memory_bytes``).
+
+    flock /tmp/bppsa-bench.lock python benchmarks/rnn.py            # writes benchmarks/results/rnn-cpu.md
+    flock /tmp/bppsa-bench.lock python benchmarks/rnn.py --quick    # headline rows only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from pathlib import Path
+
+import torch
+from _common import machine_description, median_seconds, peak_memory_bytes
+from torch import nn
+
+from lightning_bppsa import nn as bnn
+
+HIDDEN = 20
+RESULTS = Path(__file__).parent / "results" / "rnn-cpu.md"
+
+
+def _pair(cell: str, inputs: int, algorithm: str) -> tuple[nn.Module, nn.Module]:
+    ours = getattr(bnn, cell)(inputs, HIDDEN, batch_first=True, algorithm=algorithm)
+    ref = getattr(nn, cell)(inputs, HIDDEN, batch_first=True)
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def _step(module: nn.Module, x: torch.Tensor):
+    def run() -> None:
+        module.zero_grad(set_to_none=True)
+        output, _ = module(x)
+        output[:, -1].pow(2).sum().backward()
+
+    return run
+
+
+def measure(cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float) -> dict:
+    """One row: times in seconds, memory in bytes, and the path the BPPSA module took."""
+    torch.manual_seed(0)
+    ours, ref = _pair(cell, inputs, algorithm)
+    x = torch.randn(batch, length, inputs)
+    x = (x > 0.5).float() if inputs == 1 else x  # the bitstream task of Sec. 4.1 for the RNN rows
+    forward = median_seconds(lambda: ref(x), min_run_time)
+    forward_bppsa = median_seconds(lambda: ours(x), min_run_time)  # includes the Jacobian preparation
+    auto = median_seconds(_step(ref, x), min_run_time)
+    scan = median_seconds(_step(ours, x), min_run_time)
+    return {
+        "forward": forward,
+        "forward_bppsa": forward_bppsa,
+        "autograd": auto,
+        "bppsa": scan,
+        "bwd_autograd": max(auto - forward, 1e-9),
+        "bwd_bppsa": max(scan - forward_bppsa, 1e-9),
+        "mem_autograd": peak_memory_bytes(_step(ref, x)),
+        "mem_bppsa": peak_memory_bytes(_step(ours, x)),
+        "path": ours.last_stats["path"],
+    }
+
+
+HEADER = (
+    "| cell | B | T | input | algorithm | path | forward ms autograd | forward ms BPPSA | autograd fwd+bwd ms | BPPSA fwd+bwd ms "
+    "| backward autograd ms | backward BPPSA ms | backward speedup | overall speedup "
+    "| peak MiB autograd | peak MiB BPPSA |\n|" + " --- |" * 16
+)
+
+
+def row(cell: str, batch: int, length: int, inputs: int, algorithm: str, r: dict) -> str:
+    ms, mib = 1e3, 2.0**-20
+    return (
+        f"| {cell} | {batch} | {length} | {inputs} | {algorithm} | {r['path']} | {r['forward'] * ms:.2f} | {r['forward_bppsa'] * ms:.2f} "
+        f"| {r['autograd'] * ms:.2f} | {r['bppsa'] * ms:.2f} | {r['bwd_autograd'] * ms:.2f} "
+        f"| {r['bwd_bppsa'] * ms:.2f} | {r['bwd_autograd'] / r['bwd_bppsa']:.2f}x "
+        f"| {r['autograd'] / r['bppsa']:.2f}x | {r['mem_autograd'] * mib:.1f} | {r['mem_bppsa'] * mib:.1f} |"
+    )
+
+
+HEADLINE = [  # (cell, B, T, input, algorithm): the targets, forced scan and "auto"
+    ("RNN", 16, 1000, 1, "chunked"),
+    ("RNN", 1, 1000, 1, "chunked"),
+    ("RNN", 16, 1000, 1, "auto"),
+    ("RNN", 1, 1000, 1, "auto"),
+    ("RNN", 16, 10000, 1, "chunked"),
+    ("RNN", 16, 10000, 1, "auto"),
+    ("GRU", 16, 259, 38, "chunked"),  # Table 6 S / M / L
+    ("GRU", 16, 517, 24, "chunked"),
+    ("GRU", 16, 1034, 12, "chunked"),
+    ("GRU", 16, 1034, 12, "auto"),
+    ("LSTM", 16, 1034, 12, "chunked"),
+    ("LSTM", 16, 1034, 12, "auto"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="headline rows only")
+    parser.add_argument("--min-run-time", type=float, default=0.3)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    lines = [
+        "# Recurrent layers on CPU: BPPSA vs autograd (BPPSA Tables 4-6 for this machine)",
+        "",
+        f"Machine: {machine_description()}. Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC "
+        "with `benchmarks/rnn.py` under `flock /tmp/bppsa-bench.lock`; the machine is shared, other processes "
+        "(other engineers' tests) may have been running.",
+        "",
+        f"Hidden {HIDDEN}, 1 layer, float32, loss on the last step. backward = (fwd+bwd) - forward of the same module (BPPSA forward includes Jacobian preparation), medians "
+        "of torch.utils.benchmark. Peak = resident-set growth during one forward + backward.",
+        "",
+        "## Headline rows (targets)",
+        "",
+        HEADER,
+    ]
+    for cell, batch, length, inputs, algorithm in HEADLINE:
+        r = measure(cell, batch, length, inputs, algorithm, args.min_run_time)
+        lines.append(row(cell, batch, length, inputs, algorithm, r))
+        print(lines[-1], flush=True)
+    if not args.quick:
+        lines += ["", "## RNN grid, algorithm 'auto' (Tables 4-5)", "", HEADER]
+        for length in (10, 30, 100, 300, 1000, 3000, 10000):
+            for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                r = measure("RNN", batch, length, 1, "auto", min_run_time=0.1)
+                lines.append(row("RNN", batch, length, 1, "auto", r))
+                print(lines[-1], flush=True)
+    lines += ["", f"Total benchmark time: {time.perf_counter() - start:.0f} s.", ""]
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
