@@ -67,7 +67,8 @@ def measure(cell: str, batch: int, length: int, inputs: int, algorithm: str, min
 
 
 HEADER = (
-    "| cell | B | T | input | algorithm | path | forward ms autograd | forward ms BPPSA | autograd fwd+bwd ms | BPPSA fwd+bwd ms "
+    "| cell | B | T | input | algorithm | path | forward ms autograd | forward ms BPPSA "
+    "| autograd fwd+bwd ms | BPPSA fwd+bwd ms "
     "| backward autograd ms | backward BPPSA ms | backward speedup | overall speedup "
     "| peak MiB autograd | peak MiB BPPSA |\n|" + " --- |" * 16
 )
@@ -76,7 +77,8 @@ HEADER = (
 def row(cell: str, batch: int, length: int, inputs: int, algorithm: str, r: dict) -> str:
     ms, mib = 1e3, 2.0**-20
     return (
-        f"| {cell} | {batch} | {length} | {inputs} | {algorithm} | {r['path']} | {r['forward'] * ms:.2f} | {r['forward_bppsa'] * ms:.2f} "
+        f"| {cell} | {batch} | {length} | {inputs} | {algorithm} | {r['path']} "
+        f"| {r['forward'] * ms:.2f} | {r['forward_bppsa'] * ms:.2f} "
         f"| {r['autograd'] * ms:.2f} | {r['bppsa'] * ms:.2f} | {r['bwd_autograd'] * ms:.2f} "
         f"| {r['bwd_bppsa'] * ms:.2f} | {r['bwd_autograd'] / r['bwd_bppsa']:.2f}x "
         f"| {r['autograd'] / r['bppsa']:.2f}x | {r['mem_autograd'] * mib:.1f} | {r['mem_bppsa'] * mib:.1f} |"
@@ -108,12 +110,13 @@ def main() -> None:
     lines = [
         "# Recurrent layers on CPU: BPPSA vs autograd (BPPSA Tables 4-6 for this machine)",
         "",
-        f"Machine: {machine_description()}. Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC "
-        "with `benchmarks/rnn.py` under `flock /tmp/bppsa-bench.lock`; the machine is shared, other processes "
+        f"Machine: {machine_description()}. "
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/rnn.py` "
+        "under `flock /tmp/bppsa-bench.lock`; the machine is shared, other processes "
         "(other engineers' tests) may have been running.",
         "",
-        f"Hidden {HIDDEN}, 1 layer, float32, loss on the last step. backward = (fwd+bwd) - forward of the same module (BPPSA forward includes Jacobian preparation), medians "
-        "of torch.utils.benchmark. Peak = resident-set growth during one forward + backward.",
+        f"Hidden {HIDDEN}, 1 layer, float32, loss on the last step. backward = (fwd+bwd) - forward of the "
+        "same module (the BPPSA forward includes the Jacobian preparation), medians of torch.utils.benchmark. Peak = resident-set growth during one forward + backward.",
         "",
         "## Headline rows (targets)",
         "",
