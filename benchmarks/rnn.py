@@ -116,8 +116,8 @@ def main() -> None:
         "(other engineers' tests) may have been running.",
         "",
         f"Hidden {HIDDEN}, 1 layer, float32, loss on the last step. backward = (fwd+bwd) - forward of the "
-        "same module (the BPPSA forward includes the Jacobian preparation), medians of torch.utils.benchmark. "
-        "Peak = resident-set growth during one forward + backward.",
+        "same module (the BPPSA forward includes the Jacobian preparation), medians of "
+        "torch.utils.benchmark. Peak = resident-set growth during one forward + backward.",
         "",
         "## Headline rows (targets)",
         "",
