@@ -127,11 +127,11 @@ def _exclusive_scan(summary: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         if rank + span < world:
             src = dist.get_global_rank(group, rank + span) if group is not None else rank + span
             incoming = torch.empty_like(running)
-            _wait(dist.irecv(incoming, src=src, group=group).wait, f"receiving from rank {rank + span}", k)
+            _wait(dist.irecv(incoming, src=src, group=group).wait, f"receiving from rank {src}", k)
             beyond = incoming if beyond is None else _compose(beyond, incoming)
             running = _compose(summary, beyond)
         if sent is not None:
-            _wait(sent.wait, f"sending to rank {rank - span}", k)
+            _wait(sent.wait, f"sending to rank {dst}", k)
     if beyond is None:
         return summary.new_zeros(summary.shape[0], d)
     return beyond[:, d]
@@ -192,7 +192,7 @@ def backprop_scan(
     grad: Tensor | None,
     *,
     group: dist.ProcessGroup | None = None,
-    algorithm: str = "auto",
+    algorithm: str = "linear",
 ) -> Tensor:
     """Gradients w.r.t. this rank's states of a chain split over the ranks of ``group``.
 
@@ -210,7 +210,8 @@ def backprop_scan(
             gradients are ``cat([δ_0[:, :-1], δ_1[:, :-1], ..., δ_{p-1}], dim=1)``. ``None`` means zeros.
             On the last rank ``(B, d)`` is the gradient of the loss w.r.t. ``x_N`` alone.
         group: the process group (default: the world).
-        algorithm: the single-process algorithm for the local down-sweep (see ``scan.backprop_scan``).
+        algorithm: the single-process algorithm for the local down-sweep (see ``scan.backprop_scan``);
+            ``"linear"`` (matrix-vector steps) is the cheapest for one core per rank.
 
     Returns:
         ``(B, n_local + 1, d)`` with ``out[:, j] = ∇_{x_{s_r+j}} l``. The shared boundary state is
