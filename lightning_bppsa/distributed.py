@@ -7,7 +7,7 @@ Back-propagation (row form, as in :mod:`lightning_bppsa.scan`) is ``g_{i-1} = g_
 
 Three phases, ``Θ(n/p + log p)`` steps and ``O(n/p)`` memory per rank:
 
-1. **Local reduce.** Rank ``r`` folds its segment into one affine summary ``X_r = [C_r; b_r]``
+1. **Local reduce.** Rank ``r > 0`` folds its segment into one affine summary ``X_r = [C_r; b_r]``
    (``(d + 1) x d`` per sample): for ``h``, the gradient arriving at its right boundary from the ranks
    to its right, ``g_{s_r} = h C_r + b_r`` with ``C_r = J_{s_{r+1}} ··· J_{s_r + 1}`` and ``b_r``
    collecting the rank's own direct gradients (a boundary state's belongs to the rank on its right).
@@ -112,29 +112,32 @@ def _compose(left: Tensor, right: Tensor) -> Tensor:
     return out
 
 
-def _exclusive_scan(summary: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """``h_r``, the offset of the composite of ranks ``r + 1 .. p - 1`` (zeros on the last rank)."""
+def _exclusive_scan(summary: Tensor | None, direct: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``h_r: (B, d)``, the offset of the composite of ranks ``r + 1 .. p - 1`` (zeros on the last rank).
+
+    ``summary`` is this rank's ``(B, d + 1, d)`` ``X_r``, or ``None`` on rank 0, whose composite no
+    rank needs; ``direct`` (``(B, n + 1, d)``) gives the batch, width, dtype and device.
+    """
+    batch, _, d = direct.shape
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    d = summary.shape[-1]
-    running = summary.contiguous()  # composite of ranks r .. r + 2^k - 1
+    running = summary  # composite of ranks r .. r + 2^k - 1
     beyond: Tensor | None = None  # composite of ranks r + 1 .. r + 2^k - 1 (None: empty)
     for k in range(scan_rounds(world)):
         span = 1 << k
         sent = None
         if rank - span >= 0:
             dst = dist.get_global_rank(group, rank - span) if group is not None else rank - span
-            sent = dist.isend(running, dst=dst, group=group)
+            sent = dist.isend(running.contiguous(), dst=dst, group=group)
         if rank + span < world:
             src = dist.get_global_rank(group, rank + span) if group is not None else rank + span
-            incoming = torch.empty_like(running)
+            incoming = direct.new_empty(batch, d + 1, d)
             _wait(dist.irecv(incoming, src=src, group=group).wait, f"receiving from rank {src}", k)
             beyond = incoming if beyond is None else _compose(beyond, incoming)
-            running = _compose(summary, beyond)
+            if summary is not None:
+                running = _compose(summary, beyond)
         if sent is not None:
             _wait(sent.wait, f"sending to rank {dst}", k)
-    if beyond is None:
-        return summary.new_zeros(summary.shape[0], d)
-    return beyond[:, d]
+    return direct.new_zeros(batch, d) if beyond is None else beyond[:, d]
 
 
 def _wait(call: callable, what: str, round_: int) -> None:
@@ -236,9 +239,13 @@ def backprop_scan(
         raise ValueError("every rank must hold at least one step (n_local >= 1)")
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
     direct = _local_direct(grad, n, d, like, last)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return _local_scan(jacobians_t_local, direct, algorithm=algorithm)
     compute = torch.float32 if direct.dtype in (torch.float16, torch.bfloat16) else direct.dtype
-    summary = segment_summary(_cast(jacobians_t_local, compute), direct.to(compute))
-    incoming = _exclusive_scan(summary, group).to(direct.dtype)
+    direct_c = direct.to(compute)
+    summary = segment_summary(_cast(jacobians_t_local, compute), direct_c) if rank > 0 else None
+    incoming = _exclusive_scan(summary, direct_c, group).to(direct.dtype)
     direct = direct.clone()
     direct[:, n] += incoming
     return _local_scan(jacobians_t_local, direct, algorithm=algorithm)
