@@ -48,7 +48,10 @@ def _mmap_threshold(nbytes: int) -> None:
     """glibc's mmap threshold. ``_common`` pins it at 64 KiB so that resident-set peaks are exact; that
     also makes every large temporary a fresh mmap + page faults + munmap, which glibc's default
     (adaptive) threshold avoids. Times are taken with a high threshold, memory with 64 KiB."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD: give freed heap tops back
+    libc.malloc_trim(0)
 
 
 def measure(cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float) -> dict:
@@ -57,14 +60,14 @@ def measure(cell: str, batch: int, length: int, inputs: int, algorithm: str, min
     ours, ref = _pair(cell, inputs, algorithm)
     x = torch.randn(batch, length, inputs)
     x = (x > 0.5).float() if inputs == 1 else x  # the bitstream task of Sec. 4.1 for the RNN rows
-    # memory first: once the high threshold has let the heap grow, freed heap pages hide later peaks
+    # memory first, with the heap trimmed: freed heap pages reused later would hide the peaks
+    _mmap_threshold(64 * 2**10)
     memory = peak_memory_bytes(_step(ref, x)), peak_memory_bytes(_step(ours, x))
     _mmap_threshold(32 * 2**20)
     forward = median_seconds(lambda: ref(x), min_run_time)
     forward_bppsa = median_seconds(lambda: ours(x), min_run_time)  # includes the Jacobian preparation
     auto = median_seconds(_step(ref, x), min_run_time)
     scan = median_seconds(_step(ours, x), min_run_time)
-    _mmap_threshold(64 * 2**10)
     return {
         "forward": forward,
         "forward_bppsa": forward_bppsa,
