@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 __all__ = ["Machine", "MACHINES", "choose", "predict_seconds", "recurrent_path"]
 
@@ -108,6 +109,7 @@ _SCAN_FIXED_OPS = 40  # Jacobian recompute, direct gradients, parameter GEMMs: i
 _ELEMENTWISE_BYTES_PER_S = 2e9  # element-wise passes over (B, n, G H) in the forward and backward
 
 
+@lru_cache(maxsize=1024)  # called on every forward; shapes repeat from batch to batch
 def recurrent_path(mode: str, *, n: int, hidden: int, batch: int, device: str) -> str:
     """``"scan"`` or ``"autograd"``: which backward a recurrent layer should use (``algorithm="auto"``).
 
