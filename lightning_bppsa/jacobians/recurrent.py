@@ -49,7 +49,6 @@ def rnn_jacobians(out: Tensor, w_hh: Tensor, nonlinearity: str) -> FactoredJacob
 def gru_jacobians(
     x: Tensor,
     h_prev: Tensor,
-    out: Tensor,
     w_ih: Tensor,
     w_hh: Tensor,
     b_ih: Tensor | None,

@@ -65,7 +65,7 @@ class LayerFunction(torch.autograd.Function):
             jac = rnn_jacobians(out, w_hh, mode[4:].lower())
             saved = (jac.scales,)
         elif mode == "GRU":
-            jac, local = gru_jacobians(x, h_prev, out, w_ih, w_hh, b_ih, b_hh)
+            jac, local = gru_jacobians(x, h_prev, w_ih, w_hh, b_ih, b_hh)
             saved = (jac.scales, jac.diagonal, local)
         else:
             lj = lstm_jacobians(x, h_prev, c0, w_ih, w_hh, b_ih, b_hh)

@@ -46,9 +46,6 @@ class _ScanRecurrent:
         self.algorithm = algorithm
         self.last_stats: dict[str, Any] = {}
 
-    def _scan_mode(self) -> str:
-        return self.mode
-
     def forward(self, input: Tensor, hx: Any = None):  # noqa: A002  (torch's argument name)
         if isinstance(input, PackedSequence):
             raise NotImplementedError(
@@ -65,7 +62,7 @@ class _ScanRecurrent:
             path = "autograd"
         elif self.algorithm == "auto":
             path = cost_model.recurrent_path(
-                self._scan_mode(), n=length, hidden=self.hidden_size, batch=batch, device=input.device.type
+                self.mode, n=length, hidden=self.hidden_size, batch=batch, device=input.device.type
             )
         self.last_stats = {
             "path": path,
@@ -96,7 +93,7 @@ class _ScanRecurrent:
                 raise ValueError(f"hx must have shape {expected}; got {tuple(s.shape)}")
             full.append(s)
         h0, c0 = full[0], (full[1] if is_lstm else None)
-        mode, stats = self._scan_mode(), self.last_stats
+        mode, stats = self.mode, self.last_stats
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             if layer > 0 and self.dropout > 0 and self.training:
@@ -138,9 +135,6 @@ class RNN(_ScanRecurrent, nn.RNN):
     def __init__(self, *args: Any, algorithm: str = "auto", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_scan(algorithm)
-
-    def _scan_mode(self) -> str:
-        return "RNN_TANH" if self.nonlinearity == "tanh" else "RNN_RELU"
 
 
 class GRU(_ScanRecurrent, nn.GRU):
