@@ -201,7 +201,8 @@ def _report(rows: list[dict], load: tuple[float, float]) -> str:
         "local work (~470 steps) still dominates; at p = 1024 (~30 steps per rank) the 10 message "
         "rounds are about half of the predicted time, and the pipeline's 1023 hand-offs add to its "
         "T sequential steps. The model assumes one free core per rank and a per-message cost that "
-        "does not grow with p (true for loopback here; NCCL over NVLink is ~10x cheaper per message, "
+        "does not grow with p (an assumption: here p = 4's ping-pong was ~2x slower, from oversubscription; "
+        "NCCL over NVLink is ~10x cheaper per message, "
         "TCP across nodes similar or dearer). Memory per rank is the segment's factors and states, "
         "O(B T H / p), plus one (B, H + 1, H) summary per round.",
         "",
