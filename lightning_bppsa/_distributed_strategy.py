@@ -64,13 +64,19 @@ class _SplitSequence(torch.autograd.Function):
         x_seg = x[:, start:stop]
         batch, hidden = x.shape[0], rnn.hidden_size
         h_start = x.new_zeros(1, batch, hidden) if h0 is None else h0.reshape(1, batch, hidden).clone()
-        if rank > 0:
-            dist.recv(h_start, src=rank - 1)
-        output, h_stop = nn.RNN.forward(rnn, x_seg, h_start)
-        if rank < world - 1:
-            dist.send(h_stop.contiguous(), dst=rank + 1)
-        h_last = h_stop.contiguous()
-        dist.broadcast(h_last, src=world - 1)
+        try:
+            if rank > 0:
+                dist.recv(h_start, src=rank - 1)
+            output, h_stop = nn.RNN.forward(rnn, x_seg, h_start)
+            if rank < world - 1:
+                dist.send(h_stop.contiguous(), dst=rank + 1)
+            h_last = h_stop.contiguous()
+            dist.broadcast(h_last, src=world - 1)
+        except RuntimeError as error:  # gloo / NCCL report a dead or silent peer as RuntimeError
+            raise distributed.DistributedScanError(
+                f"bppsa_model_parallel forward, rank {rank}: passing the hidden state between ranks failed "
+                f"(a peer died or did not answer within the process group's timeout): {error}"
+            ) from error
         ctx.rnn, ctx.last = rnn, rank == world - 1
         ctx.save_for_backward(x_seg, torch.cat([h_start.transpose(0, 1), output], dim=1))
         return h_last
