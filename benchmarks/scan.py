@@ -39,7 +39,7 @@ def measure_row(kind: str, batch: int, n: int, d: int, min_run_time: float) -> d
     grad = torch.randn(batch, d)
     row = {"kind": kind, "B": batch, "n": n}
     for algorithm in ALGORITHMS:
-        fn = lambda: backprop_scan(jac, grad, algorithm=algorithm)  # noqa: E731
+        fn = lambda a=algorithm: backprop_scan(jac, grad, algorithm=a)  # noqa: E731
         row[f"{algorithm}_ms"] = median_seconds(fn, min_run_time) * 1e3
         row[f"{algorithm}_mib"] = peak_memory_bytes(fn) / 2**20
     width = None if kind == "dense" else d

@@ -318,6 +318,17 @@ def _validate_factored(jac: FactoredJacobians, grad: Tensor) -> tuple[int, int, 
     return batch, n, d, m
 
 
+def _promote_factored(jac: FactoredJacobians, grad: Tensor) -> FactoredJacobians:
+    """Under autocast the factors may come in mixed floating dtypes: compute in ``grad``'s dtype."""
+    parts = [jac.weight, jac.scales] + ([jac.diagonal] if jac.diagonal is not None else [])
+    if not isinstance(grad, Tensor) or not all(t.is_floating_point() for t in [*parts, grad]):
+        return jac
+    if all(t.dtype == grad.dtype for t in parts):
+        return jac
+    diagonal = None if jac.diagonal is None else jac.diagonal.to(grad.dtype)
+    return FactoredJacobians(jac.weight.to(grad.dtype), jac.scales.to(grad.dtype), diagonal)
+
+
 def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "auto") -> Tensor:
     """Gradients w.r.t. every state of a chain, computed as a (parallel) scan. BPPSA Eq. 3-5.
 
@@ -344,6 +355,7 @@ def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "aut
 
         return sparse_backprop_scan(jacobians_t, grad, algorithm=algorithm)
     if isinstance(jacobians_t, FactoredJacobians):
+        jacobians_t = _promote_factored(jacobians_t, grad)
         batch, n, d, m = _validate_factored(jacobians_t, grad)
         algorithm, chunk = cost_model.choose(algorithm, n=n, d=d, batch=batch, width=m, device=grad.device.type)
         jac = jacobians_t

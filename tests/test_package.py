@@ -3,10 +3,10 @@
 import importlib
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,8 +27,9 @@ def test_import_does_not_load_cupy_or_initialise_cuda():
 
 
 def test_strategy_registered_and_reimport_never_raises():
-    import lightning_bppsa
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_bppsa
 
     assert "bppsa" in StrategyRegistry
     importlib.reload(importlib.import_module("lightning_bppsa.strategy"))
@@ -55,7 +56,7 @@ def test_every_source_folder_is_shipped():
         top = rel.parts[0]
         dotted = ".".join(rel.parts) if top == "lightning_bppsa" else ".".join(("lightning_bppsa", *rel.parts))
         assert dotted in shipped, f"{rel} is not listed in [tool.setuptools] packages"
-    for pattern_owner, patterns in config["package-data"].items():
+    for pattern_owner in config["package-data"]:
         assert pattern_owner in shipped
     assert list((ROOT / "recipes").glob("*.yaml")) == [] or "*.yaml" in config["package-data"]["lightning_bppsa.recipes"]
 
