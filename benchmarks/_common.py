@@ -19,19 +19,21 @@ def median_seconds(fn: Callable[[], object], min_run_time: float = 0.2) -> float
     return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
-def _fix_mmap_threshold() -> None:
-    """Make glibc serve every allocation >= 64 KiB with mmap and give it back on free.
-
-    Otherwise glibc raises its mmap threshold after the first large free and later tensors reuse
-    heap pages that are already resident, which hides them from the resident-set high-water mark.
-    """
+def _mmap_threshold(nbytes: int) -> None:
+    """Set glibc's mmap threshold (allocations of at least ``nbytes`` are mmap'ed and unmapped on free)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        pass
+        return
+    libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD: give freed heap tops back
+    libc.malloc_trim(0)
 
 
-_fix_mmap_threshold()
+#: Timing runs with a high threshold: a low one makes every large temporary a fresh mmap + page faults
+#: + munmap (~3x slower scans), which glibc's default adaptive threshold avoids.
+_TIMING_THRESHOLD = 32 * 2**20
+_mmap_threshold(_TIMING_THRESHOLD)
 
 
 def _status_kib(field: str) -> int:
@@ -44,14 +46,20 @@ def peak_memory_bytes(fn: Callable[[], object]) -> int:
     """Peak resident memory added while ``fn()`` runs (Linux: VmHWM reset via /proc/self/clear_refs).
 
     Large tensors are mmap'ed by the allocator and given back on free, so the high-water mark of
-    the resident set follows torch's CPU allocations to page granularity.
+    the resident set follows torch's CPU allocations to page granularity. For that, glibc's mmap
+    threshold is lowered to 64 KiB while ``fn()`` runs (otherwise freed heap pages that are still
+    resident would be reused unseen) and raised back for timing afterwards.
     """
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # reset the resident-set high-water mark
-    base = _status_kib("VmRSS")
-    fn()
-    return max(_status_kib("VmHWM") - base, 0) * 1024
+    _mmap_threshold(64 * 2**10)
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # reset the resident-set high-water mark
+        base = _status_kib("VmRSS")
+        fn()
+        return max(_status_kib("VmHWM") - base, 0) * 1024
+    finally:
+        _mmap_threshold(_TIMING_THRESHOLD)
 
 
 def machine_description() -> str:

@@ -13,7 +13,6 @@ during one forward + backward (``benchmarks/_common.peak_memory_bytes``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import time
 from pathlib import Path
@@ -44,26 +43,13 @@ def _step(module: nn.Module, x: torch.Tensor):
     return run
 
 
-def _mmap_threshold(nbytes: int) -> None:
-    """glibc's mmap threshold. ``_common`` pins it at 64 KiB so that resident-set peaks are exact; that
-    also makes every large temporary a fresh mmap + page faults + munmap, which glibc's default
-    (adaptive) threshold avoids. Times are taken with a high threshold, memory with 64 KiB."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD: give freed heap tops back
-    libc.malloc_trim(0)
-
-
 def measure(cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float) -> dict:
     """One row: times in seconds, memory in bytes, and the path the BPPSA module took."""
     torch.manual_seed(0)
     ours, ref = _pair(cell, inputs, algorithm)
     x = torch.randn(batch, length, inputs)
     x = (x > 0.5).float() if inputs == 1 else x  # the bitstream task of Sec. 4.1 for the RNN rows
-    # memory first, with the heap trimmed: freed heap pages reused later would hide the peaks
-    _mmap_threshold(64 * 2**10)
     memory = peak_memory_bytes(_step(ref, x)), peak_memory_bytes(_step(ours, x))
-    _mmap_threshold(32 * 2**20)
     forward = median_seconds(lambda: ref(x), min_run_time)
     forward_bppsa = median_seconds(lambda: ours(x), min_run_time)  # includes the Jacobian preparation
     auto = median_seconds(_step(ref, x), min_run_time)
