@@ -8,6 +8,7 @@ during one forward + backward (``benchmarks/_common.peak_memory_bytes``).
 
     flock /tmp/bppsa-bench.lock python benchmarks/rnn.py            # writes benchmarks/results/rnn-cpu.md
     flock /tmp/bppsa-bench.lock python benchmarks/rnn.py --quick    # headline rows only
+    lightning-bppsa bench rnn|gru [--quick]                         # the grid via bench_rows, with plots
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from _common import machine_description, median_seconds, peak_memory_bytes
@@ -102,6 +105,56 @@ HEADLINE = [  # (cell, B, T, input, algorithm): the targets, forced scan and "au
 ]
 
 
+#: ``bench_rows`` grids (T, B): the full one is Tables 4-5's coarse grid; the quick one runs in seconds
+GRID_LENGTHS, GRID_BATCHES = (10, 30, 100, 300, 1000, 3000, 10000), (1, 4, 16, 64, 256)
+QUICK_LENGTHS, QUICK_BATCHES = (8, 24), (1, 4)
+#: input width per cell in ``bench_rows``: the bitstream (Sec. 4.1) for RNN, Table 6's L config for GRU/LSTM
+BENCH_INPUTS = {"RNN": 1, "GRU": 12, "LSTM": 12}
+
+
+def bench_rows(
+    *,
+    quick: bool = False,
+    cell: str = "rnn",
+    lengths: Sequence[int] | None = None,
+    batches: Sequence[int] | None = None,
+    inputs: int | None = None,
+    algorithm: str = "auto",
+    min_run_time: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Rows for ``lightning-bppsa bench rnn|gru`` (contract: ``lightning_bppsa.cli.BENCHMARKS``).
+
+    One :func:`measure` per grid point ``(T, B)`` and two rows from it, ``method`` ``"autograd"`` and
+    ``"bppsa"``, each with ``backward_s``, ``forward_s``, ``step_s`` (forward + backward) in seconds,
+    ``peak_bytes``, and ``cell``, ``input``, ``algorithm``, ``path`` (what the BPPSA module ran).
+
+    Args:
+        quick: the small grid :data:`QUICK_LENGTHS` x :data:`QUICK_BATCHES` with short timings.
+        cell: ``"rnn"``, ``"gru"`` or ``"lstm"``.
+        lengths, batches: the grid (default :data:`GRID_LENGTHS` x :data:`GRID_BATCHES`, or the quick one).
+        inputs: input features (default :data:`BENCH_INPUTS` of the cell).
+        algorithm: the BPPSA module's ``algorithm``.
+        min_run_time: seconds per timing (default 0.1, quick 0.01).
+    """
+    name = cell.upper()
+    lengths = lengths or (QUICK_LENGTHS if quick else GRID_LENGTHS)
+    batches = batches or (QUICK_BATCHES if quick else GRID_BATCHES)
+    inputs = inputs or BENCH_INPUTS[name]
+    min_run_time = min_run_time if min_run_time is not None else (0.01 if quick else 0.1)
+    for length in lengths:
+        for batch in batches:
+            r = measure(name, batch, length, inputs, algorithm, min_run_time)
+            point = {"T": length, "B": batch, "cell": name, "input": inputs, "algorithm": algorithm}
+            yield {
+                "method": "autograd", **point, "path": "autograd", "backward_s": r["bwd_autograd"],
+                "forward_s": r["forward"], "step_s": r["autograd"], "peak_bytes": r["mem_autograd"],
+            }  # fmt: skip
+            yield {
+                "method": "bppsa", **point, "path": r["path"], "backward_s": r["bwd_bppsa"],
+                "forward_s": r["forward_bppsa"], "step_s": r["bppsa"], "peak_bytes": r["mem_bppsa"],
+            }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="headline rows only")
@@ -131,8 +184,8 @@ def main() -> None:
         print(lines[-1], flush=True)
     if not args.quick:
         lines += ["", "## RNN grid, algorithm 'auto' (Tables 4-5)", "", HEADER]
-        for length in (10, 30, 100, 300, 1000, 3000, 10000):
-            for batch in (1, 4, 16, 64, 256) if args.coarse else (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for length in GRID_LENGTHS:
+            for batch in GRID_BATCHES if args.coarse else (1, 2, 4, 8, 16, 32, 64, 128, 256):
                 r = measure("RNN", batch, length, 1, "auto", min_run_time=0.1)
                 lines.append(row("RNN", batch, length, 1, "auto", r))
                 print(lines[-1], flush=True)

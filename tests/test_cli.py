@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import sys
 import textwrap
 from pathlib import Path
@@ -151,3 +152,42 @@ def test_bench_rejects_a_script_without_the_contract(tmp_path: Path) -> None:
     (tmp_path / "vgg.py").write_text("x = 1\n")
     with pytest.raises(cli.CLIError, match="defines no bench_rows"):
         cli.bench("vgg", benchmarks_dir=str(tmp_path))
+
+
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize(("name", "cell", "points"), [("rnn", "RNN", 4), ("gru", "GRU", 4), ("vgg", None, 2)])
+def test_bench_runs_the_real_scripts_quick(
+    tmp_path: Path, name: str, cell: str | None, points: int, capsys: pytest.CaptureFixture
+) -> None:
+    cli.main(["bench", name, "--quick", "--benchmarks-dir", str(BENCHMARKS_DIR), "--out", str(tmp_path)])
+    with open(tmp_path / f"bench-{name}.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 2 * points
+    grid = {(row["T"], row["B"]) for row in rows}
+    assert len(grid) == points
+    for point in grid:
+        methods = sorted(row["method"] for row in rows if (row["T"], row["B"]) == point)
+        assert methods == ["autograd", "bppsa"], point
+    for row in rows:
+        for key in ("backward_s", "forward_s", "step_s"):
+            assert 0 < float(row[key]) < 60, (key, row)
+        assert int(row["peak_bytes"]) >= 0 and int(row["T"]) >= 1 and int(row["B"]) >= 1
+        if cell is not None:
+            assert row["cell"] == cell and row["path"] in ("scan", "autograd")
+        else:
+            assert row["T"] == "21" and row["weights"] == "pruned 97%"
+    table = (tmp_path / f"bench-{name}.md").read_text()
+    assert table.count("x |") == points and table in capsys.readouterr().out + "\n"
+    assert (tmp_path / f"bench-{name}-vs-invB.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / f"bench-{name}-vs-T.png").exists() == (cell is not None)  # VGG's T is fixed
+
+
+def test_rnn_bench_rows_forced_scan_takes_the_scan_path() -> None:
+    module = cli._load_script(BENCHMARKS_DIR / "rnn.py")
+    rows = list(
+        module.bench_rows(cell="rnn", lengths=(12,), batches=(3,), algorithm="chunked", min_run_time=0)
+    )
+    bppsa = next(row for row in rows if row["method"] == "bppsa")
+    assert bppsa["path"] == "scan" and bppsa["algorithm"] == "chunked" and bppsa["backward_s"] > 0
