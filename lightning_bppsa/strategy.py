@@ -24,11 +24,16 @@ from typing_extensions import override
 
 from lightning_bppsa.gradcheck import gradient_difference
 from lightning_bppsa.nn import ConversionRecord, convert
+from lightning_bppsa.nn.convert import is_converted
 from lightning_bppsa.scan import ALGORITHMS
 
 __all__ = ["BPPSAStrategy", "format_conversion_table"]
 
 log = logging.getLogger(__name__)
+
+# the report of the model's first conversion, kept on the model itself so that a later connect (validate /
+# test / predict after fit, by this strategy or a new Trainer's) re-logs it instead of "already converted"
+_REPORT_ATTR = "_bppsa_conversion_report"
 
 
 def format_conversion_table(records: Sequence[ConversionRecord]) -> str:
@@ -41,6 +46,14 @@ def format_conversion_table(records: Sequence[ConversionRecord]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "BPPSA conversion:\n" + "\n".join(lines)
+
+
+def _with_earlier_reasons(
+    report: Sequence[ConversionRecord], earlier: Sequence[ConversionRecord]
+) -> list[ConversionRecord]:
+    """``report`` with each already-converted module's row replaced by the row of its first conversion."""
+    first = {record.path: record for record in earlier if record.scanned}
+    return [first.get(r.path, r) if r.already_converted else r for r in report]
 
 
 class BPPSAStrategy(SingleDeviceStrategy):
@@ -102,8 +115,10 @@ class BPPSAStrategy(SingleDeviceStrategy):
         if convert(model, modules=self.modules, report=report) is not model:
             raise TypeError("the LightningModule itself cannot be replaced by convert()")
         for module in model.modules():
-            if type(module).__module__.startswith("lightning_bppsa.nn") and hasattr(module, "algorithm"):
+            if is_converted(module) and hasattr(module, "algorithm"):
                 module.algorithm = self.algorithm
+        report = _with_earlier_reasons(report, getattr(model, _REPORT_ATTR, ()))
+        setattr(model, _REPORT_ATTR, report)
         self.conversion_report = report
         rank_zero_info(format_conversion_table(report))
         super().connect(model)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Conversion", "ConversionRecord", "convert", "register_converter"]
+__all__ = ["Conversion", "ConversionRecord", "convert", "is_converted", "register_converter"]
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,17 @@ class Conversion:
 
 @dataclass(frozen=True)
 class ConversionRecord:
-    """One row of the conversion table: where a module's backward runs, and why."""
+    """One row of the conversion table: where a module's backward runs, and why.
+
+    ``already_converted`` marks a module that was a BPPSA module before this ``convert`` call (converted
+    earlier, e.g. by a previous ``Trainer.fit``, or built from ``lightning_bppsa.nn`` directly).
+    """
 
     path: str
     module_type: str
     scanned: bool
     reason: str
+    already_converted: bool = False
 
 
 Converter = Callable[[nn.Module], "Conversion | None"]
@@ -44,6 +49,14 @@ def register_converter(converter: Converter) -> Converter:
     if converter not in _CONVERTERS:
         _CONVERTERS.append(converter)
     return converter
+
+
+def is_converted(module: nn.Module) -> bool:
+    """Whether ``module`` is already a BPPSA module (an instance of a ``lightning_bppsa.nn`` class or of a
+    subclass of one), whose backward runs through the scan."""
+    # by defining package rather than a registry: classes built directly by users count too, even before
+    # any converter has run in this process
+    return any(cls.__module__.startswith("lightning_bppsa.nn.") for cls in type(module).__mro__)
 
 
 def _convert_one(module: nn.Module) -> Conversion | None:
@@ -63,7 +76,8 @@ def convert(
         model: any ``nn.Module``; if ``model`` itself is supported, the replacement is returned.
         modules: qualified names (as in ``model.named_modules()``) to restrict conversion to; ``None``
             converts every supported module.
-        report: if given, one :class:`ConversionRecord` per module a converter looked at is appended.
+        report: if given, one :class:`ConversionRecord` per module a converter looked at is appended,
+            and one (``scanned``, ``already_converted``) per module that already was a BPPSA module.
 
     Returns:
         The converted model (the same object unless ``model`` itself was replaced).
@@ -85,6 +99,14 @@ def convert(
 
 
 def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list | None) -> nn.Module:
+    if is_converted(module):
+        # converting twice (e.g. Trainer.validate after Trainer.fit) must keep it, and say it runs through
+        # the scan: listed whatever ``wanted`` says, since the table tells where every backward runs
+        if report is not None:
+            name = type(module).__name__
+            reason = f"{name}: already a BPPSA module; backward through the scan"
+            report.append(ConversionRecord(path or "<root>", name, True, reason, already_converted=True))
+        return module
     answer = _convert_one(module) if wanted is None or path in wanted else None
     if answer is not None:
         if report is not None:

@@ -242,6 +242,50 @@ def test_validation_and_predict_loops_run():
     t.validate(model, loader(), verbose=False)
 
 
+def logged_tables(monkeypatch):
+    """The conversion tables the strategy logs, in order."""
+    tables = []
+    monkeypatch.setattr(lightning_bppsa.strategy, "rank_zero_info", lambda message, *a, **k: tables.append(message))
+    return tables
+
+
+@pytest.mark.parametrize("same_trainer", [True, False])
+def test_validate_after_fit_keeps_the_conversion_report(monkeypatch, same_trainer):
+    tables = logged_tables(monkeypatch)
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="gru")
+    strategy = BPPSAStrategy(algorithm="chunked")
+    t = trainer(strategy, max_steps=1)
+    t.fit(model, loader())
+    fitted = model.rnn
+    report = list(strategy.conversion_report)
+    if not same_trainer:
+        t, strategy = trainer("bppsa"), None
+    t.validate(model, loader(), verbose=False)
+    assert model.rnn is fitted and model.rnn.algorithm == t.strategy.algorithm
+    assert t.strategy.conversion_report == report == [report[0]]
+    assert (report[0].path, report[0].scanned, report[0].already_converted) == ("rnn", True, False)
+    assert len(tables) == 2 and tables[0] == tables[1]
+    assert "no supported module" not in tables[1]
+    row = next(line for line in tables[1].splitlines() if line.startswith("rnn "))
+    assert row.split()[:3] == ["rnn", "GRU", "scan"]
+
+
+def test_model_built_from_bppsa_modules_is_reported_as_scanned(monkeypatch):
+    tables = logged_tables(monkeypatch)
+
+    class Direct(SeqModel):
+        def __init__(self):
+            super().__init__(cell="gru")
+            self.rnn = lightning_bppsa.nn.GRU(5, 6, batch_first=True)
+
+    pl.seed_everything(0, verbose=False)
+    strategy = BPPSAStrategy()
+    trainer(strategy, max_steps=1).fit(Direct(), loader())
+    assert [(r.path, r.scanned) for r in strategy.conversion_report] == [("rnn", True)]
+    assert "already a BPPSA module" in tables[0] and "no supported module" not in tables[0]
+
+
 def live_tensor_count():
     gc.collect()
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
