@@ -37,19 +37,19 @@ def _grads(module, x, hx, where):
 def _check(
     cell,
     *,
-    layers,
-    bidirectional,
-    bias,
-    batch_first,
-    batch,
-    length,
-    inputs,
-    hidden,
-    where,
-    dtype,
+    layers=1,
+    bidirectional=False,
+    bias=True,
+    batch_first=True,
+    batch=3,
+    length=7,
+    inputs=4,
+    hidden=5,
+    where="every",
+    dtype=torch.float64,
     with_hx=True,
     unbatched=False,
-    algorithm="auto",
+    algorithm="chunked",
 ):
     ours_cls, torch_cls = PAIRS[cell]
     kw = dict(num_layers=layers, bidirectional=bidirectional, bias=bias, batch_first=batch_first)
@@ -95,77 +95,48 @@ def _check(
 @pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 33])
 @pytest.mark.parametrize("where", ["last", "every", "h_n"])
 def test_named_lengths_float64(cell, length, where):
-    _check(
-        cell,
-        layers=1,
-        bidirectional=False,
-        bias=True,
-        batch_first=True,
-        batch=3,
-        length=length,
-        inputs=4,
-        hidden=5,
-        where=where,
-        dtype=torch.float64,
-        algorithm="chunked",
-    )
+    _check(cell, length=length, where=where)
 
 
-@pytest.mark.parametrize("cell", list(PAIRS))
-@pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked"])
-def test_stack_bidirectional_no_bias_time_major(cell, algorithm):
-    _check(
-        cell,
-        layers=3,
-        bidirectional=True,
-        bias=False,
-        batch_first=False,
-        batch=2,
-        length=17,
-        inputs=3,
-        hidden=4,
-        where="every",
-        dtype=torch.float64,
-        algorithm=algorithm,
-    )
-
-
-@pytest.mark.parametrize("cell", list(PAIRS))
-def test_float32_long_sequence(cell):
-    _check(
-        cell,
-        layers=1,
-        bidirectional=False,
-        bias=True,
-        batch_first=True,
-        batch=4,
-        length=513,
-        inputs=3,
-        hidden=20,
-        where="last",
-        dtype=torch.float32,
-        algorithm="chunked",
-    )
-
-
-@pytest.mark.parametrize("cell", list(PAIRS))
-def test_unbatched_without_initial_state(cell):
-    _check(
-        cell,
+# named configurations: only what differs from _check's defaults (B=3, T=7, 4 -> 5, float64, chunked)
+NAMED_CASES = {
+    **{
+        f"stack-bidirectional-no-bias-time-major-{algorithm}": dict(
+            layers=3,
+            bidirectional=True,
+            bias=False,
+            batch_first=False,
+            batch=2,
+            length=17,
+            inputs=3,
+            hidden=4,
+            algorithm=algorithm,
+        )
+        for algorithm in ("linear", "blelloch", "chunked")
+    },
+    "float32-long-sequence": dict(
+        batch=4, length=513, inputs=3, hidden=20, where="last", dtype=torch.float32
+    ),
+    "unbatched-without-initial-state": dict(
         layers=2,
         bidirectional=True,
-        bias=True,
         batch_first=False,
         batch=1,
         length=5,
         inputs=2,
         hidden=3,
         where="h_n",
-        dtype=torch.float64,
         with_hx=False,
         unbatched=True,
         algorithm="blelloch",
-    )
+    ),
+}
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+@pytest.mark.parametrize("case", list(NAMED_CASES))
+def test_named_configurations(cell, case):
+    _check(cell, **NAMED_CASES[case])
 
 
 def test_relu_nonlinearity():
@@ -266,6 +237,21 @@ def test_convert_leaves_proj_size_on_autograd_with_a_reason():
     lstm = nn.LSTM(3, 4, proj_size=2)
     assert convert(lstm, report=report) is lstm
     assert not report[0].scanned and "proj_size" in report[0].reason
+
+
+def test_converting_twice_keeps_the_modules_and_reports_them_as_scanned():
+    from lightning_bppsa.nn import ConversionRecord
+
+    model = nn.Sequential(nn.GRU(3, 4), nn.Sequential(bnn.LSTM(4, 2)))  # one converted, one built directly
+    convert(model)
+    first = model[0]
+    report: list[ConversionRecord] = []
+    assert convert(model, report=report) is model and model[0] is first
+    assert [(r.path, r.module_type, r.scanned, r.already_converted) for r in report] == [
+        ("0", "GRU", True, True),
+        ("1.0", "LSTM", True, True),
+    ]
+    assert all("already a BPPSA module" in r.reason for r in report)
 
 
 def test_unsupported_inputs_raise_clear_errors():
