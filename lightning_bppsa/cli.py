@@ -242,20 +242,35 @@ def _running_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path | None:
+def _pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the file-only Agg backend (imported here: it is slow to import)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_figure(
+    fig: Any, axes: Sequence[Any], path: Path, title: str, legend_size: int | None = None
+) -> Path:
+    """Legend every axis, title ``fig``, write it to ``path`` (format from the suffix) and close it."""
+    for ax in axes:
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path:
     """Training loss against wall-clock time (paper Fig. 7) and against the step (Fig. 6), one line per run.
 
-    Returns ``path``, or ``None`` when matplotlib is not installed.
+    Returns ``path``.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG written (pip install matplotlib)", file=sys.stderr)
-        return None
-    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (by_time, by_step) = _pyplot().subplots(1, 2, figsize=(11, 4))
     for run, color in zip(runs, ("tab:blue", "tab:orange", "tab:green"), strict=False):
         if run.loss_curve:
             steps, seconds, losses = zip(*run.loss_curve, strict=True)
@@ -265,13 +280,7 @@ def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path
                 ax.plot(x, smooth, color=color, linewidth=1.5, label=run.label)
     by_time.set(xlabel="wall-clock time (s)", ylabel="training loss (faint: per step)", title="loss vs time")
     by_step.set(xlabel="step", ylabel="training loss (faint: per step)", title="loss vs step")
-    by_time.legend()
-    by_step.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, (by_time, by_step), path, title)
 
 
 def compare(
@@ -321,7 +330,7 @@ def compare(
     (out / "compare.md").write_text(f"# {recipe}: autograd vs BPPSA\n\n{table}\n")
     print(f"\n{recipe}: autograd vs BPPSA\n{table}")
     png = plot_loss_curves(summaries, out / "loss_vs_time.png", f"{recipe}: autograd vs BPPSA")
-    print(f"\nTensorBoard: tensorboard --logdir {out}" + (f"\nplot: {png}" if png else ""))
+    print(f"\nTensorBoard: tensorboard --logdir {out}\nplot: {png}")
     return summaries[0], summaries[1]
 
 
@@ -387,20 +396,13 @@ def speedup_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return sorted(paired, key=lambda p: (p["B"] is None, p["B"] or 0, p["T"] is None, p["T"] or 0))
 
 
-def _plot_grid(points: Sequence[Mapping[str, Any]], x: str, line: str, path: Path, title: str) -> bool:
+def _plot_grid(points: Sequence[Mapping[str, Any]], x: str, line: str, path: Path, title: str) -> Path:
     """Latency (both methods) and speedup against ``x`` (``"T"`` or ``"1/B"``); a line per ``line`` value."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     key = "B" if x == "1/B" else x
     groups: dict[Any, list[Mapping[str, Any]]] = {}
     for point in points:
         groups.setdefault(point[line], []).append(point)
-    fig, (latency, speed) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (latency, speed) = _pyplot().subplots(1, 2, figsize=(10, 4))
     for value, group in sorted(groups.items()):
         group = sorted(group, key=lambda p: 1 / p[key] if x == "1/B" else p[key])
         xs = [1 / p[key] if x == "1/B" else p[key] for p in group]
@@ -412,13 +414,7 @@ def _plot_grid(points: Sequence[Mapping[str, Any]], x: str, line: str, path: Pat
     latency.set(xscale="log", yscale="log", xlabel=x, ylabel="backward latency (ms)")
     speed.set(xscale="log", xlabel=x, ylabel="backward speedup (autograd / bppsa)")
     speed.axhline(1.0, color="grey", linewidth=0.8)
-    latency.legend(fontsize=7)
-    speed.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save_figure(fig, (latency, speed), path, title, legend_size=7)
 
 
 def bench(
