@@ -142,6 +142,27 @@ def test_bf16_mixed_trains_close_to_autograd():
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=2e-2)
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_on_cpu_keeps_the_accelerator_and_the_plugin(precision):
+    # Lightning turns CPU "16-mixed" into bf16 autocast; the strategy must keep its plugin and the CPU.
+    # "auto" keeps these short sequences on autograd; the scan under bf16 is the strict xfail above.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="gru")
+    before = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*16-mixed.*not supported on CPU", category=UserWarning)
+        t = trainer("bppsa", precision=precision, max_steps=2)
+    plugin = t.strategy.precision_plugin
+    assert isinstance(t.strategy, BPPSAStrategy) and t.strategy.root_device == torch.device("cpu")
+    assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu" and plugin.precision == "bf16-mixed"
+    t.fit(model, loader())
+    assert t.global_step == 2 and [(r.path, r.scanned) for r in t.strategy.conversion_report] == [("rnn", True)]
+    for (name, p), q in zip(model.named_parameters(), before.parameters()):
+        assert p.dtype == torch.float32 and torch.isfinite(p).all() and not torch.equal(p, q), name
+
+
 def test_parameters_stay_the_same_objects_and_table_is_reported():
     pl.seed_everything(0, verbose=False)
     model = SeqModel(cell="gru")
