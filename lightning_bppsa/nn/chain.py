@@ -11,6 +11,13 @@
 - inside :func:`~lightning_bppsa.nn.reference_backward`, the backward is plain autograd through the
   recorded forward instead (same dropout masks), to check the scan against.
 
+``last_stats`` records what the last forward did, like the recurrent modules' (``nn/recurrent.py``):
+``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``layers``, ``linearize_seconds`` (the layers'
+forward together with their Jacobian generation: :func:`~lightning_bppsa.jacobians.linearize` does
+both in one call, so the Jacobian part alone is not measured and no ``jacobian_seconds`` is reported),
+``scan_seconds`` and ``param_seconds`` (the backward's scan and parameter gradients, filled in by the
+backward; they stay 0 under ``reference_backward``).
+
 Where conversion pays off (the converter is conservative): the scan's per-step work is sparse
 matrix-vector / matrix-matrix products whose cost follows the Jacobians' sparsity. Convolution, pooling
 and element-wise layers have very sparse Jacobians (Table 1), and pruned convolutions sparser still
@@ -24,7 +31,9 @@ weights), and exactness is what the tests guarantee.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +70,7 @@ class SparseChain(nn.Sequential):
         super().__init__(*args)
         self.algorithm = algorithm
         self._last_patterns: list[CSRPattern] | None = None
+        self.last_stats: dict[str, Any] = {}
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, algorithm: str = "auto") -> SparseChain:
@@ -75,7 +85,17 @@ class SparseChain(nn.Sequential):
 
     def forward(self, x: Tensor) -> Tensor:
         params = tuple(p for p in self.parameters() if p.requires_grad)
-        if not self._scannable(x, params):
+        scannable = self._scannable(x, params)
+        # a fresh dict per call: the backward of this forward updates the one it was given
+        self.last_stats = {
+            "path": "scan" if scannable else "autograd",
+            "algorithm": self.algorithm,
+            "layers": len(self),
+            "linearize_seconds": 0.0,
+            "scan_seconds": 0.0,
+            "param_seconds": 0.0,
+        }
+        if not scannable:
             return super().forward(x)
         return _ChainFunction.apply(self, x, *params)
 
@@ -99,10 +119,13 @@ class _ChainFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, chain: SparseChain, x: Tensor, *params: nn.Parameter) -> Tensor:
         h, inputs, jacs = x, [], []
+        start = time.perf_counter()
         for layer in chain:
             inputs.append(h)
             h, jac = linearize(layer, h)
             jacs.append(jac)
+        ctx.stats = chain.last_stats
+        ctx.stats["linearize_seconds"] = time.perf_counter() - start
         ctx.chain, ctx.inputs, ctx.jacs, ctx.params = chain, inputs, jacs, params
         chain._last_patterns = [j.pattern for j in jacs]
         return h.clone() if h is x or h._base is x else h  # an autograd.Function must not return a view of x
@@ -115,7 +138,7 @@ class _ChainFunction(torch.autograd.Function):
         if reference_backward_enabled():
             grad_x, param_grads = _autograd_backward(chain, inputs[0], jacs, params, grad_out, needs_x)
         else:
-            grad_x, param_grads = _scan_backward(chain, inputs, jacs, params, grad_out, needs_x)
+            grad_x, param_grads = _scan_backward(chain, inputs, jacs, params, grad_out, needs_x, ctx.stats)
         return (None, grad_x, *param_grads)
 
 
@@ -126,11 +149,15 @@ def _scan_backward(
     params: tuple[nn.Parameter, ...],
     grad_out: Tensor,
     needs_x: bool,
+    stats: dict[str, Any],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     first = 0 if needs_x else 1  # without x's gradient the scan starts at x_1
+    start = time.perf_counter()
     states = sparse_backprop_scan(
         jacs[first:], grad_out.reshape(grad_out.shape[0], -1), algorithm=chain.algorithm
     )
+    scanned = time.perf_counter()
+    stats["scan_seconds"] += scanned - start
     grad_x = states[0].reshape(inputs[0].shape) if needs_x else None
     wanted = {id(p) for p in params}
     grads: dict[int, Tensor] = {}
@@ -144,6 +171,7 @@ def _scan_backward(
         for p, grad in zip(own, torch.autograd.grad(y, own, g, allow_unused=True), strict=True):
             if grad is not None:
                 grads[id(p)] = grads[id(p)] + grad if id(p) in grads else grad
+    stats["param_seconds"] += time.perf_counter() - scanned
     return grad_x, [grads.get(id(p)) for p in params]
 
 

@@ -131,3 +131,24 @@ def test_converter_leaves_short_and_batchnorm_chains():
     assert all(type(m) is nn.Sequential for m in model)
     reasons = {r.path: r.reason for r in report}
     assert "MIN_LAYERS" in reasons["0"] and "BatchNorm2d" in reasons["1"]
+
+
+def test_last_stats_say_what_the_last_forward_and_backward_did():
+    chain = SparseChain.from_sequential(small_cnn(), algorithm="blelloch")
+    assert chain.last_stats == {}
+    x = torch.randn(2, 2, 8, 10, dtype=torch.float64, requires_grad=True)
+    out = chain(x)
+    stats = chain.last_stats
+    assert stats["path"] == "scan" and stats["algorithm"] == "blelloch" and stats["layers"] == len(chain)
+    assert stats["linearize_seconds"] > 0 and stats["scan_seconds"] == stats["param_seconds"] == 0
+    out.sum().backward()
+    assert stats["scan_seconds"] > 0 and stats["param_seconds"] > 0
+
+    with torch.no_grad():
+        chain(x)
+    assert chain.last_stats["path"] == "autograd" and chain.last_stats["linearize_seconds"] == 0
+    assert stats["path"] == "scan"  # a new forward gets a new dict; the old one keeps its numbers
+
+    with reference_backward():
+        chain(x).sum().backward()
+    assert chain.last_stats["path"] == "scan" and chain.last_stats["scan_seconds"] == 0
