@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from lightning_bppsa.jacobians._window import pair, window_positions
+from lightning_bppsa.jacobians._window import WindowGeometry, pair, window_positions
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
 from lightning_bppsa.jacobians.dispatch import register_linearizer
 
@@ -28,20 +28,12 @@ def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[i
 
 
 @functools.lru_cache(maxsize=32)
-def _full_pattern(
-    channels: tuple[int, int, int],
-    in_hw: tuple[int, int],
-    out_hw: tuple[int, int],
-    kernel: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-) -> tuple[CSRPattern, Tensor]:
+def _full_pattern(channels: tuple[int, int, int], window: WindowGeometry) -> tuple[CSRPattern, Tensor]:
     """Pattern of every weight (none pruned) and, per entry, the flat index of its weight."""
     ci, co, groups = channels
     cig, cog = ci // groups, co // groups
-    pos, valid = window_positions(in_hw, out_hw, kernel, stride, padding, dilation)  # (P, K)
-    n_pix, n_k, n_in = pos.shape[0], pos.shape[1], in_hw[0] * in_hw[1]
+    pos, valid = window_positions(window)  # (P, K)
+    n_pix, n_k, n_in = pos.shape[0], pos.shape[1], window.in_hw[0] * window.in_hw[1]
     o = torch.arange(co)[:, None, None, None]  # (co, P, cig, K) broadcast below
     c = (o // cog) * cig + torch.arange(cig)[None, None, :, None]
     in_idx = c * n_in + pos[None, :, None, :]
@@ -89,22 +81,13 @@ def linearize_conv2d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
     if x.dim() != 4:
         raise ValueError(f"Conv2d needs samples of shape (C, H, W); got a batch of shape {tuple(x.shape)}")
     y = module(x)
-    kernel, stride, dilation = pair(module.kernel_size), pair(module.stride), pair(module.dilation)
-    if module.padding == "same":
-        padding = _same_padding(kernel, dilation)
-    elif module.padding == "valid":
-        padding = (0, 0)
-    else:
-        padding = pair(module.padding)
-    geometry = (
-        (module.in_channels, module.out_channels, module.groups),
-        tuple(x.shape[-2:]),
-        tuple(y.shape[-2:]),
-        kernel,
-        stride,
-        padding,
-        dilation,
-    )
+    padding = module.padding
+    if padding == "same":
+        padding = _same_padding(pair(module.kernel_size), pair(module.dilation))
+    elif padding == "valid":
+        padding = 0
+    window = WindowGeometry.of(x, y, module.kernel_size, module.stride, padding, module.dilation)
+    geometry = ((module.in_channels, module.out_channels, module.groups), window)
     pattern, w_idx = _PRUNED.get(geometry, module.weight)
     pattern = pattern.to(x.device)
     values = module.weight.detach().reshape(-1)[w_idx.to(x.device)]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_bppsa.jacobians._window import pair, window_positions
+from lightning_bppsa.jacobians._window import WindowGeometry, window_positions
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
 from lightning_bppsa.jacobians.dispatch import register_linearizer
 
@@ -26,18 +26,10 @@ __all__: list[str] = []
 
 
 @functools.lru_cache(maxsize=32)
-def _window_pattern(
-    channels: int,
-    in_hw: tuple[int, int],
-    out_hw: tuple[int, int],
-    kernel: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-) -> tuple[CSRPattern, Tensor, Tensor]:
+def _window_pattern(channels: int, window: WindowGeometry) -> tuple[CSRPattern, Tensor, Tensor]:
     """Pattern of per-channel windows and, per entry, its output pixel ``p·wo + q`` and input pixel."""
-    pos, valid = window_positions(in_hw, out_hw, kernel, stride, padding, dilation)  # (P, K)
-    n_pix, n_k, n_in = pos.shape[0], pos.shape[1], in_hw[0] * in_hw[1]
+    pos, valid = window_positions(window)  # (P, K)
+    n_pix, n_k, n_in = pos.shape[0], pos.shape[1], window.in_hw[0] * window.in_hw[1]
     c = torch.arange(channels)[:, None, None]
     pix = torch.arange(n_pix)[None, :, None].expand(channels, n_pix, n_k)
     mask = valid.expand(channels, n_pix, n_k)
@@ -58,13 +50,11 @@ def _check_batch(module: nn.Module, x: Tensor) -> None:
 @register_linearizer(nn.MaxPool2d)
 def linearize_maxpool2d(module: nn.MaxPool2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
     _check_batch(module, x)
-    kernel = pair(module.kernel_size)
-    stride = pair(module.stride if module.stride is not None else module.kernel_size)
-    padding, dilation = pair(module.padding), pair(module.dilation)
-    y, indices = F.max_pool2d(x, kernel, stride, padding, dilation, module.ceil_mode, return_indices=True)
-    pattern, out_pix, in_pix = _window_pattern(
-        x.shape[1], tuple(x.shape[-2:]), tuple(y.shape[-2:]), kernel, stride, padding, dilation
+    y, indices = F.max_pool2d(
+        x, module.kernel_size, module.stride, module.padding, module.dilation, module.ceil_mode, return_indices=True
     )
+    window = WindowGeometry.of(x, y, module.kernel_size, module.stride, module.padding, module.dilation)
+    pattern, out_pix, in_pix = _window_pattern(x.shape[1], window)
     # the channel of an entry is the same for its row and column: argmax of column (c, p) at c·P + p
     out_idx = pattern.col.to(x.device)
     argmax = indices.reshape(x.shape[0], -1)[:, out_idx]
@@ -75,33 +65,21 @@ def linearize_maxpool2d(module: nn.MaxPool2d, x: Tensor) -> tuple[Tensor, Batche
 @register_linearizer(nn.AvgPool2d)
 def linearize_avgpool2d(module: nn.AvgPool2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
     _check_batch(module, x)
-    kernel = pair(module.kernel_size)
-    stride = pair(module.stride if module.stride is not None else module.kernel_size)
-    padding = pair(module.padding)
     y = module(x)
-    in_hw, out_hw = tuple(x.shape[-2:]), tuple(y.shape[-2:])
-    pattern, out_pix, _ = _window_pattern(x.shape[1], in_hw, out_hw, kernel, stride, padding, (1, 1))
-    divisor = _avg_divisor(
-        in_hw, out_hw, kernel, stride, padding, module.count_include_pad, module.divisor_override
-    )
+    window = WindowGeometry.of(x, y, module.kernel_size, module.stride, module.padding)
+    pattern, out_pix, _ = _window_pattern(x.shape[1], window)
+    divisor = _avg_divisor(window, module.count_include_pad, module.divisor_override)
     values = (1.0 / divisor[out_pix]).to(device=x.device, dtype=x.dtype)
     return y, BatchedCSR(pattern.to(x.device), values.unsqueeze(0))
 
 
-def _avg_divisor(
-    in_hw: tuple[int, int],
-    out_hw: tuple[int, int],
-    kernel: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    count_include_pad: bool,
-    divisor_override: int | None,
-) -> Tensor:
+def _avg_divisor(window: WindowGeometry, count_include_pad: bool, divisor_override: int | None) -> Tensor:
     """``(ho·wo,)`` float64 divisors, as torch's avg_pool2d computes them."""
     if divisor_override:
-        return torch.full((out_hw[0] * out_hw[1],), float(divisor_override), dtype=torch.float64)
+        return torch.full((window.out_hw[0] * window.out_hw[1],), float(divisor_override), dtype=torch.float64)
     extents = []
-    for size, out, k, s, p in zip(in_hw, out_hw, kernel, stride, padding, strict=True):
+    sizes = (window.in_hw, window.out_hw, window.kernel, window.stride, window.padding)
+    for size, out, k, s, p in zip(*sizes, strict=True):
         start = torch.arange(out) * s - p
         end = torch.clamp(start + k, max=size + p)
         padded = end - start  # the window clipped to the padded input

@@ -160,6 +160,17 @@ def test_pattern_is_cached_per_layer_and_shape():
     assert relu[0] is relu[1]
 
 
+def test_pooling_layers_with_one_window_share_its_pattern():
+    # the cache key is the normalised window geometry: 2, (2, 2), stride None or 2 all name the same one
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    patterns = [
+        linearize(module, x)[1].pattern
+        for module in (nn.MaxPool2d(2), nn.AvgPool2d((2, 2), stride=2), nn.MaxPool2d((2, 2), stride=(2, 2), dilation=1))
+    ]
+    assert patterns[0] is patterns[1] is patterns[2]
+    assert linearize(nn.MaxPool2d(2, stride=1), x)[1].pattern is not patterns[0]
+
+
 def test_unsupported_module_is_named():
     assert not is_supported(nn.GELU())
     with pytest.raises(NotImplementedError, match="GELU"):
