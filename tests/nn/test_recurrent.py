@@ -149,42 +149,37 @@ def test_relu_nonlinearity():
         assert_derived_close(ga, gb, floor=1e-9)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    cell=st.sampled_from(list(PAIRS)),
-    layers=st.integers(1, 2),
-    bidirectional=st.booleans(),
-    bias=st.booleans(),
-    batch_first=st.booleans(),
-    batch=st.integers(1, 64),
-    length=st.one_of(st.integers(1, 40), st.sampled_from([255, 257, 3000])),
-    inputs=st.integers(1, 128),
-    hidden=st.integers(1, 128),
-    where=st.sampled_from(["last", "every", "h_n"]),
-    dtype=st.sampled_from([torch.float64, torch.float32]),
+FUZZ_CONFIGS = st.fixed_dictionaries(
+    {
+        "layers": st.integers(1, 2),
+        "bidirectional": st.booleans(),
+        "bias": st.booleans(),
+        "batch_first": st.booleans(),
+        "batch": st.integers(1, 64),
+        "length": st.one_of(st.integers(1, 40), st.sampled_from([255, 257, 3000])),
+        "inputs": st.integers(1, 128),
+        "hidden": st.integers(1, 128),
+        "where": st.sampled_from(["last", "every", "h_n"]),
+        "dtype": st.sampled_from([torch.float64, torch.float32]),
+    }
 )
-def test_fuzz_against_torch(
-    cell, layers, bidirectional, bias, batch_first, batch, length, inputs, hidden, where, dtype
-):
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cell=st.sampled_from(list(PAIRS)), config=FUZZ_CONFIGS)
+def test_fuzz_against_torch(cell, config):
     # keep each example small in total work: long sequences only with small batch and width
-    if length > 40:
-        batch, inputs, hidden, layers, bidirectional = min(batch, 2), min(inputs, 8), min(hidden, 8), 1, False
-    elif batch * hidden > 512:
-        hidden = max(1, 512 // batch)
-    _check(
-        cell,
-        layers=layers,
-        bidirectional=bidirectional,
-        bias=bias,
-        batch_first=batch_first,
-        batch=batch,
-        length=length,
-        inputs=inputs,
-        hidden=hidden,
-        where=where,
-        dtype=dtype,
-        algorithm="chunked",
-    )
+    if config["length"] > 40:
+        config.update(
+            batch=min(config["batch"], 2),
+            inputs=min(config["inputs"], 8),
+            hidden=min(config["hidden"], 8),
+            layers=1,
+            bidirectional=False,
+        )
+    elif config["batch"] * config["hidden"] > 512:
+        config["hidden"] = max(1, 512 // config["batch"])
+    _check(cell, **config)
 
 
 def test_dropout_between_layers_uses_the_forward_mask():
