@@ -28,9 +28,8 @@ The algorithms (all give the same result up to rounding):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Union
 
 import torch
@@ -47,162 +46,196 @@ Jacobians = Union[Tensor, FactoredJacobians]
 
 
 # --------------------------------------------------------------------------------------------------
-# Chains: the step Jacobians, indexable along their step axes, applied from the right to row blocks.
+# Chains: the step Jacobians, indexed along a leading step axis (time-major), applied from the right
+# to row blocks. Gradients inside the algorithms are time-major too, ``(n + 1, B, d)``, so that one
+# step is one contiguous ``(B, d)`` slice.
 # --------------------------------------------------------------------------------------------------
 
 
 class _DenseChain:
-    """Step Jacobians ``J`` stored densely: ``jac`` is ``(B, *steps, d, d)``."""
+    """Step Jacobians stored densely: ``jac[t]`` is the ``(B, d, d)`` row-form ``J`` of step ``t``."""
 
     def __init__(self, jac: Tensor) -> None:
         self.jac = jac
+        self.steps, self.d = jac.shape[0], jac.shape[-1]
 
-    def select(self, index: tuple) -> _DenseChain:
-        return _DenseChain(self.jac[(slice(None), *index)])
+    def dense(self, index: slice) -> Tensor:
+        """``J`` of the steps ``index``, ``(steps, B, d, d)`` (a view: never write to it)."""
+        return self.jac[index]
 
-    def reshape_steps(self, shape: tuple[int, ...]) -> _DenseChain:
-        return _DenseChain(self.jac.reshape(self.jac.shape[0], *shape, *self.jac.shape[-2:]))
+    def apply(self, index: int | slice, x: Tensor) -> Tensor:
+        """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``."""
+        return x @ self.jac[index]
 
-    def pad_front(self, count: int) -> _DenseChain:
-        batch, d = self.jac.shape[0], self.jac.shape[-1]
-        eye = torch.eye(d, dtype=self.jac.dtype, device=self.jac.device).expand(batch, count, d, d)
-        return _DenseChain(torch.cat([eye, self.jac], dim=1))
-
-    def right_apply(self, x: Tensor) -> Tensor:
-        """``x @ J`` for row blocks ``x`` of shape ``(B, *steps, r, d)``."""
-        return x @ self.jac
+    def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
+        """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: the linear scan's inner loop."""
+        if add is None:
+            torch.bmm(x.unsqueeze(1), self.jac[t], out=out.unsqueeze(1))
+        else:
+            torch.baddbmm(add.unsqueeze(1), x.unsqueeze(1), self.jac[t], out=out.unsqueeze(1))
 
 
 class _FactoredChain:
-    """Step Jacobians ``J = diag(u) + [diag(s^1)..diag(s^k)] W`` with ``W`` shared by every step."""
+    """Step Jacobians ``J = diag(u) + [diag(s^1)..diag(s^k)] W`` with ``W`` shared by every step;
+    ``scales`` ``(n, B, k d)`` and ``diagonal`` ``(n, B, d)`` or ``None``."""
 
     def __init__(self, weight: Tensor, scales: Tensor, diagonal: Tensor | None) -> None:
         self.weight, self.scales, self.diagonal = weight, scales, diagonal
-        self.tiles = weight.shape[0] // weight.shape[1]
+        self.steps, self.d = scales.shape[0], weight.shape[1]
+        self.tiles = weight.shape[0] // self.d
+        self._tmp: Tensor | None = None
 
-    def select(self, index: tuple) -> _FactoredChain:
-        full = (slice(None), *index)
-        diagonal = None if self.diagonal is None else self.diagonal[full]
-        return _FactoredChain(self.weight, self.scales[full], diagonal)
+    def dense(self, index: slice) -> Tensor:
+        """``J`` of the steps ``index``, ``(steps, B, d, d)``: ``I @ J``."""
+        return self.apply(index, _identity(self.d, self.weight, *self.scales[index].shape[:2]))
 
-    def reshape_steps(self, shape: tuple[int, ...]) -> _FactoredChain:
-        batch = self.scales.shape[0]
-        scales = self.scales.reshape(batch, *shape, self.scales.shape[-1])
-        diagonal = None if self.diagonal is None else self.diagonal.reshape(batch, *shape, -1)
-        return _FactoredChain(self.weight, scales, diagonal)
-
-    def pad_front(self, count: int) -> _FactoredChain:
-        # identity steps: u = 1, s = 0
-        batch, d = self.scales.shape[0], self.weight.shape[1]
-        scales = torch.cat([self.scales.new_zeros(batch, count, self.scales.shape[-1]), self.scales], 1)
-        diagonal = self.diagonal if self.diagonal is not None else self.scales.new_zeros(batch, self.scales.shape[1], d)
-        diagonal = torch.cat([diagonal.new_ones(batch, count, d), diagonal], 1)
-        return _FactoredChain(self.weight, scales, diagonal)
-
-    def right_apply(self, x: Tensor) -> Tensor:
-        """``x @ J`` for row blocks ``x`` of shape ``(B, *steps, r, d)``: one GEMM with the shared ``W``."""
-        tiled = x.repeat(*([1] * (x.dim() - 1)), self.tiles) if self.tiles > 1 else x
-        out = (tiled * self.scales.unsqueeze(-2)) @ self.weight
+    def apply(self, index: int | slice, x: Tensor) -> Tensor:
+        """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``:
+        one GEMM with the shared ``W``."""
+        scales = self.scales[index].unsqueeze(-2)
+        if self.tiles > 1:  # (.., r, k, d) * (.., 1, k, d): every tile of the row scaled by its own s^k
+            scaled = (x.unsqueeze(-2) * scales.unflatten(-1, (self.tiles, self.d))).flatten(-2)
+        else:
+            scaled = x * scales
+        out = scaled @ self.weight
         if self.diagonal is not None:
-            out = out + x * self.diagonal.unsqueeze(-2)
+            out.addcmul_(x, self.diagonal[index].unsqueeze(-2))
         return out
+
+    def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
+        """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: two or three torch ops, no allocation."""
+        batch = x.shape[0]
+        if self._tmp is None or self._tmp.shape[0] != batch:
+            self._tmp = x.new_empty(batch, self.tiles, self.d)
+        torch.mul(x.unsqueeze(1), self.scales[t].view(batch, self.tiles, self.d), out=self._tmp)
+        scaled = self._tmp.view(batch, -1)
+        if self.diagonal is not None:
+            if add is None:
+                torch.mul(x, self.diagonal[t], out=out)
+            else:
+                torch.addcmul(add, x, self.diagonal[t], out=out)
+            out.addmm_(scaled, self.weight)
+        elif add is None:
+            torch.mm(scaled, self.weight, out=out)
+        else:
+            torch.addmm(add, scaled, self.weight, out=out)
 
 
 _Chain = Union[_DenseChain, _FactoredChain]
 
 
-def _materialise(chain: _Chain, batch: int, steps: tuple[int, ...], d: int, like: Tensor) -> Tensor:
-    """Dense ``J`` for every step of ``chain``: ``I @ J``."""
-    eye = torch.eye(d, dtype=like.dtype, device=like.device).expand(batch, *steps, d, d)
-    return chain.right_apply(eye)
-
-
-def _augment(composite: Tensor, offset: Tensor) -> Tensor:
-    """``[C; b]``: stack a ``(.., d, d)`` composite and its ``(.., d)`` offset into ``(.., d + 1, d)``."""
-    return torch.cat([composite, offset.unsqueeze(-2)], dim=-2)
+def _identity(d: int, like: Tensor, *shape: int) -> Tensor:
+    return torch.eye(d, dtype=like.dtype, device=like.device).expand(*shape, d, d)
 
 
 # --------------------------------------------------------------------------------------------------
-# Algorithms. ``direct`` is always (B, n + 1, d); every function returns a new (B, n + 1, d) tensor.
+# Algorithms. Each takes the chain, ``last = g_n`` ``(B, d)`` and the direct gradients ``δ_0..δ_{n-1}``
+# as ``(n, B, d)`` or ``None`` (a loss on ``x_n`` only: no affine rows anywhere), and returns the
+# time-major ``(n + 1, B, d)`` gradients ``g_0..g_n``.
 # --------------------------------------------------------------------------------------------------
 
 
-def _linear(chain: _Chain, direct: Tensor) -> Tensor:
-    n = direct.shape[1] - 1
-    out = torch.empty_like(direct)
-    g = direct[:, n]
-    out[:, n] = g
-    for i in range(n, 0, -1):
-        g = chain.select((i - 1,)).right_apply(g.unsqueeze(-2)).squeeze(-2) + direct[:, i - 1]
-        out[:, i - 1] = g
+def _linear(chain: _Chain, last: Tensor, direct: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """``g_{t} = g_{t+1} J_t + δ_t`` one step at a time; ``out`` may be given with ``out[n]`` set."""
+    n = chain.steps
+    if out is None:
+        out = last.new_empty(n + 1, *last.shape)
+        out[n] = last
+    states = out.unbind(0)
+    for t in range(n - 1, -1, -1):
+        chain.step_into(t, states[t + 1], states[t], None if direct is None else direct[t])
     return out
 
 
-def _blelloch(chain: _Chain, direct: Tensor) -> Tensor:
-    batch, n_plus_1, d = direct.shape
-    n = n_plus_1 - 1
+def _blelloch(chain: _Chain, last: Tensor, direct: Tensor | None) -> Tensor:
+    n, (batch, d) = chain.steps, last.shape
     if n == 0:
-        return direct.clone()
-    # Up-sweep: level l holds the composites of its nodes as a chain plus offsets b (B, m, d).
-    levels: list[tuple[_Chain, Tensor]] = [(chain, direct[:, :n])]
-    while levels[-1][1].shape[1] > 1:
+        return last.unsqueeze(0).clone()
+    # Up-sweep: a level is (chain of node composites, node offsets or None); node q of a level covers
+    # later steps than node q - 1, so a parent is [C; b]_right @ C_left + [0; b_left].
+    levels: list[tuple[_Chain, Tensor | None]] = [(chain, direct)]
+    while levels[-1][0].steps > 1:
         nodes, offsets = levels[-1]
-        m = offsets.shape[1]
+        m = nodes.steps
         pairs = m // 2
-        left, right = (slice(0, 2 * pairs, 2),), (slice(1, 2 * pairs, 2),)
-        right_block = _augment(_materialise(nodes.select(right), batch, (pairs,), d, direct), offsets[:, right[0]])
-        parent = nodes.select(left).right_apply(right_block)
-        composite, offset = parent[..., :d, :], parent[..., d, :] + offsets[:, left[0]]
+        left, right = slice(0, 2 * pairs, 2), slice(1, 2 * pairs, 2)
+        right_block = nodes.dense(right)
+        if offsets is not None:
+            right_block = torch.cat([right_block, offsets[right].unsqueeze(-2)], -2)
+        parent = nodes.apply(left, right_block)
+        composite = parent[..., :d, :]
+        offset = None if offsets is None else parent[..., d, :] + offsets[left]
         if m % 2:  # the unpaired last node is carried up unchanged
-            last = (slice(m - 1, m),)
-            composite = torch.cat([composite, _materialise(nodes.select(last), batch, (1,), d, direct)], 1)
-            offset = torch.cat([offset, offsets[:, last[0]]], 1)
+            carried = nodes.dense(slice(m - 1, m))
+            composite = torch.cat([composite, carried])
+            offset = None if offsets is None else torch.cat([offset, offsets[m - 1 :]])
         levels.append((_DenseChain(composite), offset))
     # Down-sweep: a node receives g at its right end; its right child gets the same g, its left
     # child gets g pushed through the right child (operands reversed w.r.t. the up-sweep).
-    g = direct[:, n:]
+    g = last.unsqueeze(0)
     for nodes, offsets in reversed(levels[:-1]):
-        m = offsets.shape[1]
+        m = nodes.steps
         pairs = m // 2
-        right = (slice(1, 2 * pairs, 2),)
-        g_pairs = g[:, :pairs]
-        g_left = nodes.select(right).right_apply(g_pairs.unsqueeze(-2)).squeeze(-2) + offsets[:, right[0]]
-        children = torch.stack([g_left, g_pairs], dim=2).reshape(batch, 2 * pairs, d)
-        g = torch.cat([children, g[:, pairs:]], 1) if m % 2 else children
-    # leaves received g_1..g_n; g_0 comes from the first step.
-    g_0 = chain.select((slice(0, 1),)).right_apply(g[:, :1].unsqueeze(-2)).squeeze(-2) + direct[:, :1]
-    return torch.cat([g_0, g], 1)
+        right = slice(1, 2 * pairs, 2)
+        g_pairs = g[:pairs]
+        g_left = nodes.apply(right, g_pairs.unsqueeze(-2)).squeeze(-2)
+        if offsets is not None:
+            g_left = g_left + offsets[right]
+        children = torch.stack([g_left, g_pairs], dim=1).reshape(2 * pairs, batch, d)
+        g = torch.cat([children, g[pairs:]]) if m % 2 else children
+    # the leaves received g_1..g_n; g_0 comes from the first step.
+    out = last.new_empty(n + 1, batch, d)
+    out[1:] = g
+    chain.step_into(0, g[0], out[0], None if direct is None else direct[0])
+    return out
 
 
-def _chunked(chain: _Chain, direct: Tensor, chunk_size: int) -> Tensor:
-    batch, n_plus_1, d = direct.shape
-    n = n_plus_1 - 1
-    if n == 0:
-        return direct.clone()
+def _chunked(chain: _Chain, last: Tensor, direct: Tensor | None, chunk_size: int) -> Tensor:
+    """Reduce-then-scan. The ``n mod c`` leftmost steps stay outside the chunks and run linearly at the end."""
+    n, (batch, d) = chain.steps, last.shape
     c = max(1, min(chunk_size, n))
-    p = math.ceil(n / c)
-    pad = p * c - n  # identity steps in front make every chunk full
-    chunks = chain.pad_front(pad).reshape_steps((p, c)) if pad else chain.reshape_steps((p, c))
-    padded = torch.cat([direct.new_zeros(batch, pad, d), direct], 1) if pad else direct
-    inner = padded[:, : p * c].reshape(batch, p, c, d)  # δ at the left state of each step
+    p, rem = divmod(n, c)
+    if p <= 1 or c == 1:  # nothing to reduce
+        return _linear(chain, last, direct)
+    position = [slice(rem + i, n, c) for i in range(c)]  # step i of every chunk
     # 1. reduce every chunk to its summary [C; b], all chunks at once, right to left.
-    eye = torch.eye(d, dtype=direct.dtype, device=direct.device)
-    block = _augment(eye.expand(batch, p, d, d), direct.new_zeros(batch, p, d))
-    for j in range(c - 1, -1, -1):
-        block = chunks.select((slice(None), j)).right_apply(block)
-        block[..., d, :] += inner[:, :, j]
-    # 2. scan the p summaries: gradients at the chunk boundaries.
-    boundary_direct = torch.cat([block[..., d, :], padded[:, p * c :]], 1)
-    boundary = _blelloch(_DenseChain(block[..., :d, :]), boundary_direct)
+    block = chain.dense(position[c - 1])
+    if direct is not None:
+        block = torch.cat([block, direct[position[c - 1]].unsqueeze(-2)], -2)
+    for i in range(c - 2, -1, -1):
+        block = chain.apply(position[i], block)
+        if direct is not None:
+            block[..., d, :] += direct[position[i]]
+    # 2. scan the p summaries (recursively, chunked again while they are many): gradients at the
+    # chunk boundaries, states rem, rem + c, ..., n.
+    summaries = _DenseChain(block[..., :d, :])
+    offsets = None if direct is None else block[..., d, :]
+    if p > 2 * c:
+        boundary = _chunked(summaries, last, offsets, c)
+    else:
+        boundary = _linear(summaries, last, offsets)
     # 3. sweep every chunk down from its right boundary, all chunks at once.
-    states = torch.empty(batch, p, c, d, dtype=direct.dtype, device=direct.device)
-    states[:, :, 0] = boundary[:, :p]
-    g = boundary[:, 1:]
-    for j in range(c - 1, 0, -1):
-        g = chunks.select((slice(None), j)).right_apply(g.unsqueeze(-2)).squeeze(-2) + inner[:, :, j]
-        states[:, :, j] = g
-    out = torch.cat([states.reshape(batch, p * c, d), boundary[:, p:]], 1)
-    return out[:, pad:].contiguous()
+    out = last.new_empty(n + 1, batch, d)
+    out[rem::c] = boundary
+    g = boundary[1:]
+    for i in range(c - 1, 0, -1):
+        g = chain.apply(position[i], g.unsqueeze(-2)).squeeze(-2)
+        if direct is not None:
+            g += direct[position[i]]
+        out[position[i]] = g
+    if rem:  # the steps left of the first chunk
+        _linear(_Prefix(chain, rem), out[rem], direct, out[: rem + 1])
+    return out
+
+
+class _Prefix:
+    """The first ``steps`` steps of a chain (for the linear tail of :func:`_chunked`)."""
+
+    def __init__(self, chain: _Chain, steps: int) -> None:
+        self.chain, self.steps, self.d = chain, steps, chain.d
+
+    def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
+        self.chain.step_into(t, x, out, add)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,53 +255,49 @@ def _flush_denormals() -> Iterator[None]:
         torch.set_flush_denormal(was_on)
 
 
-def _run(chain_of: callable, direct: Tensor, algorithm: str, chunk_size: int) -> Tensor:
-    """Upcast half precision to float32, run one algorithm, cast back."""
-    compute = torch.float32 if direct.dtype in (torch.float16, torch.bfloat16) else direct.dtype
+def _run(chain_of: Callable[[torch.dtype], _Chain], grad: Tensor, n: int, algorithm: str, chunk_size: int) -> Tensor:
+    """Upcast half precision to float32, run one algorithm time-major, return ``(B, n + 1, d)``."""
+    compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     chain = chain_of(compute)
-    direct_c = direct.to(compute)
-    with _flush_denormals() if direct.device.type == "cpu" else _no_op():
+    per_step = grad.dim() == 3
+    last = (grad[:, n] if per_step else grad).to(compute)
+    direct = grad[:, :n].transpose(0, 1).to(compute) if per_step else None
+    with _flush_denormals() if grad.device.type == "cpu" else nullcontext():
         if algorithm == "linear":
-            out = _linear(chain, direct_c)
+            out = _linear(chain, last, direct)
         elif algorithm == "blelloch":
-            out = _blelloch(chain, direct_c)
+            out = _blelloch(chain, last, direct)
         elif algorithm == "chunked":
-            out = _chunked(chain, direct_c, chunk_size)
+            out = _chunked(chain, last, direct, chunk_size)
         else:
             raise ValueError(f"algorithm must be one of 'linear', 'blelloch', 'chunked'; got {algorithm!r}")
-    return out.to(direct.dtype)
-
-
-@contextmanager
-def _no_op() -> Iterator[None]:
-    yield
-
-
-def _as_direct(grad: Tensor, n: int) -> Tensor:
-    """``(B, d)`` last-state gradient -> ``(B, n + 1, d)`` direct gradients (zeros before ``x_n``)."""
-    if grad.dim() == 3:
-        return grad
-    direct = grad.new_zeros(grad.shape[0], n + 1, grad.shape[1])
-    direct[:, n] = grad
-    return direct
+    # batch-major like the input (inductor assumes custom ops return dense row-major tensors)
+    return out.transpose(0, 1).contiguous().to(grad.dtype)
 
 
 def run_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
     """Kernel of ``bppsa::scan_dense`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
-    direct = _as_direct(grad, jacobians_t.shape[1])
-    return _run(lambda dt: _DenseChain(jacobians_t.to(dt).mT), direct, algorithm, chunk_size)
+    return _run(
+        lambda dt: _DenseChain(jacobians_t.to(dt).transpose(0, 1).mT),
+        grad,
+        jacobians_t.shape[1],
+        algorithm,
+        chunk_size,
+    )
 
 
 def run_factored(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     """Kernel of ``bppsa::scan_factored`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
-    direct = _as_direct(grad, scales.shape[1])
 
     def chain_of(dt: torch.dtype) -> _FactoredChain:
-        return _FactoredChain(weight.to(dt), scales.to(dt), None if diagonal is None else diagonal.to(dt))
+        def time_major(t: Tensor) -> Tensor:
+            return t.to(dt).transpose(0, 1).contiguous()
 
-    return _run(chain_of, direct, algorithm, chunk_size)
+        return _FactoredChain(weight.to(dt), time_major(scales), None if diagonal is None else time_major(diagonal))
+
+    return _run(chain_of, grad, scales.shape[1], algorithm, chunk_size)
 
 
 def _check_grad(grad: Tensor, batch: int, n: int, d: int, like: Tensor, jac_name: str) -> None:
