@@ -79,15 +79,21 @@ class ClassificationTask(pl.LightningModule):
 class TensorDataModule(pl.LightningDataModule):
     """Train / validation tensors built once by :meth:`build` and cached to ``cache_dir/cache_name()``.
 
+    A recipe's DataModule takes its own arguments and passes the rest (``**common``) here; LightningCLI
+    (jsonargparse) follows ``super().__init__(**common)`` and offers these as ``--data.<name>`` too.
+
     Args:
-        batch_size: training and validation batch size.
+        batch_size: B, for training and validation.
+        seed: seed of what the recipe generates or draws (stand-in data, validation split).
         cache_dir: where the built tensors are cached (``~`` is expanded).
         num_workers: DataLoader workers.
     """
 
-    def __init__(self, batch_size: int, cache_dir: str = DEFAULT_CACHE_DIR, num_workers: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 16, seed: int = 0, cache_dir: str = DEFAULT_CACHE_DIR, num_workers: int = 0
+    ) -> None:
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.seed = batch_size, seed
         self.cache_dir = Path(cache_dir).expanduser()
         self.num_workers = num_workers
         self.tensors: Split | None = None

@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning_bppsa.recipes._common import (
-    DEFAULT_CACHE_DIR,
     MissingDataError,
     Split,
     TensorDataModule,
@@ -88,9 +88,8 @@ class CIFAR10DataModule(TensorDataModule):
         batch_size: B.
         stand_in_train: stand-in training images.
         stand_in_val: stand-in validation images.
-        seed: the stand-in generator's seed.
-        cache_dir: where the tensors are cached.
-        num_workers: DataLoader workers.
+        **common: ``seed`` (of the stand-in generator), ``cache_dir``, ``num_workers``
+            (see :class:`~lightning_bppsa.recipes._common.TensorDataModule`).
     """
 
     def __init__(
@@ -99,13 +98,11 @@ class CIFAR10DataModule(TensorDataModule):
         batch_size: int = 256,
         stand_in_train: int = 10000,
         stand_in_val: int = 2000,
-        seed: int = 0,
-        cache_dir: str = DEFAULT_CACHE_DIR,
-        num_workers: int = 0,
+        **common: Any,
     ) -> None:
-        super().__init__(batch_size, cache_dir, num_workers)
+        super().__init__(batch_size=batch_size, **common)
         self.data_dir = None if data_dir is None else Path(data_dir).expanduser().resolve()
-        self.stand_in_train, self.stand_in_val, self.seed = stand_in_train, stand_in_val, seed
+        self.stand_in_train, self.stand_in_val = stand_in_train, stand_in_val
 
     def check(self) -> None:
         super().check()

@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning_bppsa.recipes._common import (
-    DEFAULT_CACHE_DIR,
     ClassificationTask,
     MissingDataError,
     RecipeConfigError,
@@ -153,10 +153,8 @@ class IRMASDataModule(TensorDataModule):
         data_dir: the IRMAS training folder; ``None`` trains on the generated stand-in.
         val_fraction: share of the clips held out for validation (a seeded random split).
         stand_in_clips: number of stand-in clips.
-        batch_size: B.
-        seed: seed of the split and of the stand-in.
-        cache_dir: where the features are cached.
-        num_workers: DataLoader workers.
+        **common: ``batch_size`` (default 16), ``seed`` (of the split and of the stand-in), ``cache_dir``
+            (of the features), ``num_workers`` (see :class:`~lightning_bppsa.recipes._common.TensorDataModule`).
     """
 
     def __init__(
@@ -165,15 +163,12 @@ class IRMASDataModule(TensorDataModule):
         data_dir: str | None = None,
         val_fraction: float = 0.1,
         stand_in_clips: int = 550,
-        batch_size: int = 16,
-        seed: int = 0,
-        cache_dir: str = DEFAULT_CACHE_DIR,
-        num_workers: int = 0,
+        **common: Any,
     ) -> None:
-        super().__init__(batch_size, cache_dir, num_workers)
+        super().__init__(**common)
         self.size = size
         self.data_dir = None if data_dir is None else Path(data_dir).expanduser().resolve()
-        self.val_fraction, self.stand_in_clips, self.seed = val_fraction, stand_in_clips, seed
+        self.val_fraction, self.stand_in_clips = val_fraction, stand_in_clips
 
     def check(self) -> None:
         super().check()

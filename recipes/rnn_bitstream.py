@@ -11,9 +11,10 @@ The dataset is generated deterministically from ``seed`` and cached. Under ``str
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning_bppsa.recipes._common import (
-    DEFAULT_CACHE_DIR,
     ClassificationTask,
     RecipeConfigError,
     Split,
@@ -53,10 +54,8 @@ class BitstreamDataModule(TensorDataModule):
         seq_len: T, the number of time steps (the paper: 10 .. 30000).
         num_samples: training samples (the paper: 32000).
         val_samples: validation samples (generated with ``seed + 1``).
-        batch_size: B.
-        seed: the generator's seed.
-        cache_dir: where the generated tensors are cached.
-        num_workers: DataLoader workers.
+        **common: ``batch_size`` (default 16), ``seed`` (of the generator), ``cache_dir``, ``num_workers``
+            (see :class:`~lightning_bppsa.recipes._common.TensorDataModule`).
     """
 
     def __init__(
@@ -64,13 +63,10 @@ class BitstreamDataModule(TensorDataModule):
         seq_len: int = 1000,
         num_samples: int = 32000,
         val_samples: int = 1000,
-        batch_size: int = 16,
-        seed: int = 0,
-        cache_dir: str = DEFAULT_CACHE_DIR,
-        num_workers: int = 0,
+        **common: Any,
     ) -> None:
-        super().__init__(batch_size, cache_dir, num_workers)
-        self.seq_len, self.num_samples, self.val_samples, self.seed = seq_len, num_samples, val_samples, seed
+        super().__init__(**common)
+        self.seq_len, self.num_samples, self.val_samples = seq_len, num_samples, val_samples
 
     def check(self) -> None:
         super().check()

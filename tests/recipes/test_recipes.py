@@ -66,3 +66,29 @@ def test_recipe_fits_on_generated_data(
     assert len(scalars["train/loss"]) == 3
     assert "val/acc" in scalars
     assert list((tmp_path / "cache").iterdir()), "the built tensors are cached"
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # args given on purpose, as cli.main does
+@pytest.mark.parametrize("recipe", ["rnn_bitstream", "gru_irmas", "vgg11_pruned"])
+def test_shared_datamodule_arguments_reach_every_recipe_through_the_cli(
+    recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch_size`` / ``seed`` / ``cache_dir`` live in TensorDataModule; the recipes forward ``**common``."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(cli.find_recipe(recipe)), "--data.seed=7", "--data.batch_size=3"]
+    data = cli.BPPSACLI(args=[*args, f"--data.cache_dir={tmp_path}"], run=False).datamodule
+    assert (data.seed, data.batch_size, data.cache_dir) == (7, 3, tmp_path)
+    assert "seed7" in data.cache_name()
+
+
+def test_datamodule_defaults_are_kept() -> None:
+    from lightning_bppsa.recipes.cifar10 import CIFAR10DataModule
+    from lightning_bppsa.recipes.gru_irmas import IRMASDataModule
+    from lightning_bppsa.recipes.rnn_bitstream import BitstreamDataModule
+
+    assert [m().batch_size for m in (BitstreamDataModule, IRMASDataModule, CIFAR10DataModule)] == [
+        16,
+        16,
+        256,
+    ]
+    assert BitstreamDataModule().seed == 0 and CIFAR10DataModule(seed=5).seed == 5
