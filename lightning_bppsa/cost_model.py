@@ -1,19 +1,22 @@
 """The cost model behind ``algorithm="auto"``: predicted seconds of each scan algorithm.
 
-On small shapes a scan is bound by the fixed cost of each torch op (dispatch, kernel launch), not by
-FLOPs, so the model charges every sequential step a number of ops plus its FLOPs at a rate that
-depends on how the FLOPs are shaped:
+On small shapes a scan is bound by the fixed cost of each torch op (Python, dispatch, kernel launch),
+on large ones by its FLOPs, so the model charges every sequential step its ops plus its FLOPs at a rate
+that depends on how the FLOPs are shaped (one ``(B, d)`` row block per step, or one large GEMM):
 
     time = ops * op_seconds + flops / rate
 
-- ``"linear"``: ``n`` steps of matrix-vector products (rate ``small_flops``).
-- ``"blelloch"``: ``2 ⌈log2 n⌉`` levels; ``~n`` ``(d+1) x d x d`` matrix-matrix products in the up-sweep.
-- ``"chunked"`` with chunk size ``c``, ``p = ⌈n / c⌉``: ``2c`` steps over all chunks at once plus a
-  Blelloch scan of ``p`` summaries; its ``~n`` matrix-matrix products run as one large GEMM per step
-  when the Jacobians are factored (``gemm_flops``), as batched small products when dense.
+- ``"linear"``: ``n`` steps of one ``(B, d)`` block each (2-3 ops).
+- ``"blelloch"``: ``2 ⌈log2 n⌉`` levels of ~10 ops; ``~n`` ``d x d x d`` products in the up-sweep.
+- ``"chunked"`` with chunk size ``c``, ``p = ⌊n / c⌋``: ``c`` reduce steps of ``p B d`` rows (the
+  ``~n B d³`` FLOPs the scan adds to back-propagation), ``c - 1`` down-sweep steps of ``p B`` rows, the
+  ``p`` dense summaries scanned the same way (chunked again while ``p > 2c``, else linearly) and the
+  ``n mod c`` leftover steps linearly.
 
-The constants were fitted on the 2-core development CPU and on an H100 (see ``benchmarks/scan.py``);
-they only have to rank the algorithms, not predict absolute time.
+The CPU constants were fitted on the 2-core development machine (AMD EPYC, torch 2.13) from
+``run_factored`` / ``run_dense`` timings over ``n ∈ {30, 300, 3000}``, ``B ∈ {1, 16, 64}``,
+``d ∈ {20, 40}``; the CUDA ones are estimates (kernel launches ~10 µs, no FLOP bound at these sizes).
+They only have to rank the algorithms, not predict absolute time.
 """
 
 from __future__ import annotations
@@ -30,23 +33,52 @@ class Machine:
     """Speed constants of one device type."""
 
     op_seconds: float  # fixed cost of one torch op
-    small_flops: float  # FLOP/s of batched small (d x d) products and matrix-vector products
-    gemm_flops: float  # FLOP/s of one large GEMM against a shared weight
+    rowblock_flops: float  # FLOP/s of one step of a (B, d) block: factored (one small GEMM)
+    rowblock_dense_flops: float  # ... and dense (B independent matrix-vector products)
+    gemm_flops: float  # FLOP/s of a large GEMM against a shared weight (factored chunk steps)
+    gemm_dense_flops: float  # FLOP/s of batched small d x d products (dense chunk steps, Blelloch)
+    autograd_op_seconds: float  # one op of autograd's backward (graph node + kernel)
 
 
 MACHINES = {
-    "cpu": Machine(op_seconds=6e-6, small_flops=1.0e10, gemm_flops=6e10),
-    "cuda": Machine(op_seconds=1.2e-5, small_flops=2e12, gemm_flops=2e13),
+    "cpu": Machine(
+        op_seconds=1.5e-6, rowblock_flops=1.2e10, rowblock_dense_flops=3e9, gemm_flops=3e10, gemm_dense_flops=1.2e10,
+        autograd_op_seconds=6e-6,
+    ),
+    "cuda": Machine(
+        op_seconds=1.0e-5, rowblock_flops=1e12, rowblock_dense_flops=5e11, gemm_flops=2e13, gemm_dense_flops=5e12,
+        autograd_op_seconds=1.5e-5,
+    ),
 }
 
-_OPS_PER_STEP = {"linear": 4, "up": 10, "down": 7, "chunk": 5}
+
+def _linear_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None) -> float:
+    if width is None:
+        return n * (2 * mach.op_seconds + 2 * batch * d * d / mach.rowblock_dense_flops)
+    ops = 2 if width == d else 3  # one more op for a diagonal term / tiled scales
+    return n * (ops * mach.op_seconds + 2 * batch * d * width / mach.rowblock_flops)
 
 
-def _blelloch_seconds(mach: Machine, n: int, d: int, batch: int) -> float:
+def _blelloch_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None) -> float:
     levels = max(1, math.ceil(math.log2(max(n, 1))))
-    ops = levels * (_OPS_PER_STEP["up"] + _OPS_PER_STEP["down"])
-    flops = n * batch * 2 * (d + 1) * d * d + n * batch * 2 * d * d
-    return ops * mach.op_seconds + flops / mach.small_flops
+    flops = n * batch * 2 * d * d * (d + (width or d)) + n * batch * 2 * d * d
+    return levels * 16 * mach.op_seconds + flops / mach.gemm_dense_flops
+
+
+def _chunked_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None, c: int) -> float:
+    c = max(1, min(c, n))
+    p, rem = divmod(n, c)
+    if p <= 1 or c == 1:
+        return _linear_seconds(mach, n, d, batch, width)
+    w = d if width is None else width
+    rate = mach.gemm_dense_flops if width is None else mach.gemm_flops
+    reduce = c * (3 * mach.op_seconds + 2 * p * batch * d * d * w / rate)
+    down = (c - 1) * (4 * mach.op_seconds + 2 * p * batch * d * w / rate)
+    if p > 2 * c:
+        summaries = _chunked_seconds(mach, p, d, batch, None, c)
+    else:
+        summaries = _linear_seconds(mach, p, d, batch, None)
+    return reduce + down + summaries + _linear_seconds(mach, rem, d, batch, width) + 10 * mach.op_seconds
 
 
 def predict_seconds(
@@ -54,18 +86,12 @@ def predict_seconds(
 ) -> float:
     """Predicted time of one scan. ``width`` is the factored weight's rows ``m`` (``None`` = dense)."""
     mach = MACHINES.get(device, MACHINES["cuda"])
-    w = d if width is None else width
     if algorithm == "linear":
-        return n * (_OPS_PER_STEP["linear"] * mach.op_seconds + 2 * batch * d * w / mach.small_flops)
+        return _linear_seconds(mach, n, d, batch, width)
     if algorithm == "blelloch":
-        return _blelloch_seconds(mach, n, d, batch)
+        return _blelloch_seconds(mach, n, d, batch, width)
     if algorithm == "chunked":
-        c = max(1, min(chunk_size, n))
-        p = math.ceil(n / c)
-        rate = mach.small_flops if width is None else mach.gemm_flops
-        flops = p * c * batch * 2 * (d + 2) * d * w
-        steps = 2 * c * _OPS_PER_STEP["chunk"] * mach.op_seconds
-        return steps + flops / rate + _blelloch_seconds(mach, p, d, batch)
+        return _chunked_seconds(mach, n, d, batch, width, chunk_size)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
@@ -79,6 +105,7 @@ def _best_chunk(n: int, d: int, batch: int, width: int | None, device: str) -> i
     )
 
 
+@lru_cache(maxsize=4096)  # called on every scan; shapes repeat from batch to batch
 def choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str) -> tuple[str, int]:
     """Resolve ``algorithm`` (possibly ``"auto"``) to a concrete algorithm and chunk size."""
     chunk = _best_chunk(n, d, batch, width, device) if n > 0 else 1
@@ -98,11 +125,12 @@ def choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, dev
 # --------------------------------------------------------------------------------------------------
 
 #: (torch ops per step in autograd's backward, gates G, scan state size / H, factored?) per cell mode.
-#: CPU LSTM's autograd backward is one fused op per step; RNN / GRU record several ops per step.
+#: CPU LSTM's autograd backward is one fused op per step; RNN / GRU record several ops per step
+#: (fitted: RNN ~21 µs, GRU ~60 µs, LSTM ~6 µs per step at B = 16, H = 20 on the development CPU).
 _CELLS = {
     "RNN_TANH": (3.5, 1, 1, True),
     "RNN_RELU": (3.5, 1, 1, True),
-    "GRU": (16.0, 3, 1, True),
+    "GRU": (10.0, 3, 1, True),
     "LSTM": (1.0, 4, 2, False),
 }
 _SCAN_FIXED_OPS = 40  # Jacobian recompute, direct gradients, parameter GEMMs: independent of n
@@ -119,7 +147,7 @@ def recurrent_path(mode: str, *, n: int, hidden: int, batch: int, device: str) -
     ops, gates, state, factored = _CELLS[mode]
     mach = MACHINES.get(device, MACHINES["cuda"])
     d = state * hidden
-    autograd = n * (ops * mach.op_seconds + 4 * batch * hidden * gates * hidden / mach.small_flops)
+    autograd = n * (ops * mach.autograd_op_seconds + 4 * batch * hidden * gates * hidden / mach.rowblock_flops)
     width = gates * hidden if factored and gates > 1 else (hidden if factored else None)
     algorithm, chunk = choose("auto", n=n, d=d, batch=batch, width=width, device=device)
     scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk)

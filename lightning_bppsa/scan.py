@@ -59,6 +59,10 @@ class _DenseChain:
         self.jac = jac
         self.steps, self.d = jac.shape[0], jac.shape[-1]
 
+    def head(self, steps: int) -> _DenseChain:
+        """The first ``steps`` steps."""
+        return _DenseChain(self.jac[:steps])
+
     def dense(self, index: slice) -> Tensor:
         """``J`` of the steps ``index``, ``(steps, B, d, d)`` (a view: never write to it)."""
         return self.jac[index]
@@ -83,7 +87,12 @@ class _FactoredChain:
         self.weight, self.scales, self.diagonal = weight, scales, diagonal
         self.steps, self.d = scales.shape[0], weight.shape[1]
         self.tiles = weight.shape[0] // self.d
-        self._tmp: Tensor | None = None
+        self._per_step: tuple | None = None
+
+    def head(self, steps: int) -> _FactoredChain:
+        """The first ``steps`` steps."""
+        diagonal = None if self.diagonal is None else self.diagonal[:steps]
+        return _FactoredChain(self.weight, self.scales[:steps], diagonal)
 
     def dense(self, index: slice) -> Tensor:
         """``J`` of the steps ``index``, ``(steps, B, d, d)``: ``I @ J``."""
@@ -104,16 +113,19 @@ class _FactoredChain:
 
     def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
         """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: two or three torch ops, no allocation."""
-        batch = x.shape[0]
-        if self._tmp is None or self._tmp.shape[0] != batch:
-            self._tmp = x.new_empty(batch, self.tiles, self.d)
-        torch.mul(x.unsqueeze(1), self.scales[t].view(batch, self.tiles, self.d), out=self._tmp)
-        scaled = self._tmp.view(batch, -1)
-        if self.diagonal is not None:
+        if self._per_step is None:  # views of every step made once: Python indexing costs ~1 µs per op
+            batch = self.scales.shape[1]
+            tiled = self.scales.view(self.steps, batch, self.tiles, self.d) if self.tiles > 1 else self.scales
+            diagonal = None if self.diagonal is None else self.diagonal.unbind(0)
+            self._per_step = (tiled.unbind(0), diagonal, x.new_empty(tiled.shape[1:]))
+        scales, diagonal, tmp = self._per_step
+        torch.mul(x.unsqueeze(1) if self.tiles > 1 else x, scales[t], out=tmp)
+        scaled = tmp.view(x.shape[0], -1) if self.tiles > 1 else tmp
+        if diagonal is not None:
             if add is None:
-                torch.mul(x, self.diagonal[t], out=out)
+                torch.mul(x, diagonal[t], out=out)
             else:
-                torch.addcmul(add, x, self.diagonal[t], out=out)
+                torch.addcmul(add, x, diagonal[t], out=out)
             out.addmm_(scaled, self.weight)
         elif add is None:
             torch.mm(scaled, self.weight, out=out)
@@ -224,18 +236,8 @@ def _chunked(chain: _Chain, last: Tensor, direct: Tensor | None, chunk_size: int
             g += direct[position[i]]
         out[position[i]] = g
     if rem:  # the steps left of the first chunk
-        _linear(_Prefix(chain, rem), out[rem], direct, out[: rem + 1])
+        _linear(chain.head(rem), out[rem], direct, out[: rem + 1])
     return out
-
-
-class _Prefix:
-    """The first ``steps`` steps of a chain (for the linear tail of :func:`_chunked`)."""
-
-    def __init__(self, chain: _Chain, steps: int) -> None:
-        self.chain, self.steps, self.d = chain, steps, chain.d
-
-    def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
-        self.chain.step_into(t, x, out, add)
 
 
 # --------------------------------------------------------------------------------------------------
