@@ -42,7 +42,7 @@ def _direct(grad_out: Tensor | None, like: Tensor) -> Tensor:
     batch, n, hidden = like.shape
     if grad_out is None:
         return like.new_zeros(batch, hidden)
-    if n == 1 or not grad_out[:, :-1].any():  # loss on the last step only: skip the affine rows
+    if n == 1 or not grad_out[:, :-1].count_nonzero():  # loss on the last step only: no affine rows
         return grad_out[:, -1].contiguous()
     return torch.cat([grad_out.new_zeros(batch, 1, hidden), grad_out], 1)
 
@@ -107,6 +107,9 @@ def _reference(mode, x, h0, c0, weights, grad_out, grad_cn, needs) -> list[Tenso
 def _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn) -> list[Tensor | None]:
     mode = ctx.mode
     batch, n, hidden = h_prev.shape
+    # Under autocast the forward ran in half precision; the backward runs in the parameters' dtype.
+    dtype = weights[0].dtype
+    x_, h_prev, saved, grad_out, grad_cn = _cast(dtype, x, h_prev, saved, grad_out, grad_cn)
     w_ih, w_hh = weights[:2]
     start = time.perf_counter()
     if mode == "LSTM":
@@ -136,12 +139,23 @@ def _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn) ->
     # Eq. 2: every parameter gradient is one GEMM over all B n steps.
     dgi, dgh = d_gates_i.flatten(0, 1), d_gates_h.flatten(0, 1)
     grads = [
-        (dgi @ w_ih).view_as(x),
-        g0,
-        c0_grad,
-        dgi.T @ x.flatten(0, 1),
+        (dgi @ w_ih).view_as(x).to(x.dtype),
+        g0.to(h0.dtype),
+        None if c0_grad is None else c0_grad.to(c0.dtype),
+        dgi.T @ x_.flatten(0, 1),
         dgh.T @ h_prev.flatten(0, 1),
     ]
     if len(weights) == 4:
-        grads += [dgi.sum(0), dgh.sum(0)]
+        ones = dgi.new_ones(dgi.shape[0])  # a column sum as a GEMV: several times faster than sum(0)
+        grad_b_ih = dgi.T @ ones
+        grads += [grad_b_ih, grad_b_ih.clone() if dgh is dgi else dgh.T @ ones]
     return grads
+
+
+def _cast(dtype: torch.dtype, x: Tensor, h_prev: Tensor, saved: list[Tensor], grad_out, grad_cn) -> tuple:
+    """Every tensor of the backward in ``dtype`` (``None`` stays ``None``)."""
+
+    def to(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.to(dtype)
+
+    return to(x), to(h_prev), [to(t) for t in saved], to(grad_out), to(grad_cn)

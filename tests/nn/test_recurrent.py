@@ -279,3 +279,23 @@ def test_batch_and_length_may_change_between_calls():
         x = torch.randn(batch, length, 2, dtype=torch.float64, requires_grad=True)
         rnn(x)[0].sum().backward()
         assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
+def test_bf16_autocast_gradients_match_autograd_under_the_same_autocast(cell):
+    # the fused forward runs in bfloat16 under autocast; the scan backward runs in the parameters' float32
+    from lightning_bppsa.testing import relative_error
+
+    torch.manual_seed(0)
+    ours = getattr(bnn, cell)(3, 8, batch_first=True, algorithm="chunked")
+    ref = getattr(nn, cell)(3, 8, batch_first=True)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 40, 3)
+    for module in (ours, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = module(x)
+        out.float().pow(2).sum().backward()
+    assert ours.last_stats["path"] == "scan"
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad.dtype == torch.float32, name
+        assert relative_error(p.grad, q.grad) < 5e-2, name

@@ -133,10 +133,6 @@ def test_float32_matches_autograd():
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="known limitation: under bf16 autocast the recurrent cells' backward GEMMs mix bf16 and float32",
-)
 def test_bf16_mixed_trains_close_to_autograd():
     kwargs = dict(model_kwargs=dict(cell="rnn"), precision="bf16-mixed")
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=2e-2)
@@ -145,7 +141,7 @@ def test_bf16_mixed_trains_close_to_autograd():
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_on_cpu_keeps_the_accelerator_and_the_plugin(precision):
     # Lightning turns CPU "16-mixed" into bf16 autocast; the strategy must keep its plugin and the CPU.
-    # "auto" keeps these short sequences on autograd; the scan under bf16 is the strict xfail above.
+    # "auto" keeps these short sequences on autograd; the forced scan under bf16 is the test above.
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     pl.seed_everything(0, verbose=False)
