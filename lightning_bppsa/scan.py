@@ -112,25 +112,34 @@ class _FactoredChain:
         return out
 
     def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
-        """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: two or three torch ops, no allocation."""
-        if self._per_step is None:  # views of every step made once: Python indexing costs ~1 µs per op
-            batch = self.scales.shape[1]
-            tiled = self.scales.view(self.steps, batch, self.tiles, self.d) if self.tiles > 1 else self.scales
-            diagonal = None if self.diagonal is None else self.diagonal.unbind(0)
-            self._per_step = (tiled.unbind(0), diagonal, x.new_empty(tiled.shape[1:]))
-        scales, diagonal, tmp = self._per_step
-        torch.mul(x.unsqueeze(1) if self.tiles > 1 else x, scales[t], out=tmp)
-        scaled = tmp.view(x.shape[0], -1) if self.tiles > 1 else tmp
-        if diagonal is not None:
-            if add is None:
-                torch.mul(x, diagonal[t], out=out)
-            else:
-                torch.addcmul(add, x, diagonal[t], out=out)
-            out.addmm_(scaled, self.weight)
-        elif add is None:
-            torch.mm(scaled, self.weight, out=out)
+        """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: two torch ops, no allocation.
+
+        A diagonal term joins the GEMM as one more tile: ``x J = [x u, x s^1, ..] @ [I; W]``.
+        """
+        if self._per_step is None:  # made once: Python indexing and a third op would cost ~1 µs each
+            self._per_step = self._step_factors(x)
+        scales, weight, tmp, rows = self._per_step
+        if rows is None:  # one tile: no broadcast (a broadcasting mul costs ~1 µs more)
+            torch.mul(x, scales[t], out=tmp)
         else:
-            torch.addmm(add, scaled, self.weight, out=out)
+            torch.mul(x.unsqueeze(1), scales[t], out=tmp)
+        if add is None:
+            torch.mm(rows if rows is not None else tmp, weight, out=out)
+        else:
+            torch.addmm(add, rows if rows is not None else tmp, weight, out=out)
+
+    def _step_factors(self, like: Tensor) -> tuple:
+        """Per-step scales, the (augmented) weight, a scratch block and its ``(B, k d)`` view or ``None``."""
+        steps, batch = self.scales.shape[:2]
+        scales, weight = self.scales, self.weight
+        if self.diagonal is not None:
+            scales = torch.cat([self.diagonal, scales], -1)
+            weight = torch.cat([torch.eye(self.d, dtype=weight.dtype, device=weight.device), weight])
+        if scales.shape[-1] == self.d:
+            return scales.contiguous().unbind(0), weight, like.new_empty(batch, self.d), None
+        tiled = scales.reshape(steps, batch, -1, self.d)
+        tmp = like.new_empty(tiled.shape[1:])
+        return tiled.unbind(0), weight, tmp, tmp.view(batch, -1)
 
 
 _Chain = Union[_DenseChain, _FactoredChain]
@@ -294,10 +303,9 @@ def run_factored(
     """Kernel of ``bppsa::scan_factored`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
 
     def chain_of(dt: torch.dtype) -> _FactoredChain:
-        def time_major(t: Tensor) -> Tensor:
-            return t.to(dt).transpose(0, 1).contiguous()
-
-        return _FactoredChain(weight.to(dt), time_major(scales), None if diagonal is None else time_major(diagonal))
+        # time-major views; the linear steps copy them once into the layout they need
+        diagonal_t = None if diagonal is None else diagonal.to(dt).transpose(0, 1)
+        return _FactoredChain(weight.to(dt), scales.to(dt).transpose(0, 1), diagonal_t)
 
     return _run(chain_of, grad, scales.shape[1], algorithm, chunk_size)
 
