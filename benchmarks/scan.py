@@ -11,6 +11,7 @@ skipped (and listed as skipped).
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 from pathlib import Path
 
@@ -65,8 +66,11 @@ def to_markdown(rows: list[dict], skipped: list[str], d: int) -> str:
     return (
         f"# Scan algorithms on CPU (d = {d}, float32)\n\nMachine: {machine_description()}\n\n"
         "Times are medians of `torch.utils.benchmark` (warm-up excluded), one process, speedup (×) over "
-        "`linear`. Peak memory: torch CPU allocations during one call (profiler memory events). "
-        "The machine is shared: other processes may have been running during the measurement.\n\n"
+        "`linear`. Peak memory: resident-set growth during one call (`benchmarks/_common.peak_memory_bytes`). "
+        "`grad` is the last-state gradient `(B, d)`; factored = `diag(s_t) W` with `W` of spectral norm "
+        "0.95, dense = random matrices of spectral norm 0.95. "
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC under "
+        "`flock /tmp/bppsa-bench.lock`.\n\n"
         + head + "\n".join(lines) + "\n" + note
     )
 

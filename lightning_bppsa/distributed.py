@@ -31,14 +31,14 @@ a peer that died or stalled surfaces as :class:`DistributedScanError` naming the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.scan import _flush_denormals, _time_major_chain
 from lightning_bppsa.scan import backprop_scan as _local_scan
 
 __all__ = ["DistributedScanError", "backprop_scan", "scan_rounds", "segment_summary"]
@@ -55,29 +55,6 @@ def scan_rounds(world_size: int) -> int:
     return math.ceil(math.log2(world_size)) if world_size > 1 else 0
 
 
-@contextmanager
-def _flush_denormals() -> Iterator[None]:
-    """Long products of contracting Jacobians underflow into denormals, ~10-100x slower on x86 CPUs."""
-    was_on = bool((torch.tensor(1e-39, dtype=torch.float32) * 1.0).item() == 0.0)
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(was_on)
-
-
-def _right_apply(jac: Jacobians, step: int, rows: Tensor) -> Tensor:
-    """``rows @ J`` for step ``step`` (0-based) of the chain; ``rows`` is ``(B, r, d)``."""
-    if isinstance(jac, FactoredJacobians):
-        tiles = jac.weight.shape[0] // jac.weight.shape[1]
-        tiled = rows.repeat(1, 1, tiles) if tiles > 1 else rows
-        out = (tiled * jac.scales[:, step].unsqueeze(-2)) @ jac.weight
-        if jac.diagonal is not None:
-            out = out + rows * jac.diagonal[:, step].unsqueeze(-2)
-        return out
-    return rows @ jac[:, step].mT
-
-
 def segment_summary(jacobians_t: Jacobians, direct: Tensor) -> Tensor:
     """The affine summary ``X = [C; b]`` of a segment: ``g_0 = h C + b`` for ``h`` arriving at ``x_n``.
 
@@ -92,16 +69,12 @@ def segment_summary(jacobians_t: Jacobians, direct: Tensor) -> Tensor:
     batch, n_plus_1, d = direct.shape
     eye = torch.eye(d, dtype=direct.dtype, device=direct.device).expand(batch, d, d)
     block = torch.cat([eye, direct[:, -1:]], dim=1)
-    with _flush_denormals() if direct.device.type == "cpu" else _nothing():
+    chain = _time_major_chain(jacobians_t, direct.dtype)
+    with _flush_denormals() if direct.device.type == "cpu" else nullcontext():
         for step in range(n_plus_1 - 2, -1, -1):
-            block = _right_apply(jacobians_t, step, block)
+            block = chain.apply(step, block)
             block[:, d] += direct[:, step]
     return block
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _compose(left: Tensor, right: Tensor) -> Tensor:

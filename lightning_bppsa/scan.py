@@ -286,28 +286,27 @@ def _run(chain_of: Callable[[torch.dtype], _Chain], grad: Tensor, n: int, algori
     return out.transpose(0, 1).contiguous().to(grad.dtype)
 
 
+def _time_major_chain(jac: Jacobians, dtype: torch.dtype) -> _Chain:
+    """``jac`` (``(B, n, d, d)`` transposed Jacobians or factored) as a chain of time-major views in ``dtype``."""
+    if isinstance(jac, FactoredJacobians):
+        # the linear steps copy these views once into the layout they need
+        diagonal = None if jac.diagonal is None else jac.diagonal.to(dtype).transpose(0, 1)
+        return _FactoredChain(jac.weight.to(dtype), jac.scales.to(dtype).transpose(0, 1), diagonal)
+    return _DenseChain(jac.to(dtype).transpose(0, 1).mT)
+
+
 def run_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
     """Kernel of ``bppsa::scan_dense`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
-    return _run(
-        lambda dt: _DenseChain(jacobians_t.to(dt).transpose(0, 1).mT),
-        grad,
-        jacobians_t.shape[1],
-        algorithm,
-        chunk_size,
-    )
+    n = jacobians_t.shape[1]
+    return _run(lambda dt: _time_major_chain(jacobians_t, dt), grad, n, algorithm, chunk_size)
 
 
 def run_factored(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     """Kernel of ``bppsa::scan_factored`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
-
-    def chain_of(dt: torch.dtype) -> _FactoredChain:
-        # time-major views; the linear steps copy them once into the layout they need
-        diagonal_t = None if diagonal is None else diagonal.to(dt).transpose(0, 1)
-        return _FactoredChain(weight.to(dt), scales.to(dt).transpose(0, 1), diagonal_t)
-
-    return _run(chain_of, grad, scales.shape[1], algorithm, chunk_size)
+    jac = FactoredJacobians(weight, scales, diagonal)
+    return _run(lambda dt: _time_major_chain(jac, dt), grad, scales.shape[1], algorithm, chunk_size)
 
 
 def _check_grad(grad: Tensor, batch: int, n: int, d: int, like: Tensor, jac_name: str) -> None:
@@ -373,14 +372,17 @@ def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "aut
 
     Args:
         jacobians_t: ``(B, n, d, d)`` tensor with ``jacobians_t[:, i-1] = (∂x_i/∂x_{i-1})ᵀ`` for
-            ``i = 1..n`` (natural order), or a :class:`~lightning_bppsa.jacobians.FactoredJacobians`.
+            ``i = 1..n`` (natural order), or a :class:`~lightning_bppsa.jacobians.FactoredJacobians`,
+            or a list of sparse CSR transposed Jacobians of layers of different widths (a layer chain;
+            forwarded to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`, which returns the
+            list ``[g_0, ..., g_n]`` instead of one tensor).
         grad: ``(B, d)``, the gradient of the loss w.r.t. the last state ``x_n``; or ``(B, n + 1, d)``,
             the direct gradient ``δ_i`` w.r.t. every state ``x_0..x_n`` (per-step losses:
             ``g_i = δ_i + J_{i+1}ᵀ g_{i+1}``).
         algorithm: ``"linear"``, ``"blelloch"``, ``"chunked"`` or ``"auto"`` (see the module docstring).
 
     Returns:
-        ``(B, n + 1, d)`` tensor with ``out[:, i] = ∇_{x_i} l`` for ``i = 0..n``.
+        ``(B, n + 1, d)`` tensor with ``out[:, i] = ∇_{x_i} l`` for ``i = 0..n`` (a list for a list input).
 
     Example:
         >>> jt = 0.5 * torch.eye(3).expand(2, 4, 3, 3)       # B=2, n=4, d=3
