@@ -6,7 +6,8 @@ that depends on how the FLOPs are shaped (one ``(B, d)`` row block per step, or 
 
     time = ops * op_seconds + flops / rate
 
-- ``"linear"``: ``n`` steps of one ``(B, d)`` block each (2-3 ops).
+- ``"linear"``: on CPU one call of the compiled kernel (:mod:`lightning_bppsa._native`, FLOP-bound);
+  elsewhere, or without a C compiler, ``n`` steps of one ``(B, d)`` block each (2-3 torch ops).
 - ``"blelloch"``: ``2 ⌈log2 n⌉`` levels of ~10 ops; ``~n`` ``d x d x d`` products in the up-sweep.
 - ``"chunked"`` with chunk size ``c``, ``p = ⌊n / c⌋``: ``c`` reduce steps of ``p B d`` rows (the
   ``~n B d³`` FLOPs the scan adds to back-propagation), ``c - 1`` down-sweep steps of ``p B`` rows, the
@@ -25,6 +26,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lightning_bppsa import _native
+
 __all__ = ["Machine", "MACHINES", "choose", "predict_seconds", "recurrent_path"]
 
 
@@ -38,12 +41,18 @@ class Machine:
     gemm_flops: float  # FLOP/s of a large GEMM against a shared weight (factored chunk steps)
     gemm_dense_flops: float  # FLOP/s of batched small d x d products (dense chunk steps, Blelloch)
     autograd_op_seconds: float  # one op of autograd's backward (graph node + kernel)
+    native_flops: float = 0.0  # FLOP/s of the compiled linear kernel, factored (0: none on this device)
+    native_dense_flops: float = 0.0  # ... and dense (it streams a d x d matrix per step and row)
+    native_call_seconds: float = 0.0  # fixed cost of one call (layout copies, thread start)
 
 
 MACHINES = {
     "cpu": Machine(
         op_seconds=1.5e-6, rowblock_flops=1.2e10, rowblock_dense_flops=3e9, gemm_flops=3e10, gemm_dense_flops=1.2e10,
         autograd_op_seconds=6e-6,
+        native_flops=1e10,
+        native_dense_flops=5e9,
+        native_call_seconds=3e-5,
     ),
     "cuda": Machine(
         op_seconds=1.0e-5, rowblock_flops=1e12, rowblock_dense_flops=5e11, gemm_flops=2e13, gemm_dense_flops=5e12,
@@ -53,6 +62,9 @@ MACHINES = {
 
 
 def _linear_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None) -> float:
+    if mach.native_flops and n and _native.available():  # one call of the compiled kernel
+        rate = mach.native_dense_flops if width is None else mach.native_flops
+        return mach.native_call_seconds + n * batch * 2 * d * (width or d) / rate
     if width is None:
         return n * (2 * mach.op_seconds + 2 * batch * d * d / mach.rowblock_dense_flops)
     ops = 2 if width == d else 3  # one more op for a diagonal term / tiled scales
@@ -134,7 +146,7 @@ _CELLS = {
     "LSTM": (1.0, 4, 2, False),
 }
 _SCAN_FIXED_OPS = 170  # autograd.Function, Jacobian data, validation, parameter GEMMs: ~0.25 ms whatever n
-_ELEMENTWISE_BYTES_PER_S = 2e9  # element-wise passes over (B, n, G H) in the forward and backward
+_ELEMENTWISE_BYTES_PER_S = 5e9  # element-wise passes over (B, n, G H) in the forward and backward
 
 
 @lru_cache(maxsize=1024)  # called on every forward; shapes repeat from batch to batch

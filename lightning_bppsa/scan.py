@@ -35,7 +35,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from lightning_bppsa import cost_model
+from lightning_bppsa import _native, cost_model
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 
 __all__ = ["ALGORITHMS", "backprop_scan", "run_dense", "run_factored"]
@@ -70,6 +70,12 @@ class _DenseChain:
     def apply(self, index: int | slice, x: Tensor) -> Tensor:
         """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``."""
         return x @ self.jac[index]
+
+    def sweep_native(self, out: Tensor, direct: Tensor | None) -> bool:
+        """The whole linear recurrence in the compiled CPU kernel (:mod:`lightning_bppsa._native`)."""
+        if out.device.type != "cpu" or not _native.available():
+            return False
+        return _native.linear_dense(self.jac.mT.transpose(0, 1), direct, out)  # (B, n, d, d) Jᵀ
 
     def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
         """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: the linear scan's inner loop."""
@@ -128,13 +134,24 @@ class _FactoredChain:
         else:
             torch.addmm(add, rows if rows is not None else tmp, weight, out=out)
 
+    def _augmented(self) -> tuple[Tensor, Tensor]:
+        """``(scales, weight)`` with a diagonal term folded in as one more tile: ``[u, s] @ [I; W]``."""
+        if self.diagonal is None:
+            return self.scales, self.weight
+        eye = torch.eye(self.d, dtype=self.weight.dtype, device=self.weight.device)
+        return torch.cat([self.diagonal, self.scales], -1), torch.cat([eye, self.weight])
+
+    def sweep_native(self, out: Tensor, direct: Tensor | None) -> bool:
+        """The whole linear recurrence in the compiled CPU kernel (:mod:`lightning_bppsa._native`)."""
+        if out.device.type != "cpu" or not _native.available():
+            return False
+        scales, weight = self._augmented()
+        return _native.linear_factored(weight, scales, direct, out)
+
     def _step_factors(self, like: Tensor) -> tuple:
         """Per-step scales, the (augmented) weight, a scratch block and its ``(B, k d)`` view or ``None``."""
         steps, batch = self.scales.shape[:2]
-        scales, weight = self.scales, self.weight
-        if self.diagonal is not None:
-            scales = torch.cat([self.diagonal, scales], -1)
-            weight = torch.cat([torch.eye(self.d, dtype=weight.dtype, device=weight.device), weight])
+        scales, weight = self._augmented()
         if scales.shape[-1] == self.d:
             return scales.contiguous().unbind(0), weight, like.new_empty(batch, self.d), None
         tiled = scales.reshape(steps, batch, -1, self.d)
@@ -162,9 +179,10 @@ def _linear(chain: _Chain, last: Tensor, direct: Tensor | None, out: Tensor | No
     if out is None:
         out = last.new_empty(n + 1, *last.shape)
         out[n] = last
-    states = out.unbind(0)
-    for t in range(n - 1, -1, -1):
-        chain.step_into(t, states[t + 1], states[t], None if direct is None else direct[t])
+    if n and not chain.sweep_native(out, direct):
+        states = out.unbind(0)
+        for t in range(n - 1, -1, -1):
+            chain.step_into(t, states[t + 1], states[t], None if direct is None else direct[t])
     return out
 
 

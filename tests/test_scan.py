@@ -1,5 +1,6 @@
 """The scan engine: every algorithm against a plain float64 loop, shapes, errors, NaN propagation."""
 
+import logging
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_bppsa import FactoredJacobians, backprop_scan
+from lightning_bppsa import FactoredJacobians, _native, backprop_scan
 from lightning_bppsa.scan import run_dense, run_factored
 from lightning_bppsa.testing import assert_derived_close
 
@@ -193,3 +194,75 @@ def test_bad_factored_input():
 def test_kernels_reject_auto():
     with pytest.raises(ValueError, match="algorithm must be one of"):
         run_factored(torch.eye(2), torch.rand(1, 3, 2), None, torch.randn(1, 2), "auto", 1)
+
+
+# --- the compiled linear-schedule kernel (lightning_bppsa._native) and its torch-loop fallback ---
+
+needs_native = pytest.mark.skipif(not _native.available(), reason="no C compiler: the kernel is not built")
+
+
+@pytest.fixture(params=[True, False], ids=["native", "torch-loop"])
+def native(request, monkeypatch):
+    """Run a test with the compiled kernel and again with the torch loop it replaces."""
+    if request.param and not _native.available():
+        pytest.skip("no C compiler: the kernel is not built")
+    if not request.param:
+        monkeypatch.setattr(_native, "available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("per_step", [False, True])
+@pytest.mark.parametrize(("batch", "n", "d"), [(1, 1, 1), (3, 7, 5), (5, 50, 20), (2, 33, 9), (4, 16, 16)])
+def test_dense_linear_matches_plain_loop(native, dtype, per_step, batch, n, d):
+    jt = contracting(batch, n, d, dtype)
+    grad = torch.randn(batch, n + 1, d, dtype=dtype) if per_step else torch.randn(batch, d, dtype=dtype)
+    expected = plain_backprop(jt.double(), grad.double())
+    floor = 1e-12 if dtype == torch.float64 else 1e-5
+    assert_derived_close(run_dense(jt, grad, "linear", 1).double(), expected, floor=floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("tiles", "with_diagonal"), [(1, False), (1, True), (3, True), (4, False)])
+@pytest.mark.parametrize("per_step", [False, True])
+@pytest.mark.parametrize(("batch", "n", "d"), [(1, 1, 1), (3, 7, 5), (6, 40, 20), (2, 9, 12)])
+def test_factored_linear_matches_plain_loop(native, dtype, tiles, with_diagonal, per_step, batch, n, d):
+    jac = random_factored(batch, n, d, tiles, with_diagonal, dtype)
+    grad = torch.randn(batch, n + 1, d, dtype=dtype) if per_step else torch.randn(batch, d, dtype=dtype)
+    expected = plain_backprop(jac.dense().double(), grad.double())
+    out = run_factored(jac.weight, jac.scales, jac.diagonal, grad, "linear", 1)
+    assert_derived_close(out.double(), expected, floor=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@needs_native
+def test_nan_propagates_through_the_kernel():
+    jac = random_factored(2, 10, 4, 1, False)
+    scales = jac.scales.clone()
+    scales[1, 6, 2] = float("nan")
+    out = run_factored(jac.weight, scales, None, torch.randn(2, 4, dtype=torch.float64), "linear", 1)
+    assert out[1, :7].isnan().any() and not out[1, 7:].isnan().any() and not out[0].isnan().any()
+
+
+@needs_native
+def test_kernel_declines_what_it_does_not_handle():
+    out = torch.zeros(3, 2, 4, dtype=torch.float16)
+    assert not _native.linear_factored(torch.eye(4).half(), torch.ones(2, 2, 4).half(), None, out)
+    out = torch.zeros(3, 2, 4)
+    assert not _native.linear_factored(torch.eye(4).double(), torch.ones(2, 2, 4), None, out)  # mixed dtypes
+
+
+def test_disabled_by_environment(monkeypatch, caplog):
+    monkeypatch.setenv("BPPSA_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger="lightning_bppsa._native"):
+        assert _native._load() is None
+    assert "BPPSA_NATIVE=0" in caplog.text
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_missing_or_failing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog, compiler):
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="lightning_bppsa._native"):
+        assert _native._load() is None
+    assert "torch loop" in caplog.text
+    assert not list(tmp_path.glob("*.so"))
