@@ -67,6 +67,7 @@ def measure(cell: str, batch: int, length: int, inputs: int, algorithm: str, min
         "mem_autograd": memory[0],
         "mem_bppsa": memory[1],
         "path": ours.last_stats["path"],
+        "scan_algorithm": ours.last_stats.get("scan_algorithm", ""),  # what the scan resolved algorithm to
     }
 
 
@@ -81,7 +82,7 @@ HEADER = (
 def row(cell: str, batch: int, length: int, inputs: int, algorithm: str, r: dict) -> str:
     ms, mib = 1e3, 2.0**-20
     return (
-        f"| {cell} | {batch} | {length} | {inputs} | {algorithm} | {r['path']} "
+        f"| {cell} | {batch} | {length} | {inputs} | {algorithm} | {r['path']} {r['scan_algorithm']} "
         f"| {r['forward'] * ms:.2f} | {r['forward_bppsa'] * ms:.2f} "
         f"| {r['autograd'] * ms:.2f} | {r['bppsa'] * ms:.2f} | {r['bwd_autograd'] * ms:.2f} "
         f"| {r['bwd_bppsa'] * ms:.2f} | {r['bwd_autograd'] / r['bwd_bppsa']:.2f}x "

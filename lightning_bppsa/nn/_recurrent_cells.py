@@ -18,6 +18,7 @@ import time
 import torch
 from torch import Tensor
 
+from lightning_bppsa import cost_model
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.jacobians.recurrent import gru_jacobians, lstm_jacobians, rnn_jacobians
 from lightning_bppsa.nn._mode import reference_backward_enabled
@@ -136,6 +137,7 @@ def _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn) ->
         d_gates_i = g_rows * saved[2] if mode == "GRU" else d_gates_h
         g0, c0_grad = g[:, 0], None
     ctx.stats["scan_seconds"] = ctx.stats.get("scan_seconds", 0.0) + time.perf_counter() - start
+    ctx.stats["scan_algorithm"] = _resolved(ctx.algorithm, batch, n, hidden, w_hh, g.device.type, mode)
     # Eq. 2: every parameter gradient is one GEMM over all B n steps.
     dgi, dgh = d_gates_i.flatten(0, 1), d_gates_h.flatten(0, 1)
     grads = [
@@ -159,3 +161,10 @@ def _cast(dtype: torch.dtype, x: Tensor, h_prev: Tensor, saved: list[Tensor], gr
         return None if t is None else t.to(dtype)
 
     return to(x), to(h_prev), [to(t) for t in saved], to(grad_out), to(grad_cn)
+
+
+def _resolved(algorithm: str, batch: int, n: int, hidden: int, w_hh: Tensor, device: str, mode: str) -> str:
+    """What ``backprop_scan`` ran for this layer, e.g. ``"linear"`` or ``"chunked(c=8)"``."""
+    d, width = (2 * hidden, None) if mode == "LSTM" else (hidden, w_hh.shape[0])
+    name, chunk = cost_model.choose(algorithm, n=n, d=d, batch=batch, width=width, device=device)
+    return f"{name}(c={chunk})" if name == "chunked" else name

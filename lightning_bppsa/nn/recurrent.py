@@ -10,7 +10,8 @@ dropout between layers is an ordinary autograd op, so its mask is the forward's.
 when :func:`~lightning_bppsa.cost_model.recurrent_path` predicts that the scan does not pay, the module
 runs torch's own forward under plain autograd instead. ``last_stats`` records what the last forward did:
 ``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``jacobian_seconds`` (forward time spent on
-Jacobian data), ``scan_seconds`` (backward scan time, filled in by the backward).
+Jacobian data), ``scan_seconds`` (backward scan time) and ``scan_algorithm`` (what the scan resolved
+``algorithm`` to, e.g. ``"linear"`` or ``"chunked(c=8)"``), the last two filled in by the backward.
 
 Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size > 0`` (LSTM) and
 ``PackedSequence`` input.
