@@ -108,8 +108,8 @@ def predict_seconds(
 
 
 def _best_chunk(n: int, d: int, batch: int, width: int | None, device: str) -> int:
-    # at least two chunks: a chunk size of n or more would silently run the linear schedule
-    candidates = sorted({2**k for k in range(1, int(math.log2(max(n // 2, 1))) + 1)} | {1})
+    # 2 <= c <= n / 2: c = 1 or c >= n would silently run the linear schedule
+    candidates = [2**k for k in range(1, int(math.log2(max(n // 2, 1))) + 1)] or [1]
     return min(
         candidates,
         key=lambda c: predict_seconds(

@@ -33,7 +33,7 @@ def gradient_difference(loss: Tensor, parameters: Iterable[torch.nn.Parameter]) 
     with reference_backward():
         reference = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     worst = 0.0
-    for ours, ref in zip(scanned, reference):
+    for ours, ref in zip(scanned, reference, strict=True):
         if ours is None and ref is None:
             continue
         ours = torch.zeros_like(ref) if ours is None else ours

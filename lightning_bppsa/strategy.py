@@ -43,7 +43,7 @@ def format_conversion_table(records: Sequence[ConversionRecord]) -> str:
     rows = [("module", "type", "backward", "why")]
     rows += [(r.path, r.module_type, "scan" if r.scanned else "autograd", r.reason) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "BPPSA conversion:\n" + "\n".join(lines)
 

@@ -39,7 +39,7 @@ def fit(strategy, precision):
 @pytest.mark.parametrize("precision,rtol", [("64-true", 1e-9), ("32-true", 1e-4), ("16-mixed", 5e-2)])
 def test_gpu_training_matches_autograd(cuda, precision, rtol):
     ours, ref = fit(BPPSAStrategy(algorithm="chunked"), precision), fit("auto", precision)
-    for a, b in zip(ours.parameters(), ref.parameters()):
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
         assert a.device.type == "cuda"
         assert ((a - b).norm() / b.norm()).item() <= rtol
 

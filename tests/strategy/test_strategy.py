@@ -87,7 +87,7 @@ def train(strategy, model_kwargs=None, data=None, **trainer_kwargs):
 
 
 def assert_same_weights(a, b, rtol):
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         err = ((pa - pb).norm() / pb.norm().clamp_min(1e-30)).item()
         assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
 
@@ -155,7 +155,7 @@ def test_mixed_precision_on_cpu_keeps_the_accelerator_and_the_plugin(precision):
     assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu" and plugin.precision == "bf16-mixed"
     t.fit(model, loader())
     assert t.global_step == 2 and [(r.path, r.scanned) for r in t.strategy.conversion_report] == [("rnn", True)]
-    for (name, p), q in zip(model.named_parameters(), before.parameters()):
+    for (name, p), q in zip(model.named_parameters(), before.parameters(), strict=True):
         assert p.dtype == torch.float32 and torch.isfinite(p).all() and not torch.equal(p, q), name
 
 
