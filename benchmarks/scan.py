@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_description, median_seconds, peak_memory_bytes  # noqa: E402
 
-from lightning_bppsa import FactoredJacobians, backprop_scan, cost_model  # noqa: E402
+from lightning_bppsa import FactoredJacobians, _native, backprop_scan, cost_model  # noqa: E402
 
 ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
 
@@ -35,6 +37,17 @@ def make_inputs(kind: str, batch: int, n: int, d: int):
     return FactoredJacobians(weight, torch.rand(batch, n, d)), d
 
 
+@contextmanager
+def torch_loop() -> Iterator[None]:
+    """The linear schedule as a loop of torch ops (the compiled kernel switched off): op-bound like a GPU."""
+    available = _native.available
+    _native.available = lambda: False
+    try:
+        yield
+    finally:
+        _native.available = available
+
+
 def measure_row(kind: str, batch: int, n: int, d: int, min_run_time: float) -> dict:
     jac, d = make_inputs(kind, batch, n, d)
     grad = torch.randn(batch, d)
@@ -43,30 +56,36 @@ def measure_row(kind: str, batch: int, n: int, d: int, min_run_time: float) -> d
         fn = lambda a=algorithm: backprop_scan(jac, grad, algorithm=a)  # noqa: E731
         row[f"{algorithm}_ms"] = median_seconds(fn, min_run_time) * 1e3
         row[f"{algorithm}_mib"] = peak_memory_bytes(fn) / 2**20
+    with torch_loop():
+        row["loop_ms"] = median_seconds(lambda: backprop_scan(jac, grad, algorithm="linear"), min_run_time) * 1e3
     width = None if kind == "dense" else d
-    row["auto_choice"] = "{}(c={})".format(
-        *cost_model.choose("auto", n=n, d=d, batch=batch, width=width, device="cpu")
-    )
+    name, chunk = cost_model.choose("auto", n=n, d=d, batch=batch, width=width, device="cpu")
+    row["auto_choice"] = f"{name}(c={chunk})" if name == "chunked" else name
     return row
 
 
 def to_markdown(rows: list[dict], skipped: list[str], d: int) -> str:
     head = (
         "| Jacobians | B | n | linear ms | blelloch ms (×) | chunked ms (×) | auto ms (×) | auto chose | "
-        "peak MiB lin / blel / chunk |\n|---|---|---|---|---|---|---|---|---|\n"
+        "linear as torch loop ms | chunked vs torch loop | peak MiB lin / blel / chunk |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         base = r["linear_ms"]
         cells = [f"{r[a + '_ms']:.2f} ({base / r[a + '_ms']:.1f}×)" for a in ("blelloch", "chunked", "auto")]
         mem = " / ".join(f"{r[a + '_mib']:.1f}" for a in ("linear", "blelloch", "chunked"))
+        loop = f"{r['loop_ms']:.2f} | {r['loop_ms'] / r['chunked_ms']:.1f}×"
         lines.append(f"| {r['kind']} | {r['B']} | {r['n']} | {base:.2f} | " + " | ".join(cells)
-                     + f" | {r['auto_choice']} | {mem} |")
+                     + f" | {r['auto_choice']} | {loop} | {mem} |")
     note = f"\nSkipped (input too large for this machine): {', '.join(skipped)}\n" if skipped else ""
     return (
         f"# Scan algorithms on CPU (d = {d}, float32)\n\nMachine: {machine_description()}\n\n"
         "Times are medians of `torch.utils.benchmark` (warm-up excluded), one process, speedup (×) over "
-        "`linear`. Peak memory: resident-set growth during one call (`benchmarks/_common.peak_memory_bytes`). "
+        "`linear`, which on CPU is one call of the compiled kernel (`lightning_bppsa._native`); "
+        "`auto` ran what `auto chose`, so its ratio to `linear` shows the timing noise. "
+        "`linear as torch loop`: the same schedule as a loop of torch ops (kernel switched off): op-bound, "
+        "the regime of a GPU or of a machine without a C compiler, where the parallel scans pay. Peak memory: resident-set growth during one call (`benchmarks/_common.peak_memory_bytes`). "
         "`grad` is the last-state gradient `(B, d)`; factored = `diag(s_t) W` with `W` of spectral norm "
         "0.95, dense = random matrices of spectral norm 0.95. "
         f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC under "

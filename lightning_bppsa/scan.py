@@ -9,20 +9,23 @@ only reads the last state). Every ``g_i`` is a suffix product of affine maps, so
 (Eq. 3-4) and can run in Θ(log n) steps (Algorithm 1) instead of Θ(n).
 
 Internally gradients are *row* vectors, ``g_{i-1} = g_i J_i + δ_{i-1}``, so that the shared weight of a
-factored Jacobian sits on the right of every product and a scan step is one large GEMM.
+factored Jacobian sits on the right of every product and a scan step is one large GEMM; and they are
+*time-major*, ``(n + 1, B, d)``, so that one step is one contiguous ``(B, d)`` block.
 A segment ``[i..j]`` of steps composes to ``g_{i-1} = g_j C + b`` with ``C = J_j ··· J_i``; segments are
-stored as ``X = [C; b]``, a ``(d + 1) x d`` matrix, and two neighbours combine as
-``X_{[i..j]} = X_right @ C_left + [0; b_left]``.
+stored as ``X = [C; b]``, a ``(d + 1) x d`` matrix (just ``C`` when the loss reads only ``x_n``: no
+affine row is carried then), and two neighbours combine as ``X_{[i..j]} = X_right @ C_left + [0; b_left]``.
 
 The algorithms (all give the same result up to rounding):
 
-- ``"linear"``: the sequential reference, ``n`` matrix-vector steps (what autograd does).
+- ``"linear"``: the sequential reference, ``n`` matrix-vector steps (what autograd does). On CPU one
+  call of a compiled C kernel (:mod:`lightning_bppsa._native`), else a torch loop of 2 ops per step.
 - ``"blelloch"``: Algorithm 1 for any ``n``: an up-sweep of matrix-matrix products over a binary tree
   (unpaired nodes are carried up), then a down-sweep of matrix-vector products with reversed operands.
   ``2⌈log2 n⌉`` steps, ``~n`` matrix-matrix products.
 - ``"chunked"``: reduce-then-scan. Chunks of ``c`` steps are reduced to one summary each (``c`` steps,
-  all chunks at once), the summaries are scanned with Blelloch, and the chunks are swept down
-  (``c`` steps). ``Θ(n/p + log p)`` steps for ``p = n/c`` workers.
+  all chunks at once), the ``p = ⌊n/c⌋`` summaries are scanned the same way (chunked again while
+  ``p > 2c``, else linearly), and the chunks are swept down (``c`` steps); the ``n mod c`` leftmost
+  steps run linearly. ``Θ(c + n/c)`` steps for one level, ``Θ(c log_c n)`` in all.
 - ``"auto"``: whichever :mod:`lightning_bppsa.cost_model` predicts to be fastest.
 """
 
