@@ -201,6 +201,7 @@ def test_reference_backward_matches_scan_on_the_same_graph(cell):
     loss = (output**2).sum()
     scan = torch.autograd.grad(loss, [x, *ours.parameters()], retain_graph=True)
     assert ours.last_stats["scan_seconds"] > 0
+    assert ours.last_stats["scan_algorithm"].startswith("chunked(c=")  # forced chunked really chunks
     with reference_backward():
         auto = torch.autograd.grad(loss, [x, *ours.parameters()])
     for a, b in zip(scan, auto, strict=True):
@@ -270,6 +271,9 @@ def test_auto_falls_back_to_autograd_and_records_it():
     assert rnn.last_stats["path"] == "scan" and rnn.last_stats["algorithm"] == "auto"
     with torch.no_grad():
         rnn(torch.randn(2, 10, 1))
+    assert rnn.last_stats["path"] == "autograd"
+    # ten steps: the scan's fixed cost (~0.25 ms) is more than autograd's whole backward
+    rnn(torch.randn(4, 10, 1))[0][:, -1].sum().backward()
     assert rnn.last_stats["path"] == "autograd"
 
 
