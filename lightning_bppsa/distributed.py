@@ -212,13 +212,18 @@ def backprop_scan(
         raise ValueError("every rank must hold at least one step (n_local >= 1)")
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
     direct = _local_direct(grad, n, d, like, last)
+    # without per-step gradients only the segment's last state receives one: the local scan then
+    # takes the cheaper (B, d) last-state form (no affine rows)
+    state_only = grad is None or grad.dim() == 2
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
-        return _local_scan(jacobians_t_local, direct, algorithm=algorithm)
+        return _local_scan(jacobians_t_local, direct[:, n] if state_only else direct, algorithm=algorithm)
     compute = torch.float32 if direct.dtype in (torch.float16, torch.bfloat16) else direct.dtype
     direct_c = direct.to(compute)
     summary = segment_summary(_cast(jacobians_t_local, compute), direct_c) if rank > 0 else None
     incoming = _exclusive_scan(summary, direct_c, group).to(direct.dtype)
+    if state_only:
+        return _local_scan(jacobians_t_local, direct[:, n] + incoming, algorithm=algorithm)
     direct = direct.clone()
     direct[:, n] += incoming
     return _local_scan(jacobians_t_local, direct, algorithm=algorithm)
