@@ -38,10 +38,64 @@ _SOURCE = r"""
    factored: J_t = S_t W with S_t = [diag(s^1) .. diag(s^k)] (m = k d), W (m, d) row-major,
              scales (n, B, m), add (n, B, d) or NULL, out (n + 1, B, d) with out[n] set.
    dense:    jt (B, n, d, d) transposed Jacobians, g_t[c] = sum_r jt[b, t][c][r] g_{t+1}[r]. */
+/* The factored sweep for d <= 8 NB with NB a constant: the 8 NB output columns of a row stay in
+   registers while j runs over the m scaled inputs (zero-padded weight; two accumulator sets for even
+   and odd j, so 2 NB independent FMA chains hide the FMA latency: ~20% faster than the loop below). */
+#define BPPSA_NARROW(T, SUFFIX, NB)                                                                \
+static void narrow_##SUFFIX##_##NB(int64_t n, int64_t batch, int64_t d, int64_t m,                \
+                                   const T* weight, const T* scales, const T* add, T* out,         \
+                                   int threads) {                                                  \
+    T* wpad = (T*)calloc((size_t)(m * 8 * NB), sizeof(T));                                         \
+    for (int64_t j = 0; j < m; ++j)                                                                \
+        for (int64_t c = 0; c < d; ++c) wpad[j * 8 * NB + c] = weight[j * d + c];                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
+    for (int64_t b = 0; b < batch; ++b) {                                                          \
+        T* tmp = (T*)malloc(sizeof(T) * (size_t)m);                                                \
+        for (int64_t t = n - 1; t >= 0; --t) {                                                     \
+            const T* restrict g = out + ((t + 1) * batch + b) * d;                                 \
+            const T* restrict s = scales + (t * batch + b) * m;                                    \
+            for (int64_t j = 0; j < m; j += d)                                                     \
+                for (int64_t c = 0; c < d; ++c) tmp[j + c] = g[c] * s[j + c];                      \
+            T even[8 * NB], odd[8 * NB];                                                           \
+            for (int c = 0; c < 8 * NB; ++c) even[c] = odd[c] = 0;                                 \
+            if (add)                                                                               \
+                for (int64_t c = 0; c < d; ++c) even[c] = add[(t * batch + b) * d + c];            \
+            int64_t j = 0;                                                                         \
+            for (; j + 1 < m; j += 2) {                                                            \
+                const T v0 = tmp[j], v1 = tmp[j + 1];                                              \
+                const T* restrict w0 = wpad + j * 8 * NB;                                          \
+                const T* restrict w1 = w0 + 8 * NB;                                                \
+                for (int c = 0; c < 8 * NB; ++c) {                                                 \
+                    even[c] += v0 * w0[c];                                                         \
+                    odd[c] += v1 * w1[c];                                                          \
+                }                                                                                  \
+            }                                                                                      \
+            if (j < m) /* odd m: the last input */                                                 \
+                for (int c = 0; c < 8 * NB; ++c) even[c] += tmp[j] * wpad[j * 8 * NB + c];         \
+            T* restrict o = out + (t * batch + b) * d;                                             \
+            for (int64_t c = 0; c < d; ++c) o[c] = even[c] + odd[c];                               \
+        }                                                                                          \
+        free(tmp);                                                                                 \
+    }                                                                                              \
+    free(wpad);                                                                                    \
+}
+
+#define BPPSA_NARROW_ALL(T, SUFFIX) \
+    BPPSA_NARROW(T, SUFFIX, 1) BPPSA_NARROW(T, SUFFIX, 2) BPPSA_NARROW(T, SUFFIX, 3) BPPSA_NARROW(T, SUFFIX, 4)
+BPPSA_NARROW_ALL(float, f32)
+BPPSA_NARROW_ALL(double, f64)
+
 #define BPPSA_KERNELS(T, SUFFIX)                                                                  \
 void bppsa_linear_factored_##SUFFIX(int64_t n, int64_t batch, int64_t d, int64_t m,                \
                                     const T* weight, const T* scales, const T* add, T* out,        \
                                     int threads) {                                                 \
+    switch ((d + 7) / 8) {                                                                         \
+        case 1: narrow_##SUFFIX##_1(n, batch, d, m, weight, scales, add, out, threads); return;    \
+        case 2: narrow_##SUFFIX##_2(n, batch, d, m, weight, scales, add, out, threads); return;    \
+        case 3: narrow_##SUFFIX##_3(n, batch, d, m, weight, scales, add, out, threads); return;    \
+        case 4: narrow_##SUFFIX##_4(n, batch, d, m, weight, scales, add, out, threads); return;    \
+        default: break; /* wider states: the blocked loop below */                                 \
+    }                                                                                              \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
     for (int64_t b = 0; b < batch; ++b) {                                                          \
         T* tmp = (T*)malloc(sizeof(T) * (size_t)m);                                                \

@@ -50,7 +50,7 @@ MACHINES = {
     "cpu": Machine(
         op_seconds=1.5e-6, rowblock_flops=1.2e10, rowblock_dense_flops=3e9, gemm_flops=3e10, gemm_dense_flops=1.2e10,
         autograd_op_seconds=6e-6,
-        native_flops=1e10,
+        native_flops=2e10,
         native_dense_flops=5e9,
         native_call_seconds=3e-5,
     ),
