@@ -196,11 +196,11 @@ def _report(rows: list[dict], load: tuple[float, float]) -> str:
         lines.append(f"| {p} | {b * 1e3:.2f} ms | {s * 1e3:.1f} ms | {s / b:.1f}x |")
     lines += [
         "",
-        "Reading: at p = 2 BPPSA does about twice the sequential work per rank (the reduce is a "
-        "matrix-matrix step), so it only breaks even; the gain grows as T/p shrinks. At p = 64 the "
-        "local work (~470 steps) still dominates; at p = 1024 (~30 steps per rank) the 10 message "
-        "rounds are about half of the predicted time, and the pipeline's 1023 hand-offs add to its "
-        "T sequential steps. The model assumes one free core per rank and a per-message cost that "
+        f"Reading: for every step it owns a BPPSA rank does {(t_reduce + t_sweep) / t_sweep:.1f}x the work "
+        "of one sequential step (the reduce is a matrix-matrix step, the sweep a matrix-vector one), so it "
+        f"needs more than ~{(t_reduce + t_sweep) / t_sweep:.0f} ranks to beat the pipeline; the gain grows "
+        "as T/p shrinks until the ⌈log2 p⌉ message rounds dominate, while the pipeline's p - 1 hand-offs "
+        "add to its T sequential steps. The model assumes one free core per rank and a per-message cost that "
         "does not grow with p (an assumption: here p = 4's ping-pong was ~2x slower, from oversubscription; "
         "NCCL over NVLink is ~10x cheaper per message, "
         "TCP across nodes similar or dearer). Memory per rank is the segment's factors and states, "
