@@ -76,8 +76,6 @@ class _DenseChain:
 
     def sweep_native(self, out: Tensor, direct: Tensor | None) -> bool:
         """The whole linear recurrence in the compiled CPU kernel (:mod:`lightning_bppsa._native`)."""
-        if out.device.type != "cpu" or not _native.available():
-            return False
         return _native.linear_dense(self.jac.mT.transpose(0, 1), direct, out)  # (B, n, d, d) Jᵀ
 
     def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
@@ -146,8 +144,6 @@ class _FactoredChain:
 
     def sweep_native(self, out: Tensor, direct: Tensor | None) -> bool:
         """The whole linear recurrence in the compiled CPU kernel (:mod:`lightning_bppsa._native`)."""
-        if out.device.type != "cpu" or not _native.available():
-            return False
         scales, weight = self._augmented()
         return _native.linear_factored(weight, scales, direct, out)
 
@@ -182,7 +178,8 @@ def _linear(chain: _Chain, last: Tensor, direct: Tensor | None, out: Tensor | No
     if out is None:
         out = last.new_empty(n + 1, *last.shape)
         out[n] = last
-    if n and not chain.sweep_native(out, direct):
+    native = n and out.device.type == "cpu" and _native.available()
+    if not (native and chain.sweep_native(out, direct)):
         states = out.unbind(0)
         for t in range(n - 1, -1, -1):
             chain.step_into(t, states[t + 1], states[t], None if direct is None else direct[t])
