@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -73,5 +74,6 @@ def _train_and_compare(rank: int, world: int) -> None:
         assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks ended with different parameters"
 
 
+@pytest.mark.slow
 def test_model_parallel_training_matches_single_process(run_distributed) -> None:
     run_distributed(_train_and_compare, 3)

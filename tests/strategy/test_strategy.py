@@ -160,6 +160,7 @@ def test_manual_optimization_matches_autograd(two_optimizers):
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_float32_matches_autograd():
     kwargs = dict(model_kwargs=dict(cell="gru", every_step=True), precision="32-true", data=loader(length=200))
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-4)
@@ -221,6 +222,7 @@ def test_unsupported_configuration_stays_on_autograd_with_a_reason():
     assert_same_weights(model, reference, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_compiled_submodule_is_converted_and_matches():
     kwargs = dict(model_kwargs=dict(cell="rnn", compile_rnn=True))
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
@@ -259,6 +261,7 @@ def test_check_every_measures_the_gradient_difference():
     assert strategy.last_gradient_difference is not None and strategy.last_gradient_difference < 1e-9
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_strategies_and_plain_torch(tmp_path):
     kwargs = dict(enable_checkpointing=True, default_root_dir=tmp_path)
     pl.seed_everything(0, verbose=False)
@@ -340,6 +343,7 @@ def live_tensor_count():
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
+@pytest.mark.slow
 def test_nothing_recorded_outlives_its_step():
     pl.seed_everything(0, verbose=False)
     model = SeqModel(cell="gru", every_step=True)
