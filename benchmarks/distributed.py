@@ -32,7 +32,7 @@ from _common import machine_description
 from torch import Tensor
 
 from lightning_bppsa import distributed
-from lightning_bppsa._distributed_launch import spawn
+from lightning_bppsa.distributed_launch import spawn_gloo
 from lightning_bppsa.jacobians import FactoredJacobians
 from lightning_bppsa.scan import backprop_scan
 
@@ -216,7 +216,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in WORLDS:
             out = str(Path(tmp) / f"p{world}.json")
-            spawn(_measure, world, out, timeout_s=300.0)
+            spawn_gloo(_measure, world, out, timeout_s=300.0, wall_limit_s=3600.0)
             rows.append(json.loads(Path(out).read_text()))
             print(rows[-1], file=sys.stderr, flush=True)
     RESULTS.write_text(_report(rows, (load_before, os.getloadavg()[0])))

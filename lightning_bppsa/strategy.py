@@ -1,9 +1,13 @@
-"""``BPPSAStrategy``: the Lightning glue that routes supported modules' backward through the scan.
+"""The Lightning strategies that route supported modules' backward through the scan.
 
 The scan itself lives in the converted modules (their autograd Functions run ``backprop_scan``), so
 ``loss.backward()`` anywhere — automatic or manual optimization, gradient accumulation, AMP — already
-uses it. The strategy converts the model at ``connect``, reports what runs where, and owns
-``backward`` so that the hooks around it stay in Lightning's order and gradient checks can run.
+uses it. A strategy converts the model at ``connect``, reports what runs where, and owns ``backward``
+so that the hooks around it stay in Lightning's order and gradient checks can run. That behaviour is
+written once, in ``_BPPSAMixin``, and combined with two Lightning strategies:
+
+- :class:`BPPSAStrategy` (``"bppsa"``): one device (``SingleDeviceStrategy``).
+- :class:`BPPSADDPStrategy` (``"bppsa_ddp"``): data parallel over processes (``DDPStrategy``).
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -27,7 +31,7 @@ from lightning_bppsa.nn import ConversionRecord, convert
 from lightning_bppsa.nn.convert import is_converted
 from lightning_bppsa.scan import ALGORITHMS
 
-__all__ = ["BPPSAStrategy", "format_conversion_table"]
+__all__ = ["BPPSADDPStrategy", "BPPSAStrategy", "format_conversion_table"]
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,8 @@ def _with_earlier_reasons(
     return [first.get(r.path, r) if r.already_converted else r for r in report]
 
 
-class BPPSAStrategy(SingleDeviceStrategy):
-    """Single-device strategy whose supported modules run their backward as a BPPSA scan.
+class _BPPSAMixin:
+    """Conversion, report and backward shared by every BPPSA strategy; put it before a Lightning strategy.
 
     Args:
         algorithm: scan algorithm for every converted module (see ``backprop_scan``); ``"auto"``
@@ -66,15 +70,11 @@ class BPPSAStrategy(SingleDeviceStrategy):
         check_every: every ``check_every`` backward passes, also compute the gradients with autograd
             and log the largest relative difference as ``bppsa/grad_rel_diff`` (0 = off).
         check_threshold: warn when that difference exceeds this value.
-        device: the device to train on; by default the one the Trainer's accelerator picks.
-
-    Example:
-        >>> import lightning.pytorch as pl
-        >>> trainer = pl.Trainer(strategy="bppsa", accelerator="cpu", max_steps=1, logger=False)
-        >>> trainer = pl.Trainer(strategy=BPPSAStrategy(algorithm="chunked", check_every=100), logger=False)
+        kwargs: passed to the Lightning strategy it is combined with.
     """
 
-    strategy_name = "bppsa"
+    strategy_name: str
+    strategy_description: str
 
     def __init__(
         self,
@@ -82,34 +82,22 @@ class BPPSAStrategy(SingleDeviceStrategy):
         modules: Sequence[str] | None = None,
         check_every: int = 0,
         check_threshold: float = 1e-4,
-        device: torch.device | str | int | None = None,
         **kwargs: Any,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
         if not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an int >= 0; got {check_every!r}")
-        super().__init__(device=device if device is not None else "cpu", **kwargs)
+        super().__init__(**kwargs)
         self.algorithm = algorithm
         self.modules = None if modules is None else list(modules)
         self.check_every = check_every
         self.check_threshold = check_threshold
-        self._explicit_device = device is not None
-        # Filled by the accelerator connector when the strategy was made from a string.
-        self.parallel_devices: list[torch.device] | None = None
         self.conversion_report: list[ConversionRecord] = []
         self.last_gradient_difference: float | None = None
         self._backward_calls = 0
         self._warned_backward_override = False
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self._explicit_device and self.parallel_devices:
-            return torch.device(self.parallel_devices[0])
-        return super().root_device
-
-    @override
     def connect(self, model: pl.LightningModule) -> None:
         report: list[ConversionRecord] = []
         if convert(model, modules=self.modules, report=report) is not model:
@@ -123,7 +111,6 @@ class BPPSAStrategy(SingleDeviceStrategy):
         rank_zero_info(format_conversion_table(report))
         super().connect(model)
 
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """``Strategy.backward`` with the same hooks in the same order; the scan runs inside autograd."""
         module = self.lightning_module
@@ -143,12 +130,14 @@ class BPPSAStrategy(SingleDeviceStrategy):
         if not self._warned_backward_override and is_overridden("backward", module, pl.LightningModule):
             self._warned_backward_override = True
             warnings.warn(
-                f"{type(module).__name__}.backward is overridden, but strategy 'bppsa' calls loss.backward() "
-                "itself so that the scan and the gradient checks run; the override is bypassed.",
+                f"{type(module).__name__}.backward is overridden, but strategy {self.strategy_name!r} calls "
+                "loss.backward() itself so that the scan and the gradient checks run; the override is bypassed.",
                 stacklevel=2,
             )
 
     def _check_gradients(self, loss: Tensor, module: pl.LightningModule) -> None:
+        # torch.autograd.grad leaves .grad alone and never runs the parameters' AccumulateGrad nodes, so
+        # under DDP it does not trigger the reducer's all-reduce: the difference is this rank's own
         difference = gradient_difference(loss, module.parameters())
         self.last_gradient_difference = difference
         trainer = module._trainer
@@ -162,9 +151,106 @@ class BPPSAStrategy(SingleDeviceStrategy):
             )
 
     @classmethod
-    @override
     def register_strategies(cls, strategy_registry: StrategyRegistry = StrategyRegistry) -> None:
         # override=True: re-importing (or reloading) the package must never raise.
         strategy_registry.register(
-            cls.strategy_name, cls, description="Back-propagation as a parallel prefix scan", override=True
+            cls.strategy_name, cls, description=cls.strategy_description, override=True
         )
+
+
+class BPPSAStrategy(_BPPSAMixin, SingleDeviceStrategy):
+    """Single-device strategy whose supported modules run their backward as a BPPSA scan.
+
+    Args:
+        algorithm: scan algorithm for every converted module (see ``backprop_scan``); ``"auto"``
+            lets each module pick, falling back to autograd where the scan does not pay.
+        modules: qualified module names to convert; ``None`` converts every supported module.
+        check_every: every ``check_every`` backward passes, also compute the gradients with autograd
+            and log the largest relative difference as ``bppsa/grad_rel_diff`` (0 = off).
+        check_threshold: warn when that difference exceeds this value.
+        device: the device to train on; by default the first one the Trainer's accelerator picks
+            (more than one device: use :class:`BPPSADDPStrategy`, ``strategy="bppsa_ddp"``).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(strategy="bppsa", accelerator="cpu", max_steps=1, logger=False)
+        >>> trainer = pl.Trainer(strategy=BPPSAStrategy(algorithm="chunked", check_every=100), logger=False)
+    """
+
+    strategy_name = "bppsa"
+    strategy_description = "Back-propagation as a parallel prefix scan"
+
+    def __init__(
+        self,
+        algorithm: str = "auto",
+        modules: Sequence[str] | None = None,
+        check_every: int = 0,
+        check_threshold: float = 1e-4,
+        device: torch.device | str | int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            algorithm=algorithm,
+            modules=modules,
+            check_every=check_every,
+            check_threshold=check_threshold,
+            device=device if device is not None else "cpu",
+            **kwargs,
+        )
+        self._explicit_device = device is not None
+        # Filled by the accelerator connector when the strategy was made from a string.
+        self._parallel_devices: list[torch.device] | None = None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices the Trainer's accelerator picked; this strategy trains on the first one."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices is not None and len(devices) > 1 and not self._explicit_device:
+            rank_zero_warn(
+                f"strategy 'bppsa' trains on one device; it uses {devices[0]} of the {len(devices)} devices "
+                "given. For data-parallel training on all of them use strategy='bppsa_ddp'."
+            )
+        self._parallel_devices = devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._explicit_device and self.parallel_devices:
+            return torch.device(self.parallel_devices[0])
+        return super().root_device
+
+
+class BPPSADDPStrategy(_BPPSAMixin, DDPStrategy):
+    """Data-parallel BPPSA: Lightning's DDP over ``devices x num_nodes`` processes, backward through the scan.
+
+    Every process converts its replica of the model exactly as :class:`BPPSAStrategy` does (same
+    conversion report, logged once by global rank 0), runs the scan on its share of the batch, and DDP
+    averages the parameter gradients over the processes. The converted modules' autograd Functions
+    return their parameter gradients from ``backward`` like any torch op, so they reach ``.grad``
+    through the parameters' ``AccumulateGrad`` nodes, where DDP's reducer hooks bucket and all-reduce
+    them: the update is the one of single-process training on the combined batch (with a mean loss
+    and equal per-process batches). ``"auto"``'s cost model sees the per-process batch size.
+
+    Backend: NCCL on GPUs, gloo on CPU (``process_group_backend=`` overrides). Processes are launched
+    as for ``strategy="ddp"``: Lightning re-runs the script once per local device, or they are started
+    externally (``torchrun``, SLURM: ``LOCAL_RANK`` etc. set). Lightning's ``DistributedSampler``
+    gives each process its own slice of every epoch.
+
+    Args:
+        algorithm, modules, check_every, check_threshold: as for :class:`BPPSAStrategy`; the gradient
+            check compares this process's local gradients (before the all-reduce).
+        kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ``start_method``, ``find_unused_parameters``, ...) and on to
+            ``DistributedDataParallel``.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(strategy="bppsa_ddp", accelerator="cpu", devices=2, logger=False)
+        >>> trainer = pl.Trainer(strategy=BPPSADDPStrategy(algorithm="chunked"), devices=2, num_nodes=1)  # doctest: +SKIP
+    """
+
+    strategy_name = "bppsa_ddp"
+    strategy_description = "Data-parallel (DDP) training with back-propagation as a parallel prefix scan"

@@ -1,4 +1,4 @@
-"""The distributed tests spawn ``p`` CPU processes on one gloo group with ``_distributed_launch.spawn``."""
+"""The distributed tests spawn ``p`` CPU processes on one gloo group with ``distributed_launch.spawn_gloo``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_bppsa._distributed_launch import spawn
+from lightning_bppsa.distributed_launch import spawn_gloo
 
 
 @pytest.fixture
 def run_distributed() -> Callable[..., None]:
-    return spawn
+    return spawn_gloo

@@ -36,5 +36,6 @@ def _peers_fail(rank: int, world: int) -> None:
         )
 
 
+@pytest.mark.slow
 def test_dead_or_stalled_peer_is_reported_within_timeout(run_distributed) -> None:
     run_distributed(_peers_fail, 3, timeout_s=TIMEOUT_S)

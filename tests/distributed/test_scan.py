@@ -68,13 +68,16 @@ def _check_two_ranks(rank: int, world: int) -> None:
             distributed.backprop_scan(torch.ones(1, 2, 3, 3), torch.ones(1, 3, 3))
 
 
+@pytest.mark.slow
 def test_two_ranks_and_bad_input(run_distributed) -> None:
     run_distributed(_check_two_ranks, 2)
 
 
+@pytest.mark.slow
 def test_three_ranks_odd_splits(run_distributed) -> None:
     run_distributed(_check_splits, 3, [[5, 1, 7], [1, 1, 1]])
 
 
+@pytest.mark.slow
 def test_four_ranks(run_distributed) -> None:
     run_distributed(_check_splits, 4, [[3, 5, 2, 6], [1, 2, 1, 1]])

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bppsa
-from lightning_bppsa import BPPSAStrategy
+from lightning_bppsa import BPPSADDPStrategy, BPPSAStrategy
 from lightning_bppsa.strategy import format_conversion_table
 
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
@@ -98,11 +98,43 @@ def test_string_strategy_resolves_to_bppsa_on_the_accelerators_device():
     assert t.strategy.root_device == torch.device("cpu")
 
 
-def test_bad_arguments_are_rejected():
+@pytest.mark.parametrize("strategy_cls", [BPPSAStrategy, BPPSADDPStrategy])
+def test_bad_arguments_are_rejected(strategy_cls):
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        BPPSAStrategy(algorithm="fastest")
+        strategy_cls(algorithm="fastest")
     with pytest.raises(ValueError, match="check_every"):
-        BPPSAStrategy(check_every=-1)
+        strategy_cls(check_every=-1)
+
+
+def test_several_devices_under_bppsa_warn_and_point_to_bppsa_ddp():
+    with pytest.warns(UserWarning, match="strategy='bppsa_ddp'"):
+        t = trainer("bppsa", devices=2)
+    assert isinstance(t.strategy, BPPSAStrategy) and t.strategy.root_device == torch.device("cpu")
+
+
+def test_bppsa_ddp_resolves_devices_and_nodes():
+    # resolved only: no process is launched before fit
+    t = trainer("bppsa_ddp", devices=2, num_nodes=3)
+    strategy = t.strategy
+    assert type(strategy) is BPPSADDPStrategy and strategy.algorithm == "auto"
+    assert (strategy.num_processes, strategy.num_nodes, strategy.world_size) == (2, 3, 6)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 0}
+    assert strategy.root_device == torch.device("cpu") and strategy._get_process_group_backend() == "gloo"
+    custom = BPPSADDPStrategy("chunked", modules=["rnn"], check_every=5, find_unused_parameters=True)
+    assert (custom.algorithm, custom.modules, custom.check_every) == ("chunked", ["rnn"], 5)
+    assert custom._ddp_kwargs == {"find_unused_parameters": True}  # the rest goes on to DistributedDataParallel
+
+
+def test_every_strategy_name_is_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    expected = {
+        "bppsa": BPPSAStrategy,
+        "bppsa_ddp": BPPSADDPStrategy,
+        "bppsa_model_parallel": lightning_bppsa.BPPSAModelParallelStrategy,
+    }
+    for name, cls in expected.items():
+        assert type(StrategyRegistry.get(name)) is cls and cls.__name__ in lightning_bppsa.__all__, name
 
 
 @pytest.mark.parametrize("cell", ["rnn", "gru", "lstm"])
@@ -128,6 +160,7 @@ def test_manual_optimization_matches_autograd(two_optimizers):
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_float32_matches_autograd():
     kwargs = dict(model_kwargs=dict(cell="gru", every_step=True), precision="32-true", data=loader(length=200))
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-4)
@@ -189,6 +222,7 @@ def test_unsupported_configuration_stays_on_autograd_with_a_reason():
     assert_same_weights(model, reference, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_compiled_submodule_is_converted_and_matches():
     kwargs = dict(model_kwargs=dict(cell="rnn", compile_rnn=True))
     assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
@@ -227,6 +261,7 @@ def test_check_every_measures_the_gradient_difference():
     assert strategy.last_gradient_difference is not None and strategy.last_gradient_difference < 1e-9
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_strategies_and_plain_torch(tmp_path):
     kwargs = dict(enable_checkpointing=True, default_root_dir=tmp_path)
     pl.seed_everything(0, verbose=False)
@@ -308,6 +343,7 @@ def live_tensor_count():
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
+@pytest.mark.slow
 def test_nothing_recorded_outlives_its_step():
     pl.seed_everything(0, verbose=False)
     model = SeqModel(cell="gru", every_step=True)

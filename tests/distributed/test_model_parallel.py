@@ -1,18 +1,18 @@
-"""Strategy ``"bppsa_model_parallel"`` trains to the same weights as single-process autograd."""
+"""``BPPSAModelParallelStrategy`` (``"bppsa_model_parallel"``) trains to the same weights as single-process autograd."""
 
 from __future__ import annotations
 
 import copy
-import os
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bppsa  # noqa: F401  (registers the strategy)
-from lightning_bppsa._distributed_strategy import ModelParallelRNN
+from lightning_bppsa.model_parallel import ModelParallelRNN
 
 T, B, STEPS = 11, 3, 3
 
@@ -37,7 +37,6 @@ class _Bitstream(pl.LightningModule):
 
 
 def _train_and_compare(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(B * STEPS, T, 2, dtype=torch.float64), torch.randint(0, 4, (B * STEPS,)))
     for nonlinearity in ("tanh", "relu"):
@@ -75,5 +74,6 @@ def _train_and_compare(rank: int, world: int) -> None:
         assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks ended with different parameters"
 
 
+@pytest.mark.slow
 def test_model_parallel_training_matches_single_process(run_distributed) -> None:
     run_distributed(_train_and_compare, 3)

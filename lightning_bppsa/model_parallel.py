@@ -1,4 +1,4 @@
-"""Strategy ``"bppsa_model_parallel"``: a long sequence split over ranks, backward as a distributed scan.
+"""``BPPSAModelParallelStrategy`` (``"bppsa_model_parallel"``): a sequence split over ranks, backward as a scan.
 
 Model parallelism over time (the paper's premise, Sec. 1 and 3.6): rank ``r`` of ``p`` owns the time
 steps ``s_r + 1 .. s_{r+1}`` of every sequence (``T`` split as evenly as possible).
@@ -42,7 +42,7 @@ from typing_extensions import override
 from lightning_bppsa import distributed
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 
-__all__ = ["ModelParallelRNN", "ModelParallelStrategy", "segment_bounds"]
+__all__ = ["BPPSAModelParallelStrategy", "ModelParallelRNN", "segment_bounds"]
 
 
 def segment_bounds(length: int, rank: int, world: int) -> tuple[int, int]:
@@ -141,7 +141,7 @@ class ModelParallelRNN(nn.RNN):
         return None, _SplitSequence.apply(self, x, h0, *self._flat_weights)
 
 
-class ModelParallelStrategy(DDPStrategy):
+class BPPSAModelParallelStrategy(DDPStrategy):
     """DDP-launched strategy that splits a recurrent layer's sequence over the ranks (model parallelism).
 
     Args:
@@ -152,6 +152,7 @@ class ModelParallelStrategy(DDPStrategy):
 
     Example:
         >>> pl.Trainer(strategy="bppsa_model_parallel", accelerator="cpu", devices=4)  # doctest: +SKIP
+        >>> pl.Trainer(strategy=BPPSAModelParallelStrategy(rnn_attribute="encoder"), devices=4)  # doctest: +SKIP
     """
 
     strategy_name = "bppsa_model_parallel"
@@ -190,5 +191,3 @@ class ModelParallelStrategy(DDPStrategy):
             override=True,
         )
 
-
-ModelParallelStrategy.register_strategies()
