@@ -4,7 +4,8 @@ Each class subclasses its torch module (same constructor, parameter names, ``sta
 and outputs, incl. ``batch_first``, ``h0`` / ``(h0, c0)`` and unbatched input). With gradients enabled,
 the stack runs layer by layer and direction by direction through
 :class:`~lightning_bppsa.nn._scan_layer.LayerFunction` (torch's fused forward, scan backward);
-dropout between layers is an ordinary autograd op, so its mask is the forward's.
+dropout between layers is an ordinary autograd op on the time-major layer output, as torch lays it out,
+so the same seed draws torch's mask and the backward uses the forward's.
 
 ``algorithm`` (``"auto"``, ``"linear"``, ``"blelloch"``, ``"chunked"``) picks the scan; with ``"auto"``,
 when :func:`~lightning_bppsa.cost_model.recurrent_path` predicts that the scan does not pay, the module
@@ -12,6 +13,15 @@ runs torch's own forward under plain autograd instead. ``last_stats`` records wh
 ``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``jacobian_seconds`` (forward time spent on
 Jacobian data), ``scan_seconds`` (backward scan time) and ``scan_algorithm`` (what the scan resolved
 ``algorithm`` to, e.g. ``"linear"`` or ``"chunked(c=8)"``), the last two filled in by the backward.
+
+Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
+gradients disabled, an empty batch or sequence, meta tensors, ``torch.func`` transforms (``grad``,
+``vmap``, ...: the scan's ``autograd.Function`` has no functorch rules), and malformed input (so the
+error is torch's own). Input sizes and dtypes are checked by torch's ``check_forward_args``.
+Under ``create_graph=True`` (double backward, e.g. a gradient penalty) the backward is autograd's
+through a recomputed forward, so second derivatives equal torch's. ``torch.compile(fullgraph=True)``
+(with ``torch._dynamo.config.allow_rnn``) traces the scan forward and backward; timings are recorded in
+eager mode only. ``torch.jit.script`` compiles the torch module instead (see ``__prepare_scriptable__``).
 
 Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size > 0`` (LSTM) and
 ``PackedSequence`` input.
@@ -66,7 +76,7 @@ class _ScanRecurrent:
 
     def _path(self, input: Tensor, hx: Any) -> str:  # noqa: A002
         """``"scan"``, or ``"autograd"`` (torch's own forward) where the scan has nothing to do or cannot run."""
-        params = [p for p in self._flat_weights if p is not None]
+        params = [getattr(self, name) for name in self._flat_weights_names]  # current: functional_call swaps them
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
             return "autograd"
         if input.dim() not in (2, 3) or not self._states_match(input, hx):
