@@ -20,7 +20,7 @@ def clock() -> float:
 
 
 def record(stats: dict[str, Any], key: str, value: Any, *, add: bool = False) -> None:
-    """``stats[key] = value`` (``+= value`` with ``add``) in eager mode; nothing while torch.compile traces."""
+    """``stats[key] = value`` (``+= value`` with ``add``) in eager mode; nothing while compiling."""
     if torch.compiler.is_compiling():
         return
     stats[key] = stats.get(key, 0.0) + value if add else value

@@ -108,7 +108,8 @@ def _autograd_grads(
     if create_graph:
         leaves = list(inputs)
     else:
-        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs, strict=True)]
+        given = zip(inputs, needs, strict=True)
+        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in given]
     with torch.enable_grad():
         outputs = fused_layer(mode, leaves[0], leaves[1], leaves[2], tuple(leaves[3:]))
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if g is not None]

@@ -91,7 +91,7 @@ class SparseChain(nn.Sequential):
         if x.numel() == 0 or x.device.type == "meta":
             return False  # an empty batch, or no values: nothing to scan
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            return False  # torch.func / torch.compile: the sparse scan has neither functorch rules nor a trace
+            return False  # torch.func / torch.compile: the sparse scan has no functorch rules, no trace
         return all(_unscannable(m, runtime=True) is None for m in self)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -111,7 +111,7 @@ class SparseChain(nn.Sequential):
         return _ChainFunction.apply(self, x, *params)
 
     def __prepare_scriptable__(self) -> nn.Sequential:
-        """What ``torch.jit.script`` compiles: an ``nn.Sequential`` of the same layers, with this chain's hooks.
+        """What ``torch.jit.script`` compiles: an ``nn.Sequential`` of the same layers and this chain's hooks.
 
         A scripted chain runs the layers' own forward and autograd backward (TorchScript cannot compile the
         sparse scan). Torch's protocol also puts it into a parent being scripted (``torch.jit.script(model)``

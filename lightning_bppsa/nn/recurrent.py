@@ -75,8 +75,8 @@ class _ScanRecurrent:
         return self._scan_forward(input, hx)
 
     def _path(self, input: Tensor, hx: Any) -> str:  # noqa: A002
-        """``"scan"``, or ``"autograd"`` (torch's own forward) where the scan has nothing to do or cannot run."""
-        params = [getattr(self, name) for name in self._flat_weights_names]  # current: functional_call swaps them
+        """``"scan"``, or ``"autograd"`` (torch's forward) where the scan has nothing to do or cannot run."""
+        params = [getattr(self, name) for name in self._flat_weights_names]  # functional_call swaps them
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
             return "autograd"
         if input.dim() not in (2, 3) or not self._states_match(input, hx):
@@ -84,7 +84,7 @@ class _ScanRecurrent:
         if input.numel() == 0 or input.device.type == "meta":
             return "autograd"  # an empty batch or sequence, or no values: nothing to scan
         if torch._C._are_functorch_transforms_active():
-            return "autograd"  # torch.func (grad, vmap, ...): the scan's autograd.Function has no functorch rules
+            return "autograd"  # torch.func (grad, vmap, ...): the scan's Function has no functorch rules
         if self.algorithm != "auto":
             return "scan"
         batch_dim = 0 if self.batch_first else 1
@@ -95,14 +95,15 @@ class _ScanRecurrent:
         )
 
     def _states_match(self, input: Tensor, hx: Any) -> bool:  # noqa: A002
-        """Whether ``hx`` has the structure torch's forward accepts with ``input`` (sizes are checked later)."""
+        """Whether ``hx`` has the structure torch's forward accepts with ``input`` (sizes: checked later)."""
         if hx is None:
             return True
         is_lstm = self.mode == "LSTM"
         if isinstance(hx, tuple) != is_lstm:
             return False
         states = hx if is_lstm else (hx,)
-        return len(states) == 1 + is_lstm and all(isinstance(s, Tensor) and s.dim() == input.dim() for s in states)
+        dims_match = all(isinstance(s, Tensor) and s.dim() == input.dim() for s in states)
+        return len(states) == 1 + is_lstm and dims_match
 
     def _scan_forward(self, input: Tensor, hx: Any):  # noqa: A002
         is_lstm, unbatched = self.mode == "LSTM", input.dim() == 2

@@ -238,10 +238,17 @@ def test_empty_batch_and_meta_device_like_torch():
     assert x.grad.shape == x.shape and meta.last_stats["path"] == "autograd"
 
 
-@pytest.mark.parametrize(
-    "shape, dtype", [((2, 2, 8, 9), torch.float64), ((2, 3, 8, 10), torch.float64), ((2, 2, 8, 10), torch.float32)]
-)
-def test_everyday_mistakes_raise_torchs_own_error(shape, dtype):
+# everyday mistakes: (input shape, input dtype); small_cnn takes (B, 2, 8, 10) float64
+MISTAKES = {
+    "Linear input size": ((2, 2, 8, 9), torch.float64),
+    "Conv2d channels": ((2, 3, 8, 10), torch.float64),
+    "input dtype": ((2, 2, 8, 10), torch.float32),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_everyday_mistakes_raise_torchs_own_error(mistake):
+    shape, dtype = MISTAKES[mistake]
     reference = small_cnn()
     chain = SparseChain.from_sequential(reference)
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
