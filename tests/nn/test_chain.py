@@ -256,3 +256,16 @@ def test_everyday_mistakes_raise_torchs_own_error(mistake):
         reference(x)
     with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
         chain(x)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_runs_the_layers_forward_and_equals_torch():
+    reference = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()).double()
+    chain = SparseChain.from_sequential(reference)
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(chain, fullgraph=True, backend="aot_eager")  # dynamo + AOTAutograd, no C++ build
+    actual = torch.autograd.grad((compiled(x) ** 2).sum(), [x, *chain.parameters()])
+    expected = torch.autograd.grad((reference(x) ** 2).sum(), [x, *reference.parameters()])
+    assert chain.last_stats["path"] == "autograd"  # the sparse scan is not traceable: documented fallback
+    for a, b in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
