@@ -368,8 +368,9 @@ def test_meta_device_forward_and_backward_like_torch(cell):
 
 
 @pytest.mark.parametrize("cell", list(PAIRS))
-def test_bidirectional_dropout_matches_torch_with_the_same_seed(cell):
-    kw = dict(num_layers=3, dropout=0.4, bidirectional=True, dtype=torch.float64)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_bidirectional_dropout_matches_torch_with_the_same_seed(cell, batch_first):
+    kw = dict(num_layers=3, dropout=0.4, bidirectional=True, batch_first=batch_first, dtype=torch.float64)
     ours = PAIRS[cell][0](3, 4, algorithm="chunked", **kw)
     ref = PAIRS[cell][1](3, 4, **kw)
     ref.load_state_dict(ours.state_dict())
