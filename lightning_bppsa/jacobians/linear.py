@@ -35,14 +35,15 @@ def _kron_pattern(rows: int, in_features: int, out_features: int) -> tuple[CSRPa
 
 @register_linearizer(nn.Linear)
 def linearize_linear(module: nn.Linear, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    if x.dim() < 2 or x.shape[-1] != module.in_features:
+    if x.dim() < 2:
         raise ValueError(
             f"Linear needs samples of shape (*, {module.in_features}); got a batch of shape {tuple(x.shape)}"
         )
+    y = module(x)  # first: a wrong size or dtype gets torch's own error
     rows = x[0].numel() // module.in_features
     pattern, w_idx = _kron_pattern(rows, module.in_features, module.out_features)
     values = module.weight.detach().reshape(-1)[w_idx.to(x.device)]
-    return module(x), BatchedCSR(pattern.to(x.device), values.unsqueeze(0))
+    return y, BatchedCSR(pattern.to(x.device), values.unsqueeze(0))
 
 
 @register_linearizer(nn.Flatten)

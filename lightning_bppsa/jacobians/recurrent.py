@@ -124,10 +124,11 @@ def lstm_jacobians(
                      torch.sigmoid(pre[..., 3 * hidden :])], -1)  # fmt: skip
     i, f, g, o = act.split(hidden, -1)
     ig = i * g
-    cells = x.new_empty(batch, n + 1, hidden)
-    cells[:, 0] = c0
+    cells = x.new_empty(n + 1, batch, hidden)  # time-major: every step writes a contiguous block
+    cells[0] = c0
     for t in range(n):  # c_t = f_t c_{t-1} + i_t g_t: element-wise, no GEMM
-        torch.addcmul(ig[:, t], f[:, t], cells[:, t], out=cells[:, t + 1])
+        torch.addcmul(ig[:, t], f[:, t], cells[t], out=cells[t + 1])
+    cells = cells.transpose(0, 1)
     c_prev, c = cells[:, :n], cells[:, 1:]
     tc = torch.tanh(c)
     dtc = o * (1 - tc * tc)

@@ -4,7 +4,7 @@ Importing this package registers the converters of every module family with ``co
 """
 
 from lightning_bppsa.nn import chain, recurrent
-from lightning_bppsa.nn._mode import reference_backward
+from lightning_bppsa.nn._reference_backward import reference_backward
 from lightning_bppsa.nn.chain import *  # noqa: F403
 from lightning_bppsa.nn.convert import Conversion, ConversionRecord, convert, register_converter
 from lightning_bppsa.nn.recurrent import *  # noqa: F403

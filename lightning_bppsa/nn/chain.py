@@ -8,8 +8,14 @@
   from this forward: ReLU masks, pooling indices, dropout masks);
 - backward: the scan gives ``g_i = ∇_{x_i} l`` for every state (Eq. 3-5); each layer's parameter gradients
   come from its own input ``x_{i-1}`` and output gradient ``g_i`` (Eq. 2, no sequential dependency);
-- inside :func:`~lightning_bppsa.nn.reference_backward`, the backward is plain autograd through the
-  recorded forward instead (same dropout masks), to check the scan against.
+- inside :func:`~lightning_bppsa.nn.reference_backward`, and under ``create_graph=True`` (double
+  backward), the backward is plain autograd through the recorded forward instead (same dropout masks).
+
+A call runs the layers' own forward under plain autograd (``last_stats["path"] == "autograd"``) when
+there is nothing to scan or the scan cannot run: gradients disabled, an empty batch, meta tensors,
+``torch.func`` transforms, ``torch.compile`` tracing, a layer in a mode without an analytic Jacobian
+(``BatchNorm2d`` in training), ``MaxPool2d(return_indices=True)``, or a layer with hooks.
+``torch.jit.script`` compiles the equivalent ``nn.Sequential`` (see :meth:`SparseChain.__prepare_scriptable__`).
 
 ``last_stats`` records what the last forward did, like the recurrent modules' (``nn/recurrent.py``):
 ``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``layers``, ``linearize_seconds`` (the layers'
@@ -23,7 +29,9 @@ matrix-vector / matrix-matrix products whose cost follows the Jacobians' sparsit
 and element-wise layers have very sparse Jacobians (Table 1), and pruned convolutions sparser still
 (Sec. 5.3); a dense ``nn.Linear`` Jacobian is a dense block, and products with it are dense. So only
 chains with at least :data:`MIN_LAYERS` layers that contain an ``nn.Conv2d`` are converted; chains
-with ``nn.BatchNorm2d`` stay on autograd (in training mode its Jacobian couples the batch). Even
+with ``nn.BatchNorm2d`` (in training mode its Jacobian couples the batch), with
+``nn.MaxPool2d(return_indices=True)`` (the scan returns no indices) or with hooks on a layer (the scan
+does not call the layers) stay on autograd, and the conversion report says why. Even
 then, on CPU the sparse scan is slower than autograd's fused convolution backward
 (``benchmarks/results/vgg-cpu.md``): conversion is meant for the paper's setting (many workers, pruned
 weights), and exactness is what the tests guarantee.
@@ -31,17 +39,16 @@ weights), and exactness is what the tests guarantee.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, linearize
-from lightning_bppsa.nn._mode import reference_backward_enabled
-from lightning_bppsa.nn.convert import Conversion, register_converter
+from lightning_bppsa.nn._clock import clock
+from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.sparse_scan import ScanStepFlops, scan_flop_report, sparse_backprop_scan
 
 __all__ = ["MIN_LAYERS", "SparseChain"]
@@ -81,7 +88,11 @@ class SparseChain(nn.Sequential):
     def _scannable(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> bool:
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             return False
-        return all(is_supported(m) and not (isinstance(m, nn.BatchNorm2d) and m.training) for m in self)
+        if x.numel() == 0 or x.device.type == "meta":
+            return False  # an empty batch, or no values: nothing to scan
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return False  # torch.func / torch.compile: the sparse scan has no functorch rules, no trace
+        return all(_unscannable(m, runtime=True) is None for m in self)
 
     def forward(self, x: Tensor) -> Tensor:
         params = tuple(p for p in self.parameters() if p.requires_grad)
@@ -99,11 +110,37 @@ class SparseChain(nn.Sequential):
             return super().forward(x)
         return _ChainFunction.apply(self, x, *params)
 
+    def __prepare_scriptable__(self) -> nn.Sequential:
+        """What ``torch.jit.script`` compiles: an ``nn.Sequential`` of the same layers and this chain's hooks.
+
+        A scripted chain runs the layers' own forward and autograd backward (TorchScript cannot compile the
+        sparse scan). Torch's protocol also puts it into a parent being scripted (``torch.jit.script(model)``
+        swaps it in ``model`` itself): ``convert(model)`` again to get the scan back in eager mode.
+        """
+        sequential = nn.Sequential(OrderedDict(self.named_children()))
+        carry_hooks(self, sequential)
+        return sequential.train(self.training)
+
     def flop_report(self) -> list[ScanStepFlops]:
         """:func:`~lightning_bppsa.sparse_scan.scan_flop_report` of the last scanned forward's Jacobians."""
         if self._last_patterns is None:
             raise RuntimeError("SparseChain.flop_report needs a forward with gradients enabled first")
         return scan_flop_report(self._last_patterns, algorithm=self.algorithm)
+
+
+def _unscannable(layer: nn.Module, *, runtime: bool) -> str | None:
+    """Why ``layer`` keeps its chain on autograd, or ``None``. ``runtime``: judge its current mode only
+    (the converter, ``runtime=False``, refuses ``BatchNorm2d`` in any mode: it may be trained later)."""
+    name = type(layer).__name__
+    if not is_supported(layer):
+        return f"{name} has no analytic Jacobian"
+    if isinstance(layer, nn.BatchNorm2d) and (layer.training or not runtime):
+        return "BatchNorm2d: its training-mode Jacobian couples the batch"
+    if isinstance(layer, nn.MaxPool2d) and layer.return_indices:
+        return "MaxPool2d(return_indices=True): the scan returns the pooled values only, not the indices"
+    if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
+        return f"{name} has hooks: the scan does not call its layers, so they would not run"
+    return None
 
 
 def _replay(layer: nn.Module, x: Tensor, jac: BatchedCSR) -> Tensor:
@@ -119,24 +156,28 @@ class _ChainFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, chain: SparseChain, x: Tensor, *params: nn.Parameter) -> Tensor:
         h, inputs, jacs = x, [], []
-        start = time.perf_counter()
+        start = clock()
         for layer in chain:
             inputs.append(h)
             h, jac = linearize(layer, h)
             jacs.append(jac)
         ctx.stats = chain.last_stats
-        ctx.stats["linearize_seconds"] = time.perf_counter() - start
+        ctx.stats["linearize_seconds"] = clock() - start
         ctx.chain, ctx.inputs, ctx.jacs, ctx.params = chain, inputs, jacs, params
         chain._last_patterns = [j.pattern for j in jacs]
         return h.clone() if h is x or h._base is x else h  # an autograd.Function must not return a view of x
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         chain, inputs, jacs, params = ctx.chain, ctx.inputs, ctx.jacs, ctx.params
         needs_x = ctx.needs_input_grad[1]
-        if reference_backward_enabled():
-            grad_x, param_grads = _autograd_backward(chain, inputs[0], jacs, params, grad_out, needs_x)
+        # grad mode is on in a backward only under create_graph=True (double backward): the scan's result
+        # is not differentiable, autograd's through the recorded forward is
+        create_graph = torch.is_grad_enabled()
+        if create_graph or reference_backward_enabled():
+            grad_x, param_grads = _autograd_backward(
+                chain, inputs[0], jacs, params, grad_out, needs_x, create_graph
+            )
         else:
             grad_x, param_grads = _scan_backward(chain, inputs, jacs, params, grad_out, needs_x, ctx.stats)
         return (None, grad_x, *param_grads)
@@ -152,11 +193,11 @@ def _scan_backward(
     stats: dict[str, Any],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     first = 0 if needs_x else 1  # without x's gradient the scan starts at x_1
-    start = time.perf_counter()
+    start = clock()
     states = sparse_backprop_scan(
         jacs[first:], grad_out.reshape(grad_out.shape[0], -1), algorithm=chain.algorithm
     )
-    scanned = time.perf_counter()
+    scanned = clock()
     stats["scan_seconds"] += scanned - start
     grad_x = states[0].reshape(inputs[0].shape) if needs_x else None
     wanted = {id(p) for p in params}
@@ -171,7 +212,7 @@ def _scan_backward(
         for p, grad in zip(own, torch.autograd.grad(y, own, g, allow_unused=True), strict=True):
             if grad is not None:
                 grads[id(p)] = grads[id(p)] + grad if id(p) in grads else grad
-    stats["param_seconds"] += time.perf_counter() - scanned
+    stats["param_seconds"] += clock() - scanned
     return grad_x, [grads.get(id(p)) for p in params]
 
 
@@ -182,14 +223,16 @@ def _autograd_backward(
     params: tuple[nn.Parameter, ...],
     grad_out: Tensor,
     needs_x: bool,
+    create_graph: bool,
 ) -> tuple[Tensor | None, list[Tensor | None]]:
-    """The reference: plain autograd through the recorded forward."""
+    """The reference: plain autograd through the recorded forward. With ``create_graph`` the replay starts
+    from the chain's own input, so the gradients are functions of it that autograd can differentiate again."""
     with torch.enable_grad():
-        h = x0 = x.detach().requires_grad_(needs_x)
+        h = x0 = x if create_graph else x.detach().requires_grad_(needs_x)
         for layer, jac in zip(chain, jacs, strict=True):
             h = _replay(layer, h, jac)
         wrt = ([x0] if needs_x else []) + list(params)
-        grads = list(torch.autograd.grad(h, wrt, grad_out, allow_unused=True))
+        grads = list(torch.autograd.grad(h, wrt, grad_out, allow_unused=True, create_graph=create_graph))
     grad_x = grads.pop(0) if needs_x else None
     return grad_x, grads
 
@@ -209,8 +252,10 @@ def convert_chain(module: nn.Module) -> Conversion | None:
         return Conversion(
             None, f"chain without Conv2d ({kinds}): dense Jacobians, the sparse scan cannot pay off"
         )
-    if any(isinstance(m, nn.BatchNorm2d) for m in module):
-        return Conversion(None, "chain with BatchNorm2d: its training-mode Jacobian couples the batch")
+    for i, layer in enumerate(module):
+        reason = _unscannable(layer, runtime=False)
+        if reason is not None:
+            return Conversion(None, f"layer {i}, {reason}")
     if len(module) < MIN_LAYERS:
         return Conversion(None, f"chain of {len(module)} layers: shorter than MIN_LAYERS={MIN_LAYERS}")
     return Conversion(

@@ -4,7 +4,8 @@ Each family of modules registers a *converter* with :func:`register_converter`. 
 module and answers ``None`` (not mine: keep looking, recurse into its children) or a
 :class:`Conversion`: the replacement module (or ``None`` when the module stays on autograd) and a
 human-readable reason. Replacements reuse the original ``Parameter`` objects, so optimizers,
-schedulers and checkpoints built on the original model keep working.
+schedulers and checkpoints built on the original model keep working, and take over the replaced
+module's hooks (forward, forward-pre, backward and ``state_dict`` hooks, with their handles).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Conversion", "ConversionRecord", "convert", "is_converted", "register_converter"]
+__all__ = ["Conversion", "ConversionRecord", "carry_hooks", "convert", "is_converted", "register_converter"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,31 @@ def is_converted(module: nn.Module) -> bool:
     # by defining package rather than a registry: classes built directly by users count too, even before
     # any converter has run in this process
     return any(cls.__module__.startswith("lightning_bppsa.nn.") for cls in type(module).__mro__)
+
+
+#: every per-module hook registry of ``nn.Module`` (forward, backward, state_dict)
+_HOOK_ATTRIBUTES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_is_full_backward_hook",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the hooks registered on ``old``: the very same registries, so the handles that
+    ``old.register_forward_hook(...)`` and friends returned still remove them."""
+    for name in _HOOK_ATTRIBUTES:
+        if name in old.__dict__:
+            new.__dict__[name] = old.__dict__[name]
 
 
 def _convert_one(module: nn.Module) -> Conversion | None:
@@ -113,6 +139,7 @@ def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list
             scanned = answer.replacement is not None
             report.append(ConversionRecord(path or "<root>", type(module).__name__, scanned, answer.reason))
         if answer.replacement is not None:
+            carry_hooks(module, answer.replacement)
             return answer.replacement
     for name, child in list(module.named_children()):
         new = _convert(child, f"{path}.{name}" if path else name, wanted, report)

@@ -3,8 +3,9 @@
 Each class subclasses its torch module (same constructor, parameter names, ``state_dict`` keys, inputs
 and outputs, incl. ``batch_first``, ``h0`` / ``(h0, c0)`` and unbatched input). With gradients enabled,
 the stack runs layer by layer and direction by direction through
-:class:`~lightning_bppsa.nn._recurrent_cells.LayerFunction` (torch's fused forward, scan backward);
-dropout between layers is an ordinary autograd op, so its mask is the forward's.
+:class:`~lightning_bppsa.nn._scan_layer.LayerFunction` (torch's fused forward, scan backward);
+dropout between layers is an ordinary autograd op on the time-major layer output, as torch lays it out,
+so the same seed draws torch's mask and the backward uses the forward's.
 
 ``algorithm`` (``"auto"``, ``"linear"``, ``"blelloch"``, ``"chunked"``) picks the scan; with ``"auto"``,
 when :func:`~lightning_bppsa.cost_model.recurrent_path` predicts that the scan does not pay, the module
@@ -12,6 +13,15 @@ runs torch's own forward under plain autograd instead. ``last_stats`` records wh
 ``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``jacobian_seconds`` (forward time spent on
 Jacobian data), ``scan_seconds`` (backward scan time) and ``scan_algorithm`` (what the scan resolved
 ``algorithm`` to, e.g. ``"linear"`` or ``"chunked(c=8)"``), the last two filled in by the backward.
+
+Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
+gradients disabled, an empty batch or sequence, meta tensors, ``torch.func`` transforms (``grad``,
+``vmap``, ...: the scan's ``autograd.Function`` has no functorch rules), and malformed input (so the
+error is torch's own). Input sizes and dtypes are checked by torch's ``check_forward_args``.
+Under ``create_graph=True`` (double backward, e.g. a gradient penalty) the backward is autograd's
+through a recomputed forward, so second derivatives equal torch's. ``torch.compile(fullgraph=True)``
+(with ``torch._dynamo.config.allow_rnn``) traces the scan forward and backward; timings are recorded in
+eager mode only. ``torch.jit.script`` compiles the torch module instead (see ``__prepare_scriptable__``).
 
 Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size > 0`` (LSTM) and
 ``PackedSequence`` input.
@@ -27,8 +37,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_bppsa import cost_model
-from lightning_bppsa.nn._recurrent_cells import LayerFunction
-from lightning_bppsa.nn.convert import Conversion, register_converter
+from lightning_bppsa.nn._scan_layer import LayerFunction
+from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.scan import ALGORITHMS
 
 __all__ = ["GRU", "LSTM", "RNN"]
@@ -53,18 +63,7 @@ class _ScanRecurrent:
                 f"lightning_bppsa.nn.{type(self).__name__} does not take a PackedSequence; "
                 f"pad the batch or use torch.nn.{type(self).__name__}"
             )
-        params = [p for p in self._flat_weights if p is not None]
-        grads = torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params))
-        batch_dim = 0 if self.batch_first else 1
-        batch = input.shape[batch_dim] if input.dim() == 3 else 1
-        length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
-        path = "scan"
-        if not grads:
-            path = "autograd"
-        elif self.algorithm == "auto":
-            path = cost_model.recurrent_path(
-                self.mode, n=length, hidden=self.hidden_size, batch=batch, device=input.device.type
-            )
+        path = self._path(input, hx)
         self.last_stats = {
             "path": path,
             "algorithm": self.algorithm,
@@ -75,30 +74,54 @@ class _ScanRecurrent:
             return super().forward(input, hx)
         return self._scan_forward(input, hx)
 
-    def _scan_forward(self, input: Tensor, hx: Any):  # noqa: A002
+    def _path(self, input: Tensor, hx: Any) -> str:  # noqa: A002
+        """``"scan"``, or ``"autograd"`` (torch's forward) where the scan has nothing to do or cannot run."""
+        params = [getattr(self, name) for name in self._flat_weights_names]  # functional_call swaps them
+        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
+            return "autograd"
+        if input.dim() not in (2, 3) or not self._states_match(input, hx):
+            return "autograd"  # malformed: torch's forward raises its own error
+        if input.numel() == 0 or input.device.type == "meta":
+            return "autograd"  # an empty batch or sequence, or no values: nothing to scan
+        if torch._C._are_functorch_transforms_active():
+            return "autograd"  # torch.func (grad, vmap, ...): the scan's Function has no functorch rules
+        if self.algorithm != "auto":
+            return "scan"
+        batch_dim = 0 if self.batch_first else 1
+        batch = input.shape[batch_dim] if input.dim() == 3 else 1
+        length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
+        return cost_model.recurrent_path(
+            self.mode, n=length, hidden=self.hidden_size, batch=batch, device=input.device.type
+        )
+
+    def _states_match(self, input: Tensor, hx: Any) -> bool:  # noqa: A002
+        """Whether ``hx`` has the structure torch's forward accepts with ``input`` (sizes: checked later)."""
+        if hx is None:
+            return True
         is_lstm = self.mode == "LSTM"
-        unbatched = input.dim() == 2
-        if input.dim() not in (2, 3):
-            raise ValueError(f"input must be 2-D (unbatched) or 3-D; got shape {tuple(input.shape)}")
-        x = input.unsqueeze(0) if unbatched else (input if self.batch_first else input.transpose(0, 1))
-        batch, hidden, dirs = x.shape[0], self.hidden_size, 2 if self.bidirectional else 1
-        states = (hx,) if not is_lstm else (hx if hx is not None else (None, None))
-        full = []
-        for s in states:
-            if s is None:
-                s = x.new_zeros(self.num_layers * dirs, batch, hidden)
-            elif unbatched:
-                s = s.unsqueeze(1)
-            expected = (self.num_layers * dirs, batch, hidden)
-            if tuple(s.shape) != expected:
-                raise ValueError(f"hx must have shape {expected}; got {tuple(s.shape)}")
-            full.append(s)
-        h0, c0 = full[0], (full[1] if is_lstm else None)
+        if isinstance(hx, tuple) != is_lstm:
+            return False
+        states = hx if is_lstm else (hx,)
+        dims_match = all(isinstance(s, Tensor) and s.dim() == input.dim() for s in states)
+        return len(states) == 1 + is_lstm and dims_match
+
+    def _scan_forward(self, input: Tensor, hx: Any):  # noqa: A002
+        is_lstm, unbatched = self.mode == "LSTM", input.dim() == 2
+        batch_dim = 0 if self.batch_first else 1
+        if unbatched:
+            input = input.unsqueeze(batch_dim)
+        batch, hidden, dirs = input.shape[batch_dim], self.hidden_size, 2 if self.bidirectional else 1
+        if hx is None:
+            zeros = input.new_zeros(self.num_layers * dirs, batch, hidden)
+            hx = (zeros, zeros) if is_lstm else zeros
+        elif unbatched:
+            hx = tuple(s.unsqueeze(1) for s in hx) if is_lstm else hx.unsqueeze(1)
+        self.check_forward_args(input, hx, None)  # torch's own checks and messages (sizes, dtype)
+        h0, c0 = hx if is_lstm else (hx, None)
+        x = input if self.batch_first else input.transpose(0, 1)  # (B, n, I): the layers run batch first
         mode, stats = self.mode, self.last_stats
         h_n, c_n = [], []
         for layer in range(self.num_layers):
-            if layer > 0 and self.dropout > 0 and self.training:
-                x = F.dropout(x, self.dropout, True)
             outs = []
             for direction in range(dirs):
                 idx = layer * dirs + direction
@@ -110,15 +133,32 @@ class _ScanRecurrent:
                 h_n.append(out[:, -1])
                 if is_lstm:
                     c_n.append(result[1])
-                outs.append(out if direction == 0 else out.flip(1))
-            x = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        output = x.squeeze(0) if unbatched else (x if self.batch_first else x.transpose(0, 1))
-        h_n_t = torch.stack(h_n, 1 if unbatched else 0)
-        h_n_t = h_n_t.squeeze(0) if unbatched else h_n_t
-        if not is_lstm:
-            return output, h_n_t
-        c_n_t = torch.stack(c_n, 0)
-        return output, (h_n_t, c_n_t.squeeze(1) if unbatched else c_n_t)
+                outs.append((out if direction == 0 else out.flip(1)).transpose(0, 1))
+            # time major (n, B, dirs H) and contiguous, as torch's stack lays it out: dropout then draws
+            # its mask in torch's order, so the same seed gives the same mask
+            seq_out = torch.cat(outs, -1) if dirs == 2 else outs[0].contiguous()
+            if layer < self.num_layers - 1 and self.dropout > 0 and self.training:
+                seq_out = F.dropout(seq_out, self.dropout, True)
+            x = seq_out.transpose(0, 1)
+        output = seq_out.transpose(0, 1) if self.batch_first else seq_out
+        h_n_t = torch.stack(h_n, 0)
+        c_n_t = torch.stack(c_n, 0) if is_lstm else None
+        if unbatched:
+            output = output.squeeze(batch_dim)
+            h_n_t = h_n_t.squeeze(1)
+            c_n_t = None if c_n_t is None else c_n_t.squeeze(1)
+        return (output, (h_n_t, c_n_t)) if is_lstm else (output, h_n_t)
+
+    def __prepare_scriptable__(self) -> nn.RNNBase:
+        """What ``torch.jit.script`` compiles: the torch module with the same ``Parameter`` objects and hooks.
+
+        TorchScript cannot compile the scan (an ``autograd.Function`` over Python objects), so a scripted
+        module runs torch's own forward and autograd backward. Torch's protocol also puts that module into a
+        parent being scripted (``torch.jit.script(model)`` swaps it in ``model`` itself): ``convert(model)``
+        again to get the scan back in eager mode.
+        """
+        torch_cls = next(c for c in type(self).__mro__ if c in _TYPES)
+        return _rebuild(self, torch_cls)
 
 
 class RNN(_ScanRecurrent, nn.RNN):
@@ -159,14 +199,11 @@ class LSTM(_ScanRecurrent, nn.LSTM):
 _TYPES = {nn.RNN: RNN, nn.GRU: GRU, nn.LSTM: LSTM}
 
 
-@register_converter
-def _convert_recurrent(module: nn.Module) -> Conversion | None:
-    """Swap an exact ``torch.nn.RNN/GRU/LSTM`` for its BPPSA class, keeping the same ``Parameter`` objects."""
-    target = _TYPES.get(type(module))
-    if target is None:
-        return None
-    if getattr(module, "proj_size", 0) > 0:
-        return Conversion(None, "proj_size > 0 is not supported by the scan; stays on torch autograd")
+def _rebuild(module: nn.RNNBase, cls: type[nn.RNNBase]) -> nn.RNNBase:
+    """A ``cls`` configured like ``module`` that holds ``module``'s very ``Parameter`` objects and hooks.
+
+    Built on the meta device, so nothing is allocated; ``algorithm`` (BPPSA classes) keeps its default.
+    """
     kwargs = dict(
         input_size=module.input_size,
         hidden_size=module.hidden_size,
@@ -179,8 +216,20 @@ def _convert_recurrent(module: nn.Module) -> Conversion | None:
     )
     if isinstance(module, nn.RNN):
         kwargs["nonlinearity"] = module.nonlinearity
-    new = target(**kwargs)
+    new = cls(**kwargs)
     for name in module._flat_weights_names:
         setattr(new, name, getattr(module, name))
-    new.train(module.training)
+    carry_hooks(module, new)
+    return new.train(module.training)
+
+
+@register_converter
+def _convert_recurrent(module: nn.Module) -> Conversion | None:
+    """Swap an exact ``torch.nn.RNN/GRU/LSTM`` for its BPPSA class, keeping the same ``Parameter`` objects."""
+    target = _TYPES.get(type(module))
+    if target is None:
+        return None
+    if getattr(module, "proj_size", 0) > 0:
+        return Conversion(None, "proj_size > 0 is not supported by the scan; stays on torch autograd")
+    new = _rebuild(module, target)
     return Conversion(new, f"{type(module).__name__}: backward through the scan (algorithm 'auto')")

@@ -1,6 +1,7 @@
 """SparseChain gradients (input and parameters) equal autograd's; the converter's choices."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -152,3 +153,119 @@ def test_last_stats_say_what_the_last_forward_and_backward_did():
     with reference_backward():
         chain(x).sum().backward()
     assert chain.last_stats["path"] == "scan" and chain.last_stats["scan_seconds"] == 0
+
+
+def test_maxpool_with_indices_keeps_its_tuple_on_autograd_and_the_converter_says_why():
+    layers = [nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2, return_indices=True)]
+    chain = SparseChain(*layers).double()
+    x = torch.randn(2, 1, 6, 6, dtype=torch.float64, requires_grad=True)
+    values, indices = chain(x)
+    expected_values, expected_indices = nn.Sequential(*layers)(x)
+    assert chain.last_stats["path"] == "autograd"
+    torch.testing.assert_close(values, expected_values, atol=0, rtol=0)
+    assert torch.equal(indices, expected_indices)
+
+    model = nn.Sequential(nn.Sequential(*layers))
+    report: list[ConversionRecord] = []
+    convert(model, report=report)
+    assert type(model[0]) is nn.Sequential
+    assert not report[0].scanned and "return_indices" in report[0].reason
+
+
+def _penalty_grads(model, x):
+    params = list(model.parameters())
+    first = torch.autograd.grad((model(x) ** 2).sum(), [x, *params], create_graph=True)
+    return torch.autograd.grad(sum((g**2).sum() for g in first), [x, *params])
+
+
+def test_gradient_penalty_equals_torchs():
+    reference = small_cnn()
+    chain = SparseChain.from_sequential(reference)
+    x = torch.randn(1, 2, 8, 10, dtype=torch.float64, requires_grad=True)
+    actual = _penalty_grads(chain, x)
+    assert chain.last_stats["path"] == "scan"
+    for i, (a, b) in enumerate(zip(actual, _penalty_grads(reference, x), strict=True)):
+        assert a is not None, f"gradient #{i} is None"
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_torch_func_grad_and_jit_script_equal_torchs():
+    reference = small_cnn()
+    chain = SparseChain.from_sequential(reference)
+    x = torch.randn(2, 2, 8, 10, dtype=torch.float64)
+
+    def func_grads(model):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        return torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+
+    actual, expected = func_grads(chain), func_grads(reference)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-12, rtol=1e-12)
+    scripted = torch.jit.script(chain)
+    assert [id(p) for p in scripted.parameters()] == [id(p) for p in chain.parameters()]
+    torch.testing.assert_close(scripted(x), reference(x), atol=0, rtol=0)
+
+
+def test_layers_with_hooks_stay_on_autograd_so_their_hooks_run():
+    chain = SparseChain.from_sequential(small_cnn())
+    seen = []
+    handle = chain[0].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    x = torch.randn(2, 2, 8, 10, dtype=torch.float64, requires_grad=True)
+    chain(x).sum().backward()
+    assert seen == [(2, 4, 8, 10)] and chain.last_stats["path"] == "autograd"
+    handle.remove()
+    chain(x)
+    assert chain.last_stats["path"] == "scan"
+
+    model = small_cnn()
+    model[3].register_forward_pre_hook(lambda module, args: None)
+    report: list[ConversionRecord] = []
+    convert(model, report=report)
+    assert type(model) is nn.Sequential and "layer 3, Conv2d has hooks" in report[0].reason
+
+
+def test_empty_batch_and_meta_device_like_torch():
+    reference = small_cnn()
+    chain = SparseChain.from_sequential(copy.deepcopy(reference))
+    for model in (chain, reference):
+        x = torch.randn(0, 2, 8, 10, dtype=torch.float64, requires_grad=True)
+        model(x).sum().backward()
+        assert x.grad.shape == x.shape
+    assert chain.last_stats["path"] == "autograd"
+    meta = SparseChain.from_sequential(small_cnn().to("meta"))
+    x = torch.randn(2, 2, 8, 10, dtype=torch.float64, device="meta", requires_grad=True)
+    meta(x).sum().backward()  # no values to scan: the layers' own forward and backward, as on meta in torch
+    assert x.grad.shape == x.shape and meta.last_stats["path"] == "autograd"
+
+
+# everyday mistakes: (input shape, input dtype); small_cnn takes (B, 2, 8, 10) float64
+MISTAKES = {
+    "Linear input size": ((2, 2, 8, 9), torch.float64),
+    "Conv2d channels": ((2, 3, 8, 10), torch.float64),
+    "input dtype": ((2, 2, 8, 10), torch.float32),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_everyday_mistakes_raise_torchs_own_error(mistake):
+    shape, dtype = MISTAKES[mistake]
+    reference = small_cnn()
+    chain = SparseChain.from_sequential(reference)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    with pytest.raises(Exception) as expected:
+        reference(x)
+    with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
+        chain(x)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_runs_the_layers_forward_and_equals_torch():
+    reference = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()).double()
+    chain = SparseChain.from_sequential(reference)
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(chain, fullgraph=True, backend="aot_eager")  # dynamo + AOTAutograd, no C++ build
+    actual = torch.autograd.grad((compiled(x) ** 2).sum(), [x, *chain.parameters()])
+    expected = torch.autograd.grad((reference(x) ** 2).sum(), [x, *reference.parameters()])
+    assert chain.last_stats["path"] == "autograd"  # the sparse scan is not traceable: documented fallback
+    for a, b in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)

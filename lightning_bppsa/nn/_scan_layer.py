@@ -8,12 +8,11 @@
 - backward: one scan gives ``g_t = ∇_{h_t} l`` for ``t = 0..n`` from the per-step output gradients
   (the ``(B, n + 1, d)`` direct-gradient form); the gate pre-activation gradients follow element-wise,
   and every parameter, input and ``h0`` gradient is one GEMM over all ``B n`` steps (Eq. 2);
-- inside :func:`~lightning_bppsa.nn.reference_backward`: plain autograd through a recomputed forward.
+- inside :func:`~lightning_bppsa.nn.reference_backward`, and under ``create_graph=True`` (double
+  backward): plain autograd through a recomputed forward.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 from torch import Tensor
@@ -21,7 +20,8 @@ from torch import Tensor
 from lightning_bppsa import cost_model
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.jacobians.recurrent import gru_jacobians, lstm_jacobians, rnn_jacobians
-from lightning_bppsa.nn._mode import reference_backward_enabled
+from lightning_bppsa.nn._clock import clock, record
+from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.scan import backprop_scan
 
 __all__ = ["LayerFunction", "fused_layer"]
@@ -43,7 +43,8 @@ def _direct(grad_out: Tensor | None, like: Tensor) -> Tensor:
     batch, n, hidden = like.shape
     if grad_out is None:
         return like.new_zeros(batch, hidden)
-    if n == 1 or not grad_out[:, :-1].count_nonzero():  # loss on the last step only: no affine rows
+    # a loss on the last step only needs no affine rows; traced code cannot branch on values: keep them
+    if n == 1 or (not torch.compiler.is_compiling() and not grad_out[:, :-1].count_nonzero()):
         return grad_out[:, -1].contiguous()
     return torch.cat([grad_out.new_zeros(batch, 1, hidden), grad_out], 1)
 
@@ -57,7 +58,7 @@ class LayerFunction(torch.autograd.Function):
         ctx, mode: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights
     ):
         outputs = fused_layer(mode, x, h0, c0, weights)
-        start = time.perf_counter()
+        start = clock()
         out = outputs[0]
         h_prev = torch.cat([h0.unsqueeze(1), out[:, :-1]], 1)
         w_ih, w_hh = weights[:2]
@@ -71,36 +72,51 @@ class LayerFunction(torch.autograd.Function):
         else:
             lj = lstm_jacobians(x, h_prev, c0, w_ih, w_hh, b_ih, b_hh)
             saved = (lj.jacobians_t, lj.local_h, lj.local_c, lj.forget, lj.c_prev)
-        stats["jacobian_seconds"] = stats.get("jacobian_seconds", 0.0) + time.perf_counter() - start
+        record(stats, "jacobian_seconds", clock() - start, add=True)
         ctx.mode, ctx.algorithm, ctx.stats = mode, algorithm, stats
         ctx.save_for_backward(x, h0, c0, h_prev, *saved, *weights)
         ctx.n_saved = len(saved)
         return outputs if len(outputs) > 1 else out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor | None, grad_cn: Tensor | None = None):
         x, h0, c0, h_prev, *rest = ctx.saved_tensors
         saved, weights = rest[: ctx.n_saved], tuple(rest[ctx.n_saved :])
         needs = ctx.needs_input_grad[3:]
-        if reference_backward_enabled():
-            grads = _reference(ctx.mode, x, h0, c0, weights, grad_out, grad_cn, needs)
+        # grad mode is on in a backward only under create_graph=True (double backward, e.g. a gradient
+        # penalty): the scan's result is not differentiable, autograd's through the recomputed forward is
+        create_graph = torch.is_grad_enabled()
+        if create_graph or reference_backward_enabled():
+            grads = _autograd_grads(ctx.mode, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
         else:
             grads = _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn)
         return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
 
 
-def _reference(mode, x, h0, c0, weights, grad_out, grad_cn, needs) -> list[Tensor | None]:
-    """Autograd through a recomputed fused forward: the gradients BPPSA must reproduce."""
-    inputs = [x, h0, c0, *weights]
-    leaves = [
-        None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs, strict=True)
-    ]
+def _autograd_grads(
+    mode: str,
+    inputs: tuple[Tensor | None, ...],
+    needs: tuple[bool, ...],
+    grad_outputs: tuple[Tensor | None, ...],
+    create_graph: bool,
+) -> list[Tensor | None]:
+    """Autograd through a recomputed fused forward: the gradients BPPSA must reproduce.
+
+    With ``create_graph`` the recomputation starts from the layer's own inputs, so the gradients are
+    functions of them (and of ``grad_outputs``) that autograd can differentiate again.
+    """
+    if create_graph:
+        leaves = list(inputs)
+    else:
+        given = zip(inputs, needs, strict=True)
+        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in given]
     with torch.enable_grad():
         outputs = fused_layer(mode, leaves[0], leaves[1], leaves[2], tuple(leaves[3:]))
-    pairs = [(o, g) for o, g in zip(outputs, (grad_out, grad_cn), strict=False) if g is not None]
-    wanted = [t for t in leaves if t is not None and t.requires_grad]
-    found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if g is not None]
+    wanted = [t for t, need in zip(leaves, needs, strict=True) if t is not None and need]
+    found = torch.autograd.grad(
+        [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, create_graph=create_graph
+    )
     by_id = {id(t): g for t, g in zip(wanted, found, strict=True)}
     return [None if t is None else by_id.get(id(t)) for t in leaves]
 
@@ -112,7 +128,7 @@ def _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn) ->
     dtype = weights[0].dtype
     x_, h_prev, saved, grad_out, grad_cn = _cast(dtype, x, h_prev, saved, grad_out, grad_cn)
     w_ih, w_hh = weights[:2]
-    start = time.perf_counter()
+    start = clock()
     if mode == "LSTM":
         jac_t, local_h, local_c, forget, c_prev = saved
         direct = h_prev.new_zeros(batch, n + 1, 2 * hidden)
@@ -136,8 +152,9 @@ def _scan_backward(ctx, x, h0, c0, h_prev, saved, weights, grad_out, grad_cn) ->
         d_gates_h = g_rows * scales
         d_gates_i = g_rows * saved[2] if mode == "GRU" else d_gates_h
         g0, c0_grad = g[:, 0], None
-    ctx.stats["scan_seconds"] = ctx.stats.get("scan_seconds", 0.0) + time.perf_counter() - start
-    ctx.stats["scan_algorithm"] = _resolved(ctx.algorithm, batch, n, hidden, w_hh, g.device.type, mode)
+    record(ctx.stats, "scan_seconds", clock() - start, add=True)
+    if not torch.compiler.is_compiling():
+        ctx.stats["scan_algorithm"] = _resolved(ctx.algorithm, batch, n, hidden, w_hh, g.device.type, mode)
     # Eq. 2: every parameter gradient is one GEMM over all B n steps.
     dgi, dgh = d_gates_i.flatten(0, 1), d_gates_h.flatten(0, 1)
     grads = [
