@@ -40,8 +40,11 @@ log = logging.getLogger(__name__)
 _REPORT_ATTR = "_bppsa_conversion_report"
 
 
-def format_conversion_table(records: Sequence[ConversionRecord]) -> str:
-    """The conversion report as a fixed-width table (module, type, backward path, reason)."""
+def format_conversion_table(records: Sequence[ConversionRecord], algorithm: str | None = None) -> str:
+    """The conversion report as a fixed-width table (module, type, backward path, reason).
+
+    ``algorithm``, when given, is the scan algorithm the strategy set on every converted module.
+    """
     if not records:
         return "BPPSA: no supported module found; every backward stays on autograd."
     rows = [("module", "type", "backward", "why")]
@@ -49,7 +52,8 @@ def format_conversion_table(records: Sequence[ConversionRecord]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "BPPSA conversion:\n" + "\n".join(lines)
+    title = "BPPSA conversion" + ("" if algorithm is None else f" (algorithm {algorithm!r})")
+    return title + ":\n" + "\n".join(lines)
 
 
 def _with_earlier_reasons(
@@ -108,7 +112,7 @@ class _BPPSAMixin:
         report = _with_earlier_reasons(report, getattr(model, _REPORT_ATTR, ()))
         setattr(model, _REPORT_ATTR, report)
         self.conversion_report = report
-        rank_zero_info(format_conversion_table(report))
+        rank_zero_info(format_conversion_table(report, self.algorithm))
         super().connect(model)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -232,4 +232,4 @@ def _convert_recurrent(module: nn.Module) -> Conversion | None:
     if getattr(module, "proj_size", 0) > 0:
         return Conversion(None, "proj_size > 0 is not supported by the scan; stays on torch autograd")
     new = _rebuild(module, target)
-    return Conversion(new, f"{type(module).__name__}: backward through the scan (algorithm 'auto')")
+    return Conversion(new, f"{type(module).__name__}: backward through the scan")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import warnings
 
 import lightning.pytorch as pl
@@ -202,6 +203,16 @@ def test_parameters_stay_the_same_objects_and_table_is_reported():
     assert [(r.path, r.scanned) for r in strategy.conversion_report] == [("rnn", True)]
     assert type(model.rnn).__module__.startswith("lightning_bppsa.nn")
     assert "rnn" in format_conversion_table(strategy.conversion_report)
+
+
+def test_table_names_the_algorithm_the_strategy_set(caplog):
+    pl.seed_everything(0, verbose=False)
+    model = SeqModel(cell="gru")
+    with caplog.at_level(logging.INFO):
+        trainer(BPPSAStrategy(algorithm="chunked"), max_steps=1).fit(model, loader())
+    assert model.rnn.algorithm == "chunked"
+    assert "BPPSA conversion (algorithm 'chunked')" in caplog.text
+    assert "'auto'" not in caplog.text
 
 
 def test_unsupported_configuration_stays_on_autograd_with_a_reason():
