@@ -6,10 +6,10 @@ Importing the package registers the ``bppsa`` torch.library ops and the Lightnin
 
 from lightning_bppsa import ops  # noqa: F401  (registers the bppsa:: ops)
 from lightning_bppsa.jacobians import FactoredJacobians
-from lightning_bppsa.scan import backprop_scan
+from lightning_bppsa.scan import backprop_scan, scan_ref
 from lightning_bppsa.strategy import BPPSAStrategy
 
-__all__ = ["BPPSAStrategy", "FactoredJacobians", "backprop_scan"]
+__all__ = ["BPPSAStrategy", "FactoredJacobians", "backprop_scan", "scan_ref"]
 __version__ = "0.1.0"
 
 BPPSAStrategy.register_strategies()

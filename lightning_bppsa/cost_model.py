@@ -6,7 +6,7 @@ that depends on how the FLOPs are shaped (one ``(B, d)`` row block per step, or 
 
     time = ops * op_seconds + flops / rate
 
-- ``"linear"``: on CPU one call of the compiled kernel (:mod:`lightning_bppsa._native`, FLOP-bound);
+- ``"linear"``: on CPU one call of the compiled kernel (:mod:`lightning_bppsa.kernels.cpu`, FLOP-bound);
   elsewhere, or without a C compiler, ``n`` steps of one ``(B, d)`` block each (2-3 torch ops).
 - ``"blelloch"``: ``2 ⌈log2 n⌉`` levels of ~10 ops; ``~n`` ``d x d x d`` products in the up-sweep.
 - ``"chunked"`` with chunk size ``c``, ``p = ⌊n / c⌋``: ``c`` reduce steps of ``p B d`` rows (the
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_bppsa import _native
+from lightning_bppsa.kernels import cpu as cpu_kernel
 
 __all__ = ["Machine", "MACHINES", "choose", "predict_seconds", "recurrent_path"]
 
@@ -62,7 +62,7 @@ MACHINES = {
 
 
 def _linear_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None) -> float:
-    if mach.native_flops and n and _native.available():  # one call of the compiled kernel
+    if mach.native_flops and n and cpu_kernel.available():  # one call of the compiled kernel
         rate = mach.native_dense_flops if width is None else mach.native_flops
         return mach.native_call_seconds + n * batch * 2 * d * (width or d) / rate
     if width is None:
