@@ -30,6 +30,10 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+import shutil
+import subprocess
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +42,17 @@ import torch
 from lightning_bppsa.kernels._build import kernel_path
 from torch import Tensor
 
-__all__ = ["Launch", "available", "kernel_args", "launch_config", "run", "scan_dense", "scan_factored"]
+__all__ = [
+    "KernelUsage",
+    "Launch",
+    "available",
+    "kernel_args",
+    "launch_config",
+    "ptxas_usage",
+    "run",
+    "scan_dense",
+    "scan_factored",
+]
 
 SHARED_BYTES = 48 * 1024  # dynamic shared memory per block without an opt-in attribute
 OUTPUTS_PER_THREAD = 4  # kOutputsPerThread in scan.cu
@@ -255,6 +269,45 @@ def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index), stream:
         kernel((launch.grid,), (launch.block,), tuple(numpy.uint64(a) for a in args), shared_mem=launch.shared_bytes)
+
+
+@dataclass(frozen=True)
+class KernelUsage:
+    """What ptxas reports for one kernel."""
+
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = None) -> dict[str, dict[str, KernelUsage]]:
+    """Compile ``scan.cu`` with nvcc for ``archs`` (one front-end pass) and return ptxas's report per arch and kernel.
+
+    ptxas runs with ``-warn-spills -Werror``: a spill fails the compilation (``RuntimeError`` with the
+    command and its output). Needs only nvcc, no GPU or driver. Raises ``FileNotFoundError`` without nvcc.
+    """
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH")
+    gencodes = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            nvcc, "-fatbin", "-std=c++17", *gencodes, "-Xptxas", "-v", "-Xptxas", "-warn-spills",
+            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(kernel_path("scan.cu")),
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-3000:]}")
+    usage: dict[str, dict[str, KernelUsage]] = {arch: {} for arch in archs}
+    for entry in re.split(r"Compiling entry function ", result.stderr)[1:]:
+        name, arch = re.match(r"'(\w+)' for '(\w+)'", entry).groups()
+        stack, stores, loads = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry
+        ).groups()
+        registers = re.search(r"Used (\d+) registers", entry).group(1)
+        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads))
+    return usage
 
 
 def _fallback_if_too_wide(d: int, element_bytes: int) -> bool:
