@@ -33,6 +33,7 @@ __device__ __forceinline__ void store_release(unsigned* flag, unsigned v) {
 }
 __device__ __forceinline__ unsigned take_ticket(unsigned* counter) { return atomicAdd(counter, 1u); }
 __device__ __forceinline__ void spin_pause() { __nanosleep(64); }
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 // Data published by another block: read through L2 (no stale L1 line), write through to L2.
 template <class T> __device__ __forceinline__ T load_shared_global(const T* p) { return __ldcg(p); }
 template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v) { __stcg(p, v); }
@@ -188,6 +189,7 @@ inline void spin_pause() {
     bppsa_emu::check_abort();
     std::this_thread::sleep_for(std::chrono::microseconds(20));  // 2 cores: let the others run
 }
+inline void prefetch_l1(const void*) {}
 template <class T> inline T load_shared_global(const T* p) { return *p; }
 template <class T> inline void store_shared_global(T* p, T v) { *p = v; }
 }  // namespace bppsa

@@ -38,10 +38,19 @@ constexpr int kLookBack = 32;                       // predecessors inspected at
 
 using i64 = long long;
 
-// Operand of one step: y[c] = sum_j x[j mod d] A[j][c] (+ diag[c] x[c]), j < K.
+// Operand of one step: y[c] = sum_j x[j mod d] A[j][c] + diag[c] x[c] (+ addend[c] on one row), j < K.
+// prefetch() asks L1 for the operand while the step before it computes (the loads of a step are
+// otherwise on the sequential critical path).
+template <class T>
+__device__ void prefetch_span(const T* p, int count) {  // one 128-byte line per thread
+    for (int e = threadIdx.x * (128 / sizeof(T)); e < count; e += blockDim.x * (128 / sizeof(T)))
+        bppsa::prefetch_l1(p + e);
+}
+
 template <class T>
 struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i]
     const T* jt;
+    const T* delta;  // δ_t, d values, or null
     int d;
     __device__ int rows() const { return d; }
     __device__ void load_tile(T* tile, int j0, int count) const {
@@ -51,7 +60,11 @@ struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i
         }
     }
     __device__ T diag(int) const { return T(0); }
-    static constexpr bool kHasDiag = false;
+    __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
+    __device__ void prefetch() const {
+        prefetch_span(jt, d * d);
+        if (delta) prefetch_span(delta, d);
+    }
 };
 
 template <class T>
@@ -59,6 +72,7 @@ struct FactoredStep {  // A[j][c] = s_t[j] W[j][c], plus diag(u_t)
     const T* weight;
     const T* scales;    // s_t, m values
     const T* diagonal;  // u_t, d values, or null
+    const T* delta;     // δ_t, d values, or null
     int d, m;
     __device__ int rows() const { return m; }
     __device__ void load_tile(T* tile, int j0, int count) const {
@@ -68,12 +82,18 @@ struct FactoredStep {  // A[j][c] = s_t[j] W[j][c], plus diag(u_t)
         }
     }
     __device__ T diag(int c) const { return diagonal ? diagonal[c] : T(0); }
-    static constexpr bool kHasDiag = true;
+    __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
+    __device__ void prefetch() const {  // the weight is shared by every step: it stays cached
+        prefetch_span(scales, m);
+        if (diagonal) prefetch_span(diagonal, d);
+        if (delta) prefetch_span(delta, d);
+    }
 };
 
 template <class T>
-struct AggregateStep {  // A = C of a published chunk aggregate (row-major d x d, read through L2)
+struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-major, read through L2)
     const T* c_matrix;
+    bool affine;  // add b (the row after C)
     int d;
     __device__ int rows() const { return d; }
     __device__ void load_tile(T* tile, int j0, int count) const {
@@ -81,48 +101,57 @@ struct AggregateStep {  // A = C of a published chunk aggregate (row-major d x d
             tile[e] = bppsa::load_shared_global(c_matrix + (i64)j0 * d + e);
     }
     __device__ T diag(int) const { return T(0); }
-    static constexpr bool kHasDiag = false;
+    __device__ T addend(int c) const { return affine ? bppsa::load_shared_global(c_matrix + d * d + c) : T(0); }
 };
 
-// Y = X A (+ diag) for the R x d rows X (shared), the whole block; row `add_row` of Y also gets
-// `add` (d values in global memory, or null). Y is written to shared memory and, if `store` is not
-// null, to global memory too (R x d, row-major). Ends with a barrier: Y is ready for everyone.
+// Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
+// the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
+// (R x d, row-major). Ends with a barrier: Y is ready for everyone.
+// Each thread owns kOutputsPerThread outputs per pass and keeps two partial sums of each (even and
+// odd operand rows): 2 kOutputsPerThread independent FMA chains hide the FMA latency.
 template <class T, class Op>
-__device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, int tile_rows,
-                        const T* add, int add_row, T* store) {
+__device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, int tile_rows, int add_row,
+                        T* store) {
     const int outputs = R * d, K = op.rows();
     for (int base = 0; base < outputs; base += kOutputsPerThread * blockDim.x) {
-        T acc[kOutputsPerThread];
-        for (int q = 0; q < kOutputsPerThread; ++q) acc[q] = T(0);
+        int row[kOutputsPerThread], col[kOutputsPerThread];
+        T even[kOutputsPerThread], odd[kOutputsPerThread];
+#pragma unroll
+        for (int q = 0; q < kOutputsPerThread; ++q) {
+            const int o = base + q * blockDim.x + threadIdx.x;
+            row[q] = o < outputs ? (o / d) * d : 0;  // idle slots compute row 0, column 0 and are dropped
+            col[q] = o < outputs ? o % d : 0;
+            even[q] = odd[q] = T(0);
+        }
         for (int j0 = 0; j0 < K; j0 += tile_rows) {
             const int count = K - j0 < tile_rows ? K - j0 : tile_rows;
             __syncthreads();  // X is complete and the previous tile consumed
             op.load_tile(tile, j0, count);
             __syncthreads();
-            const int x0 = j0 % d;  // tile row jj multiplies X column (j0 + jj) mod d
-            for (int q = 0; q < kOutputsPerThread; ++q) {
-                const int o = base + q * blockDim.x + threadIdx.x;
-                if (o >= outputs) break;
-                const T* x = X + (o / d) * d;
-                const int c = o % d;
-                int xc = x0;
-                T sum = acc[q];
-                for (int jj = 0; jj < count; ++jj) {
-                    sum += x[xc] * tile[jj * d + c];
-                    xc = xc + 1 == d ? 0 : xc + 1;
+            int xc = j0 % d;  // tile row jj multiplies X column (j0 + jj) mod d
+            int jj = 0;
+            for (; jj + 1 < count; jj += 2) {
+                const int xn = xc + 1 == d ? 0 : xc + 1;
+#pragma unroll
+                for (int q = 0; q < kOutputsPerThread; ++q) {
+                    even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
+                    odd[q] += X[row[q] + xn] * tile[(jj + 1) * d + col[q]];
                 }
-                acc[q] = sum;
+                xc = xn + 1 == d ? 0 : xn + 1;
             }
+            if (jj < count)
+#pragma unroll
+                for (int q = 0; q < kOutputsPerThread; ++q) even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
         }
+#pragma unroll
         for (int q = 0; q < kOutputsPerThread; ++q) {
             const int o = base + q * blockDim.x + threadIdx.x;
-            if (o >= outputs) break;
-            const int r = o / d, c = o % d;
-            T v = acc[q];
-            if (Op::kHasDiag) v += op.diag(c) * X[o];
-            if (add && r == add_row) v += bppsa::load_shared_global(add + c);
-            Y[o] = v;
-            if (store) bppsa::store_shared_global(store + o, v);
+            if (o < outputs) {
+                T v = even[q] + odd[q] + op.diag(col[q]) * X[o];
+                if (row[q] == add_row * d) v += op.addend(col[q]);
+                Y[o] = v;
+                if (store) bppsa::store_shared_global(store + o, v);
+            }
         }
     }
     __syncthreads();
@@ -150,14 +179,14 @@ struct StepOf;
 template <class T>
 struct StepOf<T, false> {
     static __device__ DenseStep<T> at(const Problem<T>& p, i64 b, i64 t) {
-        return {p.mat + (b * p.n + t) * p.d * p.d, p.d};
+        return {p.mat + (b * p.n + t) * p.d * p.d, p.direct(b, t), p.d};
     }
 };
 template <class T>
 struct StepOf<T, true> {
     static __device__ FactoredStep<T> at(const Problem<T>& p, i64 b, i64 t) {
         const T* u = p.diagonal ? p.diagonal + (b * p.n + t) * p.d : nullptr;
-        return {p.mat, p.scales + (b * p.n + t) * p.m, u, p.d, p.m};
+        return {p.mat, p.scales + (b * p.n + t) * p.m, u, p.direct(b, t), p.d, p.m};
     }
 };
 
@@ -165,8 +194,8 @@ struct StepOf<T, true> {
 template <class T, bool Factored>
 __device__ void sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T* x, T* y, T* tile, int tile_rows) {
     for (i64 t = hi; t >= lo; --t) {
-        product(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, p.direct(b, t), 0,
-                p.out_row(b, t));
+        if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
+        product(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, 0, p.out_row(b, t));
         T* swap = x;
         x = y;
         y = swap;
@@ -221,8 +250,9 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
     for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
     for (i64 t = hi; t >= lo; --t) {
+        if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
         T* store = t == lo ? aggregate_of(q) : nullptr;
-        product(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, p.direct(b, t), d, store);
+        product(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
         T* swap = mat_x;
         mat_x = mat_y;
         mat_y = swap;
@@ -259,8 +289,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
         for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
             const T* agg = aggregate_of(q - 1 - l);
-            product(AggregateStep<T>{agg, d}, x, y, 1, d, tile, tile_rows, p.affine ? agg + d * d : nullptr, 0,
-                    (T*)nullptr);
+            product(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
             T* swap = x;
             x = y;
             y = swap;
@@ -270,8 +299,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     // 3. Publish the inclusive g_lo = carry C + b, so that later chunks need not wait for step 4.
     if (q + 1 < chunks) {
         const T* own = aggregate_of(q);
-        product(AggregateStep<T>{own, d}, x, y, 1, d, tile, tile_rows, p.affine ? own + d * d : nullptr, 0,
-                inclusive_of(q));
+        product(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
         if (threadIdx.x == 0) {
             __threadfence();
             bppsa::store_release(&flags[q * p.batch + b], kInclusive);
@@ -295,18 +323,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     Problem<T> { mat, scales, diagonal, grad, out, n, batch, (int)d, (int)m, (int)affine }
 
 #define BPPSA_KERNELS(T, SUFFIX)                                                                        \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads) bppsa_sweep_dense_##SUFFIX BPPSA_PARAMS(T) { \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_sweep_dense_##SUFFIX BPPSA_PARAMS(T) { \
         sweep_kernel<T, false>(BPPSA_PROBLEM(T), (int)tile_rows);                                       \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads)                                           \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_sweep_factored_##SUFFIX BPPSA_PARAMS(T) {                                                  \
         sweep_kernel<T, true>(BPPSA_PROBLEM(T), (int)tile_rows);                                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads)                                           \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
         chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                  \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads)                                           \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
         chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                   \
     }                                                                                                   \
