@@ -31,7 +31,7 @@
 
 namespace {
 
-constexpr int kOutputsPerThread = 4;  // accumulators per thread and output pass
+constexpr int kMatrixOutputs = 4;  // outputs per thread and pass in a matrix product (1 for vectors)
 constexpr int kMaxThreads = 256;
 constexpr unsigned kAggregate = 1, kInclusive = 2;  // chunk flags (0: nothing published yet)
 constexpr int kLookBack = 32;                       // predecessors inspected at once (one warp)
@@ -107,17 +107,17 @@ struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-majo
 // Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
 // the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
 // (R x d, row-major). Ends with a barrier: Y is ready for everyone.
-// Each thread owns kOutputsPerThread outputs per pass and keeps two partial sums of each (even and
-// odd operand rows): 2 kOutputsPerThread independent FMA chains hide the FMA latency.
-template <class T, class Op>
+// Each thread owns Outs outputs per pass and keeps two partial sums of each (even and odd operand
+// rows): 2 Outs independent FMA chains hide the FMA latency.
+template <int Outs, class T, class Op>
 __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, int tile_rows, int add_row,
                         T* store) {
     const int outputs = R * d, K = op.rows();
-    for (int base = 0; base < outputs; base += kOutputsPerThread * blockDim.x) {
-        int row[kOutputsPerThread], col[kOutputsPerThread];
-        T even[kOutputsPerThread], odd[kOutputsPerThread];
+    for (int base = 0; base < outputs; base += Outs * blockDim.x) {
+        int row[Outs], col[Outs];
+        T even[Outs], odd[Outs];
 #pragma unroll
-        for (int q = 0; q < kOutputsPerThread; ++q) {
+        for (int q = 0; q < Outs; ++q) {
             const int o = base + q * blockDim.x + threadIdx.x;
             row[q] = o < outputs ? (o / d) * d : 0;  // idle slots compute row 0, column 0 and are dropped
             col[q] = o < outputs ? o % d : 0;
@@ -133,7 +133,7 @@ __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, i
             for (; jj + 1 < count; jj += 2) {
                 const int xn = xc + 1 == d ? 0 : xc + 1;
 #pragma unroll
-                for (int q = 0; q < kOutputsPerThread; ++q) {
+                for (int q = 0; q < Outs; ++q) {
                     even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
                     odd[q] += X[row[q] + xn] * tile[(jj + 1) * d + col[q]];
                 }
@@ -141,10 +141,10 @@ __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, i
             }
             if (jj < count)
 #pragma unroll
-                for (int q = 0; q < kOutputsPerThread; ++q) even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
+                for (int q = 0; q < Outs; ++q) even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
         }
 #pragma unroll
-        for (int q = 0; q < kOutputsPerThread; ++q) {
+        for (int q = 0; q < Outs; ++q) {
             const int o = base + q * blockDim.x + threadIdx.x;
             if (o < outputs) {
                 T v = even[q] + odd[q] + op.diag(col[q]) * X[o];
@@ -195,7 +195,7 @@ template <class T, bool Factored>
 __device__ void sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T* x, T* y, T* tile, int tile_rows) {
     for (i64 t = hi; t >= lo; --t) {
         if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
-        product(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, 0, p.out_row(b, t));
+        product<1>(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, 0, p.out_row(b, t));
         T* swap = x;
         x = y;
         y = swap;
@@ -252,7 +252,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     for (i64 t = hi; t >= lo; --t) {
         if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
         T* store = t == lo ? aggregate_of(q) : nullptr;
-        product(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
+        product<kMatrixOutputs>(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
         T* swap = mat_x;
         mat_x = mat_y;
         mat_y = swap;
@@ -289,7 +289,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
         for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
             const T* agg = aggregate_of(q - 1 - l);
-            product(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
+            product<1>(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
             T* swap = x;
             x = y;
             y = swap;
@@ -299,7 +299,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     // 3. Publish the inclusive g_lo = carry C + b, so that later chunks need not wait for step 4.
     if (q + 1 < chunks) {
         const T* own = aggregate_of(q);
-        product(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
+        product<1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
         if (threadIdx.x == 0) {
             __threadfence();
             bppsa::store_release(&flags[q * p.batch + b], kInclusive);
