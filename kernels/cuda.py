@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 SHARED_BYTES = 48 * 1024  # dynamic shared memory per block without an opt-in attribute
-MATRIX_OUTPUTS = 4  # kMatrixOutputs in scan.cu: outputs per thread in a chunk-product pass
+MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of a chunk-product step
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
 KERNELS = tuple(
     f"bppsa_{schedule}_{chain}_{suffix}"
@@ -79,8 +79,8 @@ class Launch:
     sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
 
 
-def _threads(outputs: int, per_thread: int) -> int:
-    return min(MAX_THREADS, 32 * max(1, math.ceil(outputs / per_thread / 32)))
+def _threads(work_items: int) -> int:
+    return min(MAX_THREADS, 32 * max(1, math.ceil(work_items / 32)))
 
 
 def launch_config(
@@ -117,7 +117,7 @@ def launch_config(
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
-            block=_threads(rows * d, MATRIX_OUTPUTS),
+            block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
             shared_bytes=matrices + vectors + tile_rows * row_bytes,
             tile_rows=tile_rows,
             chunk=chunk,
@@ -130,7 +130,7 @@ def launch_config(
     return Launch(
         kernel=f"bppsa_sweep_{chain}_{suffix}",
         grid=batch,
-        block=_threads(d, 1),
+        block=_threads(d),
         shared_bytes=vectors + tile_rows * row_bytes,
         tile_rows=tile_rows,
         chunk=n,

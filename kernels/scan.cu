@@ -31,7 +31,7 @@
 
 namespace {
 
-constexpr int kMatrixOutputs = 4;  // outputs per thread and pass in a matrix product (1 for vectors)
+constexpr int kMatrixBlock = 2;  // a thread computes kMatrixBlock x kMatrixBlock outputs of a matrix step
 constexpr int kMaxThreads = 256;
 constexpr unsigned kAggregate = 1, kInclusive = 2;  // chunk flags (0: nothing published yet)
 constexpr int kLookBack = 32;                       // predecessors inspected at once (one warp)
@@ -107,22 +107,36 @@ struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-majo
 // Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
 // the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
 // (R x d, row-major). Ends with a barrier: Y is ready for everyone.
-// Each thread owns Outs outputs per pass and keeps two partial sums of each (even and odd operand
-// rows): 2 Outs independent FMA chains hide the FMA latency.
-template <int Outs, class T, class Op>
+// A thread owns an RB x CB block of outputs per pass (rows rg RB .. rg RB + RB - 1, columns cg,
+// cg + groups, ..: neighbouring threads read neighbouring tile columns), so that per operand row it
+// reads RB + CB shared values for RB CB FMAs; and two partial sums of each output (even and odd operand
+// rows), so 2 RB CB independent FMA chains hide the FMA latency. Vectors: RB = CB = 1.
+template <int RB, int CB, class T, class Op>
 __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, int tile_rows, int add_row,
                         T* store) {
-    const int outputs = R * d, K = op.rows();
-    for (int base = 0; base < outputs; base += Outs * blockDim.x) {
-        int row[Outs], col[Outs];
-        T even[Outs], odd[Outs];
+    const int col_groups = (d + CB - 1) / CB, groups = (R + RB - 1) / RB * col_groups, K = op.rows();
+    for (int base = 0; base < groups; base += blockDim.x) {
+        const int group = base + threadIdx.x;
+        const bool active = group < groups;  // an idle thread computes row 0, column 0 and drops it
+        int row[RB], col[CB];
+        bool valid_row[RB], valid_col[CB];
 #pragma unroll
-        for (int q = 0; q < Outs; ++q) {
-            const int o = base + q * blockDim.x + threadIdx.x;
-            row[q] = o < outputs ? (o / d) * d : 0;  // idle slots compute row 0, column 0 and are dropped
-            col[q] = o < outputs ? o % d : 0;
-            even[q] = odd[q] = T(0);
+        for (int i = 0; i < RB; ++i) {
+            const int r = active ? group / col_groups * RB + i : R;
+            valid_row[i] = r < R;
+            row[i] = valid_row[i] ? r * d : 0;
         }
+#pragma unroll
+        for (int j = 0; j < CB; ++j) {
+            const int c = group % col_groups + j * col_groups;
+            valid_col[j] = c < d;
+            col[j] = valid_col[j] ? c : 0;
+        }
+        T even[RB][CB], odd[RB][CB];
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int j = 0; j < CB; ++j) even[i][j] = odd[i][j] = T(0);
         for (int j0 = 0; j0 < K; j0 += tile_rows) {
             const int count = K - j0 < tile_rows ? K - j0 : tile_rows;
             __syncthreads();  // X is complete and the previous tile consumed
@@ -132,27 +146,37 @@ __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, i
             int jj = 0;
             for (; jj + 1 < count; jj += 2) {
                 const int xn = xc + 1 == d ? 0 : xc + 1;
+                T xa[RB], xb[RB], ta[CB], tb[CB];
 #pragma unroll
-                for (int q = 0; q < Outs; ++q) {
-                    even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
-                    odd[q] += X[row[q] + xn] * tile[(jj + 1) * d + col[q]];
-                }
+                for (int i = 0; i < RB; ++i) xa[i] = X[row[i] + xc], xb[i] = X[row[i] + xn];
+#pragma unroll
+                for (int j = 0; j < CB; ++j) ta[j] = tile[jj * d + col[j]], tb[j] = tile[(jj + 1) * d + col[j]];
+#pragma unroll
+                for (int i = 0; i < RB; ++i)
+#pragma unroll
+                    for (int j = 0; j < CB; ++j) {
+                        even[i][j] += xa[i] * ta[j];
+                        odd[i][j] += xb[i] * tb[j];
+                    }
                 xc = xn + 1 == d ? 0 : xn + 1;
             }
             if (jj < count)
 #pragma unroll
-                for (int q = 0; q < Outs; ++q) even[q] += X[row[q] + xc] * tile[jj * d + col[q]];
+                for (int i = 0; i < RB; ++i)
+#pragma unroll
+                    for (int j = 0; j < CB; ++j) even[i][j] += X[row[i] + xc] * tile[jj * d + col[j]];
         }
 #pragma unroll
-        for (int q = 0; q < Outs; ++q) {
-            const int o = base + q * blockDim.x + threadIdx.x;
-            if (o < outputs) {
-                T v = even[q] + odd[q] + op.diag(col[q]) * X[o];
-                if (row[q] == add_row * d) v += op.addend(col[q]);
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int j = 0; j < CB; ++j) {
+                if (!(valid_row[i] && valid_col[j])) continue;
+                const int o = row[i] + col[j];
+                T v = even[i][j] + odd[i][j] + op.diag(col[j]) * X[o];
+                if (row[i] == add_row * d) v += op.addend(col[j]);
                 Y[o] = v;
                 if (store) bppsa::store_shared_global(store + o, v);
             }
-        }
     }
     __syncthreads();
 }
@@ -195,7 +219,7 @@ template <class T, bool Factored>
 __device__ void sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T* x, T* y, T* tile, int tile_rows) {
     for (i64 t = hi; t >= lo; --t) {
         if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
-        product<1>(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, 0, p.out_row(b, t));
+        product<1, 1>(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, 0, p.out_row(b, t));
         T* swap = x;
         x = y;
         y = swap;
@@ -252,7 +276,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     for (i64 t = hi; t >= lo; --t) {
         if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
         T* store = t == lo ? aggregate_of(q) : nullptr;
-        product<kMatrixOutputs>(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
+        product<kMatrixBlock, kMatrixBlock>(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
         T* swap = mat_x;
         mat_x = mat_y;
         mat_y = swap;
@@ -289,7 +313,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
         for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
             const T* agg = aggregate_of(q - 1 - l);
-            product<1>(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
+            product<1, 1>(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
             T* swap = x;
             x = y;
             y = swap;
@@ -299,7 +323,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     // 3. Publish the inclusive g_lo = carry C + b, so that later chunks need not wait for step 4.
     if (q + 1 < chunks) {
         const T* own = aggregate_of(q);
-        product<1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
+        product<1, 1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
         if (threadIdx.x == 0) {
             __threadfence();
             bppsa::store_release(&flags[q * p.batch + b], kInclusive);

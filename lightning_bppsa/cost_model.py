@@ -198,16 +198,16 @@ class CudaModel:
 CUDA_MODEL = CudaModel()
 
 
-def _cuda_step(rows: int, d: int, operand_rows: int, threads: int, outputs: int, tile_rows: int,
+def _cuda_step(rows: int, d: int, operand_rows: int, threads: int, block: int, tile_rows: int,
                operand_cycles: float, model: CudaModel) -> tuple[float, float]:
     """(latency in cycles, shared-memory wavefronts) of one ``product`` in scan.cu: ``rows x d`` times a
-    ``operand_rows x d`` operand streamed through shared memory, ``outputs`` per thread and pass."""
-    passes = math.ceil(rows * d / (outputs * threads))
+    ``operand_rows x d`` operand streamed through shared memory, ``block x block`` outputs per thread."""
+    groups = math.ceil(rows / block) * math.ceil(d / block)
+    passes = math.ceil(groups / threads)
     tiles = math.ceil(operand_rows / tile_rows)
     load = tiles * (2 * model.barrier_cycles + operand_cycles + math.ceil(tile_rows * d / threads))
     chain = passes * (operand_rows / 2 * model.fma_cycles + model.l1_cycles + model.epilogue_cycles)
-    warps = threads // 32
-    wavefronts = warps * passes * outputs * 2 * operand_rows  # an X and a tile read per FMA
+    wavefronts = threads // 32 * passes * operand_rows * 2 * block  # per operand row: block X + block tile reads
     return load + chain + model.barrier_cycles, wavefronts
 
 
@@ -220,10 +220,10 @@ def cuda_kernel_seconds(
 
     - sweep: ``n`` dependent vector steps per block, ``B`` blocks side by side.
     - chunked: ``c`` matrix steps (every chunk's aggregate; bounded below by the grid's shared-memory
-      throughput, all SMs together), then ``p = ceil(n / c)`` dependent look-back hops (one vector step
+      throughput, all SMs together: 2 x 2 outputs per thread read 4 shared values per 4 FMAs), then ``p = ceil(n / c)`` dependent look-back hops (one vector step
       with its operand from L2 each), then ``c`` vector steps of the chunk's sweep.
     """
-    from lightning_bppsa.kernels.cuda import launch_config
+    from lightning_bppsa.kernels.cuda import MATRIX_BLOCK, launch_config
 
     if n < 1:
         return model.launch_seconds
@@ -239,7 +239,7 @@ def cuda_kernel_seconds(
         return model.launch_seconds + waves * n * vector / model.clock_hz
     c, chunks = launch.chunk, math.ceil(n / launch.chunk)
     rows = d + int(affine)
-    matrix, wavefronts = _cuda_step(rows, d, operand, launch.block, 4, launch.tile_rows, model.l1_cycles, model)
+    matrix, wavefronts = _cuda_step(rows, d, operand, launch.block, MATRIX_BLOCK, launch.tile_rows, model.l1_cycles, model)
     hop, _ = _cuda_step(1, d, d, launch.block, 1, launch.tile_rows, model.l2_cycles, model)
     throughput = batch * n * wavefronts / (model.sms * model.smem_wavefronts_per_cycle)
     cycles = max(c * matrix, throughput) + chunks * hop + c * vector
