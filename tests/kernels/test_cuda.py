@@ -62,6 +62,7 @@ def test_availability_says_why_not():
     assert ok or reason  # never "unavailable" without a reason
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_importing_the_loader_imports_no_cupy():
     code = "import sys, lightning_bppsa.kernels.cuda; print('cupy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -7,11 +7,13 @@ One OS thread per CUDA thread: the grids stay tiny. ``resident`` bounds the bloc
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,41 +137,66 @@ def test_empty_chain_returns_the_last_gradient():
     torch.testing.assert_close(out, grad)
 
 
-@pytest.mark.slow
+#: Runs in a process preloaded with libtsan and WITHOUT torch (importing torch under ThreadSanitizer
+#: takes ~20 s): builds the sanitized library from emulated.build_arguments and makes the launch that
+#: cuda.run computed, on buffers passed as files.
+_TSAN_CHILD = """
+import ctypes, importlib.util, json, sys
+spec = json.load(open(sys.argv[1]))
+loader = importlib.util.spec_from_file_location("_build", spec["builder"])
+build = importlib.util.module_from_spec(loader)
+loader.loader.exec_module(build)
+lib = build.load_library(**spec["library"])
+data = [open(path, "rb").read() for path in spec["buffers"]]
+buffers = [(ctypes.c_char * len(b)).from_buffer_copy(b) for b in data]
+words = [ctypes.addressof(buffers[a["buffer"]]) if isinstance(a, dict) else a for a in spec["args"]]
+lib.bppsa_emu_launch.restype = ctypes.c_int
+entry = ctypes.cast(getattr(lib, spec["kernel"] + "_host"), ctypes.c_void_p)
+status = lib.bppsa_emu_launch(entry, (ctypes.c_uint64 * len(words))(*words), ctypes.c_uint(spec["grid"]),
+                              ctypes.c_uint(spec["block"]), ctypes.c_size_t(spec["shared"]),
+                              ctypes.c_uint(spec["grid"]), ctypes.c_double(120.0))
+open(spec["buffers"][spec["out"]], "wb").write(bytes(buffers[spec["out"]]))
+sys.exit(status)
+"""
+
+
+@pytest.mark.slow  # the first run builds the sanitized library (~20-40 s); then ~3 s
 def test_thread_sanitizer_finds_no_race(tmp_path):
-    """A ThreadSanitizer build of the chunked kernel, every block resident (the look-back races if any)."""
+    """A ThreadSanitizer build of the chunked kernel, every block resident (look-back and flags race if wrong)."""
     libtsan = subprocess.run(["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(libtsan):
         pytest.skip("g++ has no ThreadSanitizer runtime (libtsan.so)")
-    script = textwrap.dedent(
-        """
-        import torch
-        from lightning_bppsa.jacobians.factored import FactoredJacobians
-        from lightning_bppsa.kernels import emulated
-        g = torch.Generator().manual_seed(11)
-        w = torch.rand(6, 3, dtype=torch.float64, generator=g) - 0.5
-        s = torch.rand(2, 14, 6, dtype=torch.float64, generator=g)
-        u = torch.rand(2, 14, 3, dtype=torch.float64, generator=g)
-        grad = torch.rand(2, 15, 3, dtype=torch.float64, generator=g)
-        out = emulated.scan_factored(w, s, u, grad, "chunked", 3, sanitize="thread")
-        jt = FactoredJacobians(w, s, u).dense()
-        ref = grad.clone()
-        for t in range(13, -1, -1):
-            ref[:, t] += (jt[:, t] @ ref[:, t + 1].unsqueeze(-1)).squeeze(-1)
-        print("max error", (out - ref).abs().max().item())
-        assert (out - ref).abs().max().item() < 1e-12
-        """
-    )
-    env = {
-        **os.environ,
-        "LD_PRELOAD": libtsan,
-        "TSAN_OPTIONS": "halt_on_error=1 exitcode=66 report_signal_unsafe=0",
-        "OMP_NUM_THREADS": "1",
-    }
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    gen = torch.Generator().manual_seed(11)
+    weight, scales, diag, grad = make_factored(2, 14, 3, 2, True, True, gen)
+
+    def write_spec(config, args, device):  # called by cuda.run while its buffers are alive
+        sizes = {
+            args[0]: weight.nbytes, args[1]: scales.nbytes, args[2]: diag.nbytes, args[3]: grad.nbytes,
+            args[4]: 2 * 15 * 3 * 8, args[5]: config.work_elements * 8, args[6]: config.sync_words * 4,
+        }  # fmt: skip
+        paths = []
+        for i, address in enumerate(args[:7]):
+            paths.append(str(tmp_path / f"buffer{i}"))
+            with open(paths[-1], "wb") as f:
+                f.write(ctypes.string_at(address, sizes[address]))
+        spec = {
+            "builder": str(Path(emulated.__file__).with_name("_build.py")),
+            "library": emulated.build_arguments("thread"),
+            "kernel": config.kernel, "grid": config.grid, "block": config.block, "shared": config.shared_bytes,
+            "buffers": paths, "out": 4, "args": [{"buffer": i} for i in range(7)] + args[7:],
+        }  # fmt: skip
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+
+    cuda.run(weight, scales, diag, grad, algorithm="chunked", chunk_size=3, launcher=write_spec)
+    env = {**os.environ, "LD_PRELOAD": libtsan, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
+    result = subprocess.run(
+        [sys.executable, "-c", _TSAN_CHILD, str(tmp_path / "spec.json")], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
     assert "ThreadSanitizer" not in result.stderr, result.stderr[-4000:]
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "max error" in result.stdout
+    out = torch.frombuffer(bytearray((tmp_path / "buffer4").read_bytes()), dtype=torch.float64).view(2, 15, 3)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
 
 
 def test_launch_config_is_what_cuda_uses():
@@ -187,3 +214,26 @@ def test_a_launch_that_does_not_finish_is_aborted():
     jt, grad = make_dense(4, 40, 8, True, gen)
     with pytest.raises(emulated.LaunchTimeout, match="did not finish"):
         emulated.scan_dense(jt, grad, "chunked", 4, resident=1, timeout=1e-4)
+
+
+def test_wide_dense_sweep_takes_several_passes_and_tiles():
+    """d = 260 > 256 threads: two output passes; J_t (260 x 260 float64) streamed in 13 tiles per step."""
+    gen = torch.Generator().manual_seed(260)
+    jt, grad = make_dense(1, 2, 260, True, gen)
+    launch = cuda.launch_config(
+        factored=False, element_bytes=8, n=2, batch=1, d=260, m=260, affine=True, algorithm="linear", chunk_size=2
+    )
+    assert launch.block < 260 and launch.tile_rows < 260  # the multi-pass, multi-tile path
+    check(emulated.scan_dense(jt, grad, "linear", 2), jt, grad, torch.float64)
+
+
+def test_wide_factored_chunks_take_several_passes_and_tiles():
+    """d = 50 (float32): 3 passes of 2 x 2 outputs per thread, the 150 scaled weight rows in 2 tiles."""
+    gen = torch.Generator().manual_seed(50)
+    weight, scales, diag, grad = make_factored(1, 6, 50, 3, True, True, gen)
+    launch = cuda.launch_config(
+        factored=True, element_bytes=4, n=6, batch=1, d=50, m=150, affine=True, algorithm="chunked", chunk_size=3
+    )
+    assert launch.kernel == "bppsa_chunked_factored_f32" and launch.tile_rows < 150
+    out = emulated.scan_factored(*(t.float() for t in (weight, scales, diag, grad)), "chunked", 3)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
