@@ -14,7 +14,7 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
   every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices, so
-  it runs for ``d`` up to ~54 (float32) / ~38 (float64); wider states, or a single chunk, use the sweep.
+  it runs for ``d`` up to 77 (float32) / 54 (float64); wider states, or a single chunk, use the sweep.
 
 Float16 / bfloat16 inputs run in float32 (as the torch implementation does); other inputs are made
 contiguous (a copy only when they are not). CuPy is imported inside the functions only, the module is

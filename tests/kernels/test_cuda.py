@@ -81,3 +81,11 @@ def test_cost_model_rule_for_the_cuda_kernels():
     long = cost_model.cuda_kernel_seconds("linear", n=30000, d=20, batch=16, width=20, chunk_size=30000)
     assert 25 < (long - cost_model.CUDA_MODEL.launch_seconds) / (sweep - cost_model.CUDA_MODEL.launch_seconds) < 35
     assert cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
+
+
+@pytest.mark.parametrize(("element_bytes", "widest"), [(4, 77), (8, 54)])
+def test_widest_state_of_the_chunked_kernel_is_as_documented(element_bytes, widest):
+    def kernel(d):
+        return config(element_bytes=element_bytes, d=d, m=d, affine=True).kernel
+
+    assert kernel(widest).startswith("bppsa_chunked_") and kernel(widest + 1).startswith("bppsa_sweep_")
