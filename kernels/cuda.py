@@ -188,8 +188,8 @@ def run(
     n = scales.shape[1] if factored else mat.shape[1]
     affine = grad.dim() == 3
     out = torch.empty(batch, n + 1, d, dtype=compute, device=grad.device)
-    if n == 0:
-        out[:, 0] = grad_c[:, 0] if affine else grad_c
+    if n == 0 or batch == 0 or d == 0:  # nothing to scan: g_n only
+        out[:, n] = grad_c[:, n] if affine else grad_c
         return out.to(grad.dtype)
     launch = launch_config(
         factored=factored,
@@ -241,6 +241,10 @@ def available() -> tuple[bool, str]:
         return False, f"CuPy is not installed ({err}); install cupy-cuda12x or cupy-cuda13x"
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
+    try:  # compiles once (NVRTC; CuPy caches the binary on disk): a driver / CuPy mismatch shows here
+        _module(torch.cuda.current_device())
+    except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
+        return False, f"the CUDA kernels do not compile or load here ({type(err).__name__}: {err})"
     return True, ""
 
 

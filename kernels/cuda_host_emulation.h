@@ -25,15 +25,15 @@
 namespace bppsa {
 __device__ __forceinline__ unsigned load_acquire(const unsigned* flag) {
     unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
     return v;
 }
 __device__ __forceinline__ void store_release(unsigned* flag, unsigned v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
+    asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
 }
 __device__ __forceinline__ unsigned take_ticket(unsigned* counter) { return atomicAdd(counter, 1u); }
 __device__ __forceinline__ void spin_pause() { __nanosleep(64); }
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
 // Data published by another block: read through L2 (no stale L1 line), write through to L2.
 template <class T> __device__ __forceinline__ T load_shared_global(const T* p) { return __ldcg(p); }
 template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v) { __stcg(p, v); }

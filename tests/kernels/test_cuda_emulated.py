@@ -237,3 +237,10 @@ def test_wide_factored_chunks_take_several_passes_and_tiles():
     assert launch.kernel == "bppsa_chunked_factored_f32" and launch.tile_rows < 150
     out = emulated.scan_factored(*(t.float() for t in (weight, scales, diag, grad)), "chunked", 3)
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
+
+
+def test_empty_batch_and_empty_state():
+    out = emulated.scan_dense(torch.empty(0, 5, 3, 3), torch.empty(0, 3), "chunked", 2)
+    assert out.shape == (0, 6, 3)
+    grad = torch.empty(2, 6, 0)
+    assert emulated.scan_factored(torch.empty(0, 0), torch.empty(2, 5, 0), None, grad, "linear", 1).shape == (2, 6, 0)
