@@ -27,3 +27,19 @@ def test_every_kernel_compiles_without_spills_or_stack(usage, arch):
         # __launch_bounds__(256) leaves up to 255 registers per thread: reported, not capped
         assert 0 < use.registers <= 255, f"{arch} {name}: {use.registers} registers"
     print(f"\n{arch} registers: " + ", ".join(f"{k}={v.registers}" for k, v in sorted(kernels.items())))
+
+
+def test_nvrtc_compiles_what_cupy_loads():
+    """The exact source CuPy compiles (header inlined) through NVRTC, which needs no GPU either."""
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as err:  # no CuPy, or CuPy without its NVRTC library
+        pytest.skip(f"CuPy's NVRTC is not usable here ({type(err).__name__}: {err})")
+    for arch in ("compute_80", "compute_90"):
+        program = nvrtc.createProgram(cuda.source(), "scan.cu", [], [])
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17"])
+        except nvrtc.NVRTCError:
+            pytest.fail(f"NVRTC ({arch}) failed:\n{nvrtc.getProgramLog(program)}")
