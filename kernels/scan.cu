@@ -247,6 +247,13 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
     sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
 }
 
+// Raise a chunk's flag once the whole block's stores of what it announces are visible GPU-wide.
+__device__ inline void publish(unsigned* flag, unsigned value) {
+    __threadfence();  // every thread: its own stores first ...
+    __syncthreads();  // ... then thread 0, after all of them
+    if (threadIdx.x == 0) bppsa::store_release(flag, value);
+}
+
 template <class T, bool Factored>
 __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows) {
     BPPSA_DYNAMIC_SHARED(smem);
@@ -281,10 +288,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         mat_x = mat_y;
         mat_y = swap;
     }
-    if (threadIdx.x == 0) {
-        __threadfence();
-        bppsa::store_release(&flags[q * p.batch + b], kAggregate);
-    }
+    publish(&flags[q * p.batch + b], kAggregate);
 
     // 2. The carry g_{hi+1}: the last-state gradient for chunk 0, else decoupled look-back.
     if (q == 0) {
@@ -324,10 +328,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     if (q + 1 < chunks) {
         const T* own = aggregate_of(q);
         product<1, 1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
-        if (threadIdx.x == 0) {
-            __threadfence();
-            bppsa::store_release(&flags[q * p.batch + b], kInclusive);
-        }
+        publish(&flags[q * p.batch + b], kInclusive);
     }
 
     // 4. The per-step gradients of the chunk.
