@@ -95,3 +95,24 @@ def test_empty_chain(gpu):
     grad = torch.randn(3, 1, 4, dtype=torch.float64, device=gpu)
     out = kernels.scan_dense(torch.empty(3, 0, 4, 4, dtype=torch.float64, device=gpu), grad, "chunked", 4)
     torch.testing.assert_close(out, grad)
+
+
+def test_wide_states_several_passes_and_tiles(gpu):
+    gen = torch.Generator().manual_seed(260)
+    jt, grad = CASES.make_dense(1, 2, 260, True, gen)
+    CASES.check(kernels.scan_dense(jt.to(gpu), grad.to(gpu), "linear", 2).cpu(), jt, grad, torch.float64)
+    weight, scales, diag, grad = CASES.make_factored(1, 6, 50, 3, True, True, gen)
+    args = [t.to(gpu, torch.float32) for t in (weight, scales, diag, grad)]
+    out = kernels.scan_factored(*args, "chunked", 3)
+    CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
+
+
+def test_half_precision_and_non_contiguous(gpu):
+    gen = torch.Generator().manual_seed(3)
+    jt, grad = CASES.make_dense(2, 9, 5, True, gen)
+    out = kernels.scan_dense(jt.to(gpu, torch.bfloat16), grad.to(gpu, torch.bfloat16), "chunked", 3)
+    assert out.dtype == torch.bfloat16
+    expected = CASES.plain_loop(jt.bfloat16().float(), grad.bfloat16().float())
+    torch.testing.assert_close(out.cpu(), expected.bfloat16())
+    jt_gpu, grad_gpu = jt.to(gpu).mT.contiguous().mT, grad.to(gpu).mT.contiguous().mT
+    CASES.check(kernels.scan_dense(jt_gpu, grad_gpu, "chunked", 5).cpu(), jt, grad, torch.float64)
