@@ -4,12 +4,15 @@
 //   g++ -std=c++20 -pthread -x c++ scan.cu -shared -fPIC      (one OS thread per CUDA thread)
 //
 // Emulated: grid and block indices, per-block shared memory (dynamic, and static through
-// BPPSA_SHARED), __syncthreads as a futex barrier, warp collectives (__shfl_sync, __ballot_sync,
-// __syncwarp) through a per-warp exchange buffer and barrier, atomics and release/acquire flags through
-// std::atomic_ref, and a bound on the blocks resident at once (blocks start in block-index order),
-// which is what a kernel with inter-block waits needs for forward progress. Not emulated: lock-step
+// BPPSA_SHARED), __syncthreads as a futex barrier, the warp vote the kernels use (__ballot_sync)
+// through a per-warp exchange buffer and barrier, the ticket atomic and release/acquire flags through
+// std::atomic_ref (bppsa::take_ticket / load_acquire / store_release), and a bound on the blocks
+// resident at once (blocks start in block-index order), which is what a kernel with inter-block
+// waits needs for forward progress. Not emulated: lock-step
 // warps (every warp collective here needs the full mask), the GPU memory model's weaker orderings,
-// bank conflicts, occupancy, FMA contraction. Build with -fsanitize=thread to look for races.
+// bank conflicts, occupancy, FMA contraction. Only what scan.cu uses is here (no shuffles: add one
+// the same way, through the exchange buffer, with a kernel that needs it). Build with
+// -fsanitize=thread to look for races.
 //
 // Launch from the host with bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident,
 // timeout): `entry` is a kernel's host trampoline (BPPSA_ENTRY below), `args` its arguments as 64-bit
@@ -53,7 +56,6 @@ template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v
 #include <chrono>
 #include <climits>
 #include <condition_variable>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -140,23 +142,6 @@ inline bppsa_emu::Block::Warp& bppsa_emu_warp() {
     return *bppsa_emu::self.block->warps[threadIdx.x / 32];
 }
 
-inline void __syncwarp(unsigned = 0xffffffffu) { bppsa_emu_warp().barrier.wait(); }
-
-template <class T>
-T __shfl_sync(unsigned, T value, int source) {
-    static_assert(sizeof(T) <= 8);
-    auto& warp = bppsa_emu_warp();
-    uint64_t bits = 0;
-    std::memcpy(&bits, &value, sizeof(T));
-    warp.exchange[threadIdx.x % 32] = bits;
-    warp.barrier.wait();
-    bits = warp.exchange[source & 31];
-    warp.barrier.wait();  // nobody overwrites the buffer before every lane has read it
-    T result;
-    std::memcpy(&result, &bits, sizeof(T));
-    return result;
-}
-
 inline unsigned __ballot_sync(unsigned, int predicate) {
     auto& warp = bppsa_emu_warp();
     warp.exchange[threadIdx.x % 32] = predicate ? 1 : 0;
@@ -169,11 +154,6 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
 
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
-template <class T>
-T atomicAdd(T* address, T value) {
-    return std::atomic_ref<T>(*address).fetch_add(value, std::memory_order_relaxed);
-}
 
 namespace bppsa {
 inline unsigned load_acquire(const unsigned* flag) {
