@@ -232,16 +232,31 @@ def run(
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.cache
+_AVAILABLE: dict[str, tuple[bool, str]] = {}  # the answer of the first eager call
+
+
 def available() -> tuple[bool, str]:
-    """``(True, "")`` when CuPy and a CUDA device are usable, else ``(False, why)``."""
+    """``(True, "")`` when CuPy and a CUDA device are usable, else ``(False, why)``.
+
+    The first eager call compiles the kernels (once; CuPy caches the binary on disk). While
+    ``torch.compile`` traces (the cost model asks from inside ``backprop_scan``), it only reports what
+    an earlier eager call found, so tracing never imports CuPy or compiles.
+    """
+    if "answer" not in _AVAILABLE:
+        if torch.compiler.is_compiling():
+            return False, "not checked yet (first asked while torch.compile traces)"
+        _AVAILABLE["answer"] = _check_available()
+    return _AVAILABLE["answer"]
+
+
+def _check_available() -> tuple[bool, str]:
     try:
         import cupy  # noqa: F401
     except ImportError as err:
         return False, f"CuPy is not installed ({err}); install cupy-cuda12x or cupy-cuda13x"
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
-    try:  # compiles once (NVRTC; CuPy caches the binary on disk): a driver / CuPy mismatch shows here
+    try:  # a driver / CuPy mismatch shows here, once, instead of in the first scan
         _module(torch.cuda.current_device())
     except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
         return False, f"the CUDA kernels do not compile or load here ({type(err).__name__}: {err})"

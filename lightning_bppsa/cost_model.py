@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from lightning_bppsa.kernels import cpu as cpu_kernel
+from lightning_bppsa.kernels import cuda as cuda_kernel
 
 __all__ = ["Machine", "MACHINES", "choose", "predict_seconds", "recurrent_path"]
 
@@ -223,12 +224,10 @@ def cuda_kernel_seconds(
       throughput, all SMs together: 2 x 2 outputs per thread read 4 shared values per 4 FMAs), then ``p = ceil(n / c)`` dependent look-back hops (one vector step
       with its operand from L2 each), then ``c`` vector steps of the chunk's sweep.
     """
-    from lightning_bppsa.kernels.cuda import MATRIX_BLOCK, launch_config
-
     if n < 1:
         return model.launch_seconds
     factored = width is not None
-    launch = launch_config(
+    launch = cuda_kernel.launch_config(
         factored=factored, element_bytes=element_bytes, n=n, batch=batch, d=d, m=width or d, affine=affine,
         algorithm=algorithm, chunk_size=chunk_size,
     )
@@ -239,7 +238,7 @@ def cuda_kernel_seconds(
         return model.launch_seconds + waves * n * vector / model.clock_hz
     c, chunks = launch.chunk, math.ceil(n / launch.chunk)
     rows = d + int(affine)
-    matrix, wavefronts = _cuda_step(rows, d, operand, launch.block, MATRIX_BLOCK, launch.tile_rows, model.l1_cycles, model)
+    matrix, wavefronts = _cuda_step(rows, d, operand, launch.block, cuda_kernel.MATRIX_BLOCK, launch.tile_rows, model.l1_cycles, model)
     hop, _ = _cuda_step(1, d, d, launch.block, 1, launch.tile_rows, model.l2_cycles, model)
     throughput = batch * n * wavefronts / (model.sms * model.smem_wavefronts_per_cycle)
     cycles = max(c * matrix, throughput) + chunks * hop + c * vector
@@ -247,9 +246,7 @@ def cuda_kernel_seconds(
 
 
 def _cuda_kernels_run() -> bool:
-    from lightning_bppsa.kernels.cuda import available
-
-    return available()[0]
+    return cuda_kernel.available()[0]
 
 
 def cuda_choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None) -> tuple[str, int]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from lightning_bppsa.kernels import cuda
 
 
@@ -89,3 +90,10 @@ def test_widest_state_of_the_chunked_kernel_is_as_documented(element_bytes, wide
         return config(element_bytes=element_bytes, d=d, m=d, affine=True).kernel
 
     assert kernel(widest).startswith("bppsa_chunked_") and kernel(widest + 1).startswith("bppsa_sweep_")
+
+
+def test_availability_is_not_probed_while_torch_compile_traces(monkeypatch):
+    monkeypatch.setattr(cuda, "_AVAILABLE", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cuda.available() == (False, "not checked yet (first asked while torch.compile traces)")
+    assert cuda._AVAILABLE == {}  # nothing cached: the first eager call still checks
