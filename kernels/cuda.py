@@ -186,6 +186,7 @@ def run(
     mat, scales, diagonal, grad_c = (prepared(t) for t in (mat, scales, diagonal, grad))
     batch, d = grad.shape[0], grad.shape[-1]
     n = scales.shape[1] if factored else mat.shape[1]
+    m = mat.shape[0] if factored else d
     affine = grad.dim() == 3
     out = torch.empty(batch, n + 1, d, dtype=compute, device=grad.device)
     if n == 0 or batch == 0 or d == 0:  # nothing to scan: g_n only
@@ -197,7 +198,7 @@ def run(
         n=n,
         batch=batch,
         d=d,
-        m=mat.shape[0] if factored else d,
+        m=m,
         affine=affine,
         algorithm=algorithm,
         chunk_size=chunk_size,
@@ -220,7 +221,7 @@ def run(
         n=n,
         batch=batch,
         d=d,
-        m=mat.shape[0] if factored else d,
+        m=m,
         affine=affine,
     )
     launcher(launch, args, grad.device)
