@@ -179,7 +179,8 @@ def measured_table(quick: bool) -> str:
 
 
 def _work(kernel: str, batch: int, n: int, d: int, k: int, chunk: int) -> tuple[float, float, str]:
-    """(FLOPs, DRAM bytes, critical path) of one float32 launch, last-state gradient (R = d)."""
+    """(FLOPs, global-memory bytes, critical path) of one float32 launch, last-state gradient (R = d);
+    the chunk scratch (aggregates, carries) is counted though it mostly stays in L2."""
     width, rows_ = k * d, d
     operands = batch * n * width * 4 + width * d * 4  # scales + the shared weight
     outputs = batch * (n + 1) * d * 4
@@ -220,7 +221,7 @@ def plan() -> str:
         "",
         "## Work and predicted time per launch (float32, last-state gradient, d = 20)",
         "",
-        "| chain | B | T | kernel | chunk | FLOPs | DRAM bytes | critical path | launches | predicted us |",
+        "| chain | B | T | kernel | chunk | FLOPs | global-memory bytes | critical path | launches | predicted us |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     predictions = {}
@@ -245,7 +246,9 @@ def plan() -> str:
         f"{PAPER_V100_SECONDS_PER_STEP * 1e6:.1f} us per step",
         "(Appendix G, Table 4, B = 16: epoch time minus forward-only time, so it also holds the optimizer",
         "step). An H100's cuDNN is faster by an unknown factor: the last column is the per-step cuDNN backward",
-        "time on the H100 below which the target is missed, for the kernel alone.",
+        "time on the H100 below which the target is missed, for the kernel alone. The GRU rows reuse that",
+        "per-step figure: the paper's GRU table (Table 6) gives epoch times, and turning them into",
+        "per-iteration times needs the IRMAS training-set size, which the paper does not state.",
         "",
         "Not modelled, and likely decisive at T ~ 1000: BPPSA's backward is more than the scan kernel. The",
         "module also prepares the Jacobian factors (element-wise passes over (B, T, 3H)) and computes the",
