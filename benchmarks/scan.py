@@ -22,8 +22,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_description, median_seconds, peak_memory_bytes  # noqa: E402
+from lightning_bppsa.kernels import cpu as cpu_kernel  # noqa: E402
 
-from lightning_bppsa import FactoredJacobians, _native, backprop_scan, cost_model  # noqa: E402
+from lightning_bppsa import FactoredJacobians, backprop_scan, cost_model  # noqa: E402
 
 ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
 
@@ -40,12 +41,12 @@ def make_inputs(kind: str, batch: int, n: int, d: int):
 @contextmanager
 def torch_loop() -> Iterator[None]:
     """The linear schedule as a loop of torch ops (the compiled kernel switched off): op-bound like a GPU."""
-    available = _native.available
-    _native.available = lambda: False
+    available = cpu_kernel.available
+    cpu_kernel.available = lambda: False
     try:
         yield
     finally:
-        _native.available = available
+        cpu_kernel.available = available
 
 
 def measure_row(kind: str, batch: int, n: int, d: int, min_run_time: float) -> dict:
@@ -82,7 +83,7 @@ def to_markdown(rows: list[dict], skipped: list[str], d: int) -> str:
     return (
         f"# Scan algorithms on CPU (d = {d}, float32)\n\nMachine: {machine_description()}\n\n"
         "Times are medians of `torch.utils.benchmark` (warm-up excluded), one process, speedup (×) over "
-        "`linear`, which on CPU is one call of the compiled kernel (`lightning_bppsa._native`); "
+        "`linear`, which on CPU is one call of the compiled kernel (`kernels/linear_scan.c`); "
         "`auto` ran what `auto chose`, so its ratio to `linear` shows the timing noise. "
         "`linear as torch loop`: the same schedule as a loop of torch ops (kernel switched off): op-bound, "
         "the regime of a GPU or of a machine without a C compiler, where the parallel scans pay. Peak memory: resident-set growth during one call (`benchmarks/_common.peak_memory_bytes`). "

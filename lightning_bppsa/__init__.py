@@ -8,10 +8,17 @@ split over processes): ``Trainer(strategy="bppsa")``.
 from lightning_bppsa import ops  # noqa: F401  (registers the bppsa:: ops)
 from lightning_bppsa.jacobians import FactoredJacobians
 from lightning_bppsa.model_parallel import BPPSAModelParallelStrategy
-from lightning_bppsa.scan import backprop_scan
+from lightning_bppsa.scan import backprop_scan, scan_ref
 from lightning_bppsa.strategy import BPPSADDPStrategy, BPPSAStrategy
 
-__all__ = ["BPPSADDPStrategy", "BPPSAModelParallelStrategy", "BPPSAStrategy", "FactoredJacobians", "backprop_scan"]
+__all__ = [
+    "BPPSADDPStrategy",
+    "BPPSAModelParallelStrategy",
+    "BPPSAStrategy",
+    "FactoredJacobians",
+    "backprop_scan",
+    "scan_ref",
+]
 __version__ = "0.1.0"
 
 BPPSAStrategy.register_strategies()

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_bppsa._chains import flush_denormals, time_major_chain
 from lightning_bppsa.jacobians.factored import FactoredJacobians
-from lightning_bppsa.scan import _flush_denormals, _time_major_chain
 from lightning_bppsa.scan import backprop_scan as _local_scan
 
 __all__ = ["DistributedScanError", "backprop_scan", "scan_rounds", "segment_summary"]
@@ -69,8 +69,8 @@ def segment_summary(jacobians_t: Jacobians, direct: Tensor) -> Tensor:
     batch, n_plus_1, d = direct.shape
     eye = torch.eye(d, dtype=direct.dtype, device=direct.device).expand(batch, d, d)
     block = torch.cat([eye, direct[:, -1:]], dim=1)
-    chain = _time_major_chain(jacobians_t, direct.dtype)
-    with _flush_denormals() if direct.device.type == "cpu" else nullcontext():
+    chain = time_major_chain(jacobians_t, direct.dtype)
+    with flush_denormals() if direct.device.type == "cpu" else nullcontext():
         for step in range(n_plus_1 - 2, -1, -1):
             block = chain.apply(step, block)
             block[:, d] += direct[:, step]

@@ -1,4 +1,4 @@
-"""The ``bppsa`` torch.library ops: schema, fake (meta) kernels and the kernels that run the scan.
+"""The ``bppsa`` torch.library ops: schema, fake (meta) kernels, and which kernel runs on each device.
 
 - ``bppsa::scan_dense(jacobians_t, grad, algorithm, chunk_size) -> Tensor``
 - ``bppsa::scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size) -> Tensor``
@@ -7,16 +7,29 @@ Both return the ``(B, n + 1, d)`` gradients of :func:`lightning_bppsa.scan.backp
 the validating front end; call the ops directly only with already valid inputs and a concrete
 ``algorithm`` (``"linear"``, ``"blelloch"`` or ``"chunked"``). Being custom ops, they are opaque to
 ``torch.compile`` (no graph breaks) and callable from TorchScript as ``torch.ops.bppsa.scan_dense``.
+They have no autograd formula (``backprop_scan`` refuses inputs that require grad).
 
-The default kernel is the torch implementation in :mod:`lightning_bppsa.scan`; it runs on any device.
+This module is the one place where kernels are chosen:
+
+- default (any device): the torch implementation in :mod:`lightning_bppsa.scan`;
+- ``"cpu"``: the same, with every linear sweep (the ``"linear"`` schedule, the chunk summaries and
+  leftover steps of ``"chunked"``) in one call of the compiled C kernel
+  (:mod:`lightning_bppsa.kernels.cpu`) where it is available, else the torch loop;
+- ``"cuda"``: :mod:`lightning_bppsa.kernels.cuda` (CuPy), imported on the first CUDA call; where it is
+  unavailable the torch implementation runs and one warning says why.
 """
 
 from __future__ import annotations
+
+import warnings
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from lightning_bppsa import scan
+from lightning_bppsa._chains import Chain, DenseChain
+from lightning_bppsa.kernels import cpu
 
 __all__ = ["scan_dense", "scan_factored"]
 
@@ -50,3 +63,81 @@ def _(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     return _empty_out(grad, scales.shape[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: the torch implementation with its linear sweeps in the compiled C kernel.
+# --------------------------------------------------------------------------------------------------
+
+
+def _compiled_sweep(chain: Chain, out: Tensor, direct: Tensor | None) -> None:
+    """A :data:`~lightning_bppsa.scan.LinearSweep` in one call of the C kernel; the torch loop where it
+    cannot run (no compiler, or a dtype / layout it does not take)."""
+    if not cpu.available():
+        ran = False
+    elif isinstance(chain, DenseChain):
+        ran = cpu.linear_dense(chain.transposed_batch_major(), direct, out)
+    else:
+        scales, weight = chain.augmented()
+        ran = cpu.linear_factored(weight, scales, direct, out)
+    if not ran:
+        scan.torch_sweep(chain, out, direct)
+
+
+@scan_dense.register_kernel("cpu")
+def _(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
+    return scan.run_dense(jacobians_t, grad, algorithm, chunk_size, sweep=_compiled_sweep)
+
+
+@scan_factored.register_kernel("cpu")
+def _(
+    weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
+) -> Tensor:
+    return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size, sweep=_compiled_sweep)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: the CuPy kernels, imported lazily (importing lightning_bppsa never touches CuPy or CUDA).
+# --------------------------------------------------------------------------------------------------
+
+#: ``"module"``: the loaded kernels module or ``None`` once looked for
+_CUDA: dict[str, ModuleType | None] = {}
+
+
+def _cuda_kernels() -> ModuleType | None:
+    """:mod:`lightning_bppsa.kernels.cuda` if it can run here; else ``None`` after one warning."""
+    if "module" not in _CUDA:
+        try:
+            from lightning_bppsa.kernels import cuda
+
+            ok, reason = cuda.available()
+        except ImportError as err:
+            cuda, ok, reason = None, False, f"the CUDA kernels cannot be imported ({err})"
+        if not ok:
+            warnings.warn(
+                f"lightning_bppsa: CUDA scan kernels unavailable: {reason}; the bppsa ops run their torch "
+                "implementation on CUDA instead (same results, slower; `pip install lightning-bppsa[cuda]` "
+                "installs CuPy)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _CUDA["module"] = cuda if ok else None
+    return _CUDA["module"]
+
+
+@scan_dense.register_kernel("cuda")
+def _(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
+    kernels = _cuda_kernels()
+    if kernels is None:
+        return scan.run_dense(jacobians_t, grad, algorithm, chunk_size)
+    return kernels.scan_dense(jacobians_t, grad, algorithm, chunk_size)
+
+
+@scan_factored.register_kernel("cuda")
+def _(
+    weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
+) -> Tensor:
+    kernels = _cuda_kernels()
+    if kernels is None:
+        return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
+    return kernels.scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size)

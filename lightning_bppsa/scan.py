@@ -17,8 +17,10 @@ affine row is carried then), and two neighbours combine as ``X_{[i..j]} = X_righ
 
 The algorithms (all give the same result up to rounding):
 
-- ``"linear"``: the sequential reference, ``n`` matrix-vector steps (what autograd does). On CPU one
-  call of a compiled C kernel (:mod:`lightning_bppsa._native`), else a torch loop of 2 ops per step.
+- ``"linear"``: the sequential schedule, ``n`` matrix-vector steps (what autograd does): a torch loop
+  of 2 ops per step. Every schedule runs its linear sweeps through a pluggable ``sweep``; on CPU
+  :mod:`lightning_bppsa.ops` plugs in one call of the compiled C kernel
+  (:mod:`lightning_bppsa.kernels.cpu`) instead of the loop.
 - ``"blelloch"``: Algorithm 1 for any ``n``: an up-sweep of matrix-matrix products over a binary tree
   (unpaired nodes are carried up), then a down-sweep of matrix-vector products with reversed operands.
   ``2⌈log2 n⌉`` steps, ``~n`` matrix-matrix products.
@@ -27,172 +29,68 @@ The algorithms (all give the same result up to rounding):
   ``p > 2c``, else linearly), and the chunks are swept down (``c`` steps); the ``n mod c`` leftmost
   steps run linearly. ``Θ(c + n/c)`` steps for one level, ``Θ(c log_c n)`` in all.
 - ``"auto"``: whichever :mod:`lightning_bppsa.cost_model` predicts to be fastest.
+
+:func:`scan_ref` is the float64 reference beside them: the plain loop, sharing no code with them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Union
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Union, overload
 
 import torch
 from torch import Tensor
 
-from lightning_bppsa import _native, cost_model
+from lightning_bppsa import cost_model
+from lightning_bppsa._chains import Chain, DenseChain, flush_denormals, time_major_chain
 from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.sparse_scan import SparseJacobian, sparse_backprop_scan
 
-__all__ = ["ALGORITHMS", "backprop_scan", "run_dense", "run_factored"]
+__all__ = ["ALGORITHMS", "LinearSweep", "backprop_scan", "run_dense", "run_factored", "scan_ref", "torch_sweep"]
 
 ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
 
 Jacobians = Union[Tensor, FactoredJacobians]
 
-
-# --------------------------------------------------------------------------------------------------
-# Chains: the step Jacobians, indexed along a leading step axis (time-major), applied from the right
-# to row blocks. Gradients inside the algorithms are time-major too, ``(n + 1, B, d)``, so that one
-# step is one contiguous ``(B, d)`` slice.
-# --------------------------------------------------------------------------------------------------
-
-
-class _DenseChain:
-    """Step Jacobians stored densely: ``jac[t]`` is the ``(B, d, d)`` row-form ``J`` of step ``t``."""
-
-    def __init__(self, jac: Tensor) -> None:
-        self.jac = jac
-        self.steps, self.d = jac.shape[0], jac.shape[-1]
-
-    def head(self, steps: int) -> _DenseChain:
-        """The first ``steps`` steps."""
-        return _DenseChain(self.jac[:steps])
-
-    def dense(self, index: slice) -> Tensor:
-        """``J`` of the steps ``index``, ``(steps, B, d, d)`` (a view: never write to it)."""
-        return self.jac[index]
-
-    def apply(self, index: int | slice, x: Tensor) -> Tensor:
-        """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``."""
-        return x @ self.jac[index]
-
-    def sweep_native(self, out: Tensor, direct: Tensor | None) -> bool:
-        """The whole linear recurrence in the compiled CPU kernel (:mod:`lightning_bppsa._native`)."""
-        return _native.linear_dense(self.jac.mT.transpose(0, 1), direct, out)  # (B, n, d, d) Jᵀ
-
-    def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
-        """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: the linear scan's inner loop."""
-        if add is None:
-            torch.bmm(x.unsqueeze(1), self.jac[t], out=out.unsqueeze(1))
-        else:
-            torch.baddbmm(add.unsqueeze(1), x.unsqueeze(1), self.jac[t], out=out.unsqueeze(1))
-
-
-class _FactoredChain:
-    """Step Jacobians ``J = diag(u) + [diag(s^1)..diag(s^k)] W`` with ``W`` shared by every step;
-    ``scales`` ``(n, B, k d)`` and ``diagonal`` ``(n, B, d)`` or ``None``."""
-
-    def __init__(self, weight: Tensor, scales: Tensor, diagonal: Tensor | None) -> None:
-        self.weight, self.scales, self.diagonal = weight, scales, diagonal
-        self.steps, self.d = scales.shape[0], weight.shape[1]
-        self.tiles = weight.shape[0] // self.d
-        self._per_step: tuple | None = None
-
-    def head(self, steps: int) -> _FactoredChain:
-        """The first ``steps`` steps."""
-        diagonal = None if self.diagonal is None else self.diagonal[:steps]
-        return _FactoredChain(self.weight, self.scales[:steps], diagonal)
-
-    def dense(self, index: slice) -> Tensor:
-        """``J`` of the steps ``index``, ``(steps, B, d, d)``: ``I @ J``."""
-        return self.apply(index, _identity(self.d, self.weight, *self.scales[index].shape[:2]))
-
-    def apply(self, index: int | slice, x: Tensor) -> Tensor:
-        """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``:
-        one GEMM with the shared ``W``."""
-        scales = self.scales[index].unsqueeze(-2)
-        if self.tiles > 1:  # (.., r, k, d) * (.., 1, k, d): every tile of the row scaled by its own s^k
-            scaled = (x.unsqueeze(-2) * scales.unflatten(-1, (self.tiles, self.d))).flatten(-2)
-        else:
-            scaled = x * scales
-        out = scaled @ self.weight
-        if self.diagonal is not None:
-            out.addcmul_(x, self.diagonal[index].unsqueeze(-2))
-        return out
-
-    def step_into(self, t: int, x: Tensor, out: Tensor, add: Tensor | None) -> None:
-        """``out = x @ J_t (+ add)`` for one step, ``x`` ``(B, d)``: two torch ops, no allocation.
-
-        A diagonal term joins the GEMM as one more tile: ``x J = [x u, x s^1, ..] @ [I; W]``.
-        """
-        if self._per_step is None:  # made once: Python indexing and a third op would cost ~1 µs each
-            self._per_step = self._step_factors(x)
-        scales, weight, tmp, rows = self._per_step
-        if rows is None:  # one tile: no broadcast (a broadcasting mul costs ~1 µs more)
-            torch.mul(x, scales[t], out=tmp)
-        else:
-            torch.mul(x.unsqueeze(1), scales[t], out=tmp)
-        if add is None:
-            torch.mm(rows if rows is not None else tmp, weight, out=out)
-        else:
-            torch.addmm(add, rows if rows is not None else tmp, weight, out=out)
-
-    def _augmented(self) -> tuple[Tensor, Tensor]:
-        """``(scales, weight)`` with a diagonal term folded in as one more tile: ``[u, s] @ [I; W]``."""
-        if self.diagonal is None:
-            return self.scales, self.weight
-        eye = torch.eye(self.d, dtype=self.weight.dtype, device=self.weight.device)
-        return torch.cat([self.diagonal, self.scales], -1), torch.cat([eye, self.weight])
-
-    def sweep_native(self, out: Tensor, direct: Tensor | None) -> bool:
-        """The whole linear recurrence in the compiled CPU kernel (:mod:`lightning_bppsa._native`)."""
-        scales, weight = self._augmented()
-        return _native.linear_factored(weight, scales, direct, out)
-
-    def _step_factors(self, like: Tensor) -> tuple:
-        """Per-step scales, the (augmented) weight, a scratch block and its ``(B, k d)`` view or ``None``."""
-        steps, batch = self.scales.shape[:2]
-        scales, weight = self._augmented()
-        if scales.shape[-1] == self.d:
-            return scales.contiguous().unbind(0), weight, like.new_empty(batch, self.d), None
-        tiled = scales.reshape(steps, batch, -1, self.d)
-        tmp = like.new_empty(tiled.shape[1:])
-        return tiled.unbind(0), weight, tmp, tmp.view(batch, -1)
-
-
-_Chain = Union[_DenseChain, _FactoredChain]
-
-
-def _identity(d: int, like: Tensor, *shape: int) -> Tensor:
-    return torch.eye(d, dtype=like.dtype, device=like.device).expand(*shape, d, d)
+#: ``sweep(chain, out, direct)`` fills ``out`` (``(n + 1, B, d)``, ``out[n]`` already set) with
+#: ``g_t = g_{t+1} J_t + δ_t`` for ``t = n-1..0`` (``direct``: ``δ`` as ``(n, B, d)`` or ``None``)
+LinearSweep = Callable[[Chain, Tensor, Union[Tensor, None]], None]
 
 
 # --------------------------------------------------------------------------------------------------
-# Algorithms. Each takes the chain, ``last = g_n`` ``(B, d)`` and the direct gradients ``δ_0..δ_{n-1}``
-# as ``(n, B, d)`` or ``None`` (a loss on ``x_n`` only: no affine rows anywhere), and returns the
-# time-major ``(n + 1, B, d)`` gradients ``g_0..g_n``.
+# Algorithms. Each takes the chain (:mod:`lightning_bppsa._chains`), ``last = g_n`` ``(B, d)`` and the
+# direct gradients ``δ_0..δ_{n-1}`` as ``(n, B, d)`` or ``None`` (a loss on ``x_n`` only: no affine rows
+# anywhere), and returns the time-major ``(n + 1, B, d)`` gradients ``g_0..g_n``.
 # --------------------------------------------------------------------------------------------------
 
 
-def _linear(chain: _Chain, last: Tensor, direct: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """``g_{t} = g_{t+1} J_t + δ_t`` one step at a time; ``out`` may be given with ``out[n]`` set."""
-    n = chain.steps
+def torch_sweep(chain: Chain, out: Tensor, direct: Tensor | None) -> None:
+    """The :data:`LinearSweep` in torch: ``g_t = g_{t+1} J_t + δ_t`` one step (2 ops) at a time."""
+    states = out.unbind(0)
+    for t in range(chain.steps - 1, -1, -1):
+        chain.step_into(t, states[t + 1], states[t], None if direct is None else direct[t])
+
+
+def _linear(
+    chain: Chain, last: Tensor, direct: Tensor | None, sweep: LinearSweep, out: Tensor | None = None
+) -> Tensor:
+    """The linear schedule by ``sweep``; ``out`` may be given with ``out[n]`` set."""
     if out is None:
-        out = last.new_empty(n + 1, *last.shape)
-        out[n] = last
-    native = n and out.device.type == "cpu" and _native.available()
-    if not (native and chain.sweep_native(out, direct)):
-        states = out.unbind(0)
-        for t in range(n - 1, -1, -1):
-            chain.step_into(t, states[t + 1], states[t], None if direct is None else direct[t])
+        out = last.new_empty(chain.steps + 1, *last.shape)
+        out[chain.steps] = last
+    if chain.steps:
+        sweep(chain, out, direct)
     return out
 
 
-def _blelloch(chain: _Chain, last: Tensor, direct: Tensor | None) -> Tensor:
+def _blelloch(chain: Chain, last: Tensor, direct: Tensor | None) -> Tensor:
     n, (batch, d) = chain.steps, last.shape
     if n == 0:
         return last.unsqueeze(0).clone()
     # Up-sweep: a level is (chain of node composites, node offsets or None); node q of a level covers
     # later steps than node q - 1, so a parent is [C; b]_right @ C_left + [0; b_left].
-    levels: list[tuple[_Chain, Tensor | None]] = [(chain, direct)]
+    levels: list[tuple[Chain, Tensor | None]] = [(chain, direct)]
     while levels[-1][0].steps > 1:
         nodes, offsets = levels[-1]
         m = nodes.steps
@@ -208,7 +106,7 @@ def _blelloch(chain: _Chain, last: Tensor, direct: Tensor | None) -> Tensor:
             carried = nodes.dense(slice(m - 1, m))
             composite = torch.cat([composite, carried])
             offset = None if offsets is None else torch.cat([offset, offsets[m - 1 :]])
-        levels.append((_DenseChain(composite), offset))
+        levels.append((DenseChain(composite), offset))
     # Down-sweep: a node receives g at its right end; its right child gets the same g, its left
     # child gets g pushed through the right child (operands reversed w.r.t. the up-sweep).
     g = last.unsqueeze(0)
@@ -229,13 +127,13 @@ def _blelloch(chain: _Chain, last: Tensor, direct: Tensor | None) -> Tensor:
     return out
 
 
-def _chunked(chain: _Chain, last: Tensor, direct: Tensor | None, chunk_size: int) -> Tensor:
+def _chunked(chain: Chain, last: Tensor, direct: Tensor | None, chunk_size: int, sweep: LinearSweep) -> Tensor:
     """Reduce-then-scan. The ``n mod c`` leftmost steps stay outside the chunks and run linearly at the end."""
     n, (batch, d) = chain.steps, last.shape
     c = max(1, min(chunk_size, n))
     p, rem = divmod(n, c)
     if p <= 1 or c == 1:  # nothing to reduce
-        return _linear(chain, last, direct)
+        return _linear(chain, last, direct, sweep)
     position = [slice(rem + i, n, c) for i in range(c)]  # step i of every chunk
     # 1. reduce every chunk to its summary [C; b], all chunks at once, right to left.
     block = chain.dense(position[c - 1])
@@ -247,12 +145,12 @@ def _chunked(chain: _Chain, last: Tensor, direct: Tensor | None, chunk_size: int
             block[..., d, :] += direct[position[i]]
     # 2. scan the p summaries (recursively, chunked again while they are many): gradients at the
     # chunk boundaries, states rem, rem + c, ..., n.
-    summaries = _DenseChain(block[..., :d, :])
+    summaries = DenseChain(block[..., :d, :])
     offsets = None if direct is None else block[..., d, :]
     if p > 2 * c:
-        boundary = _chunked(summaries, last, offsets, c)
+        boundary = _chunked(summaries, last, offsets, c, sweep)
     else:
-        boundary = _linear(summaries, last, offsets)
+        boundary = _linear(summaries, last, offsets, sweep)
     # 3. sweep every chunk down from its right boundary, all chunks at once.
     out = last.new_empty(n + 1, batch, d)
     out[rem::c] = boundary
@@ -263,7 +161,7 @@ def _chunked(chain: _Chain, last: Tensor, direct: Tensor | None, chunk_size: int
             g += direct[position[i]]
         out[position[i]] = g
     if rem:  # the steps left of the first chunk
-        _linear(chain.head(rem), out[rem], direct, out[: rem + 1])
+        _linear(chain.head(rem), out[rem], direct, sweep, out[: rem + 1])
     return out
 
 
@@ -272,59 +170,49 @@ def _chunked(chain: _Chain, last: Tensor, direct: Tensor | None, chunk_size: int
 # --------------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def _flush_denormals() -> Iterator[None]:
-    """Long products of contracting Jacobians underflow into denormals, ~10-100x slower on x86."""
-    probe = torch.tensor(1e-39, dtype=torch.float32)
-    was_on = bool((probe * 1.0).item() == 0.0)
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(was_on)
-
-
-def _run(chain_of: Callable[[torch.dtype], _Chain], grad: Tensor, n: int, algorithm: str, chunk_size: int) -> Tensor:
+def _run(
+    chain_of: Callable[[torch.dtype], Chain], grad: Tensor, n: int, algorithm: str, chunk_size: int, sweep: LinearSweep
+) -> Tensor:
     """Upcast half precision to float32, run one algorithm time-major, return ``(B, n + 1, d)``."""
     compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     chain = chain_of(compute)
     per_step = grad.dim() == 3
     last = (grad[:, n] if per_step else grad).to(compute)
     direct = grad[:, :n].transpose(0, 1).to(compute) if per_step else None
-    with _flush_denormals() if grad.device.type == "cpu" else nullcontext():
+    with flush_denormals() if grad.device.type == "cpu" else nullcontext():
         if algorithm == "linear":
-            out = _linear(chain, last, direct)
+            out = _linear(chain, last, direct, sweep)
         elif algorithm == "blelloch":
             out = _blelloch(chain, last, direct)
         elif algorithm == "chunked":
-            out = _chunked(chain, last, direct, chunk_size)
+            out = _chunked(chain, last, direct, chunk_size, sweep)
         else:
             raise ValueError(f"algorithm must be one of 'linear', 'blelloch', 'chunked'; got {algorithm!r}")
     # batch-major like the input (inductor assumes custom ops return dense row-major tensors)
     return out.transpose(0, 1).contiguous().to(grad.dtype)
 
 
-def _time_major_chain(jac: Jacobians, dtype: torch.dtype) -> _Chain:
-    """``jac`` (``(B, n, d, d)`` transposed Jacobians or factored) as a chain of time-major views in ``dtype``."""
-    if isinstance(jac, FactoredJacobians):
-        # the linear steps copy these views once into the layout they need
-        diagonal = None if jac.diagonal is None else jac.diagonal.to(dtype).transpose(0, 1)
-        return _FactoredChain(jac.weight.to(dtype), jac.scales.to(dtype).transpose(0, 1), diagonal)
-    return _DenseChain(jac.to(dtype).transpose(0, 1).mT)
-
-
-def run_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
-    """Kernel of ``bppsa::scan_dense`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
+def run_dense(
+    jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int, sweep: LinearSweep = torch_sweep
+) -> Tensor:
+    """Torch kernel of ``bppsa::scan_dense`` (inputs already validated; ``algorithm`` is not ``"auto"``);
+    ``sweep`` runs the linear sweeps (:mod:`lightning_bppsa.ops` passes the compiled one on CPU)."""
     n = jacobians_t.shape[1]
-    return _run(lambda dt: _time_major_chain(jacobians_t, dt), grad, n, algorithm, chunk_size)
+    return _run(lambda dt: time_major_chain(jacobians_t, dt), grad, n, algorithm, chunk_size, sweep)
 
 
 def run_factored(
-    weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
+    weight: Tensor,
+    scales: Tensor,
+    diagonal: Tensor | None,
+    grad: Tensor,
+    algorithm: str,
+    chunk_size: int,
+    sweep: LinearSweep = torch_sweep,
 ) -> Tensor:
-    """Kernel of ``bppsa::scan_factored`` (inputs already validated; ``algorithm`` is not ``"auto"``)."""
+    """Torch kernel of ``bppsa::scan_factored``; as :func:`run_dense`."""
     jac = FactoredJacobians(weight, scales, diagonal)
-    return _run(lambda dt: _time_major_chain(jac, dt), grad, scales.shape[1], algorithm, chunk_size)
+    return _run(lambda dt: time_major_chain(jac, dt), grad, scales.shape[1], algorithm, chunk_size, sweep)
 
 
 def _check_grad(grad: Tensor, batch: int, n: int, d: int, like: Tensor, jac_name: str) -> None:
@@ -385,7 +273,34 @@ def _promote_factored(jac: FactoredJacobians, grad: Tensor) -> FactoredJacobians
     return FactoredJacobians(jac.weight.to(grad.dtype), jac.scales.to(grad.dtype), diagonal)
 
 
-def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "auto") -> Tensor:
+def _check_not_differentiated(*tensors: Tensor | None) -> None:
+    """The ops have no autograd formula: refuse now rather than fail (or give ``None``) in backward."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "backprop_scan is not differentiable with respect to jacobians_t or grad, and one of them "
+            "requires grad: call it on .detach()ed tensors or under torch.no_grad(), or, to differentiate "
+            "through the scan, use autograd on plain torch ops (e.g. lightning_bppsa.scan_ref)"
+        )
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+
+
+@overload
+def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "auto") -> Tensor: ...
+
+
+@overload
+def backprop_scan(
+    jacobians_t: Sequence[SparseJacobian], grad: Tensor, *, algorithm: str = "auto"
+) -> list[Tensor]: ...
+
+
+def backprop_scan(
+    jacobians_t: Jacobians | Sequence[SparseJacobian], grad: Tensor, *, algorithm: str = "auto"
+) -> Tensor | list[Tensor]:
     """Gradients w.r.t. every state of a chain, computed as a (parallel) scan. BPPSA Eq. 3-5.
 
     Args:
@@ -402,20 +317,22 @@ def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "aut
     Returns:
         ``(B, n + 1, d)`` tensor with ``out[:, i] = ∇_{x_i} l`` for ``i = 0..n`` (a list for a list input).
 
+    Raises:
+        RuntimeError: an input requires grad while grad mode is on: the scan has no autograd formula
+            (detach the inputs, or differentiate through :func:`scan_ref`).
+
     Example:
         >>> jt = 0.5 * torch.eye(3).expand(2, 4, 3, 3)       # B=2, n=4, d=3
         >>> backprop_scan(jt, torch.ones(2, 3))[0, :, 0]     # g_i = 0.5^(4-i)
         tensor([0.0625, 0.1250, 0.2500, 0.5000, 1.0000])
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    _check_algorithm(algorithm)
     if isinstance(jacobians_t, (list, tuple)):  # a chain of CSR transposed Jacobians (layer chains)
-        from lightning_bppsa.sparse_scan import sparse_backprop_scan
-
         return sparse_backprop_scan(jacobians_t, grad, algorithm=algorithm)
     if isinstance(jacobians_t, FactoredJacobians):
         jacobians_t = _promote_factored(jacobians_t, grad)
         batch, n, d, m = _validate_factored(jacobians_t, grad)
+        _check_not_differentiated(jacobians_t.weight, jacobians_t.scales, jacobians_t.diagonal, grad)
         algorithm, chunk = cost_model.choose(algorithm, n=n, d=d, batch=batch, width=m, device=grad.device.type)
         jac = jacobians_t
         return torch.ops.bppsa.scan_factored(jac.weight, jac.scales, jac.diagonal, grad, algorithm, chunk)
@@ -425,5 +342,47 @@ def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "aut
             f"got {type(jacobians_t).__name__}"
         )
     batch, n, d = _validate_dense(jacobians_t, grad)
+    _check_not_differentiated(jacobians_t, grad)
     algorithm, chunk = cost_model.choose(algorithm, n=n, d=d, batch=batch, width=None, device=grad.device.type)
     return torch.ops.bppsa.scan_dense(jacobians_t, grad, algorithm, chunk)
+
+
+def scan_ref(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "auto") -> Tensor:
+    """The float64 reference of :func:`backprop_scan`: the plain loop ``g_{i-1} = J_iᵀ g_i + δ_{i-1}``.
+
+    Takes the same arguments and raises the same errors as :func:`backprop_scan` for dense
+    ``(B, n, d, d)`` and factored Jacobians, so that the two can be swapped; ``algorithm`` is checked
+    and otherwise ignored: the reference always runs the ``n`` sequential steps, in float64 and in plain
+    torch ops (differentiable by autograd), sharing no code with the scan algorithms.
+
+    Returns:
+        ``(B, n + 1, d)`` **float64** on ``grad``'s device, whatever the inputs' dtype: the truth a fast
+        path in any dtype is compared with (e.g. by :func:`lightning_bppsa.testing.assert_derived_close`).
+
+    Example:
+        >>> jt = 0.5 * torch.eye(3).expand(2, 4, 3, 3)
+        >>> scan_ref(jt, torch.ones(2, 3))[0, :, 0]
+        tensor([0.0625, 0.1250, 0.2500, 0.5000, 1.0000], dtype=torch.float64)
+    """
+    _check_algorithm(algorithm)
+    if isinstance(jacobians_t, FactoredJacobians):
+        jacobians_t = _promote_factored(jacobians_t, grad)
+        _validate_factored(jacobians_t, grad)
+        jac = jacobians_t
+        diagonal = None if jac.diagonal is None else jac.diagonal.double()
+        jt = FactoredJacobians(jac.weight.double(), jac.scales.double(), diagonal).dense()
+    elif isinstance(jacobians_t, Tensor):
+        _validate_dense(jacobians_t, grad)
+        jt = jacobians_t.double()
+    else:
+        raise TypeError(
+            "jacobians_t must be a (B, n, d, d) Tensor or a FactoredJacobians (scan_ref has no sparse "
+            f"layer-chain form); got {type(jacobians_t).__name__}"
+        )
+    grad, n = grad.double(), jt.shape[1]
+    per_step = grad.dim() == 3
+    states = [grad[:, n] if per_step else grad]  # g_n, g_{n-1}, ..., g_0
+    for i in range(n, 0, -1):
+        g = (jt[:, i - 1] @ states[-1].unsqueeze(-1)).squeeze(-1)
+        states.append(g + grad[:, i - 1] if per_step else g)
+    return torch.stack(states[::-1], 1)

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_bppsa._chains import flush_denormals
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
-from lightning_bppsa.scan import _flush_denormals
 
 __all__ = [
     "ProductPlan",
@@ -346,7 +346,7 @@ def sparse_backprop_scan(
     n = len(chain)
     levels = _up_levels(algorithm, up_levels, n)
     schedule = plan_schedule([j.pattern for j in chain], levels, max_pairs=max_pairs, workers=workers)
-    with _flush_denormals() if g_n.device.type == "cpu" else nullcontext():
+    with flush_denormals() if g_n.device.type == "cpu" else nullcontext():
         states = _run(schedule, chain, g_n)
     return [s.squeeze(0) for s in states] if squeeze else states
 

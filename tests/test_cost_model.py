@@ -18,7 +18,7 @@ def test_explicit_algorithm_is_kept():
 
 @pytest.fixture
 def without_native(monkeypatch):
-    monkeypatch.setattr(cost_model._native, "available", lambda: False)
+    monkeypatch.setattr(cost_model.cpu_kernel, "available", lambda: False)
     cost_model.choose.cache_clear()
     yield
     cost_model.choose.cache_clear()
@@ -32,7 +32,7 @@ def test_scan_pays_on_long_small_batch_chains_and_not_on_large_batches(without_n
 
 
 def test_compiled_linear_kernel_wins_on_cpu():
-    if not cost_model._native.available():
+    if not cost_model.cpu_kernel.available():
         pytest.skip("no C compiler on this machine: the compiled linear kernel is not built")
     cost_model.choose.cache_clear()
     for batch in (1, 16, 256):

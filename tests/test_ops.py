@@ -1,10 +1,14 @@
 """The bppsa:: ops: opcheck, torch.compile(fullgraph=True), TorchScript."""
 
+import sys
+import types
+
 import pytest
 import torch
 
 import lightning_bppsa  # noqa: F401  (registers the ops)
-from lightning_bppsa import FactoredJacobians, backprop_scan
+from lightning_bppsa import FactoredJacobians, backprop_scan, ops
+from lightning_bppsa import kernels as kernels_package
 
 
 def dense_args(algorithm, per_step):
@@ -50,3 +54,48 @@ def test_torchscript_calls_the_ops():
     jt, grad, w, s = torch.randn(2, 9, 3, 3), torch.randn(2, 3), torch.randn(3, 3), torch.rand(2, 9, 3)
     expected = backprop_scan(jt, grad, algorithm="linear") + backprop_scan(FactoredJacobians(w, s), grad, algorithm="linear")
     torch.testing.assert_close(scripted(jt, grad, w, s), expected)
+
+
+# --- which kernel runs on CUDA: the CuPy kernels module, or the torch implementation after one warning ---
+
+
+@pytest.fixture
+def cuda_module(monkeypatch):
+    """Install ``module`` as lightning_bppsa.kernels.cuda (``None``: its import fails) and forget the choice."""
+
+    def install(module):
+        monkeypatch.setattr(ops, "_CUDA", {})
+        monkeypatch.setitem(sys.modules, "lightning_bppsa.kernels.cuda", module)
+        if module is None:
+            monkeypatch.delattr(kernels_package, "cuda", raising=False)
+        else:
+            monkeypatch.setattr(kernels_package, "cuda", module, raising=False)
+
+    return install
+
+
+def fake_cuda_kernels(ok, reason=""):
+    module = types.ModuleType("lightning_bppsa.kernels.cuda")
+    module.available = lambda: (ok, reason)
+    return module
+
+
+def test_cuda_kernels_that_cannot_be_imported_warn_once(cuda_module):
+    cuda_module(None)
+    with pytest.warns(RuntimeWarning, match="CUDA scan kernels unavailable: the CUDA kernels cannot be imported") as seen:
+        assert ops._cuda_kernels() is None
+        assert ops._cuda_kernels() is None
+    assert len(seen) == 1 and "torch implementation" in str(seen[0].message)
+
+
+def test_cuda_kernels_unavailable_say_why(cuda_module):
+    cuda_module(fake_cuda_kernels(False, "CuPy is not installed"))
+    with pytest.warns(RuntimeWarning, match="unavailable: CuPy is not installed; the bppsa ops run their torch"):
+        assert ops._cuda_kernels() is None
+
+
+def test_available_cuda_kernels_are_used(cuda_module, recwarn):
+    module = fake_cuda_kernels(True)
+    cuda_module(module)
+    assert ops._cuda_kernels() is module
+    assert not recwarn.list

@@ -1,6 +1,6 @@
-"""The scan engine: every algorithm against a plain float64 loop, shapes, errors, NaN propagation."""
+"""The scan engine: every algorithm against the float64 reference ``scan_ref``, shapes, errors, NaN."""
 
-import logging
+import functools
 import math
 
 import pytest
@@ -8,24 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_bppsa import FactoredJacobians, _native, backprop_scan
+from lightning_bppsa import FactoredJacobians, backprop_scan, scan_ref
 from lightning_bppsa.scan import run_dense, run_factored
 from lightning_bppsa.testing import assert_derived_close
 
 ALGOS = ["linear", "blelloch", "chunked", "auto"]
 LENGTHS = [0, 1, 2, 3, 5, 7, 15, 16, 17, 31, 33, 100]
-
-
-def plain_backprop(jacobians_t, grad):
-    """g_{i-1} = J_iᵀ g_i + δ_{i-1}, written out with nothing shared with the library."""
-    batch, n, d, _ = jacobians_t.shape
-    direct = grad if grad.dim() == 3 else torch.zeros(batch, n + 1, d, dtype=grad.dtype).index_copy(
-        1, torch.tensor([n]), grad.unsqueeze(1)
-    )
-    out = [direct[:, n]]
-    for i in range(n, 0, -1):
-        out.append(torch.einsum("bij,bj->bi", jacobians_t[:, i - 1], out[-1]) + direct[:, i - 1])
-    return torch.stack(out[::-1], 1)
 
 
 def contracting(batch, n, d, dtype=torch.float64):
@@ -50,7 +38,7 @@ def test_dense_matches_plain_float64(algorithm, n, per_step):
     grad = torch.randn(3, n + 1, 4, dtype=torch.float64) if per_step else torch.randn(3, 4, dtype=torch.float64)
     out = backprop_scan(jt, grad, algorithm=algorithm)
     assert out.shape == (3, n + 1, 4)
-    assert_derived_close(out, plain_backprop(jt, grad), floor=1e-12)
+    assert_derived_close(out, scan_ref(jt, grad), floor=1e-12)
 
 
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked"])
@@ -59,18 +47,18 @@ def test_dense_matches_plain_float64(algorithm, n, per_step):
 def test_every_chunk_size(algorithm, chunk, n):
     jt = contracting(2, n, 3)
     grad = torch.randn(2, n + 1, 3, dtype=torch.float64)
-    assert_derived_close(run_dense(jt, grad, algorithm, chunk), plain_backprop(jt, grad), floor=1e-12)
+    assert_derived_close(run_dense(jt, grad, algorithm, chunk), scan_ref(jt, grad), floor=1e-12)
 
 
 @pytest.mark.parametrize("algorithm", ALGOS)
 @pytest.mark.parametrize("tiles,with_diagonal", [(1, False), (3, True), (2, False)])
 @pytest.mark.parametrize("n", [0, 1, 2, 17, 64])
 @pytest.mark.parametrize("per_step", [False, True])
-def test_factored_matches_dense(algorithm, tiles, with_diagonal, n, per_step):
+def test_factored_matches_reference(algorithm, tiles, with_diagonal, n, per_step):
     jac = random_factored(2, n, 5, tiles, with_diagonal)
     grad = torch.randn(2, n + 1, 5, dtype=torch.float64) if per_step else torch.randn(2, 5, dtype=torch.float64)
     out = backprop_scan(jac, grad, algorithm=algorithm)
-    assert_derived_close(out, plain_backprop(jac.dense(), grad), floor=1e-12)
+    assert_derived_close(out, scan_ref(jac, grad), floor=1e-12)
 
 
 def test_factored_dense_is_the_transposed_jacobian():
@@ -85,27 +73,31 @@ def test_factored_dense_is_the_transposed_jacobian():
 def test_degenerate_batch_and_width(batch, d, algorithm):
     jt = contracting(batch, 33, d)
     grad = torch.randn(batch, d, dtype=torch.float64)
-    assert_derived_close(backprop_scan(jt, grad, algorithm=algorithm), plain_backprop(jt, grad), floor=1e-12)
+    assert_derived_close(backprop_scan(jt, grad, algorithm=algorithm), scan_ref(jt, grad), floor=1e-12)
+
+
+@functools.cache
+def long_float32_chain(kind):
+    """n = 30000, d = 8, spectral norm <= 0.95, per-step gradients: (float32 chain, grad, float64 reference)."""
+    n, d = 30000, 8
+    if kind == "dense":
+        jac64 = contracting(1, n, d)
+        jac32 = jac64.float()
+    else:
+        fac = random_factored(1, n, d, 1, False)
+        jac64 = FactoredJacobians(0.95 * fac.weight / torch.linalg.matrix_norm(fac.weight, ord=2), fac.scales)
+        jac32 = FactoredJacobians(jac64.weight.float(), jac64.scales.float())
+    grad64 = torch.randn(1, n + 1, d, dtype=torch.float64)
+    return jac32, grad64.float(), scan_ref(jac64, grad64)
 
 
 @pytest.mark.parametrize("algorithm", ["blelloch", "chunked", "auto"])
 @pytest.mark.parametrize("kind", ["dense", "factored"])
 def test_float32_long_chain(algorithm, kind):
-    """n = 30000 in float32 with spectral radius <= 1, per-step gradients: relative error <= 1e-5 (x2 linear)."""
-    n, d = 30000, 8
-    if kind == "dense":
-        jac64 = contracting(1, n, d)
-        jac32 = jac64.float()
-        dense64 = jac64
-    else:
-        fac = random_factored(1, n, d, 1, False)
-        fac = FactoredJacobians(0.95 * fac.weight / torch.linalg.matrix_norm(fac.weight, ord=2), fac.scales)
-        jac32 = FactoredJacobians(fac.weight.float(), fac.scales.float())
-        dense64 = fac.dense()
-    grad64 = torch.randn(1, n + 1, d, dtype=torch.float64)
-    reference = run_dense(dense64, grad64, "linear", 0)
-    baseline = backprop_scan(jac32, grad64.float(), algorithm="linear")
-    out = backprop_scan(jac32, grad64.float(), algorithm=algorithm)
+    """float32 over 30000 steps: as close to the float64 reference as the linear schedule (x2, 1e-5 floor)."""
+    jac32, grad32, reference = long_float32_chain(kind)
+    baseline = backprop_scan(jac32, grad32, algorithm="linear")
+    out = backprop_scan(jac32, grad32, algorithm=algorithm)
     assert_derived_close(out, reference, baseline, floor=1e-5)
 
 
@@ -122,7 +114,7 @@ def test_fuzz_shapes(batch, n, d, per_step, algorithm, chunk):
     jt = contracting(batch, n, d)
     shape = (batch, n + 1, d) if per_step else (batch, d)
     grad = torch.randn(*shape, dtype=torch.float64)
-    assert_derived_close(run_dense(jt, grad, algorithm, chunk), plain_backprop(jt, grad), floor=1e-12)
+    assert_derived_close(run_dense(jt, grad, algorithm, chunk), scan_ref(jt, grad), floor=1e-12)
 
 
 def test_half_precision_accumulates_in_float32():
@@ -130,7 +122,7 @@ def test_half_precision_accumulates_in_float32():
     grad = torch.randn(2, 4).to(torch.bfloat16)
     out = backprop_scan(jt, grad, algorithm="chunked")
     assert out.dtype == torch.bfloat16
-    reference = plain_backprop(jt.double(), grad.double())
+    reference = scan_ref(jt, grad)
     assert_derived_close(out, reference, floor=2e-2)
 
 
@@ -140,7 +132,7 @@ def test_nan_and_inf_propagate_like_backprop(algorithm):
     jt[0, 9, 1, 1] = float("nan")
     grad = torch.randn(1, 3, dtype=torch.float64)
     out = backprop_scan(jt, grad, algorithm=algorithm)
-    expected = plain_backprop(jt, grad)
+    expected = scan_ref(jt, grad)
     assert torch.equal(torch.isnan(out), torch.isnan(expected))
     finite = ~torch.isnan(expected)
     torch.testing.assert_close(out[finite], expected[finite])
@@ -175,9 +167,10 @@ def test_flush_denormal_state_is_restored():
         ("not a tensor", torch.randn(2, 4), {}, TypeError, "jacobians_t must be"),
     ],
 )
-def test_bad_input_names_the_argument(jt, grad, kwargs, error, match):
+@pytest.mark.parametrize("scan", [backprop_scan, scan_ref])
+def test_bad_input_names_the_argument(scan, jt, grad, kwargs, error, match):
     with pytest.raises(error, match=match):
-        backprop_scan(jt, grad, **kwargs)
+        scan(jt, grad, **kwargs)
 
 
 def test_bad_factored_input():
@@ -196,74 +189,47 @@ def test_kernels_reject_auto():
         run_factored(torch.eye(2), torch.rand(1, 3, 2), None, torch.randn(1, 2), "auto", 1)
 
 
-# --- the compiled linear-schedule kernel (lightning_bppsa._native) and its torch-loop fallback ---
-
-needs_native = pytest.mark.skipif(not _native.available(), reason="no C compiler: the kernel is not built")
+# --- the reference and the autograd boundary ---
 
 
-@pytest.fixture(params=[True, False], ids=["native", "torch-loop"])
-def native(request, monkeypatch):
-    """Run a test with the compiled kernel and again with the torch loop it replaces."""
-    if request.param and not _native.available():
-        pytest.skip("no C compiler: the kernel is not built")
-    if not request.param:
-        monkeypatch.setattr(_native, "available", lambda: False)
-    return request.param
+def test_scan_ref_is_autograd_on_a_real_chain():
+    """x_i = tanh(M_i x_{i-1}), loss = sum_i <w_i, x_i>: scan_ref over J_iᵀ = (diag(1 - x_i²) M_i)ᵀ
+    gives autograd's gradient w.r.t. every state (float64)."""
+    batch, n, d = 2, 7, 3
+    mats = torch.randn(n, batch, d, d, dtype=torch.float64) * 0.6
+    states = [torch.randn(batch, d, dtype=torch.float64, requires_grad=True)]
+    for i in range(n):
+        states.append(torch.tanh(torch.einsum("bij,bj->bi", mats[i], states[-1])))
+        states[-1].retain_grad()
+    weights = torch.randn(batch, n + 1, d, dtype=torch.float64)
+    sum((weights[:, i] * x).sum() for i, x in enumerate(states)).backward()
+    jt = torch.stack([(torch.diag_embed(1 - states[i + 1] ** 2) @ mats[i]).mT for i in range(n)], 1).detach()
+    expected = torch.stack([x.grad for x in states], 1)
+    torch.testing.assert_close(scan_ref(jt, weights), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(backprop_scan(jt, weights), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("per_step", [False, True])
-@pytest.mark.parametrize(("batch", "n", "d"), [(1, 1, 1), (3, 7, 5), (5, 50, 20), (2, 33, 9), (4, 16, 16)])
-def test_dense_linear_matches_plain_loop(native, dtype, per_step, batch, n, d):
-    jt = contracting(batch, n, d, dtype)
-    grad = torch.randn(batch, n + 1, d, dtype=dtype) if per_step else torch.randn(batch, d, dtype=dtype)
-    expected = plain_backprop(jt.double(), grad.double())
-    floor = 1e-12 if dtype == torch.float64 else 1e-5
-    assert_derived_close(run_dense(jt, grad, "linear", 1).double(), expected, floor=floor)
+def test_scan_ref_returns_float64_whatever_the_input_dtype():
+    jac = random_factored(2, 5, 3, 2, True, torch.float32)
+    out = scan_ref(jac, torch.randn(2, 3))
+    assert out.dtype == torch.float64 and out.shape == (2, 6, 3)
+    with pytest.raises(ValueError, match="algorithm must be"):
+        scan_ref(jac, torch.randn(2, 3), algorithm="fast")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize(("tiles", "with_diagonal"), [(1, False), (1, True), (3, True), (4, False)])
-@pytest.mark.parametrize("per_step", [False, True])
-# d = 37 > 32 takes the kernel's general blocked loop, the others its register-resident one
-@pytest.mark.parametrize(("batch", "n", "d"), [(1, 1, 1), (3, 7, 5), (6, 40, 20), (2, 9, 12), (2, 6, 37)])
-def test_factored_linear_matches_plain_loop(native, dtype, tiles, with_diagonal, per_step, batch, n, d):
-    jac = random_factored(batch, n, d, tiles, with_diagonal, dtype)
-    grad = torch.randn(batch, n + 1, d, dtype=dtype) if per_step else torch.randn(batch, d, dtype=dtype)
-    expected = plain_backprop(jac.dense().double(), grad.double())
-    out = run_factored(jac.weight, jac.scales, jac.diagonal, grad, "linear", 1)
-    assert_derived_close(out.double(), expected, floor=1e-12 if dtype == torch.float64 else 1e-5)
-
-
-@needs_native
-def test_nan_propagates_through_the_kernel():
-    jac = random_factored(2, 10, 4, 1, False)
-    scales = jac.scales.clone()
-    scales[1, 6, 2] = float("nan")
-    out = run_factored(jac.weight, scales, None, torch.randn(2, 4, dtype=torch.float64), "linear", 1)
-    assert out[1, :7].isnan().any() and not out[1, 7:].isnan().any() and not out[0].isnan().any()
-
-
-@needs_native
-def test_kernel_declines_what_it_does_not_handle():
-    out = torch.zeros(3, 2, 4, dtype=torch.float16)
-    assert not _native.linear_factored(torch.eye(4).half(), torch.ones(2, 2, 4).half(), None, out)
-    out = torch.zeros(3, 2, 4)
-    assert not _native.linear_factored(torch.eye(4).double(), torch.ones(2, 2, 4), None, out)  # mixed dtypes
-
-
-def test_disabled_by_environment(monkeypatch, caplog):
-    monkeypatch.setenv("BPPSA_NATIVE", "0")
-    with caplog.at_level(logging.INFO, logger="lightning_bppsa._native"):
-        assert _native._load() is None
-    assert "BPPSA_NATIVE=0" in caplog.text
-
-
-@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
-def test_missing_or_failing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog, compiler):
-    monkeypatch.setenv("CC", compiler)
-    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="lightning_bppsa._native"):
-        assert _native._load() is None
-    assert "torch loop" in caplog.text
-    assert not list(tmp_path.glob("*.so"))
+@pytest.mark.parametrize("needs_grad", ["jacobians_t", "grad", "weight", "diagonal"])
+def test_inputs_requiring_grad_are_refused_at_call_time(needs_grad):
+    if needs_grad in ("weight", "diagonal"):
+        jac = random_factored(2, 5, 3, 1, True)
+        getattr(jac, needs_grad).requires_grad_()
+        grad = torch.randn(2, 3, dtype=torch.float64)
+    else:
+        jac, grad = contracting(2, 5, 3), torch.randn(2, 3, dtype=torch.float64)
+        (jac if needs_grad == "jacobians_t" else grad).requires_grad_()
+    with pytest.raises(RuntimeError, match="not differentiable with respect to jacobians_t or grad.*detach"):
+        backprop_scan(jac, grad)
+    with torch.no_grad():  # e.g. inside an autograd.Function's backward
+        expected = scan_ref(jac, grad)
+        assert_derived_close(backprop_scan(jac, grad), expected, floor=1e-12)
+    # the reference is plain torch: differentiable
+    scan_ref(jac, grad).sum().backward()

@@ -25,8 +25,9 @@ def random_chain(dims, batch, shared, density=0.4):
     return chain, dense
 
 
-def plain_backprop(dense, grad):
-    """g_{i-1} = J_iᵀ g_i, nothing shared with the library."""
+def varying_width_backprop(dense, grad):
+    """g_{i-1} = J_iᵀ g_i over dense ``(B, d_{i-1}, d_i)`` matrices, nothing shared with the library
+    (``scan_ref`` takes one width d for every state; a layer chain changes width)."""
     out = [grad]
     for jt in reversed(dense):
         out.insert(0, torch.einsum("bij,bj->bi", jt, out[0]))
@@ -46,13 +47,13 @@ def assert_states_close(actual, expected):
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_every_schedule_matches_plain_backprop(dims, batch, seed, data):
+def test_every_schedule_matches_varying_width_backprop(dims, batch, seed, data):
     torch.manual_seed(seed)
     n = len(dims) - 1
     shared = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
     chain, dense = random_chain(dims, batch, shared)
     grad = torch.randn(batch, dims[-1], dtype=torch.float64)
-    expected = plain_backprop(dense, grad)
+    expected = varying_width_backprop(dense, grad)
     for algorithm in ("linear", "blelloch", "chunked", "auto"):
         assert_states_close(sparse_backprop_scan(chain, grad, algorithm=algorithm), expected)
     levels = plan_schedule([j.pattern for j in chain], None).levels

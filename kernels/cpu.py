@@ -1,0 +1,133 @@
+"""The compiled CPU kernel of the scan's sequential (``"linear"``) schedule (``linear_scan.c``).
+
+On a CPU the linear schedule is one small product per step, and through torch each step costs a few
+op dispatches (~1.5 µs each) however small it is. The C kernel runs the whole recurrence
+``g_t = g_{t+1} J_t + δ_t`` in one call, batch elements spread over threads (they are independent):
+at ``B = 16, n = 1000, d = 20`` that is ~0.3 ms instead of ~3.7 ms.
+
+``linear_scan.c`` is compiled on first use with the system C compiler (``$CC``, default ``cc``; it may
+hold flags, e.g. ``CC="gcc -m64"``) by :func:`lightning_bppsa.kernels._build.load_library` into
+``$BPPSA_CACHE_DIR`` and loaded with :mod:`ctypes`. Without a compiler, when it fails, or with
+``BPPSA_NATIVE=0``, nothing is loaded and the scan runs its torch loop (same results up to rounding;
+one log message says why). :mod:`lightning_bppsa.ops` decides where this kernel runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shlex
+
+import torch
+from lightning_bppsa.kernels import _build
+from torch import Tensor
+
+__all__ = ["available", "linear_dense", "linear_factored"]
+
+log = logging.getLogger(__name__)
+
+#: compiler flags, best first: the kernel must build wherever a C99 compiler exists
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-fopenmp"],
+    ["-O3"],
+)
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    **{f"bppsa_linear_factored_{s}": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT] for s in _SUFFIX.values()},
+    **{f"bppsa_linear_dense_{s}": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _INT] for s in _SUFFIX.values()},
+}
+
+#: the loaded library (or ``None``) once looked for, and whether it loaded: a plain bool that
+#: ``torch.compile`` can read while tracing
+_STATE: dict[str, object] = {}
+
+
+def _library() -> ctypes.CDLL | None:
+    if "lib" not in _STATE:
+        _STATE["lib"] = _load()
+        _STATE["ok"] = _STATE["lib"] is not None
+    return _STATE["lib"]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("BPPSA_NATIVE", "1") == "0":
+        log.info("lightning_bppsa: BPPSA_NATIVE=0, the linear scan runs its torch loop")
+        return None
+    compiler = [*shlex.split(os.environ.get("CC") or "cc"), "-std=c99"]
+    try:
+        lib = _build.load_library(
+            "bppsa_linear", ["linear_scan.c"], compiler, flag_sets=_FLAG_SETS, symbols=list(_SIGNATURES)
+        )
+    except (_build.BuildError, OSError) as err:
+        log.warning(
+            "lightning_bppsa: could not build the compiled CPU kernel (lightning_bppsa/kernels/linear_scan.c; "
+            "compiler from $CC, default cc): %s\nThe linear scan runs its torch loop instead (same results, "
+            "slower); set BPPSA_NATIVE=0 to skip this build.",
+            err,
+        )
+        return None
+    for symbol, argtypes in _SIGNATURES.items():
+        getattr(lib, symbol).argtypes = argtypes
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (compiles it on the first call).
+
+    While ``torch.compile`` traces (the cost model asks this from inside ``backprop_scan``), it only
+    reports what an earlier eager call found, so tracing never touches the compiler or the disk.
+    """
+    if torch.compiler.is_compiling():
+        return bool(_STATE.get("ok", False))
+    return _library() is not None
+
+
+def _usable(out: Tensor) -> ctypes.CDLL | None:
+    if out.device.type != "cpu" or out.dtype not in _SUFFIX or not out.is_contiguous():
+        return None
+    return _library()
+
+
+def _pointer(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads(batch: int) -> int:
+    return max(1, min(torch.get_num_threads(), batch))
+
+
+def linear_factored(weight: Tensor, scales: Tensor, add: Tensor | None, out: Tensor) -> bool:
+    """Run the linear recurrence of a factored chain into ``out``; ``False`` if the kernel can't.
+
+    Args:
+        weight: ``(m, d)`` with ``m = k d`` (a diagonal term already folded in as a tile with ``I``).
+        scales: ``(n, B, m)`` time-major per-step scales.
+        add: ``(n, B, d)`` direct gradients ``δ_0..δ_{n-1}`` or ``None``.
+        out: ``(n + 1, B, d)`` contiguous, ``out[n]`` already holding ``g_n``; filled in place.
+    """
+    lib = _usable(out)
+    if lib is None or any(t is not None and t.dtype != out.dtype for t in (weight, scales, add)):
+        return False
+    n, batch, d = out.shape[0] - 1, out.shape[1], out.shape[2]
+    weight, scales = weight.contiguous(), scales.contiguous()
+    add = None if add is None else add.contiguous()
+    fn = getattr(lib, f"bppsa_linear_factored_{_SUFFIX[out.dtype]}")
+    fn(n, batch, d, weight.shape[0], _pointer(weight), _pointer(scales), _pointer(add), _pointer(out),
+       _threads(batch))  # fmt: skip
+    return True
+
+
+def linear_dense(jacobians_t: Tensor, add: Tensor | None, out: Tensor) -> bool:
+    """As :func:`linear_factored` for dense ``(B, n, d, d)`` transposed Jacobians."""
+    lib = _usable(out)
+    if lib is None or any(t is not None and t.dtype != out.dtype for t in (jacobians_t, add)):
+        return False
+    n, batch, d = out.shape[0] - 1, out.shape[1], out.shape[2]
+    jacobians_t = jacobians_t.contiguous()
+    add = None if add is None else add.contiguous()
+    fn = getattr(lib, f"bppsa_linear_dense_{_SUFFIX[out.dtype]}")
+    fn(n, batch, d, _pointer(jacobians_t), _pointer(add), _pointer(out), _threads(batch))
+    return True

@@ -1,0 +1,257 @@
+// Portable spellings of the few CUDA features the scan kernels use, and (without nvcc) a host
+// emulation of them, so that the SAME .cu file runs on the CPU in tests (no GPU is needed):
+//
+//   g++ -std=c++20 -pthread -x c++ scan.cu -shared -fPIC      (one OS thread per CUDA thread)
+//
+// Emulated: grid and block indices, per-block shared memory (dynamic, and static through
+// BPPSA_SHARED), __syncthreads as a futex barrier, the warp vote the kernels use (__ballot_sync)
+// through a per-warp exchange buffer and barrier, the ticket atomic and release/acquire flags through
+// std::atomic_ref (bppsa::take_ticket / load_acquire / store_release), and a bound on the blocks
+// resident at once (blocks start in block-index order), which is what a kernel with inter-block
+// waits needs for forward progress. Not emulated: lock-step
+// warps (every warp collective here needs the full mask), the GPU memory model's weaker orderings,
+// bank conflicts, occupancy, FMA contraction. Only what scan.cu uses is here (no shuffles: add one
+// the same way, through the exchange buffer, with a kernel that needs it). Build with
+// -fsanitize=thread to look for races.
+//
+// Launch from the host with bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident,
+// timeout): `entry` is a kernel's host trampoline (BPPSA_ENTRY below), `args` its arguments as 64-bit
+// words. A launch that deadlocks is aborted after `timeout` seconds (every wait checks a flag) and
+// returns BPPSA_EMU_TIMEOUT instead of hanging the caller.
+#pragma once
+
+#ifdef __CUDACC__  // ------------------------------------------------------------------- real CUDA
+
+#define BPPSA_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#define BPPSA_SHARED(T, name, count) __shared__ T name[count]
+
+namespace bppsa {
+__device__ __forceinline__ unsigned load_acquire(const unsigned* flag) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(unsigned* flag, unsigned v) {
+    asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned take_ticket(unsigned* counter) { return atomicAdd(counter, 1u); }
+__device__ __forceinline__ void spin_pause() { __nanosleep(64); }
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
+// Data published by another block: read through L2 (no stale L1 line), write through to L2.
+template <class T> __device__ __forceinline__ T load_shared_global(const T* p) { return __ldcg(p); }
+template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v) { __stcg(p, v); }
+}  // namespace bppsa
+
+#define BPPSA_ENTRY(name, params, call_args)
+
+#else  // ---------------------------------------------------------------------- host emulation
+
+#include <linux/futex.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+namespace bppsa_emu {
+
+struct Aborted {};  // thrown out of every wait once a launch is aborted (timeout)
+inline std::atomic<bool> aborted{false};
+
+inline void check_abort() {
+    if (aborted.load(std::memory_order_relaxed)) throw Aborted{};
+}
+
+// A reusable barrier for `count` threads: the last to arrive bumps a generation word that the others
+// sleep on (futex), waking every 50 ms to check for an abort.
+class Barrier {
+  public:
+    explicit Barrier(unsigned count) : count_(count) {}
+    void wait() {
+        const uint32_t generation = generation_.load(std::memory_order_acquire);
+        if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
+            arrived_.store(0, std::memory_order_relaxed);
+            generation_.fetch_add(1, std::memory_order_release);
+            syscall(SYS_futex, word(), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+            return;
+        }
+        const timespec tick{0, 50'000'000};
+        while (generation_.load(std::memory_order_acquire) == generation) {
+            check_abort();
+            syscall(SYS_futex, word(), FUTEX_WAIT_PRIVATE, generation, &tick, nullptr, 0);
+        }
+    }
+
+  private:
+    uint32_t* word() { return reinterpret_cast<uint32_t*>(&generation_); }
+    std::atomic<uint32_t> arrived_{0};
+    std::atomic<uint32_t> generation_{0};
+    unsigned count_;
+};
+
+// What the threads of one resident block share.
+struct Block {
+    explicit Block(unsigned threads, size_t shared_bytes)
+        : barrier(threads), shared(shared_bytes + kStaticBytes) {
+        for (unsigned w = 0; w < (threads + 31) / 32; ++w) warps.emplace_back(std::make_unique<Warp>());
+    }
+    struct Warp {
+        Barrier barrier{32};
+        uint64_t exchange[32];
+    };
+    static constexpr size_t kStaticBytes = 4096;  // BPPSA_SHARED arrays live after the dynamic part
+    Barrier barrier;
+    std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<unsigned char> shared;
+    size_t dynamic_bytes = 0;
+    dim3 index;
+};
+
+struct ThreadState {
+    Block* block = nullptr;
+    size_t static_offset = 0;  // bump allocator for BPPSA_SHARED, reset when a block starts
+};
+inline thread_local ThreadState self;
+
+}  // namespace bppsa_emu
+
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+inline void __syncthreads() { bppsa_emu::self.block->barrier.wait(); }
+
+inline bppsa_emu::Block::Warp& bppsa_emu_warp() {
+    return *bppsa_emu::self.block->warps[threadIdx.x / 32];
+}
+
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    auto& warp = bppsa_emu_warp();
+    warp.exchange[threadIdx.x % 32] = predicate ? 1 : 0;
+    warp.barrier.wait();
+    unsigned mask = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) mask |= unsigned(warp.exchange[lane]) << lane;
+    warp.barrier.wait();
+    return mask;
+}
+
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+namespace bppsa {
+inline unsigned load_acquire(const unsigned* flag) {
+    return std::atomic_ref<unsigned>(*const_cast<unsigned*>(flag)).load(std::memory_order_acquire);
+}
+inline void store_release(unsigned* flag, unsigned v) {
+    std::atomic_ref<unsigned>(*flag).store(v, std::memory_order_release);
+}
+inline unsigned take_ticket(unsigned* counter) {
+    return std::atomic_ref<unsigned>(*counter).fetch_add(1u, std::memory_order_relaxed);
+}
+inline void spin_pause() {
+    bppsa_emu::check_abort();
+    std::this_thread::sleep_for(std::chrono::microseconds(20));  // 2 cores: let the others run
+}
+inline void prefetch_l1(const void*) {}
+template <class T> inline T load_shared_global(const T* p) { return *p; }
+template <class T> inline void store_shared_global(T* p, T v) { *p = v; }
+}  // namespace bppsa
+
+#define BPPSA_DYNAMIC_SHARED(name) unsigned char* name = bppsa_emu::self.block->shared.data()
+
+namespace bppsa_emu {
+template <class T>
+T* static_shared(size_t count) {
+    Block& block = *self.block;
+    size_t offset = (self.static_offset + alignof(T) - 1) / alignof(T) * alignof(T);
+    self.static_offset = offset + count * sizeof(T);
+    if (self.static_offset > Block::kStaticBytes) throw std::length_error("BPPSA_SHARED: static shared memory exhausted");
+    return reinterpret_cast<T*>(block.shared.data() + block.dynamic_bytes + offset);
+}
+}  // namespace bppsa_emu
+#define BPPSA_SHARED(T, name, count) T* name = bppsa_emu::static_shared<T>(count)
+
+// The host trampoline of a kernel: `extern "C" void <name>_host(const uint64_t* args)` unpacks the
+// 64-bit argument words and calls the kernel (params/call_args are parenthesised lists).
+#define BPPSA_ENTRY(name, params, call_args)                               \
+    extern "C" void name##_host(const uint64_t* a) { name call_args; }
+
+enum { BPPSA_EMU_OK = 0, BPPSA_EMU_TIMEOUT = 1, BPPSA_EMU_ERROR = 2 };
+
+// Run a grid: `resident` slots of blockDim threads each take blocks in block-index order.
+extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* args, unsigned grid_x,
+                                unsigned block_x, size_t shared_bytes, unsigned resident, double timeout_s) {
+    using namespace bppsa_emu;
+    aborted.store(false);
+    std::atomic<unsigned> next_block{0};
+    std::atomic<int> status{BPPSA_EMU_OK};
+    std::mutex mutex;
+    std::condition_variable finished;
+    resident = resident == 0 ? 1 : (resident > grid_x ? grid_x : resident);
+    std::vector<std::unique_ptr<Block>> slots;
+    std::vector<std::thread> threads;
+    std::vector<unsigned> slot_block(resident);
+    for (unsigned s = 0; s < resident; ++s) {
+        slots.emplace_back(std::make_unique<Block>(block_x, shared_bytes));
+        slots.back()->dynamic_bytes = shared_bytes;
+    }
+    unsigned running = resident * block_x;  // threads still running (guarded by `mutex`)
+    for (unsigned s = 0; s < resident; ++s) {
+        for (unsigned t = 0; t < block_x; ++t) {
+            threads.emplace_back([&, s, t] {
+                Block& block = *slots[s];
+                self.block = &block;
+                threadIdx = {t, 0, 0};
+                blockDim = {block_x, 1, 1};
+                gridDim = {grid_x, 1, 1};
+                try {
+                    for (;;) {
+                        if (t == 0) slot_block[s] = next_block.fetch_add(1);  // blocks start in order
+                        block.barrier.wait();
+                        const unsigned b = slot_block[s];
+                        block.barrier.wait();  // everyone has read it before thread 0 takes the next
+                        if (b >= grid_x) break;
+                        blockIdx = {b, 0, 0};
+                        self.static_offset = 0;
+                        entry(args);
+                        block.barrier.wait();  // the block ends before its shared memory is reused
+                    }
+                } catch (const Aborted&) {
+                    status.store(BPPSA_EMU_TIMEOUT);
+                } catch (...) {
+                    status.store(BPPSA_EMU_ERROR);
+                    aborted.store(true);
+                }
+                std::lock_guard<std::mutex> lock(mutex);
+                if (--running == 0) finished.notify_all();
+            });
+        }
+    }
+    {
+        std::unique_lock<std::mutex> lock(mutex);
+        if (!finished.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return running == 0; })) {
+            aborted.store(true);
+        }
+    }
+    for (auto& thread : threads) thread.join();
+    return status.load();
+}
+
+#endif  // __CUDACC__

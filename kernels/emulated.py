@@ -1,0 +1,111 @@
+"""The CUDA scan kernels run on the CPU: ``scan.cu`` compiled with g++ and the host-emulation header.
+
+For tests on machines without a GPU. The same source and the same launches as
+:mod:`lightning_bppsa.kernels.cuda` (:func:`~lightning_bppsa.kernels.cuda.launch_config`), with one
+OS thread per CUDA thread; ``resident`` bounds the blocks that run at once (blocks start in block
+order, as on a GPU that has room for only that many), which checks that the inter-block waits
+cannot deadlock. Slow (a barrier costs a few context switches): keep grids tiny.
+
+Build through :func:`lightning_bppsa.kernels._build.load_library` into ``$BPPSA_CACHE_DIR``;
+A ThreadSanitizer variant (``build_arguments("thread")``) loads only into a process started with
+``LD_PRELOAD`` of ``libtsan.so``, where importing torch alone takes ~20 s: the test builds and runs it
+in a torch-free process from :func:`build_arguments` and the launch that :mod:`.cuda` computed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from lightning_bppsa.kernels import cuda
+from lightning_bppsa.kernels._build import kernel_path, load_library
+from torch import Tensor
+
+__all__ = ["LaunchTimeout", "build_arguments", "library", "scan_dense", "scan_factored"]
+
+_COMPILER = ["g++", "-std=c++20", "-pthread", "-x", "c++"]
+_TIMEOUT, _ERROR = 1, 2  # BPPSA_EMU_* in cuda_host_emulation.h
+
+
+class LaunchTimeout(RuntimeError):
+    """An emulated launch did not finish in time (a deadlock: it was aborted)."""
+
+
+def build_arguments(sanitize: str | None = None) -> dict:
+    """The keyword arguments of ``load_library`` for the emulated kernels (plain data: a process that
+    must not import torch, such as a ThreadSanitizer run, can build the same library from them)."""
+    return {
+        "name": "bppsa_scan_emulated" + (f"_{sanitize}" if sanitize else ""),
+        "sources": [str(kernel_path("scan.cu"))],
+        "compiler": _COMPILER,
+        "flag_sets": [["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]],
+        "depends": [str(kernel_path("cuda_host_emulation.h"))],
+        "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in cuda.KERNELS)],
+    }
+
+
+#: ``bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident, timeout_s)``
+LAUNCH_ARGTYPES = [
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_uint64),
+    ctypes.c_uint,
+    ctypes.c_uint,
+    ctypes.c_size_t,
+    ctypes.c_uint,
+    ctypes.c_double,
+]
+
+
+def library() -> ctypes.CDLL:
+    """The emulated kernels (built once, cached)."""
+    lib = load_library(**build_arguments())
+    lib.bppsa_emu_launch.restype = ctypes.c_int
+    lib.bppsa_emu_launch.argtypes = LAUNCH_ARGTYPES
+    return lib
+
+
+def _launcher(resident: int | None, timeout: float):
+    def launch(config: cuda.Launch, args: list, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"the emulated kernels take CPU tensors; got {device}")
+        lib = library()
+        words = (ctypes.c_uint64 * len(args))(*args)
+        entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
+        blocks = config.grid if resident is None else resident
+        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout)
+        if status == _TIMEOUT:
+            raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
+        if status == _ERROR:
+            raise RuntimeError(f"{config.kernel}: an exception escaped an emulated thread")
+
+    return launch
+
+
+def scan_dense(
+    jacobians_t: Tensor,
+    grad: Tensor,
+    algorithm: str,
+    chunk_size: int,
+    *,
+    resident: int | None = None,
+    timeout: float = 60.0,
+) -> Tensor:
+    """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if ``None``)."""
+    launcher = _launcher(resident, timeout)
+    return cuda.run(jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher)
+
+
+def scan_factored(
+    weight: Tensor,
+    scales: Tensor,
+    diagonal: Tensor | None,
+    grad: Tensor,
+    algorithm: str,
+    chunk_size: int,
+    *,
+    resident: int | None = None,
+    timeout: float = 60.0,
+) -> Tensor:
+    """:func:`lightning_bppsa.kernels.cuda.scan_factored` on CPU tensors (see :func:`scan_dense`)."""
+    launcher = _launcher(resident, timeout)
+    return cuda.run(weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher)

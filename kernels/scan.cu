@@ -1,0 +1,372 @@
+// The BPPSA scan on CUDA: g_t = g_{t+1} J_t + δ_t for t = n-1 .. 0 (row gradients), per batch row.
+//
+// Two kernels per chain kind (dense, factored) and dtype (f32, f64):
+//
+//   bppsa_sweep_*    one block per batch row runs the n steps in order (small n).
+//   bppsa_chunked_*  ONE launch of B * p blocks, p = ceil(n / c): a block takes a ticket (atomicAdd),
+//                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps. It
+//                    1. reduces its c steps to an aggregate X = [C; b] (g_lo = g_{hi+1} C + b),
+//                       publishes it and sets its flag to AGGREGATE (release);
+//                    2. looks back (decoupled look-back) over up to 32 earlier chunks of its row for
+//                       the nearest one whose flag is INCLUSIVE, and pushes that chunk's left-boundary
+//                       gradient through the aggregates in between: its carry g_{hi+1};
+//                    3. publishes its own inclusive g_lo = carry C + b (flag INCLUSIVE), then
+//                    4. sweeps its c steps from the carry, writing out[b, t].
+//                    A block waits only on chunks with smaller tickets, i.e. blocks that already
+//                    started: no forward-progress deadlock whatever the scheduler does.
+//
+// Layouts (contiguous, batch-major):
+//   dense     mat = jacobians_t (B, n, d, d): jacobians_t[b, t][c][i] = J_t[i][c]
+//   factored  mat = weight (m, d), m = k d; scales (B, n, m); diagonal (B, n, d) or null:
+//             (g J_t)[c] = u_t[c] g[c] + sum_j g[j mod d] s_t[j] W[j][c]      (J_t never formed)
+//   grad      (B, d) last-state (affine = 0) or (B, n + 1, d) per-step (affine = 1)
+//   out       (B, n + 1, d)
+//   work      chunked only: B p aggregates of R x d (R = d + affine), then B p inclusives of d
+//   sync      chunked only, zeroed: [ticket counter, B p flags]
+//
+// Shared memory (dynamic, bytes computed by kernels/cuda.py:launch_config): two R x d matrices
+// (chunked), two d-vectors, and a tile of `tile_rows` x d operand rows; every step streams its
+// operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits.
+#include "cuda_host_emulation.h"
+
+namespace {
+
+constexpr int kMatrixBlock = 2;  // a thread computes kMatrixBlock x kMatrixBlock outputs of a matrix step
+constexpr int kMaxThreads = 256;
+constexpr unsigned kAggregate = 1, kInclusive = 2;  // chunk flags (0: nothing published yet)
+constexpr int kLookBack = 32;                       // predecessors inspected at once (one warp)
+
+using i64 = long long;
+
+// Operand of one step: y[c] = sum_j x[j mod d] A[j][c] + diag[c] x[c] (+ addend[c] on one row), j < K.
+// prefetch() asks L1 for the operand while the step before it computes (the loads of a step are
+// otherwise on the sequential critical path).
+template <class T>
+__device__ void prefetch_span(const T* p, int count) {  // one 128-byte line per thread
+    for (int e = threadIdx.x * (128 / sizeof(T)); e < count; e += blockDim.x * (128 / sizeof(T)))
+        bppsa::prefetch_l1(p + e);
+}
+
+template <class T>
+struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i]
+    const T* jt;
+    const T* delta;  // δ_t, d values, or null
+    int d;
+    __device__ int rows() const { return d; }
+    __device__ void load_tile(T* tile, int j0, int count) const {
+        for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
+            const int c = e / count, i = e % count;  // i fastest: contiguous global reads
+            tile[i * d + c] = jt[(i64)c * d + j0 + i];
+        }
+    }
+    __device__ T diag(int) const { return T(0); }
+    __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
+    __device__ void prefetch() const {
+        prefetch_span(jt, d * d);
+        if (delta) prefetch_span(delta, d);
+    }
+};
+
+template <class T>
+struct FactoredStep {  // A[j][c] = s_t[j] W[j][c], plus diag(u_t)
+    const T* weight;
+    const T* scales;    // s_t, m values
+    const T* diagonal;  // u_t, d values, or null
+    const T* delta;     // δ_t, d values, or null
+    int d, m;
+    __device__ int rows() const { return m; }
+    __device__ void load_tile(T* tile, int j0, int count) const {
+        for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
+            const int j = j0 + e / d;
+            tile[e] = scales[j] * weight[(i64)j0 * d + e];
+        }
+    }
+    __device__ T diag(int c) const { return diagonal ? diagonal[c] : T(0); }
+    __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
+    __device__ void prefetch() const {  // the weight is shared by every step: it stays cached
+        prefetch_span(scales, m);
+        if (diagonal) prefetch_span(diagonal, d);
+        if (delta) prefetch_span(delta, d);
+    }
+};
+
+template <class T>
+struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-major, read through L2)
+    const T* c_matrix;
+    bool affine;  // add b (the row after C)
+    int d;
+    __device__ int rows() const { return d; }
+    __device__ void load_tile(T* tile, int j0, int count) const {
+        for (int e = threadIdx.x; e < count * d; e += blockDim.x)
+            tile[e] = bppsa::load_shared_global(c_matrix + (i64)j0 * d + e);
+    }
+    __device__ T diag(int) const { return T(0); }
+    __device__ T addend(int c) const { return affine ? bppsa::load_shared_global(c_matrix + d * d + c) : T(0); }
+};
+
+// Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
+// the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
+// (R x d, row-major). Ends with a barrier: Y is ready for everyone.
+// A thread owns an RB x CB block of outputs per pass (rows rg RB .. rg RB + RB - 1, columns cg,
+// cg + groups, ..: neighbouring threads read neighbouring tile columns), so that per operand row it
+// reads RB + CB shared values for RB CB FMAs; and two partial sums of each output (even and odd operand
+// rows), so 2 RB CB independent FMA chains hide the FMA latency. Vectors: RB = CB = 1.
+template <int RB, int CB, class T, class Op>
+__device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, int tile_rows, int add_row,
+                        T* store) {
+    const int col_groups = (d + CB - 1) / CB, groups = (R + RB - 1) / RB * col_groups, K = op.rows();
+    for (int base = 0; base < groups; base += blockDim.x) {
+        const int group = base + threadIdx.x;
+        const bool active = group < groups;  // an idle thread computes row 0, column 0 and drops it
+        int row[RB], col[CB];
+        bool valid_row[RB], valid_col[CB];
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+            const int r = active ? group / col_groups * RB + i : R;
+            valid_row[i] = r < R;
+            row[i] = valid_row[i] ? r * d : 0;
+        }
+#pragma unroll
+        for (int j = 0; j < CB; ++j) {
+            const int c = group % col_groups + j * col_groups;
+            valid_col[j] = c < d;
+            col[j] = valid_col[j] ? c : 0;
+        }
+        T even[RB][CB], odd[RB][CB];
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int j = 0; j < CB; ++j) even[i][j] = odd[i][j] = T(0);
+        for (int j0 = 0; j0 < K; j0 += tile_rows) {
+            const int count = K - j0 < tile_rows ? K - j0 : tile_rows;
+            __syncthreads();  // X is complete and the previous tile consumed
+            op.load_tile(tile, j0, count);
+            __syncthreads();
+            int xc = j0 % d;  // tile row jj multiplies X column (j0 + jj) mod d
+            int jj = 0;
+            for (; jj + 1 < count; jj += 2) {
+                const int xn = xc + 1 == d ? 0 : xc + 1;
+                T xa[RB], xb[RB], ta[CB], tb[CB];
+#pragma unroll
+                for (int i = 0; i < RB; ++i) xa[i] = X[row[i] + xc], xb[i] = X[row[i] + xn];
+#pragma unroll
+                for (int j = 0; j < CB; ++j) ta[j] = tile[jj * d + col[j]], tb[j] = tile[(jj + 1) * d + col[j]];
+#pragma unroll
+                for (int i = 0; i < RB; ++i)
+#pragma unroll
+                    for (int j = 0; j < CB; ++j) {
+                        even[i][j] += xa[i] * ta[j];
+                        odd[i][j] += xb[i] * tb[j];
+                    }
+                xc = xn + 1 == d ? 0 : xn + 1;
+            }
+            if (jj < count)
+#pragma unroll
+                for (int i = 0; i < RB; ++i)
+#pragma unroll
+                    for (int j = 0; j < CB; ++j) even[i][j] += X[row[i] + xc] * tile[jj * d + col[j]];
+        }
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int j = 0; j < CB; ++j) {
+                if (!(valid_row[i] && valid_col[j])) continue;
+                const int o = row[i] + col[j];
+                T v = even[i][j] + odd[i][j] + op.diag(col[j]) * X[o];
+                if (row[i] == add_row * d) v += op.addend(col[j]);
+                Y[o] = v;
+                if (store) bppsa::store_shared_global(store + o, v);
+            }
+    }
+    __syncthreads();
+}
+
+template <class T>
+struct Problem {
+    const T* mat;
+    const T* scales;
+    const T* diagonal;
+    const T* grad;
+    T* out;
+    i64 n, batch;
+    int d, m, affine;
+
+    __device__ const T* direct(i64 b, i64 t) const {  // δ_t of row b, or null (last-state loss)
+        return affine ? grad + (b * (n + 1) + t) * d : nullptr;
+    }
+    __device__ const T* last(i64 b) const { return affine ? grad + (b * (n + 1) + n) * d : grad + b * d; }
+    __device__ T* out_row(i64 b, i64 t) const { return out + (b * (n + 1) + t) * d; }
+};
+
+template <class T, bool Factored>
+struct StepOf;
+template <class T>
+struct StepOf<T, false> {
+    static __device__ DenseStep<T> at(const Problem<T>& p, i64 b, i64 t) {
+        return {p.mat + (b * p.n + t) * p.d * p.d, p.direct(b, t), p.d};
+    }
+};
+template <class T>
+struct StepOf<T, true> {
+    static __device__ FactoredStep<T> at(const Problem<T>& p, i64 b, i64 t) {
+        const T* u = p.diagonal ? p.diagonal + (b * p.n + t) * p.d : nullptr;
+        return {p.mat, p.scales + (b * p.n + t) * p.m, u, p.direct(b, t), p.d, p.m};
+    }
+};
+
+// Sweep steps hi .. lo of row b from the carry g_{hi+1} in `x` (shared, d values), writing out[b, t].
+template <class T, bool Factored>
+__device__ void sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T* x, T* y, T* tile, int tile_rows) {
+    for (i64 t = hi; t >= lo; --t) {
+        if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
+        product<1, 1>(StepOf<T, Factored>::at(p, b, t), x, y, 1, p.d, tile, tile_rows, 0, p.out_row(b, t));
+        T* swap = x;
+        x = y;
+        y = swap;
+    }
+}
+
+template <class T>
+__device__ void copy_row(const T* from, T* to, T* also, int d) {  // to (shared) = from; also (global) too
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        const T v = bppsa::load_shared_global(from + c);
+        to[c] = v;
+        if (also) also[c] = v;
+    }
+    __syncthreads();
+}
+
+template <class T, bool Factored>
+__device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
+    BPPSA_DYNAMIC_SHARED(smem);
+    T* x = reinterpret_cast<T*>(smem);
+    T* y = x + p.d;
+    T* tile = y + p.d;
+    const i64 b = blockIdx.x;
+    copy_row(p.last(b), x, p.out_row(b, p.n), p.d);
+    sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
+}
+
+// Raise a chunk's flag once the whole block's stores of what it announces are visible GPU-wide.
+__device__ inline void publish(unsigned* flag, unsigned value) {
+    __threadfence();  // every thread: its own stores first ...
+    __syncthreads();  // ... then thread 0, after all of them
+    if (threadIdx.x == 0) bppsa::store_release(flag, value);
+}
+
+template <class T, bool Factored>
+__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows) {
+    BPPSA_DYNAMIC_SHARED(smem);
+    BPPSA_SHARED(unsigned, shared_ticket, 1);
+    BPPSA_SHARED(int, shared_hops, 1);
+    const int d = p.d, R = d + p.affine;
+    T* mat_x = reinterpret_cast<T*>(smem);
+    T* mat_y = mat_x + R * d;
+    T* x = mat_y + R * d;
+    T* y = x + d;
+    T* tile = y + d;
+
+    if (threadIdx.x == 0) shared_ticket[0] = bppsa::take_ticket(sync);
+    __syncthreads();
+    const i64 ticket = shared_ticket[0];
+    const i64 q = ticket / p.batch, b = ticket % p.batch;  // tickets run over chunk 0 of every row first
+    const i64 chunks = (p.n + chunk - 1) / chunk;
+    const i64 hi = p.n - q * chunk - 1, lo = hi + 1 - chunk < 0 ? 0 : hi + 1 - chunk;
+    unsigned* flags = sync + 1;
+    T* aggregates = work;
+    T* inclusives = work + p.batch * chunks * R * d;
+    auto aggregate_of = [&](i64 k) { return aggregates + (k * p.batch + b) * R * d; };
+    auto inclusive_of = [&](i64 k) { return inclusives + (k * p.batch + b) * d; };
+
+    // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
+    for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
+    for (i64 t = hi; t >= lo; --t) {
+        if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
+        T* store = t == lo ? aggregate_of(q) : nullptr;
+        product<kMatrixBlock, kMatrixBlock>(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
+        T* swap = mat_x;
+        mat_x = mat_y;
+        mat_y = swap;
+    }
+    publish(&flags[q * p.batch + b], kAggregate);
+
+    // 2. The carry g_{hi+1}: the last-state gradient for chunk 0, else decoupled look-back.
+    if (q == 0) {
+        copy_row(p.last(b), x, p.out_row(b, p.n), d);
+    } else {
+        if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
+            const i64 k = q - 1 - (i64)threadIdx.x;
+            unsigned flag = 0;
+            if (k >= 0)
+                while ((flag = bppsa::load_acquire(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
+            const unsigned inclusive = __ballot_sync(0xffffffffu, k >= 0 && flag == kInclusive);
+            int hops;
+            if (inclusive) {
+                hops = __ffs(inclusive) - 1;
+            } else {  // 32 aggregates and no inclusive yet: wait for the farthest one's
+                hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
+                if (threadIdx.x == 0)
+                    while (bppsa::load_acquire(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
+                        bppsa::spin_pause();
+            }
+            __threadfence();
+            if (threadIdx.x == 0) shared_hops[0] = hops;
+        }
+        __syncthreads();
+        const int hops = shared_hops[0];
+        copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
+        for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
+            const T* agg = aggregate_of(q - 1 - l);
+            product<1, 1>(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
+            T* swap = x;
+            x = y;
+            y = swap;
+        }
+    }
+
+    // 3. Publish the inclusive g_lo = carry C + b, so that later chunks need not wait for step 4.
+    if (q + 1 < chunks) {
+        const T* own = aggregate_of(q);
+        product<1, 1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
+        publish(&flags[q * p.batch + b], kInclusive);
+    }
+
+    // 4. The per-step gradients of the chunk.
+    sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
+}
+
+}  // namespace
+
+#define BPPSA_PARAMS(T)                                                                                  \
+    (const T* __restrict__ mat, const T* __restrict__ scales, const T* __restrict__ diagonal,            \
+     const T* __restrict__ grad, T* __restrict__ out, T* work, unsigned* sync, i64 n, i64 batch, i64 d, \
+     i64 m, i64 chunk, i64 affine, i64 tile_rows)
+#define BPPSA_HOST_ARGS(T)                                                                              \
+    ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (T*)a[4], (T*)a[5], (unsigned*)a[6], \
+     (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12], (i64)a[13])
+#define BPPSA_PROBLEM(T) \
+    Problem<T> { mat, scales, diagonal, grad, out, n, batch, (int)d, (int)m, (int)affine }
+
+#define BPPSA_KERNELS(T, SUFFIX)                                                                        \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_sweep_dense_##SUFFIX BPPSA_PARAMS(T) { \
+        sweep_kernel<T, false>(BPPSA_PROBLEM(T), (int)tile_rows);                                       \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
+        bppsa_sweep_factored_##SUFFIX BPPSA_PARAMS(T) {                                                  \
+        sweep_kernel<T, true>(BPPSA_PROBLEM(T), (int)tile_rows);                                        \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
+        bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
+        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                  \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
+        bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
+        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                   \
+    }                                                                                                   \
+    BPPSA_ENTRY(bppsa_sweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                         \
+    BPPSA_ENTRY(bppsa_sweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                      \
+    BPPSA_ENTRY(bppsa_chunked_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                       \
+    BPPSA_ENTRY(bppsa_chunked_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
+
+BPPSA_KERNELS(float, f32)
+BPPSA_KERNELS(double, f64)

@@ -1,0 +1,134 @@
+"""The shared kernel builder (kernels/_build.py): cache, checks before dlopen, concurrent builds, errors.
+
+Where a regression would crash the interpreter (dlopen of a damaged library), the library is loaded
+in a subprocess that imports only the builder (by file path: no torch, well under a second).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from lightning_bppsa.kernels import _build
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on this machine")
+
+PROBE = "int bppsa_probe(int x) { return x + 1; }\n"
+LOAD = textwrap.dedent(
+    """
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("_build", sys.argv[1])
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    lib = build.load_library("probe", [sys.argv[2]], ["cc", "-std=c99"], symbols=["bppsa_probe"])
+    print(lib.bppsa_probe(41))
+    """
+)
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def probe(tmp_path):
+    source = tmp_path / "probe.c"
+    source.write_text(PROBE)
+    return source
+
+
+def load_in_subprocess(probe, cache):
+    """Start a subprocess that loads the probe from ``cache``; returns it (not yet waited for)."""
+    env = {"BPPSA_CACHE_DIR": str(cache), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-c", LOAD, _build.__file__, str(probe)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process):
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, f"exit {process.returncode} (negative: killed by signal): {err[-2000:]}"
+    assert out.strip() == "42"
+    return err
+
+
+def build_probe(probe, cache):
+    """Build the probe in a subprocess: this process must not map a file that the test then damages."""
+    finished(load_in_subprocess(probe, cache))
+    (library,) = cache.glob("probe_*.so")
+    return library
+
+
+def test_builds_once_with_a_checksum_beside_it(cache, probe):
+    library = build_probe(probe, cache)
+    recorded = json.loads(library.with_name(library.name + ".sha256").read_text())
+    assert recorded["size"] == library.stat().st_size
+    mtime = library.stat().st_mtime_ns
+    assert finished(load_in_subprocess(probe, cache)) == ""  # cached: loaded as is, nothing logged
+    assert library.stat().st_mtime_ns == mtime
+
+
+def test_cut_short_library_is_rebuilt_not_loaded(cache, probe):
+    library = build_probe(probe, cache)
+    size = library.stat().st_size
+    with open(library, "r+b") as f:
+        f.truncate(4096)
+    err = finished(load_in_subprocess(probe, cache))
+    assert "is unusable" in err and "does not match" in err and "rebuilding" in err
+    assert library.stat().st_size == size
+
+
+def test_foreign_library_is_rejected(cache, probe, tmp_path):
+    library = build_probe(probe, cache)
+    other = tmp_path / "other.c"
+    other.write_text("int something_else(void) { return 0; }\n")
+    _build.load_library("other", [other], ["cc", "-std=c99"])
+    (foreign,) = cache.glob("other_*.so")
+    shutil.copy(foreign, library)  # a valid ELF that is not ours, its checksum not the recorded one
+    assert "does not match" in finished(load_in_subprocess(probe, cache))
+
+
+def test_foreign_library_with_a_matching_checksum_fails_the_symbol_check(cache, probe, tmp_path):
+    library = build_probe(probe, cache)
+    other = tmp_path / "other.c"
+    other.write_text("int something_else(void) { return 0; }\n")
+    _build.load_library("other", [other], ["cc", "-std=c99"])
+    (foreign,) = cache.glob("other_*.so")
+    shutil.copy(foreign, library)
+    shutil.copy(foreign.with_name(foreign.name + ".sha256"), library.with_name(library.name + ".sha256"))
+    err = finished(load_in_subprocess(probe, cache))
+    assert "does not export bppsa_probe" in err and err.count("rebuilding") == 1
+
+
+def test_concurrent_first_builds_agree(cache, probe):
+    processes = [load_in_subprocess(probe, cache) for _ in range(3)]
+    for process in processes:
+        finished(process)
+    assert len(list(cache.glob("probe_*.so"))) == 1
+    assert not list(cache.glob(".build-*"))  # temporary build folders are removed
+
+
+def test_cache_key_follows_the_source(cache, probe):
+    first = build_probe(probe, cache)
+    probe.write_text(PROBE.replace("x + 1", "x + 2"))
+    lib = _build.load_library("probe", [probe], ["cc", "-std=c99"], symbols=["bppsa_probe"])
+    assert lib.bppsa_probe(40) == 42
+    assert len(list(cache.glob("probe_*.so"))) == 2 and first.exists()
+
+
+def test_failing_compiler_says_which_command_failed_and_why(cache, probe):
+    noisy = ["sh", "-c", "echo 'fatal: no such flag' >&2; exit 3", "sh"]  # ignores the arguments appended
+    with pytest.raises(_build.BuildError) as raised:
+        _build.load_library("probe", [probe], noisy, flag_sets=[["-O3", "-fopenmp"], ["-O3"]])
+    message = str(raised.value)
+    assert message.count("exited with status 3") == 2 and "fatal: no such flag" in message
+    assert "-O3 -fopenmp" in message and str(probe) in message
+    assert not list(cache.glob("*.so"))
+
+
+def test_missing_compiler_is_named(cache, probe):
+    with pytest.raises(_build.BuildError, match="compiler 'no-such-cc' not found on PATH"):
+        _build.load_library("probe", [probe], ["no-such-cc"])

@@ -1,0 +1,99 @@
+"""The CUDA loader's launch configuration and availability (no GPU needed: nothing is launched here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning_bppsa.kernels import cuda
+
+
+def config(**overrides):
+    args = dict(factored=True, element_bytes=4, n=1000, batch=16, d=20, m=20, affine=False, algorithm="chunked", chunk_size=32)
+    return cuda.launch_config(**{**args, **overrides})
+
+
+def test_chunked_launch_covers_every_chunk_once():
+    launch = config(n=1000, chunk_size=32, batch=16)
+    assert launch.kernel == "bppsa_chunked_factored_f32"
+    assert launch.grid == 16 * 32  # ceil(1000 / 32) chunks per row
+    assert launch.sync_words == 1 + launch.grid  # ticket counter + one flag per block
+    assert launch.work_elements == launch.grid * (20 * 20 + 20)  # aggregate C and carry per block
+    assert launch.block % 32 == 0 and launch.block <= cuda.MAX_THREADS
+    assert launch.shared_bytes <= cuda.SHARED_BYTES and launch.tile_rows >= 1
+
+
+@pytest.mark.parametrize("algorithm", ["chunked", "blelloch"])
+def test_parallel_algorithms_use_the_one_launch_kernel(algorithm):
+    assert config(algorithm=algorithm).kernel.startswith("bppsa_chunked_")
+
+
+def test_linear_uses_one_block_per_row():
+    launch = config(algorithm="linear", element_bytes=8, affine=True, factored=False)
+    assert (launch.kernel, launch.grid, launch.chunk, launch.sync_words) == ("bppsa_sweep_dense_f64", 16, 1000, 0)
+
+
+def test_single_chunk_and_wide_states_fall_back_to_the_sweep():
+    assert config(chunk_size=5000).kernel.startswith("bppsa_sweep_")  # one chunk: nothing to look back on
+    assert config(d=200, m=600).kernel.startswith("bppsa_sweep_")  # two (d+1) x d matrices exceed 48 KiB
+    wide = config(d=1000, m=3000, element_bytes=8)
+    assert wide.kernel == "bppsa_sweep_factored_f64" and wide.tile_rows < 3000  # W streamed in tiles
+
+
+def test_too_wide_state_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="too wide"):
+        config(d=5000, m=5000, element_bytes=8)
+    with pytest.raises(ValueError, match="n, batch, d >= 1"):
+        config(n=0)
+
+
+def test_kernel_args_follow_the_kernel_signature():
+    launch = config()
+    args = cuda.kernel_args(
+        launch, mat=1, scales=2, diagonal=0, grad=3, out=4, work=5, sync=6, n=1000, batch=16, d=20, m=20, affine=False
+    )
+    assert args == [1, 2, 0, 3, 4, 5, 6, 1000, 16, 20, 20, launch.chunk, 0, launch.tile_rows]
+
+
+def test_availability_says_why_not():
+    ok, reason = cuda.available()
+    assert isinstance(ok, bool)
+    assert ok or reason  # never "unavailable" without a reason
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch
+def test_importing_the_loader_imports_no_cupy():
+    code = "import sys, lightning_bppsa.kernels.cuda; print('cupy' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_cost_model_rule_for_the_cuda_kernels():
+    from lightning_bppsa import cost_model
+
+    assert cost_model.cuda_choose("linear", n=1000, d=20, batch=16, width=20)[0] == "linear"
+    algorithm, chunk = cost_model.cuda_choose("auto", n=1000, d=20, batch=16, width=20)
+    assert algorithm in ("linear", "chunked") and 2 <= chunk < 1000
+    sweep = cost_model.cuda_kernel_seconds("linear", n=1000, d=20, batch=16, width=20, chunk_size=1000)
+    chunked = cost_model.cuda_kernel_seconds("chunked", n=1000, d=20, batch=16, width=20, chunk_size=chunk)
+    assert (algorithm == "chunked") == (chunked < sweep)
+    # the sweep is n dependent steps: 30x the steps costs about 30x the time
+    long = cost_model.cuda_kernel_seconds("linear", n=30000, d=20, batch=16, width=20, chunk_size=30000)
+    assert 25 < (long - cost_model.CUDA_MODEL.launch_seconds) / (sweep - cost_model.CUDA_MODEL.launch_seconds) < 35
+    assert cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
+
+
+@pytest.mark.parametrize(("element_bytes", "widest"), [(4, 77), (8, 54)])
+def test_widest_state_of_the_chunked_kernel_is_as_documented(element_bytes, widest):
+    def kernel(d):
+        return config(element_bytes=element_bytes, d=d, m=d, affine=True).kernel
+
+    assert kernel(widest).startswith("bppsa_chunked_") and kernel(widest + 1).startswith("bppsa_sweep_")
+
+
+def test_availability_is_not_probed_while_torch_compile_traces(monkeypatch):
+    monkeypatch.setattr(cuda, "_AVAILABLE", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cuda.available() == (False, "not checked yet (first asked while torch.compile traces)")
+    assert cuda._AVAILABLE == {}  # nothing cached: the first eager call still checks

@@ -1,0 +1,246 @@
+"""The CUDA scan kernels (``kernels/scan.cu``) run on the CPU through the host-emulation header.
+
+Same source, same launches (``cuda.launch_config``) as on a GPU; compared with a float64 plain loop.
+One OS thread per CUDA thread: the grids stay tiny. ``resident`` bounds the blocks running at once
+(1 = strictly one after another), which checks the chunked kernel's inter-block waits for deadlock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_bppsa.kernels import cuda, emulated
+
+from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.testing import assert_derived_close
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+
+
+def plain_loop(jacobians_t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``g_n`` = last-state gradient, ``g_t = J_{t+1}ᵀ g_{t+1} + δ_t``, in the inputs' dtype."""
+    batch, n, d, _ = jacobians_t.shape
+    per_step = grad.dim() == 3
+    out = grad.new_empty(batch, n + 1, d)
+    out[:, n] = grad[:, n] if per_step else grad
+    for t in range(n - 1, -1, -1):
+        out[:, t] = (jacobians_t[:, t] @ out[:, t + 1].unsqueeze(-1)).squeeze(-1)
+        if per_step:
+            out[:, t] += grad[:, t]
+    return out
+
+
+def make_factored(batch, n, d, tiles, diagonal, per_step, generator):
+    def rand(*shape):
+        return torch.rand(*shape, dtype=torch.float64, generator=generator)
+
+    weight = (rand(tiles * d, d) - 0.5) * (2.0 / d**0.5)
+    scales = 0.5 + rand(batch, n, tiles * d)
+    diag = 0.5 * rand(batch, n, d) if diagonal else None
+    grad = rand(batch, n + 1, d) - 0.5 if per_step else rand(batch, d) - 0.5
+    return weight, scales, diag, grad
+
+
+def make_dense(batch, n, d, per_step, generator):
+    jt = (torch.rand(batch, n, d, d, dtype=torch.float64, generator=generator) - 0.5) * (2.2 / d**0.5)
+    shape = (batch, n + 1, d) if per_step else (batch, d)
+    return jt, torch.rand(*shape, dtype=torch.float64, generator=generator) - 0.5
+
+
+def check(actual, jt64, grad64, dtype):
+    reference = plain_loop(jt64, grad64)
+    baseline = plain_loop(jt64.to(dtype), grad64.to(dtype)) if dtype != torch.float64 else None
+    assert actual.dtype == dtype and actual.shape == reference.shape
+    assert_derived_close(actual, reference, baseline, floor=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+SWEEP_CASES = [  # (batch, n, d, per_step)
+    (1, 1, 1, True),
+    (3, 130, 1, False),
+    (2, 41, 20, True),
+    (4, 17, 20, False),
+    (2, 23, 33, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("batch", "n", "d", "per_step"), SWEEP_CASES)
+def test_sweep_factored_gru_tiles(batch, n, d, per_step, dtype):
+    gen = torch.Generator().manual_seed(n * 100 + d)
+    weight, scales, diag, grad = make_factored(batch, n, d, 3, True, per_step, gen)
+    args = [t.to(dtype) if t is not None else None for t in (weight, scales, diag, grad)]
+    out = emulated.scan_factored(*args, "linear", 1)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("batch", "n", "d", "per_step"), SWEEP_CASES)
+def test_sweep_dense(batch, n, d, per_step, dtype):
+    gen = torch.Generator().manual_seed(n * 100 + d + 1)
+    jt, grad = make_dense(batch, n, d, per_step, gen)
+    check(emulated.scan_dense(jt.to(dtype), grad.to(dtype), "linear", 1), jt, grad, dtype)
+
+
+CHUNKED_CASES = [  # (batch, n, d, chunk, resident, per_step); chunk counts odd where possible
+    (3, 130, 1, 10, None, True),  # 13 chunks, all resident: the look-back sees aggregates
+    (2, 61, 20, 12, None, False),  # 6 chunks, one of them partial
+    (2, 45, 20, 3, None, True),  # 15 chunks of 3 steps
+    (1, 37, 33, 5, 2, True),  # 8 chunks, 2 blocks resident
+    (4, 19, 20, 4, 1, False),  # one block at a time: waits only on finished blocks
+]
+
+
+@pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES)
+def test_chunked_factored(batch, n, d, chunk, resident, per_step):
+    gen = torch.Generator().manual_seed(n + d)
+    tiles, diagonal = (3, True) if d > 1 else (1, False)
+    weight, scales, diag, grad = make_factored(batch, n, d, tiles, diagonal, per_step, gen)
+    out = emulated.scan_factored(weight, scales, diag, grad, "chunked", chunk, resident=resident)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
+
+
+@pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES[:2] + CHUNKED_CASES[3:])
+def test_chunked_dense_float32(batch, n, d, chunk, resident, per_step):
+    gen = torch.Generator().manual_seed(n + d + 7)
+    jt, grad = make_dense(batch, n, d, per_step, gen)
+    out = emulated.scan_dense(jt.float(), grad.float(), "blelloch", chunk, resident=resident)
+    check(out, jt, grad, torch.float32)
+
+
+def test_half_precision_runs_in_float32():
+    gen = torch.Generator().manual_seed(3)
+    jt, grad = make_dense(2, 9, 5, True, gen)
+    out = emulated.scan_dense(jt.bfloat16(), grad.bfloat16(), "chunked", 3)
+    assert out.dtype == torch.bfloat16
+    expected = plain_loop(jt.bfloat16().float(), grad.bfloat16().float())
+    torch.testing.assert_close(out, expected.bfloat16())
+
+
+def test_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(5)
+    jt, grad = make_dense(2, 12, 4, True, gen)
+    out = emulated.scan_dense(jt.mT.contiguous().mT, grad.mT.contiguous().mT, "chunked", 5)
+    check(out, jt, grad, torch.float64)
+
+
+def test_empty_chain_returns_the_last_gradient():
+    grad = torch.randn(3, 1, 4, dtype=torch.float64)
+    out = emulated.scan_dense(torch.empty(3, 0, 4, 4, dtype=torch.float64), grad, "chunked", 4)
+    torch.testing.assert_close(out, grad)
+
+
+#: Runs in a process preloaded with libtsan and WITHOUT torch (importing torch under ThreadSanitizer
+#: takes ~20 s): builds the sanitized library from emulated.build_arguments and makes the launch that
+#: cuda.run computed, on buffers passed as files.
+_TSAN_CHILD = """
+import ctypes, importlib.util, json, sys
+spec = json.load(open(sys.argv[1]))
+loader = importlib.util.spec_from_file_location("_build", spec["builder"])
+build = importlib.util.module_from_spec(loader)
+loader.loader.exec_module(build)
+lib = build.load_library(**spec["library"])
+data = [open(path, "rb").read() for path in spec["buffers"]]
+buffers = [(ctypes.c_char * len(b)).from_buffer_copy(b) for b in data]
+words = [ctypes.addressof(buffers[a["buffer"]]) if isinstance(a, dict) else a for a in spec["args"]]
+lib.bppsa_emu_launch.restype = ctypes.c_int
+entry = ctypes.cast(getattr(lib, spec["kernel"] + "_host"), ctypes.c_void_p)
+status = lib.bppsa_emu_launch(entry, (ctypes.c_uint64 * len(words))(*words), ctypes.c_uint(spec["grid"]),
+                              ctypes.c_uint(spec["block"]), ctypes.c_size_t(spec["shared"]),
+                              ctypes.c_uint(spec["grid"]), ctypes.c_double(120.0))
+open(spec["buffers"][spec["out"]], "wb").write(bytes(buffers[spec["out"]]))
+sys.exit(status)
+"""
+
+
+@pytest.mark.slow  # the first run builds the sanitized library (~20-40 s); then ~3 s
+def test_thread_sanitizer_finds_no_race(tmp_path):
+    """A ThreadSanitizer build of the chunked kernel, every block resident (look-back and flags race if wrong)."""
+    libtsan = subprocess.run(["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libtsan):
+        pytest.skip("g++ has no ThreadSanitizer runtime (libtsan.so)")
+    gen = torch.Generator().manual_seed(11)
+    weight, scales, diag, grad = make_factored(2, 14, 3, 2, True, True, gen)
+
+    def write_spec(config, args, device):  # called by cuda.run while its buffers are alive
+        sizes = {
+            args[0]: weight.nbytes, args[1]: scales.nbytes, args[2]: diag.nbytes, args[3]: grad.nbytes,
+            args[4]: 2 * 15 * 3 * 8, args[5]: config.work_elements * 8, args[6]: config.sync_words * 4,
+        }  # fmt: skip
+        paths = []
+        for i, address in enumerate(args[:7]):
+            paths.append(str(tmp_path / f"buffer{i}"))
+            with open(paths[-1], "wb") as f:
+                f.write(ctypes.string_at(address, sizes[address]))
+        spec = {
+            "builder": str(Path(emulated.__file__).with_name("_build.py")),
+            "library": emulated.build_arguments("thread"),
+            "kernel": config.kernel, "grid": config.grid, "block": config.block, "shared": config.shared_bytes,
+            "buffers": paths, "out": 4, "args": [{"buffer": i} for i in range(7)] + args[7:],
+        }  # fmt: skip
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+
+    cuda.run(weight, scales, diag, grad, algorithm="chunked", chunk_size=3, launcher=write_spec)
+    env = {**os.environ, "LD_PRELOAD": libtsan, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
+    result = subprocess.run(
+        [sys.executable, "-c", _TSAN_CHILD, str(tmp_path / "spec.json")], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert "ThreadSanitizer" not in result.stderr, result.stderr[-4000:]
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = torch.frombuffer(bytearray((tmp_path / "buffer4").read_bytes()), dtype=torch.float64).view(2, 15, 3)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
+
+
+def test_launch_config_is_what_cuda_uses():
+    """The emulated launch goes through cuda.launch_config: a chunked call makes B * ceil(n / c) blocks."""
+    launch = cuda.launch_config(
+        factored=True, element_bytes=8, n=130, batch=3, d=20, m=60, affine=True, algorithm="chunked", chunk_size=10
+    )
+    assert (launch.kernel, launch.grid, launch.chunk) == ("bppsa_chunked_factored_f64", 39, 10)
+    assert launch.block % 32 == 0 and launch.shared_bytes <= cuda.SHARED_BYTES
+
+
+def test_a_launch_that_does_not_finish_is_aborted():
+    """The emulator's deadlock guard: every wait checks the abort flag, so a stuck launch raises."""
+    gen = torch.Generator().manual_seed(9)
+    jt, grad = make_dense(4, 40, 8, True, gen)
+    with pytest.raises(emulated.LaunchTimeout, match="did not finish"):
+        emulated.scan_dense(jt, grad, "chunked", 4, resident=1, timeout=1e-4)
+
+
+def test_wide_dense_sweep_takes_several_passes_and_tiles():
+    """d = 260 > 256 threads: two output passes; J_t (260 x 260 float64) streamed in 13 tiles per step."""
+    gen = torch.Generator().manual_seed(260)
+    jt, grad = make_dense(1, 2, 260, True, gen)
+    launch = cuda.launch_config(
+        factored=False, element_bytes=8, n=2, batch=1, d=260, m=260, affine=True, algorithm="linear", chunk_size=2
+    )
+    assert launch.block < 260 and launch.tile_rows < 260  # the multi-pass, multi-tile path
+    check(emulated.scan_dense(jt, grad, "linear", 2), jt, grad, torch.float64)
+
+
+def test_wide_factored_chunks_take_several_passes_and_tiles():
+    """d = 50 (float32): 3 passes of 2 x 2 outputs per thread, the 150 scaled weight rows in 2 tiles."""
+    gen = torch.Generator().manual_seed(50)
+    weight, scales, diag, grad = make_factored(1, 6, 50, 3, True, True, gen)
+    launch = cuda.launch_config(
+        factored=True, element_bytes=4, n=6, batch=1, d=50, m=150, affine=True, algorithm="chunked", chunk_size=3
+    )
+    assert launch.kernel == "bppsa_chunked_factored_f32" and launch.tile_rows < 150
+    out = emulated.scan_factored(*(t.float() for t in (weight, scales, diag, grad)), "chunked", 3)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
+
+
+def test_empty_batch_and_empty_state():
+    out = emulated.scan_dense(torch.empty(0, 5, 3, 3), torch.empty(0, 3), "chunked", 2)
+    assert out.shape == (0, 6, 3)
+    grad = torch.empty(2, 6, 0)
+    assert emulated.scan_factored(torch.empty(0, 0), torch.empty(2, 5, 0), None, grad, "linear", 1).shape == (2, 6, 0)
