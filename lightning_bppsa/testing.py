@@ -37,6 +37,10 @@ def assert_derived_close(
         baseline: the plain implementation's result in ``actual``'s dtype; ``None`` uses only ``floor``.
         factor: allowed ratio of errors.
         floor: absolute floor on the relative error (default: 1e-12 for float64, 1e-5 otherwise).
+
+    A difference whose norm is below ``finfo(actual.dtype).tiny * sqrt(numel)`` also passes: the scan flushes
+    denormals to zero on CPU (they are ~10-100x slower on x86), which moves each element by less than the
+    smallest normal number, so a result that lies entirely in the denormal range may legitimately be zero.
     """
     if actual.shape != reference.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(reference.shape)}")
@@ -44,5 +48,6 @@ def assert_derived_close(
         floor = 1e-12 if actual.dtype == torch.float64 else 1e-5
     allowed = floor + (factor * relative_error(baseline, reference) if baseline is not None else 0.0)
     error = relative_error(actual, reference)
-    if not error <= allowed:  # also catches NaN
+    flushed = torch.finfo(actual.dtype).tiny * actual.numel() ** 0.5 if actual.is_floating_point() else 0.0
+    if not error <= allowed and not (actual.double() - reference.double()).norm().item() <= flushed:  # NaN fails
         raise AssertionError(f"{name}: relative error {error:.3e} exceeds allowed {allowed:.3e}")
