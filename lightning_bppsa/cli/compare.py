@@ -55,12 +55,13 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
 def incomplete_comparisons(root: Path) -> list[Path]:
     """The ``version_N`` folders under ``root`` still marked :data:`INCOMPLETE` (interrupted or running)."""
-    return sorted(root.glob(f"version_*/{INCOMPLETE}"))
+    return sorted(marker.parent for marker in root.glob(f"version_*/{INCOMPLETE}"))
 
 
 def _next_version(root: Path) -> str:
-    numbers = [int(p.name[len("version_") :]) for p in root.glob("version_*") if p.name[8:].isdigit()]
-    return f"version_{max(numbers, default=-1) + 1}"
+    """``version_N`` with N one above the highest taken under ``root`` (complete or not)."""
+    numbers = [p.name.removeprefix("version_") for p in root.glob("version_*")]
+    return f"version_{max((int(n) for n in numbers if n.isdigit()), default=-1) + 1}"
 
 
 def _build_run(strategy: str, args: Sequence[str], save_dir: str, check_every: int) -> BPPSACLI:
@@ -121,8 +122,8 @@ def compare(
         raise CLIError(f"--check-every must be >= 0; got {check_every}")
     check_overrides(overrides)
     root = Path(save_dir) / recipe / "compare"
-    for marker in incomplete_comparisons(root):
-        print(f"ignoring {marker.parent}: marked {INCOMPLETE} (interrupted or still running)", flush=True)
+    for folder in incomplete_comparisons(root):
+        print(f"ignoring {folder}: marked {INCOMPLETE} (interrupted or still running)", flush=True)
     version = _next_version(root)
     out = root / version
     summaries: list[RunSummary] = []
