@@ -72,7 +72,10 @@ def bench(name: str, *, quick: bool = False, out: str = DEFAULT_OUT) -> Path:
 
 def main(argv: Sequence[str]) -> None:
     """``lightning-bppsa bench ...``: parse ``argv`` and run :func:`bench`."""
-    parser = argparse.ArgumentParser(prog="lightning-bppsa bench", description=bench.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-bppsa bench",
+        description="Run a benchmark grid; write its CSV, markdown table and plots.",
+    )
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
     parser.add_argument(

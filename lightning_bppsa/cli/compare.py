@@ -165,7 +165,8 @@ def compare(
 def main(argv: Sequence[str]) -> None:
     """``lightning-bppsa compare ...``: parse ``argv`` and run :func:`compare`."""
     parser = argparse.ArgumentParser(
-        prog="lightning-bppsa compare", description=compare.__doc__.splitlines()[0]
+        prog="lightning-bppsa compare",
+        description="Train a recipe under autograd, then under BPPSA from the same seed; print the table, write the plot.",
     )
     parser.add_argument("--config", required=True, help="recipe name or YAML path")
     parser.add_argument("--max-steps", type=int, default=DEFAULT_COMPARE_STEPS, help="training steps per run")
