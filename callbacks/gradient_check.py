@@ -13,7 +13,10 @@ from typing_extensions import override
 
 from lightning_bppsa.gradcheck import gradient_difference
 
-__all__ = ["GradientCheck"]
+__all__ = ["DEFAULT_KEY", "GradientCheck"]
+
+DEFAULT_KEY = "bppsa/grad_rel_diff"
+"""The metric's default name: the one ``BPPSAStrategy(check_every=N)`` logs its own check under."""
 
 
 class GradientCheck(Callback):
@@ -34,7 +37,7 @@ class GradientCheck(Callback):
     """
 
     def __init__(
-        self, every_n_steps: int = 100, threshold: float = 1e-4, key: str = "grad_check/max_rel_err"
+        self, every_n_steps: int = 100, threshold: float = 1e-4, key: str = DEFAULT_KEY
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1; got {every_n_steps}")

@@ -7,13 +7,14 @@ says how to build its tensors (from the real dataset, or a generated stand-in) a
 from __future__ import annotations
 
 import os
+import pickle
 from abc import abstractmethod
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -32,6 +33,11 @@ DEFAULT_CACHE_DIR = "~/.cache/lightning-bppsa"
 
 Split = dict[str, Tensor]
 """Cached tensors: ``train_x``, ``train_y``, ``val_x``, ``val_y`` (labels int64, class indices)."""
+SPLIT_KEYS = ("train_x", "train_y", "val_x", "val_y")
+
+
+def _is_split(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(key), Tensor) for key in SPLIT_KEYS)
 
 
 class RecipeConfigError(ValueError):
@@ -122,19 +128,40 @@ class TensorDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         self.check()
-        if self.cache_path.exists():
-            return
+        if not self.cache_path.exists():
+            self._build_and_cache()
+
+    def _build_and_cache(self) -> Split:
         tensors = self.build()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
         torch.save(tensors, partial)
         os.replace(partial, self.cache_path)  # atomic: a half-written cache is never read
         rank_zero_info(f"cached {self.cache_path}")
+        return tensors
+
+    def _load_cache(self) -> Split:
+        """The cached tensors; a cache that cannot be read (cut short, overwritten, not a cache) is
+        reported with its path, deleted and built again."""
+        try:
+            tensors = torch.load(self.cache_path)
+        except (RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as error:
+            first_sentence = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else ""
+            problem = f"torch.load raised {type(error).__name__}: {first_sentence}"
+        else:
+            if _is_split(tensors):
+                return tensors
+            problem = f"it holds a {type(tensors).__name__}, not a dict of tensors {', '.join(SPLIT_KEYS)}"
+        rank_zero_warn(
+            f"data cache {self.cache_path} is corrupted ({problem}); deleting it and building it again"
+        )
+        self.cache_path.unlink(missing_ok=True)
+        return self._build_and_cache()
 
     def setup(self, stage: str) -> None:
         self.check()
         if self.tensors is None:
-            self.tensors = torch.load(self.cache_path)
+            self.tensors = self._load_cache()
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         assert self.tensors is not None, "call prepare_data() and setup() first"

@@ -13,10 +13,12 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning_bppsa.recipes._common import (
     MissingDataError,
+    RecipeConfigError,
     Split,
     TensorDataModule,
     announce_stand_in,
@@ -44,6 +46,28 @@ def check_cifar10_layout(root: Path) -> None:
         )
 
 
+def _read_batch(path: Path) -> tuple[Tensor, Tensor]:
+    """One python batch file -> images ``(N, 3, 32, 32)`` uint8, labels ``(N,)`` int64; a file that is not
+    one raises :class:`RecipeConfigError` naming it and what it should hold."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        batch = pickle.loads(raw, encoding="bytes")
+        images = torch.as_tensor(np.asarray(batch[b"data"]))
+        labels = torch.as_tensor(np.asarray(batch[b"labels"]))
+        problem = "" if images.dtype == torch.uint8 else f"b'data' of dtype {images.dtype}"
+        if images.dim() != 2 or images.shape[1] != 3072 or labels.shape != images.shape[:1]:
+            problem = f"b'data' of shape {tuple(images.shape)} and b'labels' of shape {tuple(labels.shape)}"
+    except Exception as error:  # unpickling arbitrary bytes can fail in any way
+        problem = f"{type(error).__name__}: {str(error)[:200]}"
+    if problem:
+        raise RecipeConfigError(
+            f"CIFAR-10: {path} is not a CIFAR-10 python batch ({problem}); each batch is a pickled dict with "
+            "b'data': (N, 3072) uint8 and b'labels': N ints\n" + LAYOUT.format(root=path.parent)
+        )
+    return images.reshape(-1, 3, 32, 32), labels.to(torch.int64)
+
+
 def load_cifar10(root: str | Path) -> Split:
     """Read the CIFAR-10 python batches in ``root``: images ``(N, 3, 32, 32)`` uint8, labels int64."""
     root = Path(root).expanduser()
@@ -52,10 +76,9 @@ def load_cifar10(root: str | Path) -> Split:
     def read(names: list[str]) -> tuple[Tensor, Tensor]:
         images, labels = [], []
         for name in names:
-            with open(root / name, "rb") as handle:
-                batch = pickle.load(handle, encoding="bytes")
-            images.append(torch.as_tensor(batch[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32))
-            labels.append(torch.as_tensor(batch[b"labels"], dtype=torch.int64))
+            x, y = _read_batch(root / name)
+            images.append(x)
+            labels.append(y)
         return torch.cat(images), torch.cat(labels)
 
     train_x, train_y = read(TRAIN_FILES)

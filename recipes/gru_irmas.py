@@ -135,11 +135,17 @@ def load_irmas(root: Path, size: str) -> tuple[Tensor, Tensor]:
     length = feature_shape(size)[0]
     features = []
     for path, _ in tqdm(files, desc=f"IRMAS MFCC ({size})", unit="clip"):
-        audio, rate = librosa.load(path, sr=SAMPLE_RATE, mono=False)
-        audio = torch.as_tensor(audio).reshape(-1, audio.shape[-1]).expand(2, -1)  # mono files: duplicate
-        coefficients = librosa.feature.mfcc(
-            y=audio.numpy(), sr=rate, n_mfcc=n_mfcc, n_fft=n_fft, hop_length=hop
-        )
+        try:  # soundfile / audioread / librosa raise their own error types on unreadable or empty files
+            audio, rate = librosa.load(path, sr=SAMPLE_RATE, mono=False)
+            audio = torch.as_tensor(audio).reshape(-1, audio.shape[-1]).expand(2, -1)  # mono: duplicate
+            coefficients = librosa.feature.mfcc(
+                y=audio.numpy(), sr=rate, n_mfcc=n_mfcc, n_fft=n_fft, hop_length=hop
+            )
+        except Exception as error:
+            raise RecipeConfigError(
+                f"IRMAS: cannot read {path} as audio ({type(error).__name__}: {error}); expected "
+                "a .wav clip of the IRMAS training set (3 s, 44.1 kHz, stereo)"
+            ) from error
         feats = standardised_features(torch.as_tensor(coefficients))
         features.append(torch.nn.functional.pad(feats[:length], (0, 0, 0, max(0, length - feats.shape[0]))))
     return torch.stack(features).float(), torch.tensor([label for _, label in files])

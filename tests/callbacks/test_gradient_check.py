@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_bppsa.callbacks import GradientCheck
+from lightning_bppsa.callbacks.gradient_check import DEFAULT_KEY
 
-from lightning_bppsa.cli import read_scalars
+from lightning_bppsa.cli.report import read_scalars
 
 
 def test_logs_a_small_error_on_the_checked_steps(fit) -> None:
@@ -14,7 +15,7 @@ def test_logs_a_small_error_on_the_checked_steps(fit) -> None:
     trainer = fit([check], max_steps=5)
     assert trainer.strategy.conversion_report and any(r.scanned for r in trainer.strategy.conversion_report)
     assert check.last is not None and check.worst < 1e-5
-    assert "grad_check/max_rel_err" in trainer.callback_metrics
+    assert DEFAULT_KEY in trainer.callback_metrics
     assert check.state_dict() == {"worst": check.worst, "last": check.last}
 
 
@@ -35,5 +36,5 @@ def test_every_check_reaches_the_logger_whatever_log_every_n_steps(fit, tmp_path
         log_every_n_steps=50,
         logger=TensorBoardLogger(tmp_path, "g"),
     )
-    logged = read_scalars(str(tmp_path / "g" / "version_0"))["grad_check/max_rel_err"]
+    logged = read_scalars(str(tmp_path / "g" / "version_0"))[DEFAULT_KEY]
     assert [step for _, step, _ in logged] == [0, 3, 6]

@@ -53,6 +53,7 @@ def test_warns_when_backward_time_grows(fit, tiny_chain, one_thread) -> None:
     assert monitor.state_dict()["backward_s"] == monitor.backward_s and len(monitor.backward_s) == 120
 
 
+@pytest.mark.slow
 def test_no_shadow_cost_over_2000_bppsa_steps(fit, tiny_chain, one_thread) -> None:
     monitor = ShadowCostMonitor(cpu_time=True)
     with warnings.catch_warnings():

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lightning_bppsa.recipes._common import MissingDataError
+from lightning_bppsa.recipes._common import MissingDataError, RecipeConfigError
 from lightning_bppsa.recipes.cifar10 import CIFAR10DataModule, generate_cifar10_stand_in, load_cifar10
 
 
@@ -48,6 +48,24 @@ def test_missing_batches_print_the_expected_layout(tmp_path: Path) -> None:
     with pytest.raises(MissingDataError, match="data_batch_2") as error:
         CIFAR10DataModule(data_dir=str(tmp_path), batch_size=4).prepare_data()
     assert "test_batch" in str(error.value) and "cifar-10-python.tar.gz" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("garbage", "problem"),
+    [
+        (b"\x00\x01 not a pickle at all", "UnpicklingError"),
+        (pickle.dumps([1, 2, 3]), "TypeError"),
+        (pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}), "b'data' of shape (2, 100)"),
+    ],
+)
+def test_a_garbage_batch_file_is_named_with_what_it_should_hold(
+    tmp_path: Path, garbage: bytes, problem: str
+) -> None:
+    _write_batches(tmp_path)
+    (tmp_path / "data_batch_3").write_bytes(garbage)
+    with pytest.raises(RecipeConfigError, match="data_batch_3 is not a CIFAR-10 python batch") as error:
+        load_cifar10(tmp_path)
+    assert problem in str(error.value) and "pickled dict with b'data': (N, 3072) uint8" in str(error.value)
 
 
 def test_stand_in_has_cifar_shapes_and_is_learnable_by_its_class_pattern() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 import wave
 from pathlib import Path
 
@@ -73,6 +75,20 @@ def test_real_loader_needs_the_audio_extra_or_reads_with_librosa(tmp_path: Path)
     else:
         x, y = load_irmas(tmp_path, "L")
         assert x.shape == (2, 1034, 12) and y.tolist() == [0, 10]
+
+
+def test_an_unreadable_clip_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """librosa itself is an optional extra: a stand-in raises what soundfile raises on a non-audio file."""
+    (tmp_path / "cel").mkdir()
+    (tmp_path / "cel" / "broken.wav").write_bytes(b"definitely not RIFF audio")
+
+    def load(path, **kwargs):
+        raise RuntimeError(f"Error opening {str(path)!r}: Format not recognised.")
+
+    monkeypatch.setitem(sys.modules, "librosa", types.SimpleNamespace(load=load))
+    with pytest.raises(RecipeConfigError, match=r"IRMAS: cannot read .*cel/broken.wav as audio") as error:
+        load_irmas(tmp_path, "L")
+    assert "Format not recognised" in str(error.value) and "44.1 kHz" in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_bppsa import cli
+from lightning_bppsa.cli.report import read_scalars
 
 # Tiny sizes per recipe: a recipe shipped without an entry here fails test_every_recipe_has_a_smoke_config.
 SMOKE = {
@@ -41,6 +42,7 @@ def test_every_recipe_has_a_smoke_config() -> None:
     assert sorted(SMOKE) == cli.available_recipes()
 
 
+@pytest.mark.slow
 def test_gru_irmas_rejects_model_and_data_of_different_sizes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -50,6 +52,7 @@ def test_gru_irmas_rejects_model_and_data_of_different_sizes(
         cli.main(["fit", *args, f"--data.cache_dir={tmp_path}"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["bppsa", "auto"])
 @pytest.mark.parametrize("recipe", sorted(SMOKE))
 def test_recipe_fits_on_generated_data(
@@ -62,7 +65,7 @@ def test_recipe_fits_on_generated_data(
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", recipe, *SMOKE[recipe], *COMMON, f"--data.cache_dir={tmp_path / 'cache'}"]
     cli.main([*args, f"--trainer.strategy={strategy}"])
-    scalars = cli.read_scalars(str(tmp_path / "runs" / recipe / "version_0"))
+    scalars = read_scalars(str(tmp_path / "runs" / recipe / "version_0"))
     assert len(scalars["train/loss"]) == 3
     assert "val/acc" in scalars
     assert list((tmp_path / "cache").iterdir()), "the built tensors are cached"

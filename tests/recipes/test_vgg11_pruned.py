@@ -39,6 +39,7 @@ def test_pruning_is_global_magnitude_and_keeps_the_parameters() -> None:
     assert max(per_layer) - min(per_layer) > 0.05  # class-blind: layers end up with different sparsities
 
 
+@pytest.mark.slow
 def test_retraining_keeps_pruned_weights_at_zero(tmp_path: Path) -> None:
     model = PrunedVGG11(width=0.0625, prune_amount=0.97, dense_epochs=1, lr=0.05)
     data = CIFAR10DataModule(batch_size=8, stand_in_train=32, stand_in_val=8, cache_dir=str(tmp_path))

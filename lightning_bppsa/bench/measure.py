@@ -1,0 +1,83 @@
+"""How the benchmarks measure: median time, peak resident memory, and the machine they ran on."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+
+import torch
+from torch.utils import benchmark
+
+__all__ = ["machine_description", "median_seconds", "peak_memory_bytes"]
+
+#: glibc's mmap threshold while ``peak_memory_bytes`` measures: every allocation of 64 KiB or more is
+#: mmap'ed and unmapped on free, so the resident high-water mark follows torch's CPU allocations.
+MEASURE_THRESHOLD = 64 * 2**10
+#: The threshold given back afterwards: 32 MiB is the ceiling glibc's adaptive default climbs to (mallopt
+#: cannot re-enable the adaptive rule). Left at 64 KiB, every large temporary of a later timing would be a
+#: fresh mmap + page faults + munmap (a ~3x slower scan, a 10-175x slower autograd Jacobian baseline).
+TIMING_THRESHOLD = 32 * 2**20
+
+
+def median_seconds(fn: Callable[[], object], min_run_time: float = 0.2) -> float:
+    """Median wall time of ``fn()`` (one warm-up call excluded) measured by ``torch.utils.benchmark``."""
+    fn()  # warm-up
+    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    """Set glibc's mmap threshold (allocations of at least ``nbytes`` are mmap'ed, unmapped on free)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune, the measurement is then coarser
+        return
+    libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD: give freed heap tops back
+    libc.malloc_trim(0)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def peak_memory_bytes(fn: Callable[[], object]) -> int:
+    """Peak resident memory added while ``fn()`` runs (Linux: VmHWM reset via /proc/self/clear_refs).
+
+    Large tensors are mmap'ed by the allocator and given back on free, so the high-water mark of the
+    resident set follows torch's CPU allocations to page granularity. For that, glibc's mmap threshold
+    is lowered to :data:`MEASURE_THRESHOLD` while ``fn()`` runs (otherwise freed heap pages that are
+    still resident would be reused unseen) and set to :data:`TIMING_THRESHOLD` afterwards; this is the
+    only place the allocator is tuned.
+    """
+    gc.collect()
+    _mmap_threshold(MEASURE_THRESHOLD)
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # reset the resident-set high-water mark
+        base = _status_kib("VmRSS")
+        fn()
+        return max(_status_kib("VmHWM") - base, 0) * 1024
+    finally:
+        _mmap_threshold(TIMING_THRESHOLD)
+
+
+def machine_description() -> str:
+    """One line naming the CPU, core count, torch version and thread count."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        cpu = next(
+            line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")
+        )
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"Python {platform.python_version()}"
+    )
