@@ -32,6 +32,7 @@ def test_opcheck_factored(algorithm, with_diagonal):
     torch.library.opcheck(torch.ops.bppsa.scan_factored.default, args)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_dense_and_factored():
     def step(jt, w, s, grad):
         dense = backprop_scan(jt * 0.5, grad)

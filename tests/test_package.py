@@ -15,6 +15,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=300)
 
 
+@pytest.mark.slow
 def test_import_does_not_load_cupy_or_initialise_cuda():
     code = (
         "import sys, lightning_bppsa, lightning_bppsa.kernels, lightning_bppsa.nn\n"
