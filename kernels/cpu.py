@@ -63,9 +63,10 @@ def _load() -> ctypes.CDLL | None:
         )
     except (_build.BuildError, OSError) as err:
         log.warning(
-            "lightning_bppsa: could not build the compiled CPU kernel (lightning_bppsa/kernels/linear_scan.c; "
-            "compiler from $CC, default cc): %s\nThe linear scan runs its torch loop instead (same results, "
+            "lightning_bppsa: could not build the compiled CPU kernel (%s; compiler from $CC, default cc): "
+            "%s\nThe linear scan runs its torch loop instead (same results, "
             "slower); set BPPSA_NATIVE=0 to skip this build.",
+            _build.kernel_path("linear_scan.c"),
             err,
         )
         return None

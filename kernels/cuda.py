@@ -5,7 +5,8 @@ registers them for ``"cuda"``):
 
 - ``scan_dense(jacobians_t, grad, algorithm, chunk_size) -> (B, n + 1, d)``
 - ``scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size) -> (B, n + 1, d)``
-- ``available() -> (bool, reason)``
+- ``available() -> (bool, reason)``; ``fits(d, element_bytes) -> (bool, reason)`` (a state too wide for
+  the kernels' shared memory runs the torch implementation: :mod:`lightning_bppsa.ops` decides)
 
 The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``g_t = g_{t+1} J_t + δ_t``
 (row gradients; ``δ`` only for a per-step ``grad`` of shape ``(B, n + 1, d)``). ``algorithm`` picks the kernel:
@@ -34,7 +35,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +46,7 @@ __all__ = [
     "KernelUsage",
     "Launch",
     "available",
+    "fits",
     "kernel_args",
     "launch_config",
     "ptxas_usage",
@@ -330,24 +331,21 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
     return usage
 
 
-def _fallback_if_too_wide(d: int, element_bytes: int) -> bool:
+def fits(d: int, element_bytes: int) -> tuple[bool, str]:
+    """Whether a state of size ``d`` fits the kernels' shared memory (the sweep's: the chunked kernel falls
+    back to the sweep where its matrices do not fit); ``(False, reason)`` otherwise."""
     try:
         launch_config(
             factored=False, element_bytes=element_bytes, n=1, batch=1, d=d, m=d, affine=True,
             algorithm="linear", chunk_size=1,
         )
     except ValueError as err:
-        warnings.warn(f"lightning_bppsa CUDA scan: {err}; running the torch implementation", stacklevel=3)
-        return True
-    return False
+        return False, str(err)
+    return True, ""
 
 
 def scan_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
     """``bppsa::scan_dense`` on CUDA: ``jacobians_t`` ``(B, n, d, d)``, ``grad`` ``(B, d)`` or ``(B, n + 1, d)``."""
-    if _fallback_if_too_wide(grad.shape[-1], 8 if grad.dtype == torch.float64 else 4):
-        from lightning_bppsa.scan import run_dense
-
-        return run_dense(jacobians_t, grad, algorithm, chunk_size)
     return run(jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda)
 
 
@@ -355,8 +353,4 @@ def scan_factored(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     """``bppsa::scan_factored`` on CUDA: ``J_t = diag(u_t) + [diag(s^1_t) .. diag(s^k_t)] W`` (see ``FactoredJacobians``)."""
-    if _fallback_if_too_wide(grad.shape[-1], 8 if grad.dtype == torch.float64 else 4):
-        from lightning_bppsa.scan import run_factored
-
-        return run_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
     return run(weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda)

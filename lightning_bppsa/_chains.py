@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 
-__all__ = ["Chain", "DenseChain", "FactoredChain", "flush_denormals", "identity", "time_major_chain"]
+__all__ = ["Chain", "DenseChain", "FactoredChain", "flush_denormals", "time_major_chain"]
 
 
 class DenseChain:
@@ -69,7 +69,7 @@ class FactoredChain:
 
     def dense(self, index: slice) -> Tensor:
         """``J`` of the steps ``index``, ``(steps, B, d, d)``: ``I @ J``."""
-        return self.apply(index, identity(self.d, self.weight, *self.scales[index].shape[:2]))
+        return self.apply(index, _identity(self.d, self.weight, *self.scales[index].shape[:2]))
 
     def apply(self, index: int | slice, x: Tensor) -> Tensor:
         """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``:
@@ -122,7 +122,7 @@ class FactoredChain:
 Chain = Union[DenseChain, FactoredChain]
 
 
-def identity(d: int, like: Tensor, *shape: int) -> Tensor:
+def _identity(d: int, like: Tensor, *shape: int) -> Tensor:
     """``I_d`` broadcast to ``(*shape, d, d)`` in ``like``'s dtype and device (a view)."""
     return torch.eye(d, dtype=like.dtype, device=like.device).expand(*shape, d, d)
 

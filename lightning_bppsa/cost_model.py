@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from lightning_bppsa.kernels import cpu as cpu_kernel
 from lightning_bppsa.kernels import cuda as cuda_kernel
 
@@ -119,10 +121,17 @@ def _best_chunk(n: int, d: int, batch: int, width: int | None, device: str) -> i
     )
 
 
-@lru_cache(maxsize=4096)  # called on every scan; shapes repeat from batch to batch
 def choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str) -> tuple[str, int]:
     """Resolve ``algorithm`` (possibly ``"auto"``) to a concrete algorithm and chunk size."""
-    if device == "cuda" and _cuda_kernels_run():  # the CUDA kernels' own rule (end of this module)
+    if torch.compiler.is_compiling():  # kernel availability is not decided while tracing: do not cache it
+        return _choose.__wrapped__(algorithm, n=n, d=d, batch=batch, width=width, device=device)
+    return _choose(algorithm, n=n, d=d, batch=batch, width=width, device=device)
+
+
+@lru_cache(maxsize=4096)  # called on every scan; shapes repeat from batch to batch
+def _choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str) -> tuple[str, int]:
+    # the CUDA kernels' own rule (end of this module), where they run and the state fits them
+    if device == "cuda" and _cuda_kernels_run() and cuda_kernel.fits(d, 4)[0]:
         return cuda_choose(algorithm, n=n, d=d, batch=batch, width=width)
     chunk = _best_chunk(n, d, batch, width, device) if n > 0 else 1
     if algorithm != "auto":

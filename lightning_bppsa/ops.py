@@ -15,21 +15,21 @@ This module is the one place where kernels are chosen:
 - ``"cpu"``: the same, with every linear sweep (the ``"linear"`` schedule, the chunk summaries and
   leftover steps of ``"chunked"``) in one call of the compiled C kernel
   (:mod:`lightning_bppsa.kernels.cpu`) where it is available, else the torch loop;
-- ``"cuda"``: :mod:`lightning_bppsa.kernels.cuda` (CuPy), imported on the first CUDA call; where it is
-  unavailable the torch implementation runs and one warning says why.
+- ``"cuda"``: :mod:`lightning_bppsa.kernels.cuda` (CuPy is imported on the first CUDA call, never at
+  import); where the kernels are unavailable (no CuPy, no device) the torch implementation runs after
+  one warning that says why, and so does a state too wide for their shared memory (a warning per call).
 """
 
 from __future__ import annotations
 
 import warnings
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from lightning_bppsa import scan
 from lightning_bppsa._chains import Chain, DenseChain
-from lightning_bppsa.kernels import cpu
+from lightning_bppsa.kernels import cpu, cuda
 
 __all__ = ["scan_dense", "scan_factored"]
 
@@ -97,47 +97,45 @@ def _(
 
 
 # --------------------------------------------------------------------------------------------------
-# CUDA: the CuPy kernels, imported lazily (importing lightning_bppsa never touches CuPy or CUDA).
+# CUDA: the CuPy kernels (importing lightning_bppsa never touches CuPy or CUDA).
 # --------------------------------------------------------------------------------------------------
 
-#: ``"module"``: the loaded kernels module or ``None`` once looked for
-_CUDA: dict[str, ModuleType | None] = {}
+#: ``"ok"``: whether the CUDA kernels run here, decided (and warned about) once
+_CUDA: dict[str, bool] = {}
 
 
-def _cuda_kernels() -> ModuleType | None:
-    """:mod:`lightning_bppsa.kernels.cuda` if it can run here; else ``None`` after one warning."""
-    if "module" not in _CUDA:
-        try:
-            from lightning_bppsa.kernels import cuda
-
-            ok, reason = cuda.available()
-        except ImportError as err:
-            cuda, ok, reason = None, False, f"the CUDA kernels cannot be imported ({err})"
+def _cuda_kernels_run(grad: Tensor) -> bool:
+    """Whether :mod:`lightning_bppsa.kernels.cuda` runs this scan; else the torch implementation, after a warning."""
+    if "ok" not in _CUDA:
+        ok, reason = cuda.available()
         if not ok:
             warnings.warn(
                 f"lightning_bppsa: CUDA scan kernels unavailable: {reason}; the bppsa ops run their torch "
                 "implementation on CUDA instead (same results, slower; `pip install lightning-bppsa[cuda]` "
                 "installs CuPy)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        _CUDA["module"] = cuda if ok else None
-    return _CUDA["module"]
+        _CUDA["ok"] = ok
+    if not _CUDA["ok"]:
+        return False
+    fits, reason = cuda.fits(grad.shape[-1], 8 if grad.dtype == torch.float64 else 4)
+    if not fits:
+        warnings.warn(f"lightning_bppsa CUDA scan: {reason}; running the torch implementation", RuntimeWarning, stacklevel=3)
+    return fits
 
 
 @scan_dense.register_kernel("cuda")
 def _(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
-    kernels = _cuda_kernels()
-    if kernels is None:
-        return scan.run_dense(jacobians_t, grad, algorithm, chunk_size)
-    return kernels.scan_dense(jacobians_t, grad, algorithm, chunk_size)
+    if _cuda_kernels_run(grad):
+        return cuda.scan_dense(jacobians_t, grad, algorithm, chunk_size)
+    return scan.run_dense(jacobians_t, grad, algorithm, chunk_size)
 
 
 @scan_factored.register_kernel("cuda")
 def _(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
-    kernels = _cuda_kernels()
-    if kernels is None:
-        return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
-    return kernels.scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
+    if _cuda_kernels_run(grad):
+        return cuda.scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
+    return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size)

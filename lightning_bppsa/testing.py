@@ -48,6 +48,8 @@ def assert_derived_close(
         floor = 1e-12 if actual.dtype == torch.float64 else 1e-5
     allowed = floor + (factor * relative_error(baseline, reference) if baseline is not None else 0.0)
     error = relative_error(actual, reference)
-    flushed = torch.finfo(actual.dtype).tiny * actual.numel() ** 0.5 if actual.is_floating_point() else 0.0
+    # half precision is computed (and flushed) in float32
+    compute = torch.float32 if actual.dtype in (torch.float16, torch.bfloat16) else actual.dtype
+    flushed = torch.finfo(compute).tiny * actual.numel() ** 0.5 if actual.is_floating_point() else 0.0
     if not error <= allowed and not (actual.double() - reference.double()).norm().item() <= flushed:  # NaN fails
         raise AssertionError(f"{name}: relative error {error:.3e} exceeds allowed {allowed:.3e}")

@@ -17,14 +17,14 @@ def test_explicit_algorithm_is_kept():
 
 
 @pytest.fixture
-def without_native(monkeypatch):
+def without_cpu_kernel(monkeypatch):
     monkeypatch.setattr(cost_model.cpu_kernel, "available", lambda: False)
-    cost_model.choose.cache_clear()
+    cost_model._choose.cache_clear()
     yield
-    cost_model.choose.cache_clear()
+    cost_model._choose.cache_clear()
 
 
-def test_scan_pays_on_long_small_batch_chains_and_not_on_large_batches(without_native):
+def test_scan_pays_on_long_small_batch_chains_and_not_on_large_batches(without_cpu_kernel):
     # op-bound torch loops: the parallel scan pays at B = 1 (CPU and GPU), not at B = 256 on CPU
     assert cost_model.choose("auto", n=1000, d=20, batch=1, width=20, device="cpu")[0] != "linear"
     assert cost_model.choose("auto", n=1000, d=20, batch=1, width=20, device="cuda")[0] != "linear"
@@ -34,7 +34,7 @@ def test_scan_pays_on_long_small_batch_chains_and_not_on_large_batches(without_n
 def test_compiled_linear_kernel_wins_on_cpu():
     if not cost_model.cpu_kernel.available():
         pytest.skip("no C compiler on this machine: the compiled linear kernel is not built")
-    cost_model.choose.cache_clear()
+    cost_model._choose.cache_clear()
     for batch in (1, 16, 256):
         assert cost_model.choose("auto", n=1000, d=20, batch=batch, width=20, device="cpu")[0] == "linear"
 

@@ -1,14 +1,11 @@
 """The bppsa:: ops: opcheck, torch.compile(fullgraph=True), TorchScript."""
 
-import sys
-import types
-
 import pytest
 import torch
+from lightning_bppsa.kernels import cuda
 
 import lightning_bppsa  # noqa: F401  (registers the ops)
-from lightning_bppsa import FactoredJacobians, backprop_scan, ops
-from lightning_bppsa import kernels as kernels_package
+from lightning_bppsa import FactoredJacobians, backprop_scan, cost_model, ops
 
 
 def dense_args(algorithm, per_step):
@@ -61,42 +58,40 @@ def test_torchscript_calls_the_ops():
 
 
 @pytest.fixture
-def cuda_module(monkeypatch):
-    """Install ``module`` as lightning_bppsa.kernels.cuda (``None``: its import fails) and forget the choice."""
+def cuda_kernels(monkeypatch):
+    """Make the CUDA kernels report ``(ok, reason)`` and forget the earlier choice."""
 
-    def install(module):
+    def install(ok, reason=""):
         monkeypatch.setattr(ops, "_CUDA", {})
-        monkeypatch.setitem(sys.modules, "lightning_bppsa.kernels.cuda", module)
-        if module is None:
-            monkeypatch.delattr(kernels_package, "cuda", raising=False)
-        else:
-            monkeypatch.setattr(kernels_package, "cuda", module, raising=False)
+        monkeypatch.setattr(cuda, "available", lambda: (ok, reason))
 
     return install
 
 
-def fake_cuda_kernels(ok, reason=""):
-    module = types.ModuleType("lightning_bppsa.kernels.cuda")
-    module.available = lambda: (ok, reason)
-    return module
+def test_cuda_kernels_unavailable_say_why_once(cuda_kernels):
+    cuda_kernels(False, "CuPy is not installed")
+    grad = torch.ones(2, 3)
+    with pytest.warns(RuntimeWarning, match="unavailable: CuPy is not installed; the bppsa ops run their torch") as seen:
+        assert not ops._cuda_kernels_run(grad)
+        assert not ops._cuda_kernels_run(grad)
+    assert len(seen) == 1
 
 
-def test_cuda_kernels_that_cannot_be_imported_warn_once(cuda_module):
-    cuda_module(None)
-    with pytest.warns(RuntimeWarning, match="CUDA scan kernels unavailable: the CUDA kernels cannot be imported") as seen:
-        assert ops._cuda_kernels() is None
-        assert ops._cuda_kernels() is None
-    assert len(seen) == 1 and "torch implementation" in str(seen[0].message)
-
-
-def test_cuda_kernels_unavailable_say_why(cuda_module):
-    cuda_module(fake_cuda_kernels(False, "CuPy is not installed"))
-    with pytest.warns(RuntimeWarning, match="unavailable: CuPy is not installed; the bppsa ops run their torch"):
-        assert ops._cuda_kernels() is None
-
-
-def test_available_cuda_kernels_are_used(cuda_module, recwarn):
-    module = fake_cuda_kernels(True)
-    cuda_module(module)
-    assert ops._cuda_kernels() is module
+def test_available_cuda_kernels_are_used(cuda_kernels, recwarn):
+    cuda_kernels(True)
+    assert ops._cuda_kernels_run(torch.ones(2, 20))
     assert not recwarn.list
+
+
+def test_a_state_too_wide_for_the_cuda_kernels_runs_torch_with_a_warning(cuda_kernels, monkeypatch):
+    cuda_kernels(True)
+    with pytest.warns(RuntimeWarning, match="too wide.*running the torch implementation"):
+        assert not ops._cuda_kernels_run(torch.ones(1, 5000, dtype=torch.float64))
+    # the cost model does not ask the kernels' launch model about it either (it would raise)
+    monkeypatch.setattr(cost_model, "_cuda_kernels_run", lambda: True)
+    cost_model._choose.cache_clear()
+    try:
+        assert cost_model.choose("linear", n=10, d=5000, batch=1, width=None, device="cuda")[0] == "linear"
+        assert cost_model.choose("auto", n=10, d=20, batch=1, width=None, device="cuda")[0] in ("linear", "chunked")
+    finally:
+        cost_model._choose.cache_clear()

@@ -110,6 +110,8 @@ def compare(
     """
     path = find_recipe(config)
     recipe = path.stem
+    if max_epochs is not None and max_epochs < 1 or max_steps is not None and max_steps < 1:
+        raise CLIError(f"give --max-steps >= 1 or --max-epochs >= 1; got {max_steps=}, {max_epochs=}")
     if max_epochs:
         budget = [f"--trainer.max_epochs={max_epochs}", "--trainer.max_steps=-1"]
     elif max_steps and max_steps > 0:

@@ -158,7 +158,9 @@ class _ScanRecurrent:
         again to get the scan back in eager mode.
         """
         torch_cls = next(c for c in type(self).__mro__ if c in _TYPES)
-        return _rebuild(self, torch_cls)
+        scripted = _rebuild(self, torch_cls)
+        carry_hooks(self, scripted)
+        return scripted
 
 
 class RNN(_ScanRecurrent, nn.RNN):
@@ -200,7 +202,7 @@ _TYPES = {nn.RNN: RNN, nn.GRU: GRU, nn.LSTM: LSTM}
 
 
 def _rebuild(module: nn.RNNBase, cls: type[nn.RNNBase]) -> nn.RNNBase:
-    """A ``cls`` configured like ``module`` that holds ``module``'s very ``Parameter`` objects and hooks.
+    """A ``cls`` configured like ``module`` that holds ``module``'s very ``Parameter`` objects (hooks: see callers).
 
     Built on the meta device, so nothing is allocated; ``algorithm`` (BPPSA classes) keeps its default.
     """
@@ -219,7 +221,6 @@ def _rebuild(module: nn.RNNBase, cls: type[nn.RNNBase]) -> nn.RNNBase:
     new = cls(**kwargs)
     for name in module._flat_weights_names:
         setattr(new, name, getattr(module, name))
-    carry_hooks(module, new)
     return new.train(module.training)
 
 

@@ -108,3 +108,10 @@ def test_options_compare_sets_itself_are_refused_before_any_run(
 def test_compare_needs_a_budget(workdir: Path) -> None:
     with pytest.raises(CLIError, match="--max-steps"):
         compare("rnn_bitstream", max_steps=0)
+
+
+@pytest.mark.parametrize("budget", [{"max_epochs": -1}, {"max_steps": -5}, {"max_epochs": 0, "max_steps": 10}])
+def test_a_negative_or_zero_budget_is_refused_not_read_as_unlimited(workdir: Path, budget: dict) -> None:
+    with pytest.raises(CLIError, match=">= 1"):
+        compare("rnn_bitstream", **budget)
+    assert not (workdir / "runs").exists()

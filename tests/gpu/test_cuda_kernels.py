@@ -33,8 +33,9 @@ CASES = _load_cases()
 @pytest.fixture
 def gpu(cuda) -> torch.device:
     ok, reason = kernels.available()
-    if not ok:
+    if not ok and importlib.util.find_spec("cupy") is None:
         pytest.skip(f"CUDA kernels unavailable: {reason}")
+    assert ok, f"CuPy is installed but the CUDA kernels are unavailable: {reason}"
     return cuda
 
 
