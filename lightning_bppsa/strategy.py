@@ -67,14 +67,8 @@ def _with_earlier_reasons(
 class _BPPSAMixin:
     """Conversion, report and backward shared by every BPPSA strategy; put it before a Lightning strategy.
 
-    Args:
-        algorithm: scan algorithm for every converted module (see ``backprop_scan``); ``"auto"``
-            lets each module pick, falling back to autograd where the scan does not pay.
-        modules: qualified module names to convert; ``None`` converts every supported module.
-        check_every: every ``check_every`` backward passes, also compute the gradients with autograd
-            and log the largest relative difference as ``bppsa/grad_rel_diff`` (0 = off).
-        check_threshold: warn when that difference exceeds this value.
-        kwargs: passed to the Lightning strategy it is combined with.
+    Args: ``algorithm``, ``modules``, ``check_every``, ``check_threshold`` as documented on
+    :class:`BPPSAStrategy`; ``kwargs`` go to the Lightning strategy it is combined with.
     """
 
     strategy_name: str
