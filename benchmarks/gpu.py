@@ -14,7 +14,7 @@ alone on a graph recorded once (CUDA events, median); the scan kernel alone (swe
 launch ``launch_config`` computes) next to the model's prediction; peak CUDA memory of one forward +
 backward.
 
-The model (``--plan``; :func:`lightning_bppsa.cost_model.cuda_kernel_seconds`)
+The model (``--plan``; :func:`lightning_bppsa.cuda_cost_model.cuda_kernel_seconds`)
 --------------------------------------------------------------------------------
 Per launch, for B chains of n steps, state d, operand rows K (factored: K = m = k d; dense: K = d),
 R = d (+1 for per-step gradients), chunk c, p = ceil(n / c) chunks:
@@ -110,7 +110,7 @@ def _kernel_seconds(cell: str, batch: int, length: int, repeats: int) -> dict[st
     """The scan kernels alone on factors of this row's shape (contracting, like a trained RNN)."""
     from lightning_bppsa.kernels import cuda as kernels
 
-    from lightning_bppsa import cost_model
+    from lightning_bppsa import cuda_cost_model
 
     tiles = 3 if cell == "GRU" else 1
     weight = torch.randn(tiles * HIDDEN, HIDDEN, device="cuda") / HIDDEN**0.5
@@ -118,7 +118,7 @@ def _kernel_seconds(cell: str, batch: int, length: int, repeats: int) -> dict[st
     diagonal = torch.rand(batch, length, HIDDEN, device="cuda") if cell == "GRU" else None
     grad = torch.randn(batch, HIDDEN, device="cuda")
     width = tiles * HIDDEN
-    _, chunk = cost_model.cuda_choose("chunked", n=length, d=HIDDEN, batch=batch, width=width)
+    _, chunk = cuda_cost_model.cuda_choose("chunked", n=length, d=HIDDEN, batch=batch, width=width)
     result = {"chunk": chunk}
     for name, c in (("linear", length), ("chunked", chunk)):
 
@@ -126,7 +126,7 @@ def _kernel_seconds(cell: str, batch: int, length: int, repeats: int) -> dict[st
             kernels.scan_factored(weight, scales, diagonal, grad, name, c)
 
         result[name] = event_seconds(launch, repeats)
-        result[f"model_{name}"] = cost_model.cuda_kernel_seconds(
+        result[f"model_{name}"] = cuda_cost_model.cuda_kernel_seconds(
             name, n=length, d=HIDDEN, batch=batch, width=width, chunk_size=c
         )
     return result
@@ -195,14 +195,14 @@ def _work(kernel: str, batch: int, n: int, d: int, k: int, chunk: int) -> tuple[
 def plan() -> str:
     from lightning_bppsa.kernels import cuda as kernels
 
-    from lightning_bppsa import cost_model
+    from lightning_bppsa import cuda_cost_model
 
-    model = cost_model.CUDA_MODEL
+    model = cuda_cost_model.CUDA_MODEL
     out = [
         "# CUDA kernels: the model's plan (not measurements)",
         "",
         f"Written by `python benchmarks/gpu.py --plan` on {datetime.date.today()}. No GPU was available: every time",
-        "below is a prediction of `lightning_bppsa.cost_model.cuda_kernel_seconds` under the assumed device",
+        "below is a prediction of `lightning_bppsa.cuda_cost_model.cuda_kernel_seconds` under the assumed device",
         f"figures ({model.name}: {model.sms} SMs at {model.clock_hz / 1e9:.2f} GHz, launch + memset "
         f"{model.launch_seconds * 1e6:.0f} us, barrier {model.barrier_cycles:.0f} cycles, L1 {model.l1_cycles:.0f}, "
         f"L2 {model.l2_cycles:.0f}, FMA latency {model.fma_cycles:.0f}, shared memory one wavefront / SM / cycle).",
@@ -227,10 +227,10 @@ def plan() -> str:
     predictions = {}
     for label, k, batch, n in [("RNN", 1, 16, 1000), ("RNN", 1, 16, 30000), ("GRU L", 3, 64, 1034), ("GRU L", 3, 16, 1034)]:
         width = k * HIDDEN
-        best, chunk = cost_model.cuda_choose("auto", n=n, d=HIDDEN, batch=batch, width=width)
+        best, chunk = cuda_cost_model.cuda_choose("auto", n=n, d=HIDDEN, batch=batch, width=width)
         for kernel, algorithm, c in (("sweep", "linear", n), ("chunked", "chunked", chunk)):
             flops, nbytes, path = _work(kernel, batch, n, HIDDEN, k, c)
-            seconds = cost_model.cuda_kernel_seconds(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
+            seconds = cuda_cost_model.cuda_kernel_seconds(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
             launches = "1" if kernel == "sweep" else "1 + memset"
             out.append(
                 f"| {label} | {batch} | {n} | {kernel} | {c if kernel == 'chunked' else '-'} | {flops:.3g} | {nbytes:.3g} "

@@ -70,18 +70,18 @@ def test_importing_the_loader_imports_no_cupy():
 
 
 def test_cost_model_rule_for_the_cuda_kernels():
-    from lightning_bppsa import cost_model
+    from lightning_bppsa import cuda_cost_model
 
-    assert cost_model.cuda_choose("linear", n=1000, d=20, batch=16, width=20)[0] == "linear"
-    algorithm, chunk = cost_model.cuda_choose("auto", n=1000, d=20, batch=16, width=20)
+    assert cuda_cost_model.cuda_choose("linear", n=1000, d=20, batch=16, width=20)[0] == "linear"
+    algorithm, chunk = cuda_cost_model.cuda_choose("auto", n=1000, d=20, batch=16, width=20)
     assert algorithm in ("linear", "chunked") and 2 <= chunk < 1000
-    sweep = cost_model.cuda_kernel_seconds("linear", n=1000, d=20, batch=16, width=20, chunk_size=1000)
-    chunked = cost_model.cuda_kernel_seconds("chunked", n=1000, d=20, batch=16, width=20, chunk_size=chunk)
+    sweep = cuda_cost_model.cuda_kernel_seconds("linear", n=1000, d=20, batch=16, width=20, chunk_size=1000)
+    chunked = cuda_cost_model.cuda_kernel_seconds("chunked", n=1000, d=20, batch=16, width=20, chunk_size=chunk)
     assert (algorithm == "chunked") == (chunked < sweep)
     # the sweep is n dependent steps: 30x the steps costs about 30x the time
-    long = cost_model.cuda_kernel_seconds("linear", n=30000, d=20, batch=16, width=20, chunk_size=30000)
-    assert 25 < (long - cost_model.CUDA_MODEL.launch_seconds) / (sweep - cost_model.CUDA_MODEL.launch_seconds) < 35
-    assert cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
+    long = cuda_cost_model.cuda_kernel_seconds("linear", n=30000, d=20, batch=16, width=20, chunk_size=30000)
+    assert 25 < (long - cuda_cost_model.CUDA_MODEL.launch_seconds) / (sweep - cuda_cost_model.CUDA_MODEL.launch_seconds) < 35
+    assert cuda_cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
 
 
 @pytest.mark.parametrize(("element_bytes", "widest"), [(4, 77), (8, 54)])
