@@ -131,8 +131,9 @@ def time_major_chain(jac: Tensor | FactoredJacobians, dtype: torch.dtype) -> Cha
     """``jac`` (``(B, n, d, d)`` transposed Jacobians or factored) as a chain of time-major views in ``dtype``."""
     if isinstance(jac, FactoredJacobians):
         # the linear steps copy these views once into the layout they need
-        diagonal = None if jac.diagonal is None else jac.diagonal.to(dtype).transpose(0, 1)
-        return FactoredChain(jac.weight.to(dtype), jac.scales.to(dtype).transpose(0, 1), diagonal)
+        jac = jac.to(dtype)
+        diagonal = None if jac.diagonal is None else jac.diagonal.transpose(0, 1)
+        return FactoredChain(jac.weight, jac.scales.transpose(0, 1), diagonal)
     return DenseChain(jac.to(dtype).transpose(0, 1).mT)
 
 

@@ -26,13 +26,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
-from lightning_bppsa.cuda_cost_model import cuda_choose
-from lightning_bppsa.kernels import cpu as cpu_kernel
-from lightning_bppsa.kernels import cuda as cuda_kernel
-
-__all__ = ["Machine", "MACHINES", "choose", "predict_seconds", "recurrent_path"]
+__all__ = ["CellCost", "MACHINES", "Machine", "best_chunk", "fastest", "predict_seconds", "recurrent_path"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +59,8 @@ MACHINES = {
 }
 
 
-def _linear_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None) -> float:
-    if mach.native_flops and n and cpu_kernel.available():  # one call of the compiled kernel
+def _linear_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None, native: bool) -> float:
+    if native and mach.native_flops and n:  # one call of the compiled kernel
         rate = mach.native_dense_flops if width is None else mach.native_flops
         return mach.native_call_seconds + n * batch * 2 * d * (width or d) / rate
     if width is None:
@@ -81,103 +75,98 @@ def _blelloch_seconds(mach: Machine, n: int, d: int, batch: int, width: int | No
     return levels * 16 * mach.op_seconds + flops / mach.gemm_dense_flops
 
 
-def _chunked_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None, c: int) -> float:
+def _chunked_seconds(mach: Machine, n: int, d: int, batch: int, width: int | None, c: int, native: bool) -> float:
     c = max(1, min(c, n))
     p, rem = divmod(n, c)
     if p <= 1 or c == 1:
-        return _linear_seconds(mach, n, d, batch, width)
+        return _linear_seconds(mach, n, d, batch, width, native)
     w = d if width is None else width
     rate = mach.gemm_dense_flops if width is None else mach.gemm_flops
     reduce = c * (3 * mach.op_seconds + 2 * p * batch * d * d * w / rate)
     down = (c - 1) * (4 * mach.op_seconds + 2 * p * batch * d * w / rate)
     if p > 2 * c:
-        summaries = _chunked_seconds(mach, p, d, batch, None, c)
+        summaries = _chunked_seconds(mach, p, d, batch, None, c, native)
     else:
-        summaries = _linear_seconds(mach, p, d, batch, None)
-    return reduce + down + summaries + _linear_seconds(mach, rem, d, batch, width) + 10 * mach.op_seconds
+        summaries = _linear_seconds(mach, p, d, batch, None, native)
+    return reduce + down + summaries + _linear_seconds(mach, rem, d, batch, width, native) + 10 * mach.op_seconds
 
 
 def predict_seconds(
-    algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str, chunk_size: int = 0
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str, chunk_size: int = 0,
+    native: bool = False,
 ) -> float:
-    """Predicted time of one scan. ``width`` is the factored weight's rows ``m`` (``None`` = dense)."""
+    """Predicted time of one scan. ``width`` is the factored weight's rows ``m`` (``None`` = dense);
+    ``native``: the linear sweeps run in the compiled C kernel."""
     mach = MACHINES.get(device, MACHINES["cuda"])
     if algorithm == "linear":
-        return _linear_seconds(mach, n, d, batch, width)
+        return _linear_seconds(mach, n, d, batch, width, native)
     if algorithm == "blelloch":
         return _blelloch_seconds(mach, n, d, batch, width)
     if algorithm == "chunked":
-        return _chunked_seconds(mach, n, d, batch, width, chunk_size)
+        return _chunked_seconds(mach, n, d, batch, width, chunk_size, native)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
-def _best_chunk(n: int, d: int, batch: int, width: int | None, device: str) -> int:
-    # 2 <= c <= n / 2: c = 1 or c >= n would silently run the linear schedule
+def best_chunk(*, n: int, d: int, batch: int, width: int | None, device: str, native: bool) -> int:
+    """The chunk size of ``"chunked"`` predicted fastest, ``2 <= c <= n / 2`` (1 for ``n < 4``): ``c = 1`` or
+    ``c >= n`` would silently run the linear schedule."""
     candidates = [2**k for k in range(1, int(math.log2(max(n // 2, 1))) + 1)] or [1]
-    return min(
-        candidates,
-        key=lambda c: predict_seconds(
-            "chunked", n=n, d=d, batch=batch, width=width, device=device, chunk_size=c
-        ),
-    )
+    seconds = [
+        predict_seconds("chunked", n=n, d=d, batch=batch, width=width, device=device, chunk_size=c, native=native)
+        for c in candidates
+    ]
+    return candidates[seconds.index(min(seconds))]
 
 
-def choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str) -> tuple[str, int]:
-    """Resolve ``algorithm`` (possibly ``"auto"``) to a concrete algorithm and chunk size."""
-    if torch.compiler.is_compiling():  # kernel availability is not decided while tracing: do not cache it
-        return _choose.__wrapped__(algorithm, n=n, d=d, batch=batch, width=width, device=device)
-    return _choose(algorithm, n=n, d=d, batch=batch, width=width, device=device)
-
-
-@lru_cache(maxsize=4096)  # called on every scan; shapes repeat from batch to batch
-def _choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str) -> tuple[str, int]:
-    # the CUDA kernels' own rule (end of this module), where they run and the state fits them
-    if device == "cuda" and cuda_kernel.available()[0] and cuda_kernel.fits(d, 4)[0]:
-        return cuda_choose(algorithm, n=n, d=d, batch=batch, width=width)
-    chunk = _best_chunk(n, d, batch, width, device) if n > 0 else 1
-    if algorithm != "auto":
-        return algorithm, chunk
+def fastest(*, n: int, d: int, batch: int, width: int | None, device: str, native: bool, chunk: int) -> str:
+    """The algorithm predicted fastest (``"linear"`` for ``n <= 1``: nothing to parallelise)."""
     if n <= 1:
-        return "linear", chunk
+        return "linear"
     costs = {
-        name: predict_seconds(name, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk)
+        name: predict_seconds(
+            name, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk, native=native
+        )
         for name in ("linear", "blelloch", "chunked")
     }
-    return min(costs, key=costs.__getitem__), chunk
+    return min(costs, key=costs.__getitem__)
 
 
 # --------------------------------------------------------------------------------------------------
 # Recurrent layers: scan backward vs. autograd through torch's own forward.
 # --------------------------------------------------------------------------------------------------
 
-#: (torch ops per step in autograd's backward, gates G, scan state size / H, factored?) per cell mode.
-#: CPU LSTM's autograd backward is one fused op per step; RNN / GRU record several ops per step
-#: (fitted: RNN ~21 µs, GRU ~60 µs, LSTM ~6 µs per step at B = 16, H = 20 on the development CPU).
-_CELLS = {
-    "RNN_TANH": (3.5, 1, 1, True),
-    "RNN_RELU": (3.5, 1, 1, True),
-    "GRU": (10.0, 3, 1, True),
-    "LSTM": (1.0, 4, 2, False),
-}
+@dataclass(frozen=True)
+class CellCost:
+    """A recurrent cell's row of the model (each cell of :mod:`lightning_bppsa.cells` owns one).
+
+    ``autograd_ops_per_step``: torch ops per step in autograd's backward of torch's own layer (fitted on the
+    development CPU at B = 16, H = 20: RNN ~21 µs, GRU ~60 µs, LSTM ~6 µs per step; CPU LSTM's autograd
+    backward is one fused op per step); ``gates``: G (``W_hh`` is ``G H x H``); ``state_factor``: the scan
+    state is ``state_factor * H``.
+    """
+
+    autograd_ops_per_step: float
+    gates: int
+    state_factor: int
+
+
 _SCAN_FIXED_OPS = 170  # autograd.Function, Jacobian data, validation, parameter GEMMs: ~0.25 ms whatever n
 _ELEMENTWISE_BYTES_PER_S = 5e9  # element-wise passes over (B, n, G H) in the forward and backward
 
 
 @lru_cache(maxsize=1024)  # called on every forward; shapes repeat from batch to batch
-def recurrent_path(mode: str, *, n: int, hidden: int, batch: int, device: str) -> str:
+def recurrent_path(cost: CellCost, *, n: int, hidden: int, batch: int, width: int, device: str, native: bool) -> str:
     """``"scan"`` or ``"autograd"``: which backward a recurrent layer should use (``algorithm="auto"``).
 
     Compares the predicted backward of autograd (``n`` steps of a few small ops each) with the scan's
-    (best algorithm of :func:`predict_seconds` plus the Jacobian preparation, linear in ``B n H G``).
+    (best algorithm of :func:`predict_seconds` over the factored Jacobians of ``width`` rows, plus the
+    element-wise passes over the gates, linear in ``B n H G``).
     """
-    ops, gates, state, factored = _CELLS[mode]
     mach = MACHINES.get(device, MACHINES["cuda"])
-    d = state * hidden
-    autograd = n * (ops * mach.autograd_op_seconds + 4 * batch * hidden * gates * hidden / mach.rowblock_flops)
-    width = gates * hidden if factored and gates > 1 else (hidden if factored else None)
-    algorithm, chunk = choose("auto", n=n, d=d, batch=batch, width=width, device=device)
-    scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk)
-    # element-wise passes over the gates (and, for a dense chain, building the d x d Jacobians)
-    elements = batch * n * (gates * hidden + (0 if factored else d * d))
-    extra = _SCAN_FIXED_OPS * mach.op_seconds + 12 * 4 * elements / _ELEMENTWISE_BYTES_PER_S
+    d, gates = cost.state_factor * hidden, cost.gates
+    autograd = n * (cost.autograd_ops_per_step * mach.autograd_op_seconds + 4 * batch * hidden * gates * hidden / mach.rowblock_flops)
+    chunk = best_chunk(n=n, d=d, batch=batch, width=width, device=device, native=native)
+    algorithm = fastest(n=n, d=d, batch=batch, width=width, device=device, native=native, chunk=chunk)
+    scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk, native=native)
+    extra = _SCAN_FIXED_OPS * mach.op_seconds + 12 * 4 * batch * n * gates * hidden / _ELEMENTWISE_BYTES_PER_S
     return "scan" if scan + extra < autograd else "autograd"

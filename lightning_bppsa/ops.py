@@ -1,37 +1,36 @@
-"""The ``bppsa`` torch.library ops: schema, fake (meta) kernels, and which kernel runs on each device.
+"""The ``bppsa`` torch.library ops of the scan: schema, fake (meta) kernels, and the one dispatch by plan.
 
 - ``bppsa::scan_dense(jacobians_t, grad, algorithm, chunk_size) -> Tensor``
 - ``bppsa::scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size) -> Tensor``
 
-Both return the ``(B, n + 1, d)`` gradients of :func:`lightning_bppsa.scan.backprop_scan`, which is
-the validating front end; call the ops directly only with already valid inputs and a concrete
-``algorithm`` (``"linear"``, ``"blelloch"`` or ``"chunked"``). Being custom ops, they are opaque to
-``torch.compile`` (no graph breaks) and callable from TorchScript as ``torch.ops.bppsa.scan_dense``.
-They have no autograd formula (``backprop_scan`` refuses inputs that require grad).
+Both return the ``(B, n + 1, d)`` gradients of :func:`lightning_bppsa.scan.backprop_scan`, the validating
+entry point; call the ops directly only with valid inputs. ``algorithm`` may be ``"auto"``: the plan
+(:func:`lightning_bppsa.plan.choose`: kernel, algorithm, chunk) is decided inside the op, when it runs with
+concrete shapes, device and dtype, never while ``torch.compile`` traces. ``chunk_size > 0`` overrides the
+plan's chunk. Being custom ops, they are opaque to ``torch.compile`` (no graph breaks) and callable from
+TorchScript as ``torch.ops.bppsa.scan_dense``. They have no autograd formula (``backprop_scan`` refuses
+inputs that require grad).
 
-This module is the one place where kernels are chosen:
-
-- default (any device): the torch implementation in :mod:`lightning_bppsa.scan`;
-- ``"cpu"``: the same, with every linear sweep (the ``"linear"`` schedule, the chunk summaries and
-  leftover steps of ``"chunked"``) in one call of the compiled C kernel
-  (:mod:`lightning_bppsa.kernels.cpu`) where it is available, else the torch loop;
-- ``"cuda"``: :mod:`lightning_bppsa.kernels.cuda` (CuPy is imported on the first CUDA call, never at
-  import); where the kernels are unavailable (no CuPy, no device) the torch implementation runs after
-  one warning that says why, and so does a state too wide for their shared memory (a warning per call).
+:func:`execute_dense` / :func:`execute_factored` run a plan: the compiled C sweeps on CPU
+(:mod:`lightning_bppsa.kernels.cpu`), the CuPy kernels on CUDA (:mod:`lightning_bppsa.kernels.cuda`; CuPy is
+imported on the first CUDA call, never at import), the torch implementation
+(:mod:`lightning_bppsa.algorithms`) otherwise, on CUDA after one warning saying why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 from torch import Tensor
 
-from lightning_bppsa import scan
+from lightning_bppsa import algorithms, plan
 from lightning_bppsa._chains import Chain, DenseChain
+from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.kernels import cpu, cuda
 
-__all__ = ["scan_dense", "scan_factored"]
+__all__ = ["execute_dense", "execute_factored", "scan_dense", "scan_factored"]
 
 
 def _empty_out(grad: Tensor, n: int) -> Tensor:
@@ -39,10 +38,18 @@ def _empty_out(grad: Tensor, n: int) -> Tensor:
     return grad.new_empty(batch, n + 1, d)
 
 
+def _plan_for(algorithm: str, chunk_size: int, grad: Tensor, n: int, d: int, width: int | None) -> plan.Plan:
+    chosen = plan.choose(
+        algorithm, n=n, d=d, batch=grad.shape[0], width=width, device=grad.device.type, dtype=grad.dtype
+    )
+    return dataclasses.replace(chosen, chunk=chunk_size) if chunk_size > 0 else chosen
+
+
 @torch.library.custom_op("bppsa::scan_dense", mutates_args=())
 def scan_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
     """Scan a dense ``(B, n, d, d)`` chain of transposed Jacobians; see ``backprop_scan``."""
-    return scan.run_dense(jacobians_t, grad, algorithm, chunk_size)
+    n, d = jacobians_t.shape[1], jacobians_t.shape[-1]
+    return execute_dense(_plan_for(algorithm, chunk_size, grad, n, d, None), jacobians_t, grad)
 
 
 @scan_dense.register_fake
@@ -55,7 +62,8 @@ def scan_factored(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     """Scan a factored chain ``J_t = diag(u_t) + [diag(s_t)...] W``; see ``FactoredJacobians``."""
-    return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
+    chosen = _plan_for(algorithm, chunk_size, grad, scales.shape[1], weight.shape[1], weight.shape[0])
+    return execute_factored(chosen, FactoredJacobians(weight, scales, diagonal), grad)
 
 
 @scan_factored.register_fake
@@ -65,77 +73,46 @@ def _(
     return _empty_out(grad, scales.shape[1])
 
 
-# --------------------------------------------------------------------------------------------------
-# CPU: the torch implementation with its linear sweeps in the compiled C kernel.
-# --------------------------------------------------------------------------------------------------
+def execute_dense(chosen: plan.Plan, jacobians_t: Tensor, grad: Tensor) -> Tensor:
+    """Run ``chosen`` on a dense chain (inputs already valid)."""
+    if chosen.kernel == "cuda":
+        return cuda.scan_dense(jacobians_t, grad, chosen.algorithm, chosen.chunk)
+    _warn_torch_on_cuda(chosen, grad)
+    sweep = _compiled_sweep if chosen.kernel == "c" else algorithms.torch_sweep
+    return algorithms.run_dense(jacobians_t, grad, chosen.algorithm, chosen.chunk, sweep)
+
+
+def execute_factored(chosen: plan.Plan, jac: FactoredJacobians, grad: Tensor) -> Tensor:
+    """Run ``chosen`` on a factored chain (inputs already valid)."""
+    if chosen.kernel == "cuda":
+        return cuda.scan_factored(jac.weight, jac.scales, jac.diagonal, grad, chosen.algorithm, chosen.chunk)
+    _warn_torch_on_cuda(chosen, grad)
+    sweep = _compiled_sweep if chosen.kernel == "c" else algorithms.torch_sweep
+    return algorithms.run_factored(jac.weight, jac.scales, jac.diagonal, grad, chosen.algorithm, chosen.chunk, sweep)
+
+
+#: reasons already warned about (the torch implementation on CUDA): once per reason, not per call
+_WARNED: set[str] = set()
+
+
+def _warn_torch_on_cuda(chosen: plan.Plan, grad: Tensor) -> None:
+    if grad.device.type == "cuda" and chosen.reason not in _WARNED:
+        _WARNED.add(chosen.reason)
+        warnings.warn(
+            f"lightning_bppsa: {chosen.reason}; the bppsa ops run their torch implementation on CUDA "
+            "(same results, slower; `pip install lightning-bppsa[cuda]` installs CuPy)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _compiled_sweep(chain: Chain, out: Tensor, direct: Tensor | None) -> None:
-    """A :data:`~lightning_bppsa.scan.LinearSweep` in one call of the C kernel; the torch loop where it
-    cannot run (no compiler, or a dtype / layout it does not take)."""
-    if not cpu.available():
-        ran = False
-    elif isinstance(chain, DenseChain):
+    """A :data:`~lightning_bppsa.algorithms.LinearSweep` in one call of the C kernel; the torch loop where
+    it cannot run (a dtype / layout it does not take)."""
+    if isinstance(chain, DenseChain):
         ran = cpu.linear_dense(chain.transposed_batch_major(), direct, out)
     else:
         scales, weight = chain.augmented()
         ran = cpu.linear_factored(weight, scales, direct, out)
     if not ran:
-        scan.torch_sweep(chain, out, direct)
-
-
-@scan_dense.register_kernel("cpu")
-def _(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
-    return scan.run_dense(jacobians_t, grad, algorithm, chunk_size, sweep=_compiled_sweep)
-
-
-@scan_factored.register_kernel("cpu")
-def _(
-    weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
-) -> Tensor:
-    return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size, sweep=_compiled_sweep)
-
-
-# --------------------------------------------------------------------------------------------------
-# CUDA: the CuPy kernels (importing lightning_bppsa never touches CuPy or CUDA).
-# --------------------------------------------------------------------------------------------------
-
-#: ``"ok"``: whether the CUDA kernels run here, decided (and warned about) once
-_CUDA: dict[str, bool] = {}
-
-
-def _cuda_kernels_run(grad: Tensor) -> bool:
-    """Whether :mod:`lightning_bppsa.kernels.cuda` runs this scan; else the torch implementation, after a warning."""
-    if "ok" not in _CUDA:
-        ok, reason = cuda.available()
-        if not ok:
-            warnings.warn(
-                f"lightning_bppsa: CUDA scan kernels unavailable: {reason}; the bppsa ops run their torch "
-                "implementation on CUDA instead (same results, slower; `pip install lightning-bppsa[cuda]` "
-                "installs CuPy)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        _CUDA["ok"] = ok
-    if not _CUDA["ok"]:
-        return False
-    fits, reason = cuda.fits(grad.shape[-1], 8 if grad.dtype == torch.float64 else 4)
-    if not fits:
-        warnings.warn(f"lightning_bppsa CUDA scan: {reason}; running the torch implementation", RuntimeWarning, stacklevel=3)
-    return fits
-
-
-@scan_dense.register_kernel("cuda")
-def _(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
-    if _cuda_kernels_run(grad):
-        return cuda.scan_dense(jacobians_t, grad, algorithm, chunk_size)
-    return scan.run_dense(jacobians_t, grad, algorithm, chunk_size)
-
-
-@scan_factored.register_kernel("cuda")
-def _(
-    weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
-) -> Tensor:
-    if _cuda_kernels_run(grad):
-        return cuda.scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
-    return scan.run_factored(weight, scales, diagonal, grad, algorithm, chunk_size)
+        algorithms.torch_sweep(chain, out, direct)

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from lightning_bppsa.kernels import cuda
 
 import lightning_bppsa  # noqa: F401  (registers the ops)
-from lightning_bppsa import FactoredJacobians, backprop_scan, cost_model, ops
+from lightning_bppsa import FactoredJacobians, backprop_scan
 
 
 def dense_args(algorithm, per_step):
@@ -52,46 +51,3 @@ def test_torchscript_calls_the_ops():
     jt, grad, w, s = torch.randn(2, 9, 3, 3), torch.randn(2, 3), torch.randn(3, 3), torch.rand(2, 9, 3)
     expected = backprop_scan(jt, grad, algorithm="linear") + backprop_scan(FactoredJacobians(w, s), grad, algorithm="linear")
     torch.testing.assert_close(scripted(jt, grad, w, s), expected)
-
-
-# --- which kernel runs on CUDA: the CuPy kernels module, or the torch implementation after one warning ---
-
-
-@pytest.fixture
-def cuda_kernels(monkeypatch):
-    """Make the CUDA kernels report ``(ok, reason)`` and forget the earlier choice."""
-
-    def install(ok, reason=""):
-        monkeypatch.setattr(ops, "_CUDA", {})
-        monkeypatch.setattr(cuda, "available", lambda: (ok, reason))
-
-    return install
-
-
-def test_cuda_kernels_unavailable_say_why_once(cuda_kernels):
-    cuda_kernels(False, "CuPy is not installed")
-    grad = torch.ones(2, 3)
-    with pytest.warns(RuntimeWarning, match="unavailable: CuPy is not installed; the bppsa ops run their torch") as seen:
-        assert not ops._cuda_kernels_run(grad)
-        assert not ops._cuda_kernels_run(grad)
-    assert len(seen) == 1
-
-
-def test_available_cuda_kernels_are_used(cuda_kernels, recwarn):
-    cuda_kernels(True)
-    assert ops._cuda_kernels_run(torch.ones(2, 20))
-    assert not recwarn.list
-
-
-def test_a_state_too_wide_for_the_cuda_kernels_runs_torch_with_a_warning(cuda_kernels, monkeypatch):
-    cuda_kernels(True)
-    with pytest.warns(RuntimeWarning, match="too wide.*running the torch implementation"):
-        assert not ops._cuda_kernels_run(torch.ones(1, 5000, dtype=torch.float64))
-    # the cost model does not ask the kernels' launch model about it either (it would raise)
-    monkeypatch.setattr(cost_model, "_cuda_kernels_run", lambda: True)
-    cost_model._choose.cache_clear()
-    try:
-        assert cost_model.choose("linear", n=10, d=5000, batch=1, width=None, device="cuda")[0] == "linear"
-        assert cost_model.choose("auto", n=10, d=20, batch=1, width=None, device="cuda")[0] in ("linear", "chunked")
-    finally:
-        cost_model._choose.cache_clear()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_bppsa import FactoredJacobians, backprop_scan, scan_ref
-from lightning_bppsa.scan import run_dense, run_factored
+from lightning_bppsa.algorithms import run_dense, run_factored
 from lightning_bppsa.testing import assert_derived_close
 
 ALGOS = ["linear", "blelloch", "chunked", "auto"]

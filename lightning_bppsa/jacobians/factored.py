@@ -58,6 +58,14 @@ class FactoredJacobians:
     def state_size(self) -> int:
         return self.weight.shape[1]
 
+    def to(self, dtype: torch.dtype) -> FactoredJacobians:
+        """The same chain with every factor in ``dtype`` (``self`` when nothing changes)."""
+        parts = [self.weight, self.scales] + ([self.diagonal] if self.diagonal is not None else [])
+        if all(t.dtype == dtype for t in parts):
+            return self
+        diagonal = None if self.diagonal is None else self.diagonal.to(dtype)
+        return FactoredJacobians(self.weight.to(dtype), self.scales.to(dtype), diagonal)
+
     def dense(self) -> Tensor:
         """Materialise the ``(B, n, d, d)`` transposed Jacobians (for tests and small problems)."""
         d = self.state_size

@@ -3,32 +3,34 @@
 Each class subclasses its torch module (same constructor, parameter names, ``state_dict`` keys, inputs
 and outputs, incl. ``batch_first``, ``h0`` / ``(h0, c0)`` and unbatched input). With gradients enabled,
 the stack runs layer by layer and direction by direction through
-:class:`~lightning_bppsa.nn._scan_layer.LayerFunction` (torch's fused forward, scan backward);
+:class:`~lightning_bppsa.nn._scan_layer.LayerFunction` (the cell's forward op, scan backward op;
+:mod:`lightning_bppsa.cells`);
 dropout between layers is an ordinary autograd op on the time-major layer output, as torch lays it out,
 so the same seed draws torch's mask and the backward uses the forward's.
 
 ``algorithm`` (``"auto"``, ``"linear"``, ``"blelloch"``, ``"chunked"``) picks the scan; with ``"auto"``,
 when :func:`~lightning_bppsa.cost_model.recurrent_path` predicts that the scan does not pay, the module
 runs torch's own forward under plain autograd instead. ``last_stats`` records what the last forward did:
-``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``jacobian_seconds`` (forward time spent on
-Jacobian data), ``scan_seconds`` (backward scan time) and ``scan_algorithm`` (what the scan resolved
-``algorithm`` to, e.g. ``"linear"`` or ``"chunked(c=8)"``), the last two filled in by the backward.
+``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``plan`` (``"scan linear [c]"`` after the backward:
+the algorithm and kernel the scan ran, see :class:`~lightning_bppsa.plan.Plan`; or ``"autograd (why)"``),
+``scan_algorithm`` (the plan without the word "scan"), ``forward_seconds`` (the layers' forward op: states
+and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only.
 
 Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
-gradients disabled, an empty batch or sequence, meta tensors, ``torch.func`` transforms (``grad``,
-``vmap``, ...: the scan's ``autograd.Function`` has no functorch rules), and malformed input (so the
-error is torch's own). Input sizes and dtypes are checked by torch's ``check_forward_args``.
-Under ``create_graph=True`` (double backward, e.g. a gradient penalty) the backward is autograd's
-through a recomputed forward, so second derivatives equal torch's. ``torch.compile(fullgraph=True)``
-(with ``torch._dynamo.config.allow_rnn``) traces the scan forward and backward; timings are recorded in
-eager mode only. ``torch.jit.script`` compiles the torch module instead (see ``__prepare_scriptable__``).
+gradients disabled, an empty batch or sequence, meta tensors, complex or integer dtypes, a
+``PackedSequence`` (one warning), ``torch.func`` transforms (``grad``, ``vmap``, ...: the scan's
+``autograd.Function`` has no functorch rules), and malformed input (so the error is torch's own). Input
+sizes and dtypes are checked by torch's ``check_forward_args``. Under ``create_graph=True`` (double
+backward, e.g. a gradient penalty) the backward is autograd's through a recomputed forward, so second
+derivatives equal torch's. ``torch.compile`` sees each layer as two opaque ops (forward, backward): nothing
+is unrolled over time. ``torch.jit.script`` compiles the torch module instead (see ``__prepare_scriptable__``).
 
-Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size > 0`` (LSTM) and
-``PackedSequence`` input.
+Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size > 0`` (LSTM).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -37,9 +39,10 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_bppsa import cost_model
+from lightning_bppsa.cells import cell_of
 from lightning_bppsa.nn._scan_layer import LayerFunction
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
-from lightning_bppsa.scan import ALGORITHMS
+from lightning_bppsa.plan import check_algorithm
 
 __all__ = ["GRU", "LSTM", "RNN"]
 
@@ -52,47 +55,65 @@ class _ScanRecurrent:
             raise NotImplementedError(
                 f"lightning_bppsa.nn.{type(self).__name__} does not support proj_size > 0; use torch.nn.LSTM"
             )
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+        check_algorithm(algorithm)
         self.algorithm = algorithm
         self.last_stats: dict[str, Any] = {}
 
     def forward(self, input: Tensor, hx: Any = None):  # noqa: A002  (torch's argument name)
-        if isinstance(input, PackedSequence):
-            raise NotImplementedError(
-                f"lightning_bppsa.nn.{type(self).__name__} does not take a PackedSequence; "
-                f"pad the batch or use torch.nn.{type(self).__name__}"
-            )
-        path = self._path(input, hx)
+        path, reason = self._path(input, hx)
         self.last_stats = {
             "path": path,
             "algorithm": self.algorithm,
-            "jacobian_seconds": 0.0,
+            "forward_seconds": 0.0,
             "scan_seconds": 0.0,
+            "plan": f"autograd ({reason})" if path == "autograd" else "scan",
         }
         if path == "autograd":
             return super().forward(input, hx)
         return self._scan_forward(input, hx)
 
-    def _path(self, input: Tensor, hx: Any) -> str:  # noqa: A002
-        """``"scan"``, or ``"autograd"`` (torch's forward) where the scan has nothing to do or cannot run."""
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, algorithm={self.algorithm!r} [BPPSA scan backward]"
+
+    def _path(self, input: Any, hx: Any) -> tuple[str, str]:  # noqa: A002
+        """``("scan", "")``, or ``("autograd", why)``: torch's forward, where the scan has nothing to do or
+        cannot run."""
+        if isinstance(input, PackedSequence):
+            if not getattr(self, "_warned_packed", False):
+                self._warned_packed = True
+                warnings.warn(
+                    f"lightning_bppsa.nn.{type(self).__name__}: a PackedSequence runs torch's own "
+                    "forward and autograd backward (the scan takes padded batches)",
+                    stacklevel=3,
+                )
+            return "autograd", "PackedSequence input"
         params = [getattr(self, name) for name in self._flat_weights_names]  # functional_call swaps them
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
-            return "autograd"
+            return "autograd", "no gradient needed"
         if input.dim() not in (2, 3) or not self._states_match(input, hx):
-            return "autograd"  # malformed: torch's forward raises its own error
+            return "autograd", "malformed input: torch's forward raises its own error"
         if input.numel() == 0 or input.device.type == "meta":
-            return "autograd"  # an empty batch or sequence, or no values: nothing to scan
+            return "autograd", "empty or meta input: nothing to scan"
+        if not input.is_floating_point():
+            return "autograd", f"dtype {input.dtype}: the scan takes real floating dtypes (complex: torch's code)"
         if torch._C._are_functorch_transforms_active():
-            return "autograd"  # torch.func (grad, vmap, ...): the scan's Function has no functorch rules
+            return "autograd", "torch.func transform: the scan's Function has no functorch rules"
         if self.algorithm != "auto":
-            return "scan"
+            return "scan", ""
         batch_dim = 0 if self.batch_first else 1
         batch = input.shape[batch_dim] if input.dim() == 3 else 1
         length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
-        return cost_model.recurrent_path(
-            self.mode, n=length, hidden=self.hidden_size, batch=batch, device=input.device.type
+        if not all(isinstance(v, int) for v in (batch, length)):
+            return "scan", ""  # symbolic sizes while torch.compile traces: the op plans at run time
+        cell = cell_of(self.mode)
+        device = input.device.type
+        native = device == "cpu" and cell.plan("auto", batch=batch, n=length, hidden=self.hidden_size,
+                                               device=device, dtype=input.dtype).kernel == "c"  # fmt: skip
+        path = cost_model.recurrent_path(
+            cell.cost, n=length, hidden=self.hidden_size, batch=batch, width=cell.jacobian_width(self.hidden_size),
+            device=device, native=native,
         )
+        return path, "" if path == "scan" else "cost model: the scan does not pay at this size"
 
     def _states_match(self, input: Tensor, hx: Any) -> bool:  # noqa: A002
         """Whether ``hx`` has the structure torch's forward accepts with ``input`` (sizes: checked later)."""
@@ -119,7 +140,7 @@ class _ScanRecurrent:
         self.check_forward_args(input, hx, None)  # torch's own checks and messages (sizes, dtype)
         h0, c0 = hx if is_lstm else (hx, None)
         x = input if self.batch_first else input.transpose(0, 1)  # (B, n, I): the layers run batch first
-        mode, stats = self.mode, self.last_stats
+        cell, stats = cell_of(self.mode).name, self.last_stats
         h_n, c_n = [], []
         for layer in range(self.num_layers):
             outs = []
@@ -128,7 +149,7 @@ class _ScanRecurrent:
                 weights = tuple(getattr(self, name) for name in self._all_weights[idx])
                 seq = x if direction == 0 else x.flip(1)
                 c_init = c0[idx] if is_lstm else None
-                result = LayerFunction.apply(mode, self.algorithm, stats, seq, h0[idx], c_init, *weights)
+                result = LayerFunction.apply(cell, self.algorithm, stats, seq, h0[idx], c_init, *weights)
                 out = result[0] if is_lstm else result
                 h_n.append(out[:, -1])
                 if is_lstm:

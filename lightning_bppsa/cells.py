@@ -1,0 +1,436 @@
+"""Recurrent cells as objects: each built-in cell owns its whole layer (BPPSA Sec. 4.1-4.2, Appendix E).
+
+A :class:`RecurrentCell` owns, for one layer in one direction over a batch-first sequence:
+
+- its forward over the sequence, which also emits the Jacobian factors the backward needs (the compiled
+  kernel of :mod:`lightning_bppsa.kernels.recurrent` in one pass; else torch's fused forward and the
+  factors recomputed with one GEMM, :mod:`lightning_bppsa.jacobians.recurrent`);
+- its step Jacobians as :class:`~lightning_bppsa.jacobians.FactoredJacobians`
+  (``J = diag(u) + [diag(s)..] W``, never materialised);
+- the map from state gradients to gate pre-activation gradients, and the parameter gradients as GEMMs over
+  all steps at once (Eq. 2);
+- its row of the cost model (:class:`~lightning_bppsa.cost_model.CellCost`).
+
+The layer runs as two ``torch.library`` ops, opaque to ``torch.compile`` (one node each, nothing unrolled):
+
+- ``bppsa::recurrent_forward(cell, x, h0, c0, weights) -> [out, (c_n,) *factors]``
+- ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn)
+  -> [grad_x, grad_h0, (grad_c0,) *grad_weights]``
+
+``cell`` names an entry of :data:`CELLS`. The backward's plan is decided inside the op, at run time
+(:func:`lightning_bppsa.plan.choose`): on CPU the linear schedule with a compiled kernel runs the scan and the
+gate gradients in one fused call; any other plan runs the factored scan op's implementation, then the gates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_bppsa import ops, plan
+from lightning_bppsa.cost_model import CellCost
+from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.jacobians.recurrent import gate_preactivations, gru_jacobians
+from lightning_bppsa.kernels import recurrent as native
+
+__all__ = ["CELLS", "GRUCell", "LSTMCell", "RNNCell", "RecurrentCell", "cell_of"]
+
+log = logging.getLogger(__name__)
+
+#: torch's fused single-layer forwards (batch first, no dropout, one direction)
+_VF_FORWARD = {"rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu, "gru": torch._VF.gru}
+
+
+class RecurrentCell:
+    """One built-in cell kind. Subclasses set ``name``, ``gates`` (G: ``W_hh`` is ``(G H, H)``),
+    ``state_factor`` (the scan state is ``state_factor * H``), ``has_cell_state`` and ``cost``."""
+
+    name: str
+    gates: int
+    state_factor: int = 1
+    has_cell_state: bool = False
+    cost: CellCost
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def torch_forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> tuple:
+        """Torch's fused forward (no factors): ``(out,)`` or ``(out, c_n)``; differentiable by autograd."""
+        out, _ = _VF_FORWARD[self.name](x, h0[None], tuple(weights), len(weights) == 4, 1, 0.0, False, False, True)
+        return (out,)
+
+    def forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> list[Tensor]:
+        """``[out, (c_n,) *factors]``: the compiled kernel where it runs, else torch plus the factors."""
+        gi = self._input_projection(x, weights)
+        result = self._native_forward(gi, h0, c0, weights) if _native_ok(x) else None
+        if result is None:
+            result = self._torch_forward_with_factors(x, h0, c0, weights)
+        return list(result)
+
+    def _input_projection(self, x: Tensor, weights: Sequence[Tensor]) -> Tensor:
+        """``x W_ihᵀ + b_ih`` (``+ b_hh`` where it sits outside the nonlinearity's gating): one GEMM."""
+        w_ih = weights[0]
+        flat = x.reshape(-1, x.shape[-1])
+        if len(weights) == 4:
+            bias = weights[2] + weights[3] if self._folds_hidden_bias else weights[2]
+            return torch.addmm(bias, flat, w_ih.T).view(*x.shape[:2], -1)
+        return (flat @ w_ih.T).view(*x.shape[:2], -1)
+
+    _folds_hidden_bias = True
+
+    def _native_forward(self, gi, h0, c0, weights) -> tuple | None:
+        raise NotImplementedError
+
+    def _torch_forward_with_factors(self, x, h0, c0, weights) -> tuple:
+        raise NotImplementedError
+
+    def factor_shapes(self, batch: int, n: int, hidden: int) -> list[tuple[int, ...]]:
+        """Shapes of the factors :meth:`forward` returns after the outputs (for the ops' fake kernels)."""
+        raise NotImplementedError
+
+    # ---- backward --------------------------------------------------------------------------------
+    def jacobians(self, out: Tensor, factors: Sequence[Tensor], w_hh: Tensor) -> FactoredJacobians:
+        """The step Jacobians of the chain, factored (the scan state is ``state_factor * H``)."""
+        raise NotImplementedError
+
+    def gate_gradients(self, g: Tensor, factors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``(d_gi, d_gh)``, the gradients of ``x W_ihᵀ + b_ih`` and ``h W_hhᵀ + b_hh`` from the scan's
+        state gradients ``g`` ``(B, n, d)`` of ``x_1..x_n``."""
+        raise NotImplementedError
+
+    def direct_gradients(self, grad_out: Tensor | None, grad_cn: Tensor | None, like: Tensor) -> Tensor:
+        """``(B, n + 1, d)`` direct gradients of the scan states ``x_0..x_n`` (zero at ``x_0``)."""
+        batch, n, hidden = like.shape
+        direct = like.new_zeros(batch, n + 1, self.state_factor * hidden)
+        if grad_out is not None:
+            direct[:, 1:, :hidden] = grad_out
+        if grad_cn is not None:
+            direct[:, n, hidden:] = grad_cn
+        return direct
+
+    def plan(self, algorithm: str, *, batch: int, n: int, hidden: int, device: str, dtype: torch.dtype) -> plan.Plan:
+        """The scan plan of this cell's backward (what :meth:`backward` runs and the modules report)."""
+        d, width = self.state_factor * hidden, self.jacobian_width(hidden)
+        return plan.choose(algorithm, n=n, d=d, batch=batch, width=width, device=device, dtype=dtype)
+
+    def jacobian_width(self, hidden: int) -> int:
+        """Rows of the factored weight (``k d``)."""
+        return self.gates * hidden
+
+    def backward(
+        self,
+        algorithm: str,
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        weights: Sequence[Tensor],
+        out: Tensor,
+        factors: Sequence[Tensor],
+        grad_out: Tensor | None,
+        grad_cn: Tensor | None,
+    ) -> list[Tensor]:
+        """Every input gradient: ``[grad_x, grad_h0, (grad_c0,) grad_W_ih, grad_W_hh, (grad_b_ih, grad_b_hh)]``.
+
+        Runs in the parameters' dtype (under autocast the forward ran in half precision).
+        """
+        dtype = weights[0].dtype
+        x_, out_, h0_ = x.to(dtype), out.to(dtype), h0.to(dtype)
+        c0_ = None if c0 is None else c0.to(dtype)
+        factors = [f.to(dtype) for f in factors]
+        grad_out = None if grad_out is None else grad_out.to(dtype)
+        grad_cn = None if grad_cn is None else grad_cn.to(dtype)
+        batch, n, hidden = out.shape
+        chosen = self.plan(algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type, dtype=dtype)
+        fused = None
+        if chosen.kernel == "c" and chosen.algorithm == "linear" and _native_ok(out_):
+            fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_cn)
+        if fused is None:
+            jac = self.jacobians(out_, factors, weights[1])
+            g = ops.execute_factored(chosen, jac, self.direct_gradients(grad_out, grad_cn, out_))
+            d_gi, d_gh = self.gate_gradients(g[:, 1:], factors)
+            starts = list(g[:, 0].split(hidden, -1))
+        else:
+            d_gi, d_gh, *starts = fused
+        h_prev = torch.cat([h0_.unsqueeze(1), out_[:, :-1]], 1)
+        grads = [
+            *_parameter_free_gradients(d_gi, weights[0], x, starts, h0, c0),
+            *_parameter_gradients(d_gi, d_gh, x_, h_prev, len(weights) == 4),
+        ]
+        return grads
+
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn) -> tuple | None:
+        raise NotImplementedError
+
+
+def _parameter_free_gradients(
+    d_gi: Tensor, w_ih: Tensor, x: Tensor, starts: list[Tensor], h0: Tensor, c0: Tensor | None
+) -> list[Tensor]:
+    """``grad_x = d_gi W_ih`` and the initial states' gradients, each in its input's dtype."""
+    grad_x = (d_gi.reshape(-1, d_gi.shape[-1]) @ w_ih).view(x.shape).to(x.dtype)
+    grads = [grad_x, starts[0].to(h0.dtype)]
+    if c0 is not None:
+        grads.append(starts[1].to(c0.dtype))
+    return grads
+
+
+def _parameter_gradients(d_gi: Tensor, d_gh: Tensor, x: Tensor, h_prev: Tensor, bias: bool) -> list[Tensor]:
+    """Eq. 2: every parameter gradient is one GEMM over all ``B n`` steps."""
+    dgi, dgh = d_gi.reshape(-1, d_gi.shape[-1]), d_gh.reshape(-1, d_gh.shape[-1])
+    grads = [dgi.T @ x.reshape(-1, x.shape[-1]), dgh.T @ h_prev.reshape(-1, h_prev.shape[-1])]
+    if bias:
+        ones = dgi.new_ones(dgi.shape[0])  # a column sum as a GEMV: several times faster than sum(0)
+        grad_b_ih = dgi.T @ ones
+        grads += [grad_b_ih, grad_b_ih.clone() if dgh is dgi else dgh.T @ ones]
+    return grads
+
+
+def _native_ok(x: Tensor) -> bool:
+    """Whether the compiled cell kernels may run on ``x`` (CPU, float32/float64, kernel built)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and native.available()
+
+
+class RNNCell(RecurrentCell):
+    """Elman RNN ``h_t = f(x_t W_ihᵀ + b_ih + h_{t-1} W_hhᵀ + b_hh)``: ``J_t = diag(f'_t) W_hh`` (k = 1).
+
+    Factor: ``slope`` ``(B, n, H)`` = ``f'``: ``1 - h²`` (tanh) or the ReLU mask (1 where NOT ``h <= 0``, as
+    torch's ``threshold_backward``: a NaN output passes the gradient).
+    """
+
+    gates = 1
+
+    def __init__(self, nonlinearity: str) -> None:
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity must be 'tanh' or 'relu'; got {nonlinearity!r}")
+        self.name = f"rnn_{nonlinearity}"
+        self.relu = nonlinearity == "relu"
+        self.cost = CellCost(autograd_ops_per_step=3.5, gates=1, state_factor=1)
+
+    def _native_forward(self, gi, h0, c0, weights):
+        return native.rnn_forward(gi, weights[1], None, h0, self.relu)
+
+    def _torch_forward_with_factors(self, x, h0, c0, weights):
+        (out,) = self.torch_forward(x, h0, c0, weights)
+        slope = (~(out <= 0)).to(out.dtype) if self.relu else 1 - out * out
+        return out, slope
+
+    def factor_shapes(self, batch, n, hidden):
+        return [(batch, n, hidden)]
+
+    def jacobians(self, out, factors, w_hh):
+        return FactoredJacobians(w_hh, factors[0])
+
+    def gate_gradients(self, g, factors):
+        slope = factors[0]
+        # select, not multiply, for ReLU: torch's backward gives 0 there even for a NaN gradient
+        d_a = torch.where(slope != 0, g * slope, 0.0) if self.relu else g * slope
+        return d_a, d_a
+
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
+        if grad_out is None:
+            return None
+        result = native.rnn_backward(factors[0], w_hh, grad_out.contiguous(), self.relu)
+        return None if result is None else (result[0], result[0], result[1])
+
+
+class GRUCell(RecurrentCell):
+    """GRU, Appendix E Eq. 11: ``J_t = diag(z) + [diag(s_r) diag(s_z) diag(s_n)] W_hh`` (k = 3).
+
+    Factors: ``scales`` ``(B, n, 3H)``, ``z`` ``(B, n, H)``, ``dn = (1-z)(1-n²)`` ``(B, n, H)`` (the input
+    gate gradient's n block, which the hidden one scales by ``r``).
+    """
+
+    name = "gru"
+    gates = 3
+    _folds_hidden_bias = False  # b_hh's n block sits inside r ⊙ (.)
+
+    def __init__(self) -> None:
+        self.cost = CellCost(autograd_ops_per_step=10.0, gates=3, state_factor=1)
+
+    def _native_forward(self, gi, h0, c0, weights):
+        return native.gru_forward(gi, weights[1], weights[3] if len(weights) == 4 else None, h0)
+
+    def _torch_forward_with_factors(self, x, h0, c0, weights):
+        (out,) = self.torch_forward(x, h0, c0, weights)
+        h_prev = torch.cat([h0.unsqueeze(1), out[:, :-1]], 1)
+        b_ih, b_hh = weights[2:] if len(weights) == 4 else (None, None)
+        jac, local = gru_jacobians(x, h_prev, weights[0], weights[1], b_ih, b_hh)
+        hidden = h0.shape[-1]
+        return out, jac.scales, jac.diagonal, local[..., 2 * hidden :].contiguous()
+
+    def factor_shapes(self, batch, n, hidden):
+        return [(batch, n, 3 * hidden), (batch, n, hidden), (batch, n, hidden)]
+
+    def jacobians(self, out, factors, w_hh):
+        return FactoredJacobians(w_hh, factors[0], factors[1])
+
+    def gate_gradients(self, g, factors):
+        scales, _, dn = factors
+        hidden = g.shape[-1]
+        d_gh = torch.cat([g, g, g], -1) * scales  # cat: 2x faster than repeat
+        d_gi = d_gh.clone()
+        torch.mul(g, dn, out=d_gi[..., 2 * hidden :])
+        return d_gi, d_gh
+
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
+        if grad_out is None:
+            return None
+        return native.gru_backward(*factors, w_hh, grad_out.contiguous())
+
+
+class LSTMCell(RecurrentCell):
+    """LSTM over the joint state ``[h; c]`` (``d = 2H``), gates ``[i, f, g, o]``.
+
+    Its step Jacobian is structured, never a dense ``2H x 2H``: with ``x = [g_h, g_c]`` (row form)::
+
+        gc_tot = g_c + g_h ⊙ o ⊙ tanh'(c)          d_gates = tile(g_h, 4) ⊙ local_h + tile(g_c, 4) ⊙ local_c
+        g_h' = d_gates W_hh                          g_c' = gc_tot ⊙ f
+
+    which is a factored Jacobian with k = 5 tiles of the joint state over ``W5`` ``(10 H, 2 H)``: tile q < 4
+    scales ``[g_h, g_c]`` by ``[local_h_q, local_c_q]`` against ``[[W_q, 0], [W_q, 0]]``, tile 4 by
+    ``[o tanh'(c) f, f]`` against ``[[0, I], [0, I]]``. The compiled backward runs the recursion directly.
+    Factors: ``cells`` ``(B, n, H)`` = ``c_1..c_n`` and ``gates`` ``(B, n, 4H)`` (activated).
+    """
+
+    name = "lstm"
+    gates = 4
+    state_factor = 2
+    has_cell_state = True
+
+    def __init__(self) -> None:
+        # torch's CPU LSTM backward is one fused op per step
+        self.cost = CellCost(autograd_ops_per_step=1.0, gates=4, state_factor=2)
+
+    def jacobian_width(self, hidden: int) -> int:
+        return 10 * hidden
+
+    def torch_forward(self, x, h0, c0, weights):
+        out, _, c_n = torch._VF.lstm(x, (h0[None], c0[None]), tuple(weights), len(weights) == 4, 1, 0.0, False,
+                                     False, True)  # fmt: skip
+        return out, c_n[0]
+
+    def _native_forward(self, gi, h0, c0, weights):
+        result = native.lstm_forward(gi, weights[1], h0, c0)
+        if result is None:
+            return None
+        out, cells, gates = result
+        return out, cells[:, -1].clone(), torch.cat([c0.unsqueeze(1), cells], 1), gates
+
+    def _torch_forward_with_factors(self, x, h0, c0, weights):
+        out, c_n = self.torch_forward(x, h0, c0, weights)
+        h_prev = torch.cat([h0.unsqueeze(1), out[:, :-1]], 1)
+        b_ih, b_hh = weights[2:] if len(weights) == 4 else (None, None)
+        gi, gh = gate_preactivations(x, h_prev, weights[0], weights[1], b_ih, b_hh)
+        pre = gi + gh
+        hidden = h0.shape[-1]
+        gates = torch.cat([torch.sigmoid(pre[..., : 2 * hidden]), torch.tanh(pre[..., 2 * hidden : 3 * hidden]),
+                           torch.sigmoid(pre[..., 3 * hidden :])], -1)  # fmt: skip
+        i, f, g, _ = gates.split(hidden, -1)
+        ig = i * g
+        cells = x.new_empty(x.shape[1] + 1, x.shape[0], hidden)  # time-major: every step a contiguous block
+        cells[0] = c0
+        for t in range(x.shape[1]):  # c_t = f_t c_{t-1} + i_t g_t: element-wise, no GEMM
+            torch.addcmul(ig[:, t], f[:, t], cells[t], out=cells[t + 1])
+        return out, c_n, cells.transpose(0, 1).contiguous(), gates
+
+    def factor_shapes(self, batch, n, hidden):
+        return [(batch, n + 1, hidden), (batch, n, 4 * hidden)]
+
+    def _locals(self, factors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """``local_h``, ``local_c`` ``(B, n, 4H)`` and the tile-4 scales ``[o tanh'(c) f, f]`` ``(B, n, 2H)``."""
+        cells, gates = factors
+        hidden = cells.shape[-1]
+        i, f, g, o = gates.split(hidden, -1)
+        c_prev, c = cells[:, :-1], cells[:, 1:]
+        tc = torch.tanh(c)
+        dtc = o * (1 - tc * tc)
+        local_c = torch.cat([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g), torch.zeros_like(o)], -1)
+        local_h = local_c * torch.cat([dtc] * 4, -1)
+        local_h[..., 3 * hidden :] = tc * o * (1 - o)
+        return local_h, local_c, torch.cat([dtc * f, f], -1)
+
+    def jacobians(self, out, factors, w_hh):
+        local_h, local_c, carry = self._locals(factors)
+        hidden = w_hh.shape[1]
+        tiles = [torch.cat([h, c], -1) for h, c in zip(local_h.split(hidden, -1), local_c.split(hidden, -1), strict=True)]
+        return FactoredJacobians(_joint_weight(w_hh), torch.cat([*tiles, carry], -1))
+
+    def gate_gradients(self, g, factors):
+        local_h, local_c, _ = self._locals(factors)
+        hidden = g.shape[-1] // 2
+        gh, gc = g[..., :hidden], g[..., hidden:]
+        d_gates = torch.cat([gh] * 4, -1) * local_h + torch.cat([gc] * 4, -1) * local_c
+        return d_gates, d_gates
+
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
+        cells, gates = factors
+        return native.lstm_backward(gates, cells[:, 1:].contiguous(), c0, w_hh, _contiguous(grad_out),
+                                    _contiguous(grad_cn))  # fmt: skip
+
+
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _joint_weight(w_hh: Tensor) -> Tensor:
+    """``W5`` ``(10 H, 2 H)`` of :class:`LSTMCell`: ``[[W_q, 0], [W_q, 0]]`` for each gate q, then
+    ``[[0, I], [0, I]]``."""
+    hidden = w_hh.shape[1]
+    zeros = w_hh.new_zeros(hidden, hidden)
+    eye = torch.eye(hidden, dtype=w_hh.dtype, device=w_hh.device)
+    blocks = [torch.cat([w, zeros], 1) for w in w_hh.split(hidden, 0) for _ in range(2)]
+    return torch.cat([*blocks, torch.cat([zeros, eye], 1), torch.cat([zeros, eye], 1)], 0)
+
+
+#: every built-in cell by the name the ``bppsa::recurrent_*`` ops carry
+CELLS: dict[str, RecurrentCell] = {
+    cell.name: cell for cell in (RNNCell("tanh"), RNNCell("relu"), GRUCell(), LSTMCell())
+}
+
+
+def cell_of(mode: str) -> RecurrentCell:
+    """The cell of a torch ``nn.RNNBase`` ``mode`` (``"RNN_TANH"``, ``"RNN_RELU"``, ``"GRU"``, ``"LSTM"``)."""
+    return CELLS[mode.lower()]
+
+
+# --------------------------------------------------------------------------------------------------
+# The layer's two ops: one node each for torch.compile; the plan is decided inside, at run time.
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("bppsa::recurrent_forward", mutates_args=())
+def recurrent_forward(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
+    """``[out, (c_n,) *factors]`` of one layer (see :meth:`RecurrentCell.forward`); batch-first ``x``."""
+    return CELLS[cell].forward(x, h0, c0, weights)
+
+
+@recurrent_forward.register_fake
+def _(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
+    kind = CELLS[cell]
+    batch, n, hidden = x.shape[0], x.shape[1], h0.shape[-1]
+    outputs = [x.new_empty(batch, n, hidden)] + ([x.new_empty(batch, hidden)] if kind.has_cell_state else [])
+    return outputs + [x.new_empty(shape) for shape in kind.factor_shapes(batch, n, hidden)]
+
+
+@torch.library.custom_op("bppsa::recurrent_backward", mutates_args=())
+def recurrent_backward(
+    cell: str,
+    algorithm: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    out: Tensor,
+    factors: list[Tensor],
+    grad_out: Tensor | None,
+    grad_cn: Tensor | None,
+) -> list[Tensor]:
+    """Every input gradient of one layer (see :meth:`RecurrentCell.backward`)."""
+    grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn)
+    return [g.clone() if g._base is not None else g for g in grads]  # outputs must not alias each other
+
+
+@recurrent_backward.register_fake
+def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn) -> list[Tensor]:
+    states = [h0] + ([c0] if c0 is not None else [])
+    return [torch.empty_like(x)] + [torch.empty_like(s) for s in states] + [torch.empty_like(w) for w in weights]

@@ -1,0 +1,100 @@
+"""The plan of one scan, decided once, at run time: which kernel runs which algorithm with which chunk.
+
+:func:`choose` is the one place where a scan's kernel and algorithm are decided. The ``bppsa::`` ops
+(:mod:`lightning_bppsa.ops`) call it inside their kernels, i.e. when the scan actually runs, with concrete
+shapes, device and dtype: never while ``torch.compile`` traces (an answer there would be baked into the
+graph), and without reading tensor values (a device sync on CUDA). The modules call the same function to
+report what ran.
+
+- CUDA: the CuPy kernels (:mod:`lightning_bppsa.kernels.cuda`) where they load and the state fits them,
+  with their own launch model (:mod:`lightning_bppsa.cuda_cost_model`); else the torch implementation.
+- CPU: the torch implementation with its linear sweeps in the compiled C kernel
+  (:mod:`lightning_bppsa.kernels.cpu`) where it builds; ``"auto"`` ranks the algorithms with
+  :mod:`lightning_bppsa.cost_model`.
+- Any other device: the torch implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from lightning_bppsa import cost_model
+from lightning_bppsa.algorithms import compute_dtype
+from lightning_bppsa.cuda_cost_model import cuda_choose
+from lightning_bppsa.kernels import cpu as cpu_kernel
+from lightning_bppsa.kernels import cuda as cuda_kernel
+
+__all__ = ["ALGORITHMS", "Plan", "check_algorithm", "choose"]
+
+#: what a user may ask for; "auto" is resolved by :func:`choose`
+ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
+
+
+def check_algorithm(algorithm: object, name: str = "algorithm") -> None:
+    """Raise a one-line ``ValueError`` unless ``algorithm`` is one of :data:`ALGORITHMS`."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{name} must be one of {ALGORITHMS}; got {algorithm!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one scan runs.
+
+    Attributes:
+        kernel: ``"c"`` (the compiled CPU sweeps), ``"cuda"`` (the CuPy kernels) or ``"torch"``.
+        algorithm: ``"linear"``, ``"blelloch"`` or ``"chunked"``.
+        chunk: the chunk size of ``"chunked"`` (1 otherwise).
+        reason: one line: why this kernel and algorithm.
+    """
+
+    kernel: str
+    algorithm: str
+    chunk: int
+    reason: str
+
+    def __str__(self) -> str:
+        algorithm = f"chunked(c={self.chunk})" if self.algorithm == "chunked" else self.algorithm
+        return f"{algorithm} [{self.kernel}]"
+
+
+def choose(
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str, dtype: torch.dtype
+) -> Plan:
+    """The plan of one scan of ``n`` steps over ``batch`` rows of a ``d``-state.
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        width: the factored weight's rows ``m`` (``FactoredJacobians``), ``None`` for dense Jacobians.
+        device: the device type (``"cpu"``, ``"cuda"``, ...).
+        dtype: the inputs' dtype (half precision computes in float32).
+    """
+    check_algorithm(algorithm)
+    return _choose(algorithm, n, d, batch, width, device, compute_dtype(dtype))
+
+
+@lru_cache(maxsize=4096)  # called on every scan; shapes repeat from batch to batch
+def _choose(
+    algorithm: str, n: int, d: int, batch: int, width: int | None, device: str, dtype: torch.dtype
+) -> Plan:
+    element_bytes = torch.finfo(dtype).bits // 8
+    if device == "cuda":
+        ok, reason = cuda_kernel.available()
+        if ok:
+            ok, reason = cuda_kernel.fits(d, element_bytes)
+        if ok:
+            name, chunk = cuda_choose(algorithm, n=n, d=d, batch=batch, width=width)
+            return Plan("cuda", name, chunk, "CUDA kernels, launch model of cuda_cost_model")
+        kernel, why = "torch", f"torch implementation on CUDA: {reason}"
+    elif device == "cpu" and cpu_kernel.available() and dtype in (torch.float32, torch.float64):
+        kernel, why = "c", "compiled C sweeps"
+    else:
+        kernel, why = "torch", "torch implementation" + (" (no C kernel)" if device == "cpu" else "")
+    native = kernel == "c"
+    chunk = cost_model.best_chunk(n=n, d=d, batch=batch, width=width, device=device, native=native)
+    if algorithm != "auto":
+        return Plan(kernel, algorithm, chunk, f"{why}; {algorithm} as asked")
+    name = cost_model.fastest(n=n, d=d, batch=batch, width=width, device=device, native=native, chunk=chunk)
+    return Plan(kernel, name, chunk, f"{why}; {name} predicted fastest by cost_model")
