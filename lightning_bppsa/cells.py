@@ -145,6 +145,8 @@ class RecurrentCell:
         fused = None
         if chosen.kernel == "c" and chosen.algorithm == "linear" and _native_ok(out_):
             fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_cn)
+        if fused is None and self._needs_torch_semantics(out_, grad_out):
+            fused = self._select_sweep(factors, weights[1], self.direct_gradients(grad_out, grad_cn, out_))
         if fused is None:
             jac = self.jacobians(out_, factors, weights[1])
             g = ops.execute_factored(chosen, jac, self.direct_gradients(grad_out, grad_cn, out_))
@@ -161,6 +163,44 @@ class RecurrentCell:
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn) -> tuple | None:
         raise NotImplementedError
+
+    def _needs_torch_semantics(self, out: Tensor, grad_out: Tensor | None) -> bool:
+        """Whether only a step-by-step backward gives torch's result (the ReLU RNN with non-finite values:
+        torch's backward selects, ``0 * nan`` in a scan's product would not)."""
+        return False
+
+    def _select_sweep(self, factors: Sequence[Tensor], w_hh: Tensor, direct: Tensor) -> tuple:
+        raise NotImplementedError
+
+    def autograd_gradients(
+        self,
+        low: torch.dtype | None,
+        inputs: Sequence[Tensor | None],
+        needs: Sequence[bool],
+        grad_outputs: Sequence[Tensor | None],
+        create_graph: bool,
+    ) -> list[Tensor | None]:
+        """Autograd through the recomputed :meth:`torch_forward` (run in ``low`` if given, as under
+        autocast): the gradients BPPSA must reproduce, of ``inputs = (x, h0, c0, *weights)``.
+
+        With ``create_graph`` the recomputation starts from the layer's own inputs, so the gradients are
+        functions of them (and of ``grad_outputs``) that autograd can differentiate again.
+        """
+        if create_graph:
+            leaves = list(inputs)
+        else:
+            given = zip(inputs, needs, strict=True)
+            leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in given]
+        with torch.enable_grad():
+            args = leaves if low is None else [None if t is None else t.to(low) for t in leaves]
+            outputs = self.torch_forward(args[0], args[1], args[2], tuple(args[3:]))
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if g is not None]
+        wanted = [t for t, need in zip(leaves, needs, strict=True) if t is not None and need]
+        found = torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, create_graph=create_graph
+        )
+        by_id = {id(t): g for t, g in zip(wanted, found, strict=True)}
+        return [None if t is None else by_id.get(id(t)) for t in leaves]
 
 
 def _parameter_free_gradients(
@@ -225,6 +265,22 @@ class RNNCell(RecurrentCell):
         # select, not multiply, for ReLU: torch's backward gives 0 there even for a NaN gradient
         d_a = torch.where(slope != 0, g * slope, 0.0) if self.relu else g * slope
         return d_a, d_a
+
+    def _needs_torch_semantics(self, out, grad_out):
+        # values are read on CPU only (on CUDA it would be a sync; there a NaN may spread further than torch's)
+        if not self.relu or out.device.type != "cpu":
+            return False
+        return not (bool(torch.isfinite(out).all()) and (grad_out is None or bool(torch.isfinite(grad_out).all())))
+
+    def _select_sweep(self, factors, w_hh, direct):
+        """``(d_a, d_a, g_0)`` by torch's sequential ReLU backward, ``d_a = where(mask, g, 0)``."""
+        mask, n = factors[0] != 0, direct.shape[1] - 1
+        d_a = torch.empty_like(factors[0])
+        g = direct[:, n]
+        for t in range(n - 1, -1, -1):
+            d_a[:, t] = torch.where(mask[:, t], g, 0.0)
+            g = d_a[:, t] @ w_hh + direct[:, t]
+        return d_a, d_a, g
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
         if grad_out is None:

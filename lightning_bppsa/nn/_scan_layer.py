@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_bppsa.cells import CELLS, RecurrentCell
+from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 
@@ -58,7 +58,7 @@ class LayerFunction(torch.autograd.Function):
         # penalty): the scan's result is not differentiable, autograd's through the recomputed forward is
         create_graph = torch.is_grad_enabled()
         if create_graph or reference_backward_enabled():
-            grads = _autograd_grads(cell, ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
+            grads = cell.autograd_gradients(ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
         else:
             start = clock()
             grads = torch.ops.bppsa.recurrent_backward(
@@ -74,33 +74,3 @@ class LayerFunction(torch.autograd.Function):
                 ctx.stats["scan_algorithm"] = str(chosen)
                 ctx.stats["plan"] = f"scan {chosen}"
         return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
-
-
-def _autograd_grads(
-    cell: RecurrentCell,
-    low: torch.dtype | None,
-    inputs: tuple[Tensor | None, ...],
-    needs: tuple[bool, ...],
-    grad_outputs: tuple[Tensor | None, ...],
-    create_graph: bool,
-) -> list[Tensor | None]:
-    """Autograd through the cell's recomputed torch forward: the gradients BPPSA must reproduce.
-
-    With ``create_graph`` the recomputation starts from the layer's own inputs, so the gradients are
-    functions of them (and of ``grad_outputs``) that autograd can differentiate again.
-    """
-    if create_graph:
-        leaves = list(inputs)
-    else:
-        given = zip(inputs, needs, strict=True)
-        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in given]
-    with torch.enable_grad():
-        args = leaves if low is None else [None if t is None else t.to(low) for t in leaves]  # as the forward ran
-        outputs = cell.torch_forward(args[0], args[1], args[2], tuple(args[3:]))
-    pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if g is not None]
-    wanted = [t for t, need in zip(leaves, needs, strict=True) if t is not None and need]
-    found = torch.autograd.grad(
-        [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, create_graph=create_graph
-    )
-    by_id = {id(t): g for t, g in zip(wanted, found, strict=True)}
-    return [None if t is None else by_id.get(id(t)) for t in leaves]

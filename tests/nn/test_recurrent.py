@@ -483,12 +483,12 @@ def test_jit_script_runs_torchs_forward_on_the_same_parameters(cell):
 def test_compile_fullgraph_runs_the_scan_and_equals_torch(cell, monkeypatch):
     import torch._dynamo
 
-    from lightning_bppsa.nn import _scan_layer
+    from lightning_bppsa.cells import RecurrentCell
 
     def autograd_fallback(*args, **kwargs):
         raise AssertionError("the compiled backward must be the scan, not the autograd fallback")
 
-    monkeypatch.setattr(_scan_layer, "_autograd_grads", autograd_fallback)
+    monkeypatch.setattr(RecurrentCell, "autograd_gradients", autograd_fallback)
     torch._dynamo.reset()
     ours = PAIRS[cell][0](3, 4, algorithm="chunked", dtype=torch.float64)
     ref = PAIRS[cell][1](3, 4, dtype=torch.float64)
@@ -502,3 +502,42 @@ def test_compile_fullgraph_runs_the_scan_and_equals_torch(cell, monkeypatch):
     assert ours.last_stats["path"] == "scan" and ours.last_stats["scan_seconds"] == 0  # no clock in a graph
     for a, b in zip(actual, expected, strict=True):
         assert_derived_close(a, b, floor=1e-9)
+
+
+def test_compiled_module_takes_a_new_batch_size_without_planning_in_the_trace():
+    """Issue #19 item 4: a smaller last batch under torch.compile(fullgraph=True) (dynamic shapes)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    ours = bnn.RNN(3, 5, batch_first=True, algorithm="linear").double()
+    ref = _torch_twin("RNN", ours).double()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(allow_rnn=True):
+        for batch in (4, 3, 2):
+            x = torch.randn(batch, 7, 3, dtype=torch.float64)
+            actual = torch.autograd.grad(compiled(x)[0].pow(2).sum(), list(ours.parameters()))
+            expected = torch.autograd.grad(ref(x)[0].pow(2).sum(), list(ref.parameters()))
+            for a, b in zip(actual, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ["linear", "chunked"])
+def test_relu_rnn_matches_torch_where_nans_reach_the_forward_or_the_gradient(algorithm):
+    """Issue #19 item 5: torch's ReLU backward passes the gradient through a NaN output and gives 0 where
+    the output is <= 0 even for a NaN upstream gradient."""
+    torch.manual_seed(3)
+    ours = bnn.RNN(2, 4, nonlinearity="relu", batch_first=True, algorithm=algorithm).double()
+    ref = nn.RNN(2, 4, nonlinearity="relu", batch_first=True).double()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 6, 2, dtype=torch.float64)
+    x[0, 3, 0] = float("nan")
+    grad = torch.randn(2, 6, 4, dtype=torch.float64)
+    grad[1, 2, 1] = float("nan")
+    results = []
+    for module in (ours, ref):
+        leaf = x.clone().requires_grad_()
+        out, _ = module(leaf)
+        out.backward(grad)
+        results.append([out, leaf.grad, *(p.grad for p in module.parameters())])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True)
