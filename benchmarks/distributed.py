@@ -6,7 +6,7 @@ Writes ``benchmarks/results/distributed-cpu.md``.
 A chain of ``T`` steps (hidden ``H``, batch ``B``) with factored Jacobians ``J_t = diag(f'_t) W_hh`` is
 split over ``p`` processes (one intra-op thread each). Two backward passes over the same segments:
 
-- BPPSA: :func:`lightning_bppsa.distributed.backprop_scan` (local reduce, ``⌈log2 p⌉`` message rounds,
+- BPPSA: :func:`lightning_bppsa.distributed.distributed_backprop_scan` (local reduce, ``⌈log2 p⌉`` message rounds,
   local down-sweep): ``2T/p + ⌈log2 p⌉`` sequential steps for ``p > 1`` (``T`` for ``p = 1``).
 - Pipeline (naive model parallelism): rank ``r`` waits for ``g`` at its right boundary from rank
   ``r + 1``, back-propagates its segment step by step, sends ``g`` at its left boundary to ``r - 1``:
@@ -101,7 +101,7 @@ def _measure(rank: int, world: int, out_path: str) -> None:
     last = grad_last if rank == world - 1 else None
     row = {
         "p": world,
-        "bppsa_s": _timed(lambda: distributed.backprop_scan(jac, last)),
+        "bppsa_s": _timed(lambda: distributed.distributed_backprop_scan(jac, last)),
         "pipeline_s": _timed(lambda: _pipeline(jac, grad_last, rank, world)),
     }
     if world == 1:  # per-step costs of the local phases, for the model

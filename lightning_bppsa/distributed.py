@@ -41,7 +41,7 @@ from lightning_bppsa._chains import flush_denormals, time_major_chain
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.scan import backprop_scan as _local_scan
 
-__all__ = ["DistributedScanError", "backprop_scan", "scan_rounds", "segment_summary"]
+__all__ = ["DistributedScanError", "distributed_backprop_scan", "scan_rounds", "segment_summary"]
 
 Jacobians = Tensor | FactoredJacobians
 
@@ -163,7 +163,7 @@ def _shape(jacobians_t: Jacobians) -> tuple[Tensor, int, int]:
     return jacobians_t, jacobians_t.shape[1], jacobians_t.shape[-1]
 
 
-def backprop_scan(
+def distributed_backprop_scan(
     jacobians_t_local: Jacobians,
     grad: Tensor | None,
     *,
@@ -200,12 +200,12 @@ def backprop_scan(
     Example (on each of 2 ranks of an initialised group; chain of 4 steps split 3 + 1)::
 
         jt = 0.5 * torch.eye(3).expand(2, 3 if rank == 0 else 1, 3, 3)
-        g = distributed.backprop_scan(jt, torch.ones(2, 3) if rank == 1 else None)
+        g = distributed.distributed_backprop_scan(jt, torch.ones(2, 3) if rank == 1 else None)
         # rank 0: g[0, :, 0] = [0.0625, 0.125, 0.25, 0.5]; rank 1: [0.5, 1.0]
     """
     if not dist.is_initialized():
         raise RuntimeError(
-            "lightning_bppsa.distributed.backprop_scan needs torch.distributed.init_process_group"
+            "lightning_bppsa.distributed.distributed_backprop_scan needs torch.distributed.init_process_group"
         )
     like, n, d = _shape(jacobians_t_local)
     if n < 1:

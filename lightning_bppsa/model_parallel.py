@@ -7,7 +7,7 @@ steps ``s_r + 1 .. s_{r+1}`` of every sequence (``T`` split as evenly as possibl
   (fast) RNN kernel, sends ``h_{s_{r+1}}`` on; the last state ``h_T`` is broadcast, so every rank
   computes the head and the loss identically.
 - Backward: the step Jacobians ``J_t = diag(f'(a_t)) W_hh`` stay factored; the gradients of the
-  segment's states come from :func:`lightning_bppsa.distributed.backprop_scan`
+  segment's states come from :func:`lightning_bppsa.distributed.distributed_backprop_scan`
   (``Θ(T/p + log p)`` steps); the weight gradients are batched GEMMs over the segment
   (``∂l/∂W_hh = Σ_t (g_t ⊙ f'_t) h_{t-1}ᵀ``, Eq. 2) summed over ranks with one all-reduce.
   Head gradients are computed identically on every rank, so every rank takes the same optimizer step.
@@ -88,7 +88,7 @@ class _SplitSequence(torch.autograd.Function):
         after = states[:, 1:]
         slope = 1 - after * after if rnn.nonlinearity == "tanh" else (after > 0).to(after.dtype)
         jac = FactoredJacobians(rnn.weight_hh_l0, slope)  # J_t = diag(f'(a_t)) W_hh
-        g = distributed.backprop_scan(jac, grad_last[0] if ctx.last else None)
+        g = distributed.distributed_backprop_scan(jac, grad_last[0] if ctx.last else None)
         pre = g[:, 1:] * slope  # ∂l/∂a_t, (B, n, H)
         grads = [
             torch.einsum("bth,bti->hi", pre, x_seg),

@@ -29,7 +29,7 @@ def _peers_fail(rank: int, world: int) -> None:
         with pytest.raises(
             distributed.DistributedScanError, match=f"receiving from rank {peer} failed in round 0"
         ):
-            distributed.backprop_scan(torch.eye(3).expand(1, 4, 3, 3), None, group=group)
+            distributed.distributed_backprop_scan(torch.eye(3).expand(1, 4, 3, 3), None, group=group)
         elapsed = time.monotonic() - start
         assert elapsed < TIMEOUT_S + 3, (
             f"took {elapsed:.1f} s to notice rank {peer}, timeout is {TIMEOUT_S} s"

@@ -1,4 +1,4 @@
-"""``distributed.backprop_scan`` equals the single-process scan over the concatenated chain."""
+"""``distributed.distributed_backprop_scan`` equals the single-process scan over the concatenated chain."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def _check_splits(rank: int, world: int, splits: list[list[int]]) -> None:
                 local[:, -1] = 0
         else:
             local = direct[:, n] if rank == world - 1 else None
-        out = distributed.backprop_scan(_segment(jac, start, stop), local)
-        again = distributed.backprop_scan(_segment(jac, start, stop), local)
+        out = distributed.distributed_backprop_scan(_segment(jac, start, stop), local)
+        again = distributed.distributed_backprop_scan(_segment(jac, start, stop), local)
         assert torch.equal(out, again), "not bitwise reproducible for a fixed split"
         expected = reference[:, start : stop + 1]
         error = (out - expected).abs().max().item() / expected.abs().max().item()
@@ -63,9 +63,9 @@ def _check_two_ranks(rank: int, world: int) -> None:
     _check_splits(rank, world, [[4, 4], [1, 6]])
     if rank == 0:  # both errors are raised before any message is sent
         with pytest.raises(ValueError, match="only accepted on the last rank"):
-            distributed.backprop_scan(torch.ones(1, 2, 3, 3), torch.ones(1, 3))
+            distributed.distributed_backprop_scan(torch.ones(1, 2, 3, 3), torch.ones(1, 3))
         with pytest.raises(ValueError, match="must be zero on every rank but the last"):
-            distributed.backprop_scan(torch.ones(1, 2, 3, 3), torch.ones(1, 3, 3))
+            distributed.distributed_backprop_scan(torch.ones(1, 2, 3, 3), torch.ones(1, 3, 3))
 
 
 @pytest.mark.slow
