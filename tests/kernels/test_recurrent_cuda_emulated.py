@@ -8,12 +8,16 @@ torch float32 run as the baseline. Also the compile gate (nvcc, sm_80 and sm_90,
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from lightning_bppsa.kernels import _nvcc, recurrent_cuda
 from lightning_bppsa.kernels import recurrent_emulated as emulated
+from lightning_bppsa.kernels._build import kernel_path
 
 from lightning_bppsa.jacobians.recurrent import gru_jacobians
 from lightning_bppsa.testing import assert_derived_close
@@ -254,3 +258,24 @@ def test_nvrtc_compiles_what_cupy_loads():
             nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17"])
         except nvrtc.NVRTCError:
             pytest.fail(f"NVRTC ({arch}) failed:\n{nvrtc.getProgramLog(program)}")
+
+
+@pytest.mark.slow  # ~5 s per sanitizer build
+@pytest.mark.parametrize("sanitizers", ["address,undefined", "thread"])
+def test_sanitized_launches(tmp_path, sanitizers):
+    """Every cell and dtype, one warp and several, under ASan + UBSan (exact-size global buffers) and TSan
+    (the one barrier per step orders the state buffers' writes before the next step's reads)."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the emulated kernels")
+    driver = Path(__file__).with_name("recurrent_cuda_sanitize.cpp")
+    binary = tmp_path / "driver"
+    build = subprocess.run(
+        ["g++", "-std=c++20", "-pthread", "-O1", "-g", f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all",
+         "-I", str(kernel_path(".")), "-x", "c++", str(driver), "-o", str(binary)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0, f"the sanitized driver does not build:\n{build.stderr[-3000:]}"
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0", "TSAN_OPTIONS": "halt_on_error=1"}
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and "Sanitizer" not in run.stderr, run.stderr[-3000:]
+    assert "launch status 0" in run.stdout
