@@ -84,12 +84,20 @@ __device__ void layer_forward(const Layer<T>& p) {
     }
     for (int e = threadIdx.x; e < 2 * P; e += blockDim.x) state[e] = e < H ? p.h0[b * H + e] : T(0);
 
+    // Running pointers to unit j of step t (advanced once per step: no 64-bit index products in the loop).
+    constexpr int W0 = C == kGru ? 3 : 1, W1 = C == kLstm ? 4 : 1;  // factor widths, in units of H
+    const i64 first = b * steps;  // row b, step 0
+    const T* gi_t = p.gi + first * G * H + j;
+    T* out_t = p.out + first * H + j;
+    T* f0_t = p.f0 + first * W0 * H + j;
+    T* f1_t = C == kGru || C == kLstm ? p.f1 + first * W1 * H + j : nullptr;
+    T* f2_t = C == kGru ? p.f2 + first * H + j : nullptr;
+
     T h_own = T(0), c_own = T(0), bias[G], next[G];
-    const T* gi_row = p.gi + b * steps * G * H + j;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         bias[g] = active && p.b_hh ? p.b_hh[g * H + j] : T(0);
-        next[g] = active ? gi_row[g * H] : T(0);
+        next[g] = active ? gi_t[g * H] : T(0);
     }
     if (active) {
         h_own = p.h0[b * H + j];
@@ -107,7 +115,7 @@ __device__ void layer_forward(const Layer<T>& p) {
             for (int g = 0; g < G; ++g) x[g] = next[g];
             if (t + 1 < steps)  // prefetch gi_{t+1}
 #pragma unroll
-                for (int g = 0; g < G; ++g) next[g] = gi_row[(t + 1) * G * H + g * H];
+                for (int g = 0; g < G; ++g) next[g] = gi_t[(G + g) * H];
 
             T acc[G][V];
 #pragma unroll
@@ -132,15 +140,14 @@ __device__ void layer_forward(const Layer<T>& p) {
                 gh[g] = sum + bias[g];
             }
 
-            const i64 o = (b * steps + t) * H + j;
             T h_new;
             if constexpr (C == kRnnTanh) {
                 h_new = bppsa_rec::tanh_of(x[0] + gh[0]);
-                p.f0[o] = T(1) - h_new * h_new;
+                *f0_t = T(1) - h_new * h_new;
             } else if constexpr (C == kRnnRelu) {
                 const T a = x[0] + gh[0];
                 h_new = a <= T(0) ? T(0) : a;  // a NaN stays NaN, as torch's relu
-                p.f0[o] = h_new <= T(0) ? T(0) : T(1);
+                *f0_t = h_new <= T(0) ? T(0) : T(1);
             } else if constexpr (C == kGru) {
                 const T r = bppsa_rec::sigmoid_of(x[0] + gh[0]);
                 const T z = bppsa_rec::sigmoid_of(x[1] + gh[1]);
@@ -148,12 +155,11 @@ __device__ void layer_forward(const Layer<T>& p) {
                 const T diff = h_own - n;
                 h_new = diff * z + n;
                 const T dn = (T(1) - z) * (T(1) - n * n);
-                T* scales = p.f0 + (b * steps + t) * 3 * H + j;
-                scales[0] = dn * gh[2] * r * (T(1) - r);
-                scales[H] = diff * z * (T(1) - z);
-                scales[2 * H] = dn * r;
-                p.f1[o] = z;
-                p.f2[o] = dn;
+                f0_t[0] = dn * gh[2] * r * (T(1) - r);  // scales
+                f0_t[H] = diff * z * (T(1) - z);
+                f0_t[2 * H] = dn * r;
+                *f1_t = z;
+                *f2_t = dn;
             } else {
                 const T in = bppsa_rec::sigmoid_of(x[0] + gh[0]);
                 const T forget = bppsa_rec::sigmoid_of(x[1] + gh[1]);
@@ -161,17 +167,21 @@ __device__ void layer_forward(const Layer<T>& p) {
                 const T og = bppsa_rec::sigmoid_of(x[3] + gh[3]);
                 c_own = forget * c_own + in * cand;
                 h_new = og * bppsa_rec::tanh_of(c_own);
-                p.f0[o] = c_own;
-                T* act = p.f1 + (b * steps + t) * 4 * H + j;
-                act[0] = in;
-                act[H] = forget;
-                act[2 * H] = cand;
-                act[3 * H] = og;
+                *f0_t = c_own;  // cells
+                f1_t[0] = in;    // activated gates
+                f1_t[H] = forget;
+                f1_t[2 * H] = cand;
+                f1_t[3 * H] = og;
             }
             h_next[j] = h_new;
             h_own = h_new;
-            p.out[o] = h_new;
+            *out_t = h_new;
         }
+        gi_t += G * H;
+        out_t += H;
+        f0_t += W0 * H;
+        if constexpr (C == kGru || C == kLstm) f1_t += W1 * H;
+        if constexpr (C == kGru) f2_t += H;
         // h_next is complete before anyone reads it; nobody reads h (the buffer step t+1 writes) any more
         if (one_warp)
             bppsa_rec::warp_barrier();
