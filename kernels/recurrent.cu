@@ -1,7 +1,7 @@
 // Forward kernels of whole recurrent layers (one layer, one direction) that emit the states AND the
 // Jacobian factors the BPPSA backward needs, in one pass over time. Torch's gate order.
 //
-// Kernels (suffix f32 / f64), all with the parameters of BPPSA_REC_PARAMS:
+// Kernels (suffix f32 / f64 / f32_regs), all with the parameters of BPPSA_REC_PARAMS:
 //   bppsa_rnn_tanh_forward_*  h = tanh(gi + W h_prev + b)     f0 = slope 1 - h²                 (B, T, H)
 //   bppsa_rnn_relu_forward_*  h = relu(gi + W h_prev + b)     f0 = slope, 0 where h <= 0 else 1 (torch's
 //                             threshold_backward: a NaN output passes the gradient)          (B, T, H)
@@ -19,7 +19,8 @@
 // Schedule: one block per batch row (grid = B), persistent over the T steps. Thread j < H owns hidden
 // unit j: it computes the G gate pre-activations of unit j (G dot products of length H), applies the cell
 // and writes unit j of every output (neighbouring threads write neighbouring addresses: coalesced).
-// - W_hh is loaded ONCE into shared memory, packed so that thread j reads its weights as 16-byte vectors
+// - W_hh is loaded ONCE: into registers in the *_f32_regs kernels (float32, H <= 32: thread j holds row j of
+//   each gate, G x 8 float4), else into shared memory, packed so that thread j reads its weights as 16-byte vectors
 //   (float4 / double2) and the 32 lanes of a warp read 32 consecutive vectors (no bank conflict):
 //       w[((g KC + kc) H + j) V + v] = W_hh[g H + j][kc V + v],  V = 16 / sizeof(T), KC = ceil(H / V)
 //   (columns k >= H are zero padding).
@@ -29,7 +30,8 @@
 // - gi_{t+1} is loaded into registers at the start of step t (its latency hides behind the dot products).
 // - The barrier is __syncwarp when the block is one warp (H <= 32), else __syncthreads.
 // - V independent partial sums per gate (one per vector lane) break the FMA dependency chain.
-// Shared memory: (G H + 2) KC V elements, computed by kernels/recurrent_cuda.py:prepare, which returns
+// Shared memory: (G H + 2) KC V elements (2 KC V with W_hh in registers), computed by
+// kernels/recurrent_cuda.py:prepare (which also picks the *_f32_regs kernels), which returns
 // None (the caller runs torch's cuDNN forward) when it exceeds the device's per-block opt-in limit or
 // H > kMaxThreads.
 #include "cuda_host_emulation.h"
@@ -39,6 +41,7 @@ namespace {
 
 using i64 = long long;
 constexpr int kMaxThreads = 256;  // H <= 256: one thread per hidden unit
+constexpr int kRegsF32 = 8;       // the *_f32_regs kernels: 8 float4 per gate hold a row of W_hh, H <= 32
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
 
@@ -66,7 +69,9 @@ struct Layer {
     int hidden;
 };
 
-template <class T, int C>
+// KRegs = 0: W_hh in shared memory (any H that fits). KRegs > 0: thread j keeps its G KRegs weight vectors in
+// registers (H <= KRegs V; float32 with H <= 32) and shared memory holds only the state buffers.
+template <class T, int C, int KRegs>
 __device__ void layer_forward(const Layer<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
     const int H = p.hidden, KC = (H + V - 1) / V, P = KC * V, j = threadIdx.x;
@@ -76,11 +81,24 @@ __device__ void layer_forward(const Layer<T>& p) {
 
     BPPSA_DYNAMIC_SHARED(smem);
     T* w = reinterpret_cast<T*>(smem);
-    T* state = w + G * P * H;  // two buffers of P values
-    for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: not on the critical path
-        const int v = e % V, unit = e / V % H, gk = e / (V * H);  // gk = g KC + kc
-        const int k = gk % KC * V + v, g = gk / KC;
-        w[e] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
+    T* state = w + (KRegs ? 0 : G * P * H);  // two buffers of P values
+    Pack<T> w_reg[G][KRegs ? KRegs : 1];
+    if constexpr (KRegs > 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int kc = 0; kc < KRegs; ++kc)
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    const int k = kc * V + v;
+                    w_reg[g][kc].v[v] = active && k < H ? p.w_hh[(i64)(g * H + j) * H + k] : T(0);
+                }
+    } else {
+        for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
+            const int v = e % V, unit = e / V % H, gk = e / (V * H);  // gk = g KC + kc
+            const int k = gk % KC * V + v, g = gk / KC;
+            w[e] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
+        }
     }
     for (int e = threadIdx.x; e < 2 * P; e += blockDim.x) state[e] = e < H ? p.h0[b * H + e] : T(0);
 
@@ -122,13 +140,26 @@ __device__ void layer_forward(const Layer<T>& p) {
             for (int g = 0; g < G; ++g)
 #pragma unroll
                 for (int v = 0; v < V; ++v) acc[g][v] = T(0);
-            for (int kc = 0; kc < KC; ++kc) {
-                const Pack<T> hv = h[kc];
+            if constexpr (KRegs > 0) {
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const Pack<T> wv = w_own[(g * KC + kc) * H];
+                for (int kc = 0; kc < KRegs; ++kc) {
+                    if (kc < KC) {
+                        const Pack<T> hv = h[kc];
 #pragma unroll
-                    for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
+                        for (int g = 0; g < G; ++g)
+#pragma unroll
+                            for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * w_reg[g][kc].v[v];
+                    }
+                }
+            } else {
+                for (int kc = 0; kc < KC; ++kc) {
+                    const Pack<T> hv = h[kc];
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const Pack<T> wv = w_own[(g * KC + kc) * H];
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
+                    }
                 }
             }
             T gh[G];
@@ -200,18 +231,20 @@ __device__ void layer_forward(const Layer<T>& p) {
     ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (const T*)a[4], (T*)a[5], (T*)a[6],     \
      (T*)a[7], (T*)a[8], (i64)a[9], (i64)a[10], (i64)a[11])
 
-#define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
+#define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX, KREGS)                                                       \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_##NAME##_forward_##SUFFIX           \
         BPPSA_REC_PARAMS(T) {                                                                               \
-        layer_forward<T, CELL>(Layer<T>{gi, w_hh, b_hh, h0, c0, out, f0, f1, f2, batch, steps, (int)hidden}); \
+        layer_forward<T, CELL, KREGS>(                                                                      \
+            Layer<T>{gi, w_hh, b_hh, h0, c0, out, f0, f1, f2, batch, steps, (int)hidden});                  \
     }                                                                                                       \
     BPPSA_ENTRY(bppsa_##NAME##_forward_##SUFFIX, BPPSA_REC_PARAMS(T), BPPSA_REC_HOST_ARGS(T))
 
-#define BPPSA_REC_KERNELS(T, SUFFIX)                 \
-    BPPSA_REC_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX) \
-    BPPSA_REC_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX) \
-    BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX)          \
-    BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX)
+#define BPPSA_REC_KERNELS(T, SUFFIX, KREGS)                 \
+    BPPSA_REC_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX, KREGS) \
+    BPPSA_REC_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX, KREGS) \
+    BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX, KREGS)          \
+    BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX, KREGS)
 
-BPPSA_REC_KERNELS(float, f32)
-BPPSA_REC_KERNELS(double, f64)
+BPPSA_REC_KERNELS(float, f32, 0)
+BPPSA_REC_KERNELS(double, f64, 0)
+BPPSA_REC_KERNELS(float, f32_regs, kRegsF32)  // one warp, W_hh in registers: H <= 32

@@ -11,9 +11,10 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
 - :func:`lstm_forward` ``(gi (B,T,4H), w_hh (4H,H), h0, c0) -> (out, cells (B,T,H), gates (B,T,4H))``, the
   cells ``c_1..c_T`` and the activated gates ``[i, f, g, o]``.
 
-Each returns ``None`` where the kernels cannot run, so that the caller runs torch's (cuDNN) forward:
+Float32 layers with ``H <= 32`` run kernels that keep ``W_hh`` in registers (``*_f32_regs``); the others keep
+it in shared memory. Each returns ``None`` where the kernels cannot run, so that the caller runs torch's (cuDNN) forward:
 a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
-(one thread per hidden unit), or packed ``W_hh`` plus two state buffers above the device's shared memory
+(one thread per hidden unit), or the packed ``W_hh`` plus two state buffers above the device's shared memory
 per block (opt-in limit: 163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond about
 
     ===========  =====  =====  =====
@@ -63,8 +64,9 @@ __all__ = [
 CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
 #: factor outputs per cell kind, as multiples of ``H`` in the last dimension
 _FACTORS = {"rnn_tanh": (1,), "rnn_relu": (1,), "gru": (3, 1, 1), "lstm": (1, 4)}
-KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64"))
+KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64", "f32_regs"))
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
+REGISTER_HIDDEN = 32  # float32 with H <= 32: the *_f32_regs kernels keep W_hh in registers (kRegsF32 float4s)
 PORTABLE_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch gets without the opt-in attribute
 SM80_OPTIN_SHARED_BYTES = 163 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an A100
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -83,11 +85,17 @@ class Launch:
     buffers: tuple[Tensor, ...] = field(default=(), repr=False, compare=False)
 
 
+def _weights_in_registers(hidden: int, element_bytes: int) -> bool:
+    return element_bytes == 4 and hidden <= REGISTER_HIDDEN
+
+
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
-    """Dynamic shared memory of a block: ``W_hh`` packed in 16-byte vectors plus two state buffers."""
+    """Dynamic shared memory of a block: two state buffers, plus ``W_hh`` packed in 16-byte vectors unless
+    the kernel keeps it in registers (float32, ``H <= 32``)."""
     width = 16 // element_bytes
     padded = math.ceil(hidden / width) * width
-    return (CELLS[cell] * hidden + 2) * padded * element_bytes
+    weight_rows = 0 if _weights_in_registers(hidden, element_bytes) else CELLS[cell] * hidden
+    return (weight_rows + 2) * padded * element_bytes
 
 
 def _check_shapes(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None) -> None:
@@ -144,8 +152,9 @@ def prepare(
     inputs = [None if t is None else t.detach().contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
     pointers = [0 if t is None else t.data_ptr() for t in inputs]
     factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
+    suffix = _SUFFIX[gi.dtype] + ("_regs" if _weights_in_registers(hidden, gi.element_size()) else "")
     launch = Launch(
-        kernel=f"bppsa_{cell}_forward_{_SUFFIX[gi.dtype]}",
+        kernel=f"bppsa_{cell}_forward_{suffix}",
         grid=batch,
         block=32 * math.ceil(hidden / 32),
         shared_bytes=nbytes,

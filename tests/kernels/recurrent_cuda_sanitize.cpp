@@ -21,7 +21,7 @@ T* filled(std::vector<void*>& owned, long count) {  // random values in [-0.5, 0
 // One launch of `entry` for a cell with `gates` gates and factor outputs of widths factor_widths[i] * H.
 template <class T>
 int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_widths, bool lstm, bool bias,
-           long batch, long steps, long hidden) {
+           long batch, long steps, long hidden, bool registers = false) {
     std::vector<void*> owned;
     const long gh = gates * hidden;
     T* factors[3] = {nullptr, nullptr, nullptr};
@@ -32,7 +32,7 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
         (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, batch * steps * hidden),
         (uint64_t)factors[0], (uint64_t)factors[1], (uint64_t)factors[2], (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
     const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;  // as recurrent_cuda.py
-    const size_t shared = (gh + 2) * padded * sizeof(T);
+    const size_t shared = (registers ? 2 : gh + 2) * padded * sizeof(T);
     const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0);
     for (void* p : owned) std::free(p);
     return status;
@@ -49,6 +49,10 @@ int main() {
         status |= launch<double>(bppsa_gru_forward_f64_host, 3, {3, 1, 1}, false, false, 1, 4, hidden);
         status |= launch<float>(bppsa_lstm_forward_f32_host, 4, {1, 4}, true, false, 2, 3, hidden);
         status |= launch<double>(bppsa_lstm_forward_f64_host, 4, {1, 4}, true, false, 1, 4, hidden);
+        if (hidden > 32) continue;  // the *_f32_regs kernels: W_hh in registers, shared memory = state only
+        status |= launch<float>(bppsa_rnn_relu_forward_f32_regs_host, 1, {1}, false, true, 2, 3, hidden, true);
+        status |= launch<float>(bppsa_gru_forward_f32_regs_host, 3, {3, 1, 1}, false, false, 2, 3, hidden, true);
+        status |= launch<float>(bppsa_lstm_forward_f32_regs_host, 4, {1, 4}, true, false, 2, 3, hidden, true);
     }
     std::printf("launch status %d\n", status);
     return status;

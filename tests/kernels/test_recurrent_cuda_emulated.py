@@ -131,7 +131,7 @@ def test_float64_matches_torch(cell, hidden, batch, steps):
 
 
 @needs_gxx
-@pytest.mark.parametrize("hidden", [7, 33])
+@pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33])  # H <= 32: W_hh in registers; 33: in shared memory
 @pytest.mark.parametrize("cell", CELLS)
 def test_float32_within_derived_tolerance(cell, hidden):
     check_layer(cell, 3, 37, hidden, torch.float32, seed=hidden)
@@ -211,9 +211,11 @@ def test_launch_config():
     def launch(cell, hidden, dtype):
         return prepare(cell, make_layer(cell, 3, 4, hidden, seed=0), dtype)[0]
 
-    small = launch("gru", 20, torch.float32)
-    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32", 3, 32)
-    assert small.shared_bytes == (3 * 20 + 2) * 20 * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    small = launch("gru", 20, torch.float32)  # W_hh in registers: shared memory holds the two state buffers
+    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_regs", 3, 32)
+    assert small.shared_bytes == 2 * 20 * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    shared = launch("gru", 20, torch.float64)
+    assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
     wide = launch("lstm", 33, torch.float64)
     assert (wide.kernel, wide.block) == ("bppsa_lstm_forward_f64", 64)
     assert wide.shared_bytes == (4 * 33 + 2) * 34 * 8  # H padded to whole double2 vectors
