@@ -1,0 +1,291 @@
+"""CUDA forward kernels of whole recurrent layers (``kernels/recurrent.cu``): states AND Jacobian factors.
+
+One single-layer, single-direction layer per call, torch's gate order, batch-major contiguous tensors,
+float32 or float64. ``gi`` is the input projection the caller computes with one GEMM (``x W_ihᵀ + b_ih``;
+for RNN and LSTM the caller may fold ``b_hh`` into it):
+
+- :func:`rnn_forward` ``(gi (B,T,H), w_hh (H,H), b_hh (H,)|None, h0 (B,H), relu) -> (out, slope)``, both
+  ``(B, T, H)``; ``slope = 1 - h²`` (tanh) or torch's ``threshold_backward`` mask (1 where NOT ``out <= 0``).
+- :func:`gru_forward` ``(gi (B,T,3H), w_hh (3H,H), b_hh (3H,)|None, h0) -> (out, scales (B,T,3H), z, dn)``:
+  exactly the factors of ``FactoredJacobians(w_hh, scales, z)`` (``jacobians/recurrent.gru_jacobians``).
+- :func:`lstm_forward` ``(gi (B,T,4H), w_hh (4H,H), h0, c0) -> (out, cells (B,T,H), gates (B,T,4H))``, the
+  cells ``c_1..c_T`` and the activated gates ``[i, f, g, o]``.
+
+Float32 layers with ``H <= 32`` run kernels that keep ``W_hh`` in registers (``*_f32_regs``); the others keep
+it in shared memory. Each returns ``None`` where the kernels cannot run, so that the caller runs torch's (cuDNN) forward:
+a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
+(one thread per hidden unit), or the packed ``W_hh`` plus two state buffers above the device's shared memory
+per block (opt-in limit: 163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond about
+
+    ===========  =====  =====  =====
+    max H        RNN    GRU    LSTM
+    ===========  =====  =====  =====
+    sm_80 f32    202    116    100
+    sm_80 f64    142    82     71
+    sm_90 f32    240    137    120
+    sm_90 f64    168    98     84
+    ===========  =====  =====  =====
+
+A malformed shape raises ``ValueError`` naming the argument. :func:`available` says whether CuPy and a
+device are usable. CuPy is imported lazily, the source is compiled once per process and device with
+NVRTC (CuPy caches the binary on disk), and a launch passes raw data pointers on
+``torch.cuda.current_stream()``: no copy (but of non-contiguous inputs), no synchronisation.
+
+:func:`prepare` is the ONE place computing a launch (kernel, grid, block, shared memory, argument words);
+the host emulation (:mod:`lightning_bppsa.kernels.recurrent_emulated`) runs the same launches on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from lightning_bppsa.kernels._build import kernel_path
+from torch import Tensor
+
+__all__ = [
+    "CELLS",
+    "KERNELS",
+    "Launch",
+    "available",
+    "forward",
+    "gru_forward",
+    "lstm_forward",
+    "prepare",
+    "rnn_forward",
+    "shared_bytes",
+    "source",
+]
+
+#: gates per cell kind (the rows of ``W_hh`` are ``G * H``)
+CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
+#: factor outputs per cell kind, as multiples of ``H`` in the last dimension
+_FACTORS = {"rnn_tanh": (1,), "rnn_relu": (1,), "gru": (3, 1, 1), "lstm": (1, 4)}
+KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64", "f32_regs"))
+MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
+REGISTER_HIDDEN = 32  # float32 with H <= 32: the *_f32_regs kernels keep W_hh in registers (kRegsF32 float4s)
+PORTABLE_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch gets without the opt-in attribute
+SM80_OPTIN_SHARED_BYTES = 163 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an A100
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as :func:`prepare` computed it."""
+
+    kernel: str  # entry point in recurrent.cu
+    grid: int  # blocks: one per batch row
+    block: int  # threads: H rounded up to a whole warp
+    shared_bytes: int  # dynamic shared memory per block
+    args: tuple[int, ...]  # the 12 argument words of BPPSA_REC_PARAMS (pointers as addresses)
+    # the tensors behind the pointers (contiguous copies included): alive until the launch is queued
+    buffers: tuple[Tensor, ...] = field(default=(), repr=False, compare=False)
+
+
+def _weights_in_registers(hidden: int, element_bytes: int) -> bool:
+    return element_bytes == 4 and hidden <= REGISTER_HIDDEN
+
+
+def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
+    """Dynamic shared memory of a block: two state buffers, plus ``W_hh`` packed in 16-byte vectors unless
+    the kernel keeps it in registers (float32, ``H <= 32``)."""
+    width = 16 // element_bytes
+    padded = math.ceil(hidden / width) * width
+    weight_rows = 0 if _weights_in_registers(hidden, element_bytes) else CELLS[cell] * hidden
+    return (weight_rows + 2) * padded * element_bytes
+
+
+def _check_shapes(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None) -> None:
+    gates = CELLS[cell]
+    if w_hh.dim() != 2 or w_hh.shape[0] != gates * w_hh.shape[1]:
+        raise ValueError(f"w_hh must be ({gates} H, H) for a {cell} cell; got {tuple(w_hh.shape)}")
+    hidden = w_hh.shape[1]
+    if gi.dim() != 3 or gi.shape[2] != gates * hidden:
+        raise ValueError(f"gi must be (B, T, {gates * hidden}) for hidden size {hidden}; got {tuple(gi.shape)}")
+    batch = gi.shape[0]
+    if b_hh is not None and tuple(b_hh.shape) != (gates * hidden,):
+        raise ValueError(f"b_hh must be ({gates * hidden},) or None; got {tuple(b_hh.shape)}")
+    for name, state in (("h0", h0), ("c0", c0)):
+        if state is not None and tuple(state.shape) != (batch, hidden):
+            raise ValueError(f"{name} must be (B, H) = ({batch}, {hidden}); got {tuple(state.shape)}")
+
+
+def prepare(
+    cell: str,
+    gi: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor | None,
+    h0: Tensor,
+    c0: Tensor | None,
+    *,
+    device_type: str,
+    shared_limit: int,
+) -> tuple[Launch | None, tuple[Tensor, ...]] | None:
+    """Check the inputs, allocate the outputs and compute the launch of one layer forward.
+
+    Returns ``None`` where the kernel cannot run (dtype, device other than ``device_type``, ``H`` too wide
+    for ``MAX_THREADS`` or for ``shared_limit`` bytes of shared memory per block); else ``(launch, outputs)``
+    with ``outputs = (out, *factors)`` (empty tensors, filled by the launch) and ``launch = None`` when
+    there is nothing to compute (``B``, ``T`` or ``H`` is 0). Raises ``ValueError`` on a malformed shape.
+    """
+    if cell not in CELLS:
+        raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
+    if (c0 is not None) != (cell == "lstm"):
+        raise ValueError(f"c0 is {'required' if cell == 'lstm' else 'only for an LSTM'} ({cell} cell)")
+    _check_shapes(cell, gi, w_hh, b_hh, h0, c0)
+    tensors = [t for t in (gi, w_hh, b_hh, h0, c0) if t is not None]
+    if gi.dtype not in _SUFFIX or any(t.dtype != gi.dtype for t in tensors):
+        return None
+    if any(t.device.type != device_type or t.device != gi.device for t in tensors):
+        return None
+    batch, steps, hidden = gi.shape[0], gi.shape[1], w_hh.shape[1]
+    nbytes = shared_bytes(cell, hidden, gi.element_size())
+    if hidden > MAX_THREADS or nbytes > shared_limit:
+        return None
+    outputs = tuple(gi.new_empty(batch, steps, k * hidden) for k in (1, *_FACTORS[cell]))
+    if batch == 0 or steps == 0 or hidden == 0:
+        return None, outputs
+
+    inputs = [None if t is None else t.detach().contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
+    pointers = [0 if t is None else t.data_ptr() for t in inputs]
+    factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
+    suffix = _SUFFIX[gi.dtype] + ("_regs" if _weights_in_registers(hidden, gi.element_size()) else "")
+    launch = Launch(
+        kernel=f"bppsa_{cell}_forward_{suffix}",
+        grid=batch,
+        block=32 * math.ceil(hidden / 32),
+        shared_bytes=nbytes,
+        args=(*pointers, outputs[0].data_ptr(), *factors, batch, steps, hidden),
+        buffers=(*(t for t in inputs if t is not None), *outputs),
+    )
+    # After the launch is queued the copies may be freed: torch's caching allocator hands a freed block
+    # only to work queued later on the same stream, so the kernel still reads valid memory.
+    return launch, outputs
+
+
+Launcher = Callable[[Launch, torch.device], None]
+
+
+def forward(
+    cell: str,
+    gi: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor | None,
+    h0: Tensor,
+    c0: Tensor | None,
+    *,
+    launcher: Launcher,
+    device_type: str,
+    shared_limit: int,
+) -> tuple[Tensor, ...] | None:
+    """:func:`prepare`, then ``launcher(launch, device)``; shared by the CUDA path and the host emulation."""
+    prepared = prepare(cell, gi, w_hh, b_hh, h0, c0, device_type=device_type, shared_limit=shared_limit)
+    if prepared is None:
+        return None
+    launch, outputs = prepared
+    if launch is not None:
+        launcher(launch, gi.device)
+    return outputs
+
+
+# --------------------------------------------------------------------------------------------------
+# CuPy: availability, the compiled module, the launch.
+# --------------------------------------------------------------------------------------------------
+
+_AVAILABLE: dict[str, tuple[bool, str]] = {}  # the answer of the first eager call
+
+
+def available() -> tuple[bool, str]:
+    """``(True, "")`` when CuPy and a CUDA device are usable and the kernels load, else ``(False, why)``.
+
+    The first eager call compiles the module (once; CuPy caches the binary on disk). While ``torch.compile``
+    traces it only reports what an earlier eager call found: tracing never imports CuPy or compiles.
+    """
+    if "answer" not in _AVAILABLE:
+        if torch.compiler.is_compiling():
+            return False, "not checked yet (first asked while torch.compile traces)"
+        _AVAILABLE["answer"] = _check_available()
+    return _AVAILABLE["answer"]
+
+
+def _check_available() -> tuple[bool, str]:
+    try:
+        import cupy  # noqa: F401
+    except ImportError as err:
+        return False, f"CuPy is not installed ({err}); install cupy-cuda12x or cupy-cuda13x"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    try:
+        _module(torch.cuda.current_device())
+    except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
+        return False, f"the recurrent CUDA kernels do not compile or load here ({type(err).__name__}: {err})"
+    return True, ""
+
+
+def source() -> str:
+    """``recurrent.cu`` with its headers inlined (CuPy's cache key is the source text: a header edit counts)."""
+    text = kernel_path("recurrent.cu").read_text()
+    for header in ("cuda_host_emulation.h", "recurrent_emulation.h"):
+        text = text.replace(f'#include "{header}"', kernel_path(header).read_text())
+    return text
+
+
+@functools.cache
+def _module(device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=source(), options=("-std=c++17",))
+        module.compile()
+    return module
+
+
+@functools.cache
+def _shared_limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", PORTABLE_SHARED_BYTES)
+
+
+def _launch_cuda(launch: Launch, device: torch.device) -> None:
+    import cupy
+    import numpy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel = _module(index).get_function(launch.kernel)
+    if launch.shared_bytes > PORTABLE_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < launch.shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = launch.shared_bytes  # opt in beyond 48 KiB
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
+    args = tuple(numpy.uint64(a) for a in launch.args)
+    with cupy.cuda.Device(index), stream:
+        kernel((launch.grid,), (launch.block,), args, shared_mem=launch.shared_bytes)
+
+
+def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None):
+    if gi.device.type != "cuda" or not available()[0]:
+        return None
+    index = gi.device.index if gi.device.index is not None else torch.cuda.current_device()
+    return forward(
+        cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda", shared_limit=_shared_limit(index)
+    )
+
+
+def rnn_forward(
+    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
+) -> tuple[Tensor, Tensor] | None:
+    """Elman RNN layer on CUDA: ``(out, slope)``, both ``(B, T, H)``; ``None`` where the kernel cannot run."""
+    return _forward_cuda("rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None)
+
+
+def gru_forward(
+    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """GRU layer on CUDA: ``(out, scales (B,T,3H), z, dn)``; ``None`` where the kernel cannot run."""
+    return _forward_cuda("gru", gi, w_hh, b_hh, h0, None)
+
+
+def lstm_forward(gi: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """LSTM layer on CUDA: ``(out, cells (B,T,H), gates (B,T,4H))``; ``None`` where the kernel cannot run."""
+    return _forward_cuda("lstm", gi, w_hh, None, h0, c0)

@@ -1,0 +1,109 @@
+"""The recurrent forward kernels (``recurrent.cu``) run on the CPU through the host-emulation headers.
+
+For tests on machines without a GPU: the same source compiled with g++ (``cuda_host_emulation.h`` and
+``recurrent_emulation.h``), the same launches as :mod:`lightning_bppsa.kernels.recurrent_cuda`
+(:func:`~lightning_bppsa.kernels.recurrent_cuda.prepare`), one OS thread per CUDA thread. The functions
+take CPU tensors and have the signatures of the CUDA ones plus ``shared_limit`` (the per-block shared
+memory of the GPU being emulated, default an A100's opt-in 163 KiB), ``resident`` (blocks running at
+once, all if ``None``) and ``timeout`` (seconds before a hung launch is aborted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from lightning_bppsa.kernels import recurrent_cuda
+from lightning_bppsa.kernels._build import kernel_path, load_library
+from lightning_bppsa.kernels.emulated import LAUNCH_ARGTYPES, LaunchTimeout
+from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES, Launch
+from torch import Tensor
+
+__all__ = ["build_arguments", "gru_forward", "library", "lstm_forward", "rnn_forward"]
+
+_TIMEOUT, _ERROR = 1, 2  # BPPSA_EMU_TIMEOUT / BPPSA_EMU_ERROR in cuda_host_emulation.h
+
+
+def build_arguments(sanitize: str | None = None) -> dict:
+    """The keyword arguments of ``load_library`` for the emulated recurrent kernels (``sanitize``: e.g. "address")."""
+    return {
+        "name": "bppsa_recurrent_emulated" + (f"_{sanitize}" if sanitize else ""),
+        "sources": [str(kernel_path("recurrent.cu"))],
+        "compiler": ["g++", "-std=c++20", "-pthread", "-x", "c++"],
+        "flag_sets": [["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]],
+        "depends": [str(kernel_path("cuda_host_emulation.h")), str(kernel_path("recurrent_emulation.h"))],
+        "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in recurrent_cuda.KERNELS)],
+    }
+
+
+def library() -> ctypes.CDLL:
+    """The emulated kernels (built once, cached in ``$BPPSA_CACHE_DIR``)."""
+    lib = load_library(**build_arguments())
+    lib.bppsa_emu_launch.restype = ctypes.c_int
+    lib.bppsa_emu_launch.argtypes = LAUNCH_ARGTYPES
+    return lib
+
+
+def _launcher(resident: int | None, timeout: float):
+    def launch(config: Launch, device: torch.device) -> None:
+        lib = library()
+        words = (ctypes.c_uint64 * len(config.args))(*config.args)
+        entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
+        blocks = config.grid if resident is None else resident
+        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout)
+        if status == _TIMEOUT:
+            raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
+        if status == _ERROR:
+            raise RuntimeError(f"{config.kernel}: an exception escaped an emulated thread")
+
+    return launch
+
+
+def _forward(cell, gi, w_hh, b_hh, h0, c0, shared_limit, resident, timeout):
+    return recurrent_cuda.forward(
+        cell, gi, w_hh, b_hh, h0, c0,
+        launcher=_launcher(resident, timeout), device_type="cpu", shared_limit=shared_limit,
+    )  # fmt: skip
+
+
+def rnn_forward(
+    gi: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor | None,
+    h0: Tensor,
+    relu: bool,
+    *,
+    shared_limit: int = SM80_OPTIN_SHARED_BYTES,
+    resident: int | None = None,
+    timeout: float = 60.0,
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.rnn_forward` on CPU tensors."""
+    return _forward("rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None, shared_limit, resident, timeout)
+
+
+def gru_forward(
+    gi: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor | None,
+    h0: Tensor,
+    *,
+    shared_limit: int = SM80_OPTIN_SHARED_BYTES,
+    resident: int | None = None,
+    timeout: float = 60.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.gru_forward` on CPU tensors."""
+    return _forward("gru", gi, w_hh, b_hh, h0, None, shared_limit, resident, timeout)
+
+
+def lstm_forward(
+    gi: Tensor,
+    w_hh: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    *,
+    shared_limit: int = SM80_OPTIN_SHARED_BYTES,
+    resident: int | None = None,
+    timeout: float = 60.0,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.lstm_forward` on CPU tensors."""
+    return _forward("lstm", gi, w_hh, None, h0, c0, shared_limit, resident, timeout)

@@ -1,0 +1,118 @@
+"""The recurrent forward kernels (``kernels/recurrent.cu``) on a real GPU through CuPy.
+
+Every case of ``tests/kernels/test_recurrent_cuda_emulated.py`` (same inputs, same torch references, same
+tolerances), plus what the emulator cannot show: the launch on torch's current stream, the shared-memory
+opt-in beyond 48 KiB, a long sequence against cuDNN. On a CUDA machine where the kernels cannot load
+(CuPy missing included) these tests FAIL: they are never skipped there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_bppsa.kernels import recurrent_cuda
+
+from lightning_bppsa.testing import assert_derived_close
+
+pytestmark = pytest.mark.cuda
+
+
+def _load_cases():
+    path = Path(__file__).resolve().parents[1] / "kernels" / "test_recurrent_cuda_emulated.py"
+    spec = importlib.util.spec_from_file_location("_recurrent_emulated_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CASES = _load_cases()
+
+
+@pytest.fixture
+def gpu(cuda) -> torch.device:
+    ok, reason = recurrent_cuda.available()
+    assert ok, f"a CUDA device is present but the recurrent CUDA kernels are unavailable: {reason}"
+    return cuda
+
+
+def run_cuda(cell: str, args: dict, device: torch.device):
+    args = {k: None if v is None else v.to(device) for k, v in args.items()}
+    if cell.startswith("rnn"):
+        result = recurrent_cuda.rnn_forward(**args, relu=cell == "rnn_relu")
+    else:
+        result = {"gru": recurrent_cuda.gru_forward, "lstm": recurrent_cuda.lstm_forward}[cell](**args)
+    assert result is not None, "the kernel declined to run"
+    assert all(t.device.type == "cuda" for t in result)
+    return [t.cpu() for t in result]
+
+
+def check_layer(cell, batch, steps, hidden, dtype, device, *, fold_bias=False, seed=0):
+    layer = CASES.make_layer(cell, batch, steps, hidden, seed)
+    actual = run_cuda(cell, CASES.kernel_inputs(cell, layer, dtype, fold_bias), device)
+    reference = CASES.torch_reference(cell, layer, torch.float64)
+    baseline = CASES.torch_reference(cell, layer, dtype) if dtype != torch.float64 else [None] * len(reference)
+    for name, a, r, base in zip(CASES.NAMES[cell], actual, reference, baseline, strict=True):
+        assert a.dtype == dtype
+        assert_derived_close(a, r, base, floor=1e-12 if dtype == torch.float64 else 1e-6, name=f"{cell} {name}")
+
+
+@pytest.mark.parametrize("steps", [1, 5, 37])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33, 64])
+@pytest.mark.parametrize("cell", CASES.CELLS)
+def test_float64_matches_torch(gpu, cell, hidden, batch, steps):
+    check_layer(cell, batch, steps, hidden, torch.float64, gpu, fold_bias=steps == 5, seed=hidden * 100 + steps)
+
+
+@pytest.mark.parametrize("hidden", [7, 33])
+@pytest.mark.parametrize("cell", CASES.CELLS)
+def test_float32_within_derived_tolerance(gpu, cell, hidden):
+    check_layer(cell, 3, 37, hidden, torch.float32, gpu, seed=hidden)
+
+
+@pytest.mark.parametrize("cell", CASES.CELLS)
+def test_long_sequence_against_cudnn(gpu, cell):
+    """B = 16, T = 1000, H = 20 in float32: as close to the float64 truth as cuDNN's own float32 forward."""
+    layer = CASES.make_layer(cell, 16, 1000, 20, seed=5)
+    actual = run_cuda(cell, CASES.kernel_inputs(cell, layer, torch.float32, False), gpu)
+    module = {"rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cell]
+    kwargs = {"nonlinearity": "relu" if cell == "rnn_relu" else "tanh"} if cell.startswith("rnn") else {}
+    cudnn = module(CASES.INPUT_SIZE, 20, batch_first=True, **kwargs).to(gpu)
+    with torch.no_grad():
+        for name in ("w_ih", "w_hh", "b_ih", "b_hh"):
+            getattr(cudnn, f"{'weight' if name[0] == 'w' else 'bias'}_{name[2:]}_l0").copy_(layer[name])
+        state = (layer["h0"][None], layer["c0"][None]) if cell == "lstm" else layer["h0"][None]
+        state = tuple(s.float().to(gpu) for s in state) if cell == "lstm" else state.float().to(gpu)
+        baseline = cudnn(layer["x"].float().to(gpu), state)[0].cpu()
+    reference = CASES.torch_reference(cell, layer, torch.float64)[0]
+    assert_derived_close(actual[0], reference, baseline, floor=1e-6, name=f"{cell} out")
+
+
+def test_shared_memory_opt_in_beyond_48_kib(gpu):
+    """An LSTM with H = 100 in float32 needs ~164 KB of shared memory (the sm_80 opt-in limit)."""
+    assert recurrent_cuda.shared_bytes("lstm", 100, 4) > recurrent_cuda.PORTABLE_SHARED_BYTES
+    check_layer("lstm", 2, 7, 100, torch.float32, gpu, seed=100)
+
+
+def test_launch_runs_on_the_current_stream(gpu):
+    layer = CASES.make_layer("gru", 4, 300, 20, seed=6)
+    args = CASES.kernel_inputs("gru", layer, torch.float64, False)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        moved = {k: v.to(gpu) for k, v in args.items()}
+        out = recurrent_cuda.gru_forward(**moved)[0].to("cpu", non_blocking=False)
+    assert_derived_close(out, CASES.torch_reference("gru", layer, torch.float64)[0], floor=1e-12)
+
+
+def test_non_contiguous_and_declined_inputs(gpu):
+    layer = CASES.make_layer("lstm", 3, 11, 9, seed=9)
+    args = {k: v.to(gpu) for k, v in CASES.kernel_inputs("lstm", layer, torch.float64, False).items()}
+    strided = {k: v.mT.contiguous().mT for k, v in args.items()}
+    for a, r in zip(recurrent_cuda.lstm_forward(**strided), recurrent_cuda.lstm_forward(**args), strict=True):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+    assert recurrent_cuda.lstm_forward(**{k: v.half() for k, v in args.items()}) is None
+    wide = CASES.kernel_inputs("rnn_tanh", CASES.make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False)
+    assert recurrent_cuda.rnn_forward(**{k: None if v is None else v.to(gpu) for k, v in wide.items()}, relu=False) is None

@@ -1,0 +1,59 @@
+// A torch-free driver of kernels/recurrent.cu on the host emulation, built by
+// tests/kernels/test_recurrent_cuda_emulated.py under AddressSanitizer + UBSan (every global buffer is an
+// exact-size heap block: an out-of-bounds access aborts) and under ThreadSanitizer (a missing barrier
+// between the state buffers' writes and reads is a data race). Exit status: 0 when every launch finished.
+#include "recurrent.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+namespace {
+
+template <class T>
+T* filled(std::vector<void*>& owned, long count) {  // random values in [-0.5, 0.5)
+    T* p = static_cast<T*>(std::malloc(count * sizeof(T) + (count == 0)));
+    for (long i = 0; i < count; ++i) p[i] = T(std::rand() % 2000 - 1000) / T(2000);
+    owned.push_back(p);
+    return p;
+}
+
+// One launch of `entry` for a cell with `gates` gates and factor outputs of widths factor_widths[i] * H.
+template <class T>
+int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_widths, bool lstm, bool bias,
+           long batch, long steps, long hidden, bool registers = false) {
+    std::vector<void*> owned;
+    const long gh = gates * hidden;
+    T* factors[3] = {nullptr, nullptr, nullptr};
+    for (size_t i = 0; i < factor_widths.size(); ++i) factors[i] = filled<T>(owned, batch * steps * factor_widths[i] * hidden);
+    const uint64_t args[12] = {
+        (uint64_t)filled<T>(owned, batch * steps * gh), (uint64_t)filled<T>(owned, gh * hidden),
+        (uint64_t)(bias ? filled<T>(owned, gh) : nullptr), (uint64_t)filled<T>(owned, batch * hidden),
+        (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, batch * steps * hidden),
+        (uint64_t)factors[0], (uint64_t)factors[1], (uint64_t)factors[2], (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
+    const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;  // as recurrent_cuda.py
+    const size_t shared = (registers ? 2 : gh + 2) * padded * sizeof(T);
+    const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0);
+    for (void* p : owned) std::free(p);
+    return status;
+}
+
+}  // namespace
+
+int main() {
+    int status = 0;
+    for (long hidden : {1L, 7L, 33L, 70L}) {  // one warp (__syncwarp) and several (__syncthreads)
+        status |= launch<float>(bppsa_rnn_tanh_forward_f32_host, 1, {1}, false, true, 2, 3, hidden);
+        status |= launch<double>(bppsa_rnn_relu_forward_f64_host, 1, {1}, false, false, 2, 3, hidden);
+        status |= launch<float>(bppsa_gru_forward_f32_host, 3, {3, 1, 1}, false, true, 2, 3, hidden);
+        status |= launch<double>(bppsa_gru_forward_f64_host, 3, {3, 1, 1}, false, false, 1, 4, hidden);
+        status |= launch<float>(bppsa_lstm_forward_f32_host, 4, {1, 4}, true, false, 2, 3, hidden);
+        status |= launch<double>(bppsa_lstm_forward_f64_host, 4, {1, 4}, true, false, 1, 4, hidden);
+        if (hidden > 32) continue;  // the *_f32_regs kernels: W_hh in registers, shared memory = state only
+        status |= launch<float>(bppsa_rnn_relu_forward_f32_regs_host, 1, {1}, false, true, 2, 3, hidden, true);
+        status |= launch<float>(bppsa_gru_forward_f32_regs_host, 3, {3, 1, 1}, false, false, 2, 3, hidden, true);
+        status |= launch<float>(bppsa_lstm_forward_f32_regs_host, 4, {1, 4}, true, false, 2, 3, hidden, true);
+    }
+    std::printf("launch status %d\n", status);
+    return status;
+}

@@ -1,0 +1,286 @@
+"""The recurrent forward CUDA kernels (``kernels/recurrent.cu``) on the CPU through the host emulation.
+
+Same source, same launches (``recurrent_cuda.prepare``) as on a GPU, compared with torch's own layers
+(``torch._VF.rnn_tanh / rnn_relu / gru / lstm``) in float64 and with the Jacobian factors recomputed from
+torch's states (``jacobians.recurrent``). Float32 within ``assert_derived_close`` of the float64 truth, the
+torch float32 run as the baseline. Also the compile gate (nvcc, sm_80 and sm_90, no spill).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_bppsa.kernels import _nvcc, recurrent_cuda
+from lightning_bppsa.kernels import recurrent_emulated as emulated
+from lightning_bppsa.kernels._build import kernel_path
+
+from lightning_bppsa.jacobians.recurrent import gru_jacobians
+from lightning_bppsa.testing import assert_derived_close
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+
+CELLS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
+INPUT_SIZE = 5
+NAMES = {  # the outputs of each cell's forward, in order
+    "rnn_tanh": ("out", "slope"),
+    "rnn_relu": ("out", "slope"),
+    "gru": ("out", "scales", "z", "dn"),
+    "lstm": ("out", "cells", "gates"),
+}
+
+
+def make_layer(cell: str, batch: int, steps: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random float64 weights, inputs and initial states (scaled so the states neither vanish nor saturate)."""
+    gen = torch.Generator().manual_seed(seed)
+    gates = recurrent_cuda.CELLS[cell]
+
+    def rand(*shape, scale=1.0):
+        return (2 * torch.rand(*shape, dtype=torch.float64, generator=gen) - 1) * scale
+
+    layer = {
+        "x": rand(batch, steps, INPUT_SIZE),
+        "w_ih": rand(gates * hidden, INPUT_SIZE, scale=0.8),
+        "w_hh": rand(gates * hidden, hidden, scale=1.5 / hidden**0.5),
+        "b_ih": rand(gates * hidden, scale=0.5),
+        "b_hh": rand(gates * hidden, scale=0.5),
+        "h0": rand(batch, hidden),
+    }
+    if cell == "lstm":
+        layer["c0"] = rand(batch, hidden)
+    return layer
+
+
+def kernel_inputs(cell: str, layer: dict, dtype: torch.dtype, fold_bias: bool) -> dict:
+    """The kernels' arguments: ``gi`` from one GEMM; ``b_hh`` folded into it (an LSTM always, an RNN if
+    ``fold_bias``) or passed (a GRU always: ``b_hn`` sits inside ``r ⊙ (.)``)."""
+    p = {k: v.to(dtype) for k, v in layer.items()}
+    fold = cell == "lstm" or (fold_bias and cell.startswith("rnn"))
+    gi = p["x"] @ p["w_ih"].T + p["b_ih"] + (p["b_hh"] if fold else 0)
+    args = {"gi": gi, "w_hh": p["w_hh"], "h0": p["h0"]}
+    if cell == "lstm":
+        args["c0"] = p["c0"]
+    else:
+        args["b_hh"] = None if fold else p["b_hh"]
+    return args
+
+
+def run_emulated(cell: str, args: dict, **options):
+    if cell.startswith("rnn"):
+        return emulated.rnn_forward(**args, relu=cell == "rnn_relu", **options)
+    return {"gru": emulated.gru_forward, "lstm": emulated.lstm_forward}[cell](**args, **options)
+
+
+def torch_reference(cell: str, layer: dict, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Torch's layer forward in ``dtype``, and the factors computed from its states with torch ops."""
+    p = {k: v.to(dtype) for k, v in layer.items()}
+    params = [p["w_ih"], p["w_hh"], p["b_ih"], p["b_hh"]]
+    if cell == "lstm":
+        hx = (p["h0"][None], p["c0"][None])
+        out, _, c_last = torch._VF.lstm(p["x"], hx, params, True, 1, 0.0, False, False, True)
+    else:
+        fn = {"rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu, "gru": torch._VF.gru}[cell]
+        out, _ = fn(p["x"], p["h0"][None], params, True, 1, 0.0, False, False, True)
+    h_prev = torch.cat([p["h0"][:, None], out[:, :-1]], 1)
+    hidden = out.shape[-1]
+    if cell == "rnn_tanh":
+        return out, 1 - out * out
+    if cell == "rnn_relu":
+        return out, (~(out <= 0)).to(dtype)
+    if cell == "gru":
+        chain, local = gru_jacobians(p["x"], h_prev, *params)
+        return out, chain.scales, chain.diagonal, local[..., 2 * hidden :]
+    pre = p["x"] @ p["w_ih"].T + p["b_ih"] + h_prev @ p["w_hh"].T + p["b_hh"]
+    i, f, g, o = pre.split(hidden, -1)
+    gates = torch.cat([i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()], -1)
+    i, f, g, o = gates.split(hidden, -1)
+    cells, c = [], p["c0"]
+    for t in range(out.shape[1]):
+        c = f[:, t] * c + i[:, t] * g[:, t]
+        cells.append(c)
+    cells = torch.stack(cells, 1)
+    torch.testing.assert_close(cells[:, -1], c_last[0])  # the loop above is torch's cell state
+    return out, cells, gates
+
+
+def check_layer(cell, batch, steps, hidden, dtype, *, fold_bias=False, seed=0, **options):
+    layer = make_layer(cell, batch, steps, hidden, seed)
+    actual = run_emulated(cell, kernel_inputs(cell, layer, dtype, fold_bias), **options)
+    assert actual is not None, "the kernel declined to run"
+    reference = torch_reference(cell, layer, torch.float64)
+    baseline = torch_reference(cell, layer, dtype) if dtype != torch.float64 else [None] * len(reference)
+    assert len(actual) == len(reference) == len(NAMES[cell])
+    for name, a, r, base in zip(NAMES[cell], actual, reference, baseline, strict=True):
+        assert a.dtype == dtype and a.is_contiguous()
+        floor = 1e-12 if dtype == torch.float64 else 1e-6
+        assert_derived_close(a, r, base, floor=floor, name=f"{cell} {name}")
+
+
+@needs_gxx
+@pytest.mark.parametrize("steps", [1, 5, 37])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33, 64])
+@pytest.mark.parametrize("cell", CELLS)
+def test_float64_matches_torch(cell, hidden, batch, steps):
+    # the RNN alternates between b_hh passed to the kernel and folded into gi
+    check_layer(cell, batch, steps, hidden, torch.float64, fold_bias=steps == 5, seed=hidden * 100 + steps)
+
+
+@needs_gxx
+@pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33])  # H <= 32: W_hh in registers; 33: in shared memory
+@pytest.mark.parametrize("cell", CELLS)
+def test_float32_within_derived_tolerance(cell, hidden):
+    check_layer(cell, 3, 37, hidden, torch.float32, seed=hidden)
+
+
+@needs_gxx
+@pytest.mark.parametrize("cell", CELLS)
+def test_blocks_one_at_a_time_and_multi_warp(cell):
+    """One resident block (a GPU with one free SM) and H = 70: three warps meet at __syncthreads."""
+    check_layer(cell, 2, 9, 70, torch.float64, seed=70, resident=1)
+
+
+@needs_gxx
+def test_relu_nan_semantics_match_torch():
+    """A NaN pre-activation stays NaN (torch's relu) and its slope passes the gradient (threshold_backward)."""
+    layer = make_layer("rnn_relu", 2, 6, 5, seed=4)
+    layer["x"][0, 2, 1] = float("nan")
+    actual = run_emulated("rnn_relu", kernel_inputs("rnn_relu", layer, torch.float64, False))
+    reference = torch_reference("rnn_relu", layer, torch.float64)
+    assert actual[0][0, 2:].isnan().all() and not actual[0][1].isnan().any()
+    for a, r in zip(actual, reference, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@needs_gxx
+def test_non_contiguous_inputs():
+    layer = make_layer("gru", 3, 11, 9, seed=9)
+    args = kernel_inputs("gru", layer, torch.float64, False)
+    strided = {k: v.mT.contiguous().mT if v.dim() >= 2 else v for k, v in args.items() if v is not None}
+    assert not strided["gi"].is_contiguous()
+    actual = run_emulated("gru", {**strided, "b_hh": args["b_hh"]})
+    for a, r in zip(actual, run_emulated("gru", args), strict=True):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_empty_sequence_and_batch_launch_nothing():
+    for batch, steps in ((2, 0), (0, 4)):
+        layer = make_layer("lstm", batch, steps, 6, seed=1)
+        out, cells, gates = run_emulated("lstm", kernel_inputs("lstm", layer, torch.float64, False))
+        assert out.shape == cells.shape == (batch, steps, 6) and gates.shape == (batch, steps, 24)
+
+
+def test_declines_what_it_cannot_run():
+    """``None`` (the caller runs torch) for other dtypes, mixed dtypes, another device, a too-wide state."""
+    args = kernel_inputs("gru", make_layer("gru", 2, 3, 4, seed=2), torch.float64, False)
+    assert emulated.gru_forward(**{k: v.half() for k, v in args.items()}) is None
+    assert emulated.gru_forward(**{**args, "w_hh": args["w_hh"].float()}) is None
+    assert emulated.gru_forward(**{**args, "gi": args["gi"].to("meta")}) is None
+    wide = kernel_inputs("lstm", make_layer("lstm", 1, 2, 64, seed=3), torch.float64, False)
+    assert recurrent_cuda.shared_bytes("lstm", 64, 8) > recurrent_cuda.PORTABLE_SHARED_BYTES
+    assert emulated.lstm_forward(**wide, shared_limit=recurrent_cuda.PORTABLE_SHARED_BYTES) is None
+    too_many_threads = kernel_inputs("rnn_tanh", make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False)
+    assert emulated.rnn_forward(**too_many_threads, relu=False, shared_limit=1 << 30) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"w_hh": torch.zeros(4, 4)}, "w_hh must be"),
+        ({"gi": torch.zeros(2, 3, 13)}, "gi must be"),
+        ({"b_hh": torch.zeros(11)}, "b_hh must be"),
+        ({"h0": torch.zeros(3, 4)}, "h0 must be"),
+    ],
+)
+def test_bad_shapes_name_the_argument(change, message):
+    args = kernel_inputs("gru", make_layer("gru", 2, 3, 4, seed=2), torch.float32, False)
+    with pytest.raises(ValueError, match=message):
+        emulated.gru_forward(**{**args, **change})
+
+
+def test_launch_config():
+    """One warp per row up to H = 32, whole warps above; shared memory = packed W_hh + two state buffers."""
+    def prepare(cell, layer, dtype, **change):
+        args = {"b_hh": None, "c0": None, **kernel_inputs(cell, layer, dtype, False), **change}
+        return recurrent_cuda.prepare(cell, **args, device_type="cpu", shared_limit=1 << 20)
+
+    def launch(cell, hidden, dtype):
+        return prepare(cell, make_layer(cell, 3, 4, hidden, seed=0), dtype)[0]
+
+    small = launch("gru", 20, torch.float32)  # W_hh in registers: shared memory holds the two state buffers
+    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_regs", 3, 32)
+    assert small.shared_bytes == 2 * 20 * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    shared = launch("gru", 20, torch.float64)
+    assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
+    wide = launch("lstm", 33, torch.float64)
+    assert (wide.kernel, wide.block) == ("bppsa_lstm_forward_f64", 64)
+    assert wide.shared_bytes == (4 * 33 + 2) * 34 * 8  # H padded to whole double2 vectors
+    assert len(wide.args) == 12 and wide.args[9:] == (3, 4, 33)
+    assert wide.args[2] == 0 and wide.args[4] != 0 and wide.args[8] == 0  # no b_hh, c0 given, 2 factors
+    with pytest.raises(ValueError, match="c0 is required"):
+        prepare("lstm", make_layer("lstm", 1, 2, 3, seed=0), torch.float64, c0=None)
+
+
+def test_available_is_false_without_cuda_here():
+    ok, reason = recurrent_cuda.available()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/gpu/test_recurrent_cuda.py checks the real kernels")
+    assert not ok and reason
+    assert recurrent_cuda.gru_forward(torch.zeros(1, 2, 3), torch.zeros(3, 1), None, torch.zeros(1, 1)) is None
+
+
+def test_compile_gate_sm80_sm90_no_spill():  # ~2 s of nvcc: not slow
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: the CUDA compile gate needs the CUDA toolkit (no GPU needed)")
+    usage = _nvcc.ptxas_report("recurrent.cu", ("sm_80", "sm_90"))  # -warn-spills -Werror: a spill raises
+    for arch, kernels in usage.items():
+        assert sorted(kernels) == sorted(recurrent_cuda.KERNELS), f"{arch}: ptxas reported {sorted(kernels)}"
+        for name, use in kernels.items():
+            assert (use.stack_bytes, use.spill_store_bytes, use.spill_load_bytes) == (0, 0, 0), f"{arch} {name}"
+            assert 0 < use.registers <= 255 and use.static_shared_bytes == 0, f"{arch} {name}: {use}"
+        print(f"\n{arch} registers: " + ", ".join(f"{k}={v.registers}" for k, v in sorted(kernels.items())))
+
+
+def test_nvrtc_compiles_what_cupy_loads():
+    """The exact source CuPy compiles (headers inlined) through NVRTC, which needs no GPU either."""
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as err:  # no CuPy, or CuPy without its NVRTC library
+        pytest.skip(f"CuPy's NVRTC is not usable here ({type(err).__name__}: {err})")
+    for arch in ("compute_80", "compute_90"):
+        program = nvrtc.createProgram(recurrent_cuda.source(), "recurrent.cu", [], [])
+        try:
+            nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17"])
+        except nvrtc.NVRTCError:
+            pytest.fail(f"NVRTC ({arch}) failed:\n{nvrtc.getProgramLog(program)}")
+
+
+@pytest.mark.slow  # ~5 s per sanitizer build
+@pytest.mark.parametrize("sanitizers", ["address,undefined", "thread"])
+def test_sanitized_launches(tmp_path, sanitizers):
+    """Every cell and dtype, one warp and several, under ASan + UBSan (exact-size global buffers) and TSan
+    (the one barrier per step orders the state buffers' writes before the next step's reads)."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the emulated kernels")
+    for name in sanitizers.replace("address", "asan").replace("undefined", "ubsan").replace("thread", "tsan").split(","):
+        runtime = subprocess.run(["g++", f"-print-file-name=lib{name}.so"], capture_output=True, text=True).stdout
+        if not os.path.isabs(runtime.strip()):
+            pytest.skip(f"g++ has no lib{name} (the sanitizer runtime is not installed)")
+    driver = Path(__file__).with_name("recurrent_cuda_sanitize.cpp")
+    binary = tmp_path / "driver"
+    build = subprocess.run(
+        ["g++", "-std=c++20", "-pthread", "-O1", "-g", f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all",
+         "-I", str(kernel_path(".")), "-x", "c++", str(driver), "-o", str(binary)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0, f"the sanitized driver does not build:\n{build.stderr[-3000:]}"
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0", "TSAN_OPTIONS": "halt_on_error=1"}
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and "Sanitizer" not in run.stderr, run.stderr[-3000:]
+    assert "launch status 0" in run.stdout
