@@ -35,6 +35,7 @@ from lightning_bppsa.cost_model import CellCost
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.jacobians.recurrent import gate_preactivations, gru_jacobians
 from lightning_bppsa.kernels import recurrent as native
+from lightning_bppsa.kernels import recurrent_cuda
 
 __all__ = ["CELLS", "GRUCell", "LSTMCell", "RNNCell", "RecurrentCell", "cell_of"]
 
@@ -63,7 +64,8 @@ class RecurrentCell:
     def forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> list[Tensor]:
         """``[out, (c_n,) *factors]``: the compiled kernel where it runs, else torch plus the factors."""
         gi = self._input_projection(x, weights)
-        result = self._native_forward(gi, h0, c0, weights) if _native_ok(x) else None
+        kernels = _forward_kernels(x)
+        result = None if kernels is None else self._native_forward(kernels, gi, h0, c0, weights)
         if result is None:
             result = self._torch_forward_with_factors(x, h0, c0, weights)
         return list(result)
@@ -79,7 +81,9 @@ class RecurrentCell:
 
     _folds_hidden_bias = True
 
-    def _native_forward(self, gi, h0, c0, weights) -> tuple | None:
+    def _native_forward(self, kernels, gi, h0, c0, weights) -> tuple | None:
+        """The compiled forward of ``kernels`` (:mod:`~lightning_bppsa.kernels.recurrent` or
+        :mod:`~lightning_bppsa.kernels.recurrent_cuda`), or ``None`` where it cannot run."""
         raise NotImplementedError
 
     def _torch_forward_with_factors(self, x, h0, c0, weights) -> tuple:
@@ -226,8 +230,33 @@ def _parameter_gradients(d_gi: Tensor, d_gh: Tensor, x: Tensor, h_prev: Tensor, 
 
 
 def _native_ok(x: Tensor) -> bool:
-    """Whether the compiled cell kernels may run on ``x`` (CPU, float32/float64, kernel built)."""
+    """Whether the compiled CPU cell kernels may run on ``x`` (CPU, float32/float64, kernel built)."""
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and native.available()
+
+
+#: reasons already logged for running torch's fused forward instead of a compiled one
+_LOGGED: set[str] = set()
+
+
+def _forward_kernels(x: Tensor):
+    """The compiled forward kernels for ``x``'s device, or ``None`` (torch's fused forward runs; logged
+    once per reason)."""
+    if _native_ok(x):
+        return native
+    if x.device.type == "cuda" and x.dtype in (torch.float32, torch.float64):
+        ok, reason = recurrent_cuda.available()
+        if ok:
+            return recurrent_cuda
+    elif x.dtype not in (torch.float32, torch.float64):
+        reason = f"dtype {x.dtype} (the compiled cell kernels take float32 / float64)"
+    elif x.device.type == "cpu":
+        reason = "the compiled CPU cell kernels are unavailable (see the build log)"
+    else:
+        reason = f"no compiled cell kernels for device {x.device.type}"
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        log.info("lightning_bppsa: recurrent layers run torch's fused forward: %s", reason)
+    return None
 
 
 class RNNCell(RecurrentCell):
@@ -246,8 +275,8 @@ class RNNCell(RecurrentCell):
         self.relu = nonlinearity == "relu"
         self.cost = CellCost(autograd_ops_per_step=3.5, gates=1, state_factor=1)
 
-    def _native_forward(self, gi, h0, c0, weights):
-        return native.rnn_forward(gi, weights[1], None, h0, self.relu)
+    def _native_forward(self, kernels, gi, h0, c0, weights):
+        return kernels.rnn_forward(gi, weights[1], None, h0, self.relu)
 
     def _torch_forward_with_factors(self, x, h0, c0, weights):
         (out,) = self.torch_forward(x, h0, c0, weights)
@@ -303,8 +332,8 @@ class GRUCell(RecurrentCell):
     def __init__(self) -> None:
         self.cost = CellCost(autograd_ops_per_step=10.0, gates=3, state_factor=1)
 
-    def _native_forward(self, gi, h0, c0, weights):
-        return native.gru_forward(gi, weights[1], weights[3] if len(weights) == 4 else None, h0)
+    def _native_forward(self, kernels, gi, h0, c0, weights):
+        return kernels.gru_forward(gi, weights[1], weights[3] if len(weights) == 4 else None, h0)
 
     def _torch_forward_with_factors(self, x, h0, c0, weights):
         (out,) = self.torch_forward(x, h0, c0, weights)
@@ -365,8 +394,8 @@ class LSTMCell(RecurrentCell):
                                      False, True)  # fmt: skip
         return out, c_n[0]
 
-    def _native_forward(self, gi, h0, c0, weights):
-        result = native.lstm_forward(gi, weights[1], h0, c0)
+    def _native_forward(self, kernels, gi, h0, c0, weights):
+        result = kernels.lstm_forward(gi, weights[1], h0, c0)
         if result is None:
             return None
         out, cells, gates = result
