@@ -12,12 +12,13 @@ import ctypes
 import logging
 import os
 import shlex
+import shutil
 from collections.abc import Mapping, Sequence
 
 import torch
 from lightning_bppsa.kernels import _build
 
-__all__ = ["FLAG_SETS", "load", "threads"]
+__all__ = ["FLAG_SETS", "build_expected", "load", "threads"]
 
 #: compiler flags, best first
 FLAG_SETS = (
@@ -25,6 +26,21 @@ FLAG_SETS = (
     ["-O3", "-fopenmp"],
     ["-O3"],
 )
+
+
+def _enabled() -> bool:
+    return os.environ.get("BPPSA_NATIVE", "1") != "0"
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def build_expected() -> bool:
+    """Whether a build is attempted and can succeed: ``BPPSA_NATIVE`` is not 0 and ``$CC`` (or ``cc``) is on
+    ``PATH``. Tests use it to FAIL, not skip, when a compiler exists but a kernel does not build."""
+    compiler = _compiler()
+    return _enabled() and bool(compiler) and shutil.which(compiler[0]) is not None
 
 
 def load(
@@ -48,10 +64,10 @@ def load(
         extra_flags: appended to every flag set (e.g. ``-ffp-contract=fast``).
         depends: headers the source includes (they key the cache).
     """
-    if os.environ.get("BPPSA_NATIVE", "1") == "0":
+    if not _enabled():
         logger.info("lightning_bppsa: BPPSA_NATIVE=0: %s", fallback[:1].lower() + fallback[1:])
         return None
-    compiler = [*shlex.split(os.environ.get("CC") or "cc"), "-std=c99"]
+    compiler = [*_compiler(), "-std=c99"]
     flag_sets = [[*flags, *extra_flags] for flags in FLAG_SETS]
     try:
         lib = _build.load_library(

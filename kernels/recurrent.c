@@ -11,6 +11,7 @@
    below (libm's scalar tanhf would cost more than the product); float64 uses libm. Denormals are
    flushed for the duration of a call: long products of contracting Jacobians underflow, and x86 is
    10-100x slower on denormal operands. No -ffast-math: NaN propagates as in torch. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,8 +57,9 @@ static void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
 
 /* ---- float32 activations ---------------------------------------------------------------------
    Branch-free, so gcc vectorises the loops that call them; NaN in gives NaN out (the clamps below are
-   comparisons, false for NaN). Max errors measured against float64 over a dense grid
-   (tests/kernels/test_recurrent.py): see bppsa_tanh_f32 / bppsa_sigmoid_f32. */
+   comparisons, false for NaN). Max errors against float64 over a dense grid of [-30, 30] and of
+   magnitudes 1e-30..1 (tests/kernels/test_recurrent.py): tanh 1.37 ulp, sigmoid 2.46 ulp (torch's
+   own float32 sigmoid: also 2.46). */
 
 static inline float bits_as_float(uint32_t u) {
     float f;
@@ -97,10 +99,11 @@ static inline float exp_f32(float x) {
 }
 
 /* tanh(x): |x| < 0.625 by x + x^3 P(x^2) (P fitted for relative error, 1e-8 with float32 coefficients),
-   otherwise 1 - 2 / (exp(2|x|) + 1) (no cancellation there: the result is > 0.55); |x| > 9 gives 1. */
+   otherwise 1 - 2 / (exp(2|x|) + 1) (no cancellation there: the result is > 0.55); |x| > 10 gives 1
+   (float32 tanh rounds to 1 from |x| = 9.02 on). */
 static inline float tanh_f32(float x) {
     float a = fabsf(x);
-    a = a > 9.0f ? 9.0f : a;
+    a = a > 10.0f ? 10.0f : a;
     const float u = a * a;
     float p = -0.0057051284f;
     p = p * u + 0.020639211f;
@@ -112,20 +115,29 @@ static inline float tanh_f32(float x) {
     return copysignf(a < 0.625f ? small : large, x);
 }
 
-/* sigmoid(x) = 1 / (1 + exp(-x)): no cancellation anywhere; below x = -88 the result is a denormal
-   (flushed to 0 inside the kernels). */
-static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+/* sigmoid(x) = 1 / (1 + exp(-x)): no cancellation anywhere. Below x = -87.3 the result would be a
+   denormal: it is 0, explicitly (gcc folds the clamped lanes to a constant at compile time, where the
+   run-time flush-to-zero mode does not apply). */
+static inline float sigmoid_f32(float x) {
+    const float s = 1.0f / (1.0f + exp_f32(-x));
+    return s < FLT_MIN ? 0.0f : s;
+}
 
 static inline double tanh_f64(double x) { return tanh(x); }
 static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-/* The approximations over an array, for the accuracy test (same code the kernels inline). */
+/* The approximations over an array, for the accuracy test: the code the kernels inline, with denormals
+   flushed as in the kernels. */
 void bppsa_tanh_f32(int64_t n, const float* x, float* y) {
+    const unsigned saved = flush_denormals();
     for (int64_t i = 0; i < n; ++i) y[i] = tanh_f32(x[i]);
+    restore_denormals(saved);
 }
 
 void bppsa_sigmoid_f32(int64_t n, const float* x, float* y) {
+    const unsigned saved = flush_denormals();
     for (int64_t i = 0; i < n; ++i) y[i] = sigmoid_f32(x[i]);
+    restore_denormals(saved);
 }
 
 /* ---- the kernels, once per precision --------------------------------------------------------- */

@@ -302,5 +302,5 @@ def fast_tanh(x: Tensor) -> Tensor | None:
 
 def fast_sigmoid(x: Tensor) -> Tensor | None:
     """The kernels' float32 ``sigmoid = 1 / (1 + exp(-x))`` (as :func:`fast_tanh`); below ``x = -88`` the
-    result is a denormal, which the kernels flush to zero (this function does not flush)."""
+    result would be a denormal and is flushed to zero, as inside the kernels."""
     return _activation("sigmoid", x)
