@@ -142,6 +142,9 @@ void bppsa_sigmoid_f32(int64_t n, const float* x, float* y) {
 
 /* ---- the kernels, once per precision --------------------------------------------------------- */
 
+/* how many steps ahead the sweeps prefetch their rows' data (one step of all rows outlasts a miss) */
+#define BPPSA_PREFETCH_STEPS 2
+
 #define BPPSA_CAT_(a, b) a##_##b
 #define BPPSA_CAT(a, b) BPPSA_CAT_(a, b)
 
