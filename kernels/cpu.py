@@ -6,7 +6,7 @@ op dispatches (~1.5 µs each) however small it is. The C kernel runs the whole r
 at ``B = 16, n = 1000, d = 20`` that is ~0.3 ms instead of ~3.7 ms.
 
 ``linear_scan.c`` is compiled on first use with the system C compiler (``$CC``, default ``cc``; it may
-hold flags, e.g. ``CC="gcc -m64"``) by :func:`lightning_bppsa.kernels._build.load_library` into
+hold flags, e.g. ``CC="gcc -m64"``) by :func:`lightning_bppsa.kernels._native.load` into
 ``$BPPSA_CACHE_DIR`` and loaded with :mod:`ctypes`. Without a compiler, when it fails, or with
 ``BPPSA_NATIVE=0``, nothing is loaded and the scan runs its torch loop (same results up to rounding;
 one log message says why). :mod:`lightning_bppsa.ops` decides where this kernel runs.
@@ -16,23 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shlex
 
 import torch
-from lightning_bppsa.kernels import _build
+from lightning_bppsa.kernels import _native
 from torch import Tensor
 
 __all__ = ["available", "linear_dense", "linear_factored"]
 
 log = logging.getLogger(__name__)
 
-#: compiler flags, best first: the kernel must build wherever a C99 compiler exists
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp"],
-    ["-O3", "-fopenmp"],
-    ["-O3"],
-)
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -53,26 +45,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get("BPPSA_NATIVE", "1") == "0":
-        log.info("lightning_bppsa: BPPSA_NATIVE=0, the linear scan runs its torch loop")
-        return None
-    compiler = [*shlex.split(os.environ.get("CC") or "cc"), "-std=c99"]
-    try:
-        lib = _build.load_library(
-            "bppsa_linear", ["linear_scan.c"], compiler, flag_sets=_FLAG_SETS, symbols=list(_SIGNATURES)
-        )
-    except (_build.BuildError, OSError) as err:
-        log.warning(
-            "lightning_bppsa: could not build the compiled CPU kernel (%s; compiler from $CC, default cc): "
-            "%s\nThe linear scan runs its torch loop instead (same results, "
-            "slower); set BPPSA_NATIVE=0 to skip this build.",
-            _build.kernel_path("linear_scan.c"),
-            err,
-        )
-        return None
-    for symbol, argtypes in _SIGNATURES.items():
-        getattr(lib, symbol).argtypes = argtypes
-    return lib
+    fallback = "The linear scan runs its torch loop"
+    return _native.load("bppsa_linear", "linear_scan.c", _SIGNATURES, logger=log, fallback=fallback)
 
 
 def available() -> bool:
@@ -96,10 +70,6 @@ def _pointer(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _threads(batch: int) -> int:
-    return max(1, min(torch.get_num_threads(), batch))
-
-
 def linear_factored(weight: Tensor, scales: Tensor, add: Tensor | None, out: Tensor) -> bool:
     """Run the linear recurrence of a factored chain into ``out``; ``False`` if the kernel can't.
 
@@ -117,7 +87,7 @@ def linear_factored(weight: Tensor, scales: Tensor, add: Tensor | None, out: Ten
     add = None if add is None else add.contiguous()
     fn = getattr(lib, f"bppsa_linear_factored_{_SUFFIX[out.dtype]}")
     fn(n, batch, d, weight.shape[0], _pointer(weight), _pointer(scales), _pointer(add), _pointer(out),
-       _threads(batch))  # fmt: skip
+       _native.threads(batch))  # fmt: skip
     return True
 
 
@@ -130,5 +100,5 @@ def linear_dense(jacobians_t: Tensor, add: Tensor | None, out: Tensor) -> bool:
     jacobians_t = jacobians_t.contiguous()
     add = None if add is None else add.contiguous()
     fn = getattr(lib, f"bppsa_linear_dense_{_SUFFIX[out.dtype]}")
-    fn(n, batch, d, _pointer(jacobians_t), _pointer(add), _pointer(out), _threads(batch))
+    fn(n, batch, d, _pointer(jacobians_t), _pointer(add), _pointer(out), _native.threads(batch))
     return True

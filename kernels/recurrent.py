@@ -1,2 +1,306 @@
-# TEMPORARY SHIM (not committed): replaced by the ckern helper's module
-def available(): return False
+"""Compiled CPU kernels for whole recurrent layers (one layer, one direction): ``recurrent.c``.
+
+A forward emits the states **and** the Jacobian factors of every step in one pass; a backward runs the
+gradient recurrence (the BPPSA linear scan over the factored step Jacobians, paper Sec. 4.1 / App. E)
+with the gate pre-activation gradients in the same pass. Parameter gradients are not computed here: the
+caller does the GEMMs of Eq. 2 over all steps with the returned ``d_*``.
+
+All tensors are batch-major ``(B, T, ·)``, float32 or float64, on the CPU; weights as torch stores them
+(``w_hh`` ``(G H, H)``, gate order ``GRU: r, z, n``; ``LSTM: i, f, g, o``). ``gi`` is the input projection
+the caller computes with one GEMM, ``x W_ihᵀ + b_ih`` (for RNN and LSTM with ``b_hh`` added in too; the
+GRU's ``b_hh`` sits inside ``r ⊙ (·)`` and is passed on its own).
+
+Every function returns ``None`` when the kernel cannot run (no compiler or ``BPPSA_NATIVE=0``, a dtype
+other than float32 / float64, a tensor not on the CPU, mixed dtypes): the caller then runs its torch code.
+A shape that does not fit raises :class:`ValueError` naming the argument.
+
+Accuracy: float64 uses libm (matches torch to ~1e-15 relative per step). float32 uses vectorised
+``tanh`` / ``sigmoid`` approximations (:func:`fast_tanh`, :func:`fast_sigmoid`; a few ulp, measured in
+``tests/kernels/test_recurrent.py``) instead of libm's scalar ones. Denormals are flushed to zero
+inside the kernels. Built with the shared CPU build (:mod:`lightning_bppsa.kernels._native`) plus
+``-ffp-contract=fast`` (FMA) and ``-fno-trapping-math`` (lets gcc vectorise the branch-free selects);
+no ``-ffast-math``, so NaN propagates as in torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+import torch
+from lightning_bppsa.kernels import _native
+from torch import Tensor
+
+__all__ = [
+    "available",
+    "fast_sigmoid",
+    "fast_tanh",
+    "gru_backward",
+    "gru_forward",
+    "lstm_backward",
+    "lstm_forward",
+    "rnn_backward",
+    "rnn_forward",
+]
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# (batch, steps, hidden) then pointers (with the relu flag where it applies), then the thread count
+_ARGTYPES = {
+    "rnn_forward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + [_INT],
+    "rnn_backward": [_I64] * 3 + [_PTR] * 3 + [_INT] + [_PTR] * 2 + [_INT],
+    "gru_forward": [_I64] * 3 + [_PTR] * 8 + [_INT],
+    "gru_backward": [_I64] * 3 + [_PTR] * 8 + [_INT],
+    "lstm_forward": [_I64] * 3 + [_PTR] * 7 + [_INT],
+    "lstm_backward": [_I64] * 3 + [_PTR] * 9 + [_INT],
+}
+_SIGNATURES = {
+    **{f"bppsa_{name}_{s}": args for name, args in _ARGTYPES.items() for s in _SUFFIX.values()},
+    **{f"bppsa_{name}_f32": [_I64, _PTR, _PTR] for name in ("tanh", "sigmoid")},
+}
+
+#: the loaded library (or ``None``) once looked for, and whether it loaded (a bool torch.compile can read)
+_STATE: dict[str, object] = {}
+
+
+def _library() -> ctypes.CDLL | None:
+    if "lib" not in _STATE:
+        _STATE["lib"] = _load()
+        _STATE["ok"] = _STATE["lib"] is not None
+    return _STATE["lib"]
+
+
+def _load() -> ctypes.CDLL | None:
+    return _native.load(
+        "bppsa_recurrent",
+        "recurrent.c",
+        _SIGNATURES,
+        logger=log,
+        fallback="The recurrent layers run their torch code",
+        extra_flags=("-ffp-contract=fast", "-fno-trapping-math"),
+        depends=("recurrent_impl.h",),
+    )
+
+
+def available() -> bool:
+    """Whether the compiled kernels can be used (compiles them on the first call).
+
+    While ``torch.compile`` traces it only reports what an earlier eager call found.
+    """
+    if torch.compiler.is_compiling():
+        return bool(_STATE.get("ok", False))
+    return _library() is not None
+
+
+def _check(name: str, tensor: Tensor | None, shape: Sequence[int]) -> None:
+    if tensor is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def _kernel(name: str, *tensors: Tensor | None):
+    """The compiled function for the tensors' common dtype, or ``None`` if the kernel cannot run on them."""
+    present = [t for t in tensors if t is not None]
+    dtype = present[0].dtype
+    if dtype not in _SUFFIX or any(
+        t.dtype != dtype or t.device.type != "cpu" or t.layout != torch.strided for t in present
+    ):
+        return None
+    lib = _library()
+    return None if lib is None else getattr(lib, f"bppsa_{name}_{_SUFFIX[dtype]}")
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _dense(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().contiguous()
+
+
+def _run(fn, batch: int, steps: int, hidden: int, *args) -> None:
+    """Call a kernel: tensors as pointers, the thread count last; raise if it ran out of memory."""
+    pointers = [a if isinstance(a, int) else _ptr(a) for a in args]
+    if fn(batch, steps, hidden, *pointers, _native.threads(batch)):
+        raise MemoryError("lightning_bppsa: the recurrent kernel could not allocate its buffers")
+
+
+def _sizes(name: str, tensor: Tensor, width_per_hidden: int) -> tuple[int, int, int]:
+    """``(B, T, H)`` of a ``(B, T, G H)`` tensor."""
+    if tensor.dim() != 3 or tensor.shape[2] % width_per_hidden or tensor.shape[2] == 0:
+        raise ValueError(
+            f"{name} must have shape (B, T, {width_per_hidden} H) with H >= 1, got {tuple(tensor.shape)}"
+        )
+    batch, steps, width = tensor.shape
+    return batch, steps, width // width_per_hidden
+
+
+def rnn_forward(
+    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
+) -> tuple[Tensor, Tensor] | None:
+    """Elman RNN forward ``h_t = f(gi_t + h_{t-1} W_hhᵀ [+ b_hh])``, ``f = relu if relu else tanh``.
+
+    Args: ``gi`` ``(B, T, H)``, ``w_hh`` ``(H, H)``, ``b_hh`` ``(H,)`` or ``None``, ``h0`` ``(B, H)``.
+
+    Returns ``(out, slope)``, both ``(B, T, H)``: ``out[:, t] = h_{t+1}`` and ``slope = f'``: ``1 - h²``
+    for tanh; for relu torch's ``threshold_backward`` mask (1 where NOT ``out <= 0``, so NaN passes).
+    """
+    batch, steps, hidden = _sizes("gi", gi, 1)
+    _check("w_hh", w_hh, (hidden, hidden))
+    _check("b_hh", b_hh, (hidden,))
+    _check("h0", h0, (batch, hidden))
+    fn = _kernel("rnn_forward", gi, w_hh, b_hh, h0)
+    if fn is None:
+        return None
+    out, slope = gi.new_empty(batch, steps, hidden), gi.new_empty(batch, steps, hidden)
+    _run(fn, batch, steps, hidden, _dense(gi), _dense(w_hh), _dense(b_hh), _dense(h0), int(relu), out, slope)
+    return out, slope
+
+
+def rnn_backward(slope: Tensor, w_hh: Tensor, grad_out: Tensor, relu: bool) -> tuple[Tensor, Tensor] | None:
+    """Elman RNN backward: ``g_T = grad_out[:, T-1]``, ``d_a_t = g_t ⊙ slope_t``,
+    ``g_{t-1} = d_a_t W_hh + grad_out[:, t-2]`` (none for ``h_0``).
+
+    For relu ``d_a`` selects like torch (0 where the mask is 0, even for a NaN ``g``).
+    Args: ``slope``, ``grad_out`` ``(B, T, H)``; ``w_hh`` ``(H, H)``.
+    Returns ``(d_a (B, T, H), g0 (B, H) = ∇h_0)``.
+    """
+    batch, steps, hidden = _sizes("slope", slope, 1)
+    _check("w_hh", w_hh, (hidden, hidden))
+    _check("grad_out", grad_out, (batch, steps, hidden))
+    fn = _kernel("rnn_backward", slope, w_hh, grad_out)
+    if fn is None:
+        return None
+    d_a, g0 = slope.new_empty(batch, steps, hidden), slope.new_empty(batch, hidden)
+    _run(fn, batch, steps, hidden, _dense(slope), _dense(w_hh), _dense(grad_out), int(relu), d_a, g0)
+    return d_a, g0
+
+
+def gru_forward(
+    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """GRU forward (torch's gate order ``r, z, n``)::
+
+        gh = h W_hhᵀ + b_hh,  r = σ(gi_r + gh_r),  z = σ(gi_z + gh_z),  n = tanh(gi_n + r ⊙ gh_n)
+        h = (1 - z) ⊙ n + z ⊙ h_prev,  dn = (1 - z)(1 - n²)
+
+    Args: ``gi`` ``(B, T, 3H)``, ``w_hh`` ``(3H, H)``, ``b_hh`` ``(3H,)`` or ``None``, ``h0`` ``(B, H)``.
+
+    Returns ``(out (B, T, H), scales (B, T, 3H), z (B, T, H), dn (B, T, H))`` with
+    ``scales = [dn gh_n r(1-r), (h_prev - n) z(1-z), dn r]``: ``FactoredJacobians(w_hh, scales, z)`` is the
+    chain of :func:`lightning_bppsa.jacobians.recurrent.gru_jacobians`.
+    """
+    batch, steps, hidden = _sizes("gi", gi, 3)
+    _check("w_hh", w_hh, (3 * hidden, hidden))
+    _check("b_hh", b_hh, (3 * hidden,))
+    _check("h0", h0, (batch, hidden))
+    fn = _kernel("gru_forward", gi, w_hh, b_hh, h0)
+    if fn is None:
+        return None
+    out, z, dn = (gi.new_empty(batch, steps, hidden) for _ in range(3))
+    scales = gi.new_empty(batch, steps, 3 * hidden)
+    _run(fn, batch, steps, hidden, _dense(gi), _dense(w_hh), _dense(b_hh), _dense(h0), out, scales, z, dn)
+    return out, scales, z, dn
+
+
+def gru_backward(
+    scales: Tensor, z: Tensor, dn: Tensor, w_hh: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """GRU backward: ``g_{t-1} = g_t ⊙ z_t + (tile(g_t, 3) ⊙ scales_t) W_hh + grad_out[:, t-2]``.
+
+    Args: :func:`gru_forward`'s ``scales``, ``z``, ``dn``; ``w_hh`` ``(3H, H)``; ``grad_out`` ``(B, T, H)``.
+
+    Returns ``(d_gi, d_gh, g0)``: ``d_gh_t = tile(g_t, 3) ⊙ scales_t`` ``(B, T, 3H)`` (the gradient of
+    ``h W_hhᵀ + b_hh``), ``d_gi`` the same except the n block, ``g_t ⊙ dn_t`` (the gradient of ``gi``),
+    and ``g0 = ∇h_0`` ``(B, H)``.
+    """
+    batch, steps, hidden = _sizes("scales", scales, 3)
+    for name, tensor in (("z", z), ("dn", dn), ("grad_out", grad_out)):
+        _check(name, tensor, (batch, steps, hidden))
+    _check("w_hh", w_hh, (3 * hidden, hidden))
+    fn = _kernel("gru_backward", scales, z, dn, w_hh, grad_out)
+    if fn is None:
+        return None
+    d_gh, d_gi = scales.new_empty(batch, steps, 3 * hidden), scales.new_empty(batch, steps, 3 * hidden)
+    g0 = scales.new_empty(batch, hidden)
+    _run(fn, batch, steps, hidden, *map(_dense, (scales, z, dn, w_hh, grad_out)), d_gh, d_gi, g0)
+    return d_gi, d_gh, g0
+
+
+def lstm_forward(gi: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """LSTM forward (gate order ``i, f, g, o``; ``gi`` holds both biases)::
+
+        [i, f, g, o] = [σ, σ, tanh, σ](gi + h W_hhᵀ),  c = f ⊙ c_prev + i ⊙ g,  h = o ⊙ tanh(c)
+
+    Args: ``gi`` ``(B, T, 4H)``, ``w_hh`` ``(4H, H)``, ``h0`` and ``c0`` ``(B, H)``.
+    Returns ``(out (B, T, H), cells (B, T, H) = c_1..c_T, gates (B, T, 4H) = activated i, f, g, o)``.
+    """
+    batch, steps, hidden = _sizes("gi", gi, 4)
+    _check("w_hh", w_hh, (4 * hidden, hidden))
+    _check("h0", h0, (batch, hidden))
+    _check("c0", c0, (batch, hidden))
+    fn = _kernel("lstm_forward", gi, w_hh, h0, c0)
+    if fn is None:
+        return None
+    out, cells = gi.new_empty(batch, steps, hidden), gi.new_empty(batch, steps, hidden)
+    gates = gi.new_empty(batch, steps, 4 * hidden)
+    _run(fn, batch, steps, hidden, *map(_dense, (gi, w_hh, h0, c0)), out, cells, gates)
+    return out, cells, gates
+
+
+def lstm_backward(
+    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_cn: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """LSTM backward: the structured recursion over ``(h, c)``, from ``gh_T = grad_out[:, T-1]``,
+    ``gc_T = grad_cn``::
+
+        gc_tot = gc + gh ⊙ o ⊙ (1 - tanh² c)
+        d_gates = [gc_tot g i(1-i), gc_tot c_prev f(1-f), gc_tot i (1-g²), gh tanh(c) o(1-o)]
+        gh_prev = d_gates W_hh + grad_out[:, t-2],  gc_prev = gc_tot ⊙ f
+
+    Args: :func:`lstm_forward`'s ``gates`` ``(B, T, 4H)`` and ``cells`` ``(B, T, H)``; ``c0`` ``(B, H)``;
+    ``w_hh`` ``(4H, H)``; ``grad_out`` ``(B, T, H)`` or ``None`` (no gradient on the outputs);
+    ``grad_cn`` ``(B, H)`` or ``None`` (none on ``c_T``).
+    Returns ``(d_gates (B, T, 4H), gh0 (B, H), gc0 (B, H))``.
+    """
+    batch, steps, hidden = _sizes("gates", gates, 4)
+    _check("cells", cells, (batch, steps, hidden))
+    _check("c0", c0, (batch, hidden))
+    _check("w_hh", w_hh, (4 * hidden, hidden))
+    _check("grad_out", grad_out, (batch, steps, hidden))
+    _check("grad_cn", grad_cn, (batch, hidden))
+    fn = _kernel("lstm_backward", gates, cells, c0, w_hh, grad_out, grad_cn)
+    if fn is None:
+        return None
+    d_gates = gates.new_empty(batch, steps, 4 * hidden)
+    gh0, gc0 = gates.new_empty(batch, hidden), gates.new_empty(batch, hidden)
+    _run(
+        fn, batch, steps, hidden, *map(_dense, (gates, cells, c0, w_hh, grad_out, grad_cn)), d_gates, gh0, gc0
+    )
+    return d_gates, gh0, gc0
+
+
+def _activation(name: str, x: Tensor) -> Tensor | None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or _library() is None:
+        return None
+    x = x.detach().contiguous()
+    y = torch.empty_like(x)
+    getattr(_library(), f"bppsa_{name}_f32")(x.numel(), x.data_ptr(), y.data_ptr())
+    return y
+
+
+def fast_tanh(x: Tensor) -> Tensor | None:
+    """The kernels' float32 ``tanh`` over a float32 CPU tensor (``None`` otherwise, or without the kernel).
+
+    ``|x| < 0.625``: ``x + x³ P(x²)`` (P fitted for relative error); else ``1 - 2 / (exp(2|x|) + 1)`` with
+    a Cody-Waite ``exp``. NaN gives NaN.
+    """
+    return _activation("tanh", x)
+
+
+def fast_sigmoid(x: Tensor) -> Tensor | None:
+    """The kernels' float32 ``sigmoid = 1 / (1 + exp(-x))`` (as :func:`fast_tanh`); below ``x = -88`` the
+    result would be a denormal and is flushed to zero, as inside the kernels."""
+    return _activation("sigmoid", x)

@@ -1,0 +1,488 @@
+/* The recurrent kernels in one precision: included by recurrent.c with REAL (float / double), SUFFIX
+   (f32 / f64: the names' suffix and the activations' suffix) and LANES (the weight padding unit).
+   All tensors batch-major and contiguous: a (B, T, w) tensor's row b, step t starts at (b T + t) w.
+   Every exported function returns 0, or 1 when memory ran out (nothing written then). */
+
+#define F(name) BPPSA_CAT(name, SUFFIX)
+
+/* ---- the per-step product ---------------------------------------------------------------------- */
+
+/* y[r][0 .. NB LANES) = x[r][0 .. k) @ w[:, 0 .. NB LANES) for ROWS rows; w is (k x ld) row-major. The
+   accumulators (ROWS x NB vectors) stay in registers over all k; ROWS = 2 shares each weight load. */
+#define BPPSA_PRODUCT(ROWS, NB)                                                                      \
+    static inline void F(product_##ROWS##_##NB)(const REAL* const* x, int64_t k, const REAL* w,      \
+                                                int64_t ld, REAL* const* y) {                        \
+        REAL acc[ROWS][NB * LANES]; /* set from j = 0 (k >= 1): zeroing it compiles to a slow memset */ \
+        for (int r = 0; r < ROWS; ++r)                                                               \
+            for (int c = 0; c < NB * LANES; ++c) acc[r][c] = x[r][0] * w[c];                         \
+        for (int64_t j = 1; j < k; ++j) {                                                            \
+            const REAL* restrict wj = w + j * ld;                                                    \
+            for (int r = 0; r < ROWS; ++r) {                                                         \
+                const REAL v = x[r][j];                                                              \
+                for (int c = 0; c < NB * LANES; ++c) acc[r][c] += v * wj[c];                         \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < ROWS; ++r)                                                               \
+            for (int c = 0; c < NB * LANES; ++c) y[r][c] = acc[r][c];                                \
+    }
+BPPSA_PRODUCT(1, 1)
+BPPSA_PRODUCT(1, 2)
+BPPSA_PRODUCT(1, 3)
+BPPSA_PRODUCT(1, 4)
+BPPSA_PRODUCT(2, 1)
+BPPSA_PRODUCT(2, 2)
+BPPSA_PRODUCT(2, 3)
+BPPSA_PRODUCT(2, 4)
+#undef BPPSA_PRODUCT
+
+/* y[r][0 .. m) = x[r][0 .. k) @ w for rows = 1 or 2; m <= ld, both multiples of LANES. Column blocks of
+   at most 4 vectors (8 accumulators for two rows, within the 16 vector registers of AVX2). */
+static inline void F(product)(int rows, const REAL* const* x, int64_t k, const REAL* w, int64_t ld,
+                              int64_t m, REAL* const* y) {
+    for (int64_t c0 = 0; c0 < m; c0 += 4 * LANES) {
+        const int64_t vectors = (m - c0) / LANES;
+        REAL* const yc[2] = {y[0] + c0, rows == 2 ? y[1] + c0 : NULL};
+        const REAL* wc = w + c0;
+        switch ((rows == 2 ? 4 : 0) + (vectors < 4 ? vectors : 4)) {
+            case 1: F(product_1_1)(x, k, wc, ld, yc); break;
+            case 2: F(product_1_2)(x, k, wc, ld, yc); break;
+            case 3: F(product_1_3)(x, k, wc, ld, yc); break;
+            case 4: F(product_1_4)(x, k, wc, ld, yc); break;
+            case 5: F(product_2_1)(x, k, wc, ld, yc); break;
+            case 6: F(product_2_2)(x, k, wc, ld, yc); break;
+            case 7: F(product_2_3)(x, k, wc, ld, yc); break;
+            default: F(product_2_4)(x, k, wc, ld, yc); break;
+        }
+    }
+}
+
+/* ---- weights, buffers and the sweep over steps -------------------------------------------------- */
+
+static inline int64_t F(padded_width)(int64_t width) { return (width + LANES - 1) / LANES * LANES; }
+
+/* (cols x ld) zero-padded transpose of the (rows x cols) w: the forward's h @ W_hhᵀ. */
+static REAL* F(transposed)(const REAL* w, int64_t rows, int64_t cols, int64_t ld) {
+    REAL* out = (REAL*)calloc((size_t)(cols * ld), sizeof(REAL));
+    if (out)
+        for (int64_t j = 0; j < cols; ++j)
+            for (int64_t c = 0; c < rows; ++c) out[j * ld + c] = w[c * cols + j];
+    return out;
+}
+
+/* (rows x ld) zero-padded copy of the (rows x cols) w: the backward's d @ W_hh. */
+static REAL* F(padded)(const REAL* w, int64_t rows, int64_t cols, int64_t ld) {
+    REAL* out = (REAL*)calloc((size_t)(rows * ld), sizeof(REAL));
+    if (out)
+        for (int64_t j = 0; j < rows; ++j) memcpy(out + j * ld, w + j * cols, sizeof(REAL) * (size_t)cols);
+    return out;
+}
+
+/* Everything a kernel's step of one or two rows reads and writes (each kernel uses what it needs), and
+   the (B, T, width) tensors it streams through, for the prefetch. */
+typedef struct {
+    int64_t steps, hidden, ld;
+    const REAL *gi, *weight, *bias, *h0, *c0, *grad_out, *scales, *z, *dn, *gates;
+    REAL *out, *second, *third, *fourth, *g, *gc, *tmp;
+    int relu;
+    int streams, written; /* the streams: read ones first, then `written` ones the step writes */
+    const REAL* stream[6];
+    int64_t stream_width[6];
+} F(args);
+
+/* Adds a (B, T, width) tensor that every step reads one row-slice of (NULL: skipped). */
+static void F(add_stream)(F(args)* a, const REAL* tensor, int64_t width) {
+    if (tensor) {
+        a->stream[a->streams] = tensor;
+        a->stream_width[a->streams++] = width;
+    }
+}
+
+/* Adds a (B, T, width) tensor that every step writes one row-slice of (after all read ones). */
+static void F(add_output)(F(args)* a, const REAL* tensor, int64_t width) {
+    F(add_stream)(a, tensor, width);
+    a->written++;
+}
+
+/* Batch-major tensors give each row its own stream per tensor (B x 6 streams), more than the hardware
+   prefetcher follows: without this the sweeps wait on memory (measured ~2x slower). */
+static inline void F(prefetch_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+#if defined(__GNUC__)
+    for (int r = 0; r < rows; ++r)
+        for (int s = 0; s < a->streams; ++s) {
+            const char* first = (const char*)(a->stream[s] + ((b + r) * a->steps + t) * a->stream_width[s]);
+            const char* last = first + a->stream_width[s] * (int64_t)sizeof(REAL) - 1;
+            const uintptr_t line = (uintptr_t)63;
+            first = (const char*)((uintptr_t)first & ~line);
+            if (s < a->streams - a->written)
+                for (const char* p = first; p <= last; p += 64) __builtin_prefetch(p, 0, 3);
+            else /* for writing: the line arrives owned, so the store does not wait for it */
+                for (const char* p = first; p <= last; p += 64) __builtin_prefetch(p, 1, 3);
+        }
+#else
+    (void)a, (void)t, (void)b, (void)rows;
+#endif
+}
+
+typedef void (*F(step_fn))(const F(args)*, int64_t t, int64_t b, int rows);
+
+/* Runs step(a, t, b, rows) for every step t (last to first when reverse) and, within a step, for this
+   thread's rows two at a time; rows are split over the threads, denormals flushed while it runs. */
+static inline void F(sweep)(const F(args)* a, int64_t batch, int reverse, F(step_fn) step, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        const unsigned saved = flush_denormals();
+        int64_t lo, hi;
+        thread_rows(batch, &lo, &hi);
+        for (int64_t i = 0; i < a->steps; ++i) {
+            const int64_t t = reverse ? a->steps - 1 - i : i;
+            const int64_t ahead = reverse ? t - BPPSA_PREFETCH_STEPS : t + BPPSA_PREFETCH_STEPS;
+            for (int64_t b = lo; b < hi; b += 2) {
+                if (ahead >= 0 && ahead < a->steps) F(prefetch_step)(a, ahead, b, hi - b > 1 ? 2 : 1);
+                step(a, t, b, hi - b > 1 ? 2 : 1);
+            }
+        }
+        restore_denormals(saved);
+    }
+}
+
+/* Offset of row b, step t in a batch-major (B, T, width) tensor. */
+#define AT(b, t, width) (((b) * a->steps + (t)) * (width))
+
+/* The element-wise parts, one row of one step each; restrict parameters (not locals) let gcc vectorise
+   them without run-time alias checks. */
+
+static inline void F(add_into)(int64_t H, REAL* restrict g, const REAL* restrict direct) {
+    for (int64_t c = 0; c < H; ++c) g[c] += direct[c];
+}
+
+/* ---- Elman RNN --------------------------------------------------------------------------------- */
+
+/* h = f(gi + gh + b_hh); slope = 1 - h² for tanh; for relu the mask of threshold_backward: 0 where
+   h <= 0, else 1 (a NaN h lets the gradient through; relu itself keeps NaN, like torch). */
+static inline void F(rnn_activate)(int64_t H, int relu, const REAL* restrict gi, const REAL* restrict gh,
+                                   const REAL* restrict bias, REAL* restrict h, REAL* restrict slope) {
+    if (relu) {
+        for (int64_t c = 0; c < H; ++c) {
+            const REAL pre = gi[c] + (gh[c] + bias[c]);
+            h[c] = pre <= 0 ? 0 : pre;
+            slope[c] = h[c] <= 0 ? 0 : 1;
+        }
+    } else {
+        for (int64_t c = 0; c < H; ++c) {
+            const REAL v = F(tanh)(gi[c] + (gh[c] + bias[c]));
+            h[c] = v;
+            slope[c] = 1 - v * v;
+        }
+    }
+}
+
+/* d_a = g ⊙ slope; relu selects like torch: 0 where the mask is 0 even for a NaN g. */
+static inline void F(rnn_gate_grad)(int64_t H, int relu, const REAL* restrict g, const REAL* restrict slope,
+                                    REAL* restrict d) {
+    if (relu)
+        for (int64_t c = 0; c < H; ++c) d[c] = slope[c] == 0 ? 0 : g[c];
+    else
+        for (int64_t c = 0; c < H; ++c) d[c] = g[c] * slope[c];
+}
+
+/* h_t = f(gi_t + h_{t-1} W_hhᵀ + b_hh): out = h, second = slope. */
+static inline void F(rnn_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden;
+    const REAL* x[2] = {NULL, NULL};
+    REAL* y[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) {
+        x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
+        y[r] = a->tmp + (b + r) * a->ld;
+    }
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    for (int r = 0; r < rows; ++r)
+        F(rnn_activate)(H, a->relu, a->gi + AT(b + r, t, H), y[r], a->bias, a->out + AT(b + r, t, H),
+                        a->second + AT(b + r, t, H));
+}
+
+/* d_a_t = g_t ⊙ slope_t (out), g_{t-1} = d_a_t W_hh + grad_out[t - 1]; g holds g_t per row (ld apart). */
+static inline void F(rnn_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden;
+    const REAL* x[2] = {NULL, NULL};
+    REAL* y[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) {
+        REAL* d = a->out + AT(b + r, t, H);
+        y[r] = a->g + (b + r) * a->ld;
+        F(rnn_gate_grad)(H, a->relu, y[r], a->scales + AT(b + r, t, H), d);
+        x[r] = d;
+    }
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    if (t > 0)
+        for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
+}
+
+/* ---- GRU --------------------------------------------------------------------------------------- */
+
+/* r, z = σ(gi + gh + b_hh); n = tanh(gi_n + r (gh_n + b_hn)); h = n + z (h_prev - n) (torch's order);
+   dn = (1-z)(1-n²); scales = [dn gh_n r(1-r), (h_prev - n) z(1-z), dn r]. */
+static inline void F(gru_activate)(int64_t H, const REAL* restrict gi, const REAL* restrict gh,
+                                   const REAL* restrict bias, const REAL* restrict prev, REAL* restrict h,
+                                   REAL* restrict scales, REAL* restrict zs, REAL* restrict dns) {
+    for (int64_t c = 0; c < H; ++c) {
+        const REAL gh_n = gh[2 * H + c] + bias[2 * H + c];
+        const REAL reset = F(sigmoid)(gi[c] + (gh[c] + bias[c]));
+        const REAL z = F(sigmoid)(gi[H + c] + (gh[H + c] + bias[H + c]));
+        const REAL n = F(tanh)(gi[2 * H + c] + reset * gh_n);
+        const REAL diff = prev[c] - n;
+        const REAL dn = (1 - z) * (1 - n * n);
+        h[c] = n + z * diff;
+        scales[c] = dn * gh_n * (reset * (1 - reset));
+        scales[H + c] = diff * (z * (1 - z));
+        scales[2 * H + c] = dn * reset;
+        zs[c] = z;
+        dns[c] = dn;
+    }
+}
+
+/* d_gh = tile(g, 3) ⊙ scales; d_gi = d_gh but g ⊙ dn in the n block. */
+static inline void F(gru_gate_grad)(int64_t H, const REAL* restrict g, const REAL* restrict scales,
+                                    const REAL* restrict dn, REAL* restrict d_gh, REAL* restrict d_gi) {
+    for (int64_t c = 0; c < H; ++c) {
+        const REAL gc = g[c];
+        d_gh[c] = d_gi[c] = gc * scales[c];
+        d_gh[H + c] = d_gi[H + c] = gc * scales[H + c];
+        d_gh[2 * H + c] = gc * scales[2 * H + c];
+        d_gi[2 * H + c] = gc * dn[c];
+    }
+}
+
+/* g_{t-1} = g_t ⊙ z + (d_gh W_hh) (+ the direct gradient when there is one). */
+static inline void F(gru_state_grad)(int64_t H, REAL* restrict g, const REAL* restrict z,
+                                     const REAL* restrict product, const REAL* restrict direct) {
+    if (direct)
+        for (int64_t c = 0; c < H; ++c) g[c] = g[c] * z[c] + product[c] + direct[c];
+    else
+        for (int64_t c = 0; c < H; ++c) g[c] = g[c] * z[c] + product[c];
+}
+
+/* gh = h W_hhᵀ, then gru_activate: out = h, second = scales, third = z, fourth = dn. */
+static inline void F(gru_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden;
+    const REAL* x[2] = {NULL, NULL};
+    REAL* y[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) {
+        x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
+        y[r] = a->tmp + (b + r) * a->ld;
+    }
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    for (int r = 0; r < rows; ++r)
+        F(gru_activate)(H, a->gi + AT(b + r, t, 3 * H), y[r], a->bias, x[r], a->out + AT(b + r, t, H),
+                        a->second + AT(b + r, t, 3 * H), a->third + AT(b + r, t, H), a->fourth + AT(b + r, t, H));
+}
+
+/* out = d_gh, second = d_gi, then g_{t-1} = g_t ⊙ z + d_gh W_hh + grad_out[t - 1]. */
+static inline void F(gru_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden;
+    const REAL* x[2] = {NULL, NULL};
+    REAL* y[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) {
+        REAL* d_gh = a->out + AT(b + r, t, 3 * H);
+        F(gru_gate_grad)(H, a->g + (b + r) * a->ld, a->scales + AT(b + r, t, 3 * H), a->dn + AT(b + r, t, H),
+                         d_gh, a->second + AT(b + r, t, 3 * H));
+        x[r] = d_gh;
+        y[r] = a->tmp + (b + r) * a->ld;
+    }
+    F(product)(rows, x, 3 * H, a->weight, a->ld, a->ld, y);
+    for (int r = 0; r < rows; ++r)
+        F(gru_state_grad)(H, a->g + (b + r) * a->ld, a->z + AT(b + r, t, H), y[r],
+                          t > 0 ? a->grad_out + AT(b + r, t - 1, H) : NULL);
+}
+
+/* ---- LSTM -------------------------------------------------------------------------------------- */
+
+/* i, f, o = σ(gi + gh), g = tanh(gi + gh); c = f c_prev + i g; h = o tanh(c); gates = [i, f, g, o]. */
+static inline void F(lstm_activate)(int64_t H, const REAL* restrict gi, const REAL* restrict gh,
+                                    const REAL* restrict c_prev, REAL* restrict h, REAL* restrict cell,
+                                    REAL* restrict gates) {
+    for (int64_t c = 0; c < H; ++c) {
+        const REAL i = F(sigmoid)(gi[c] + gh[c]);
+        const REAL f = F(sigmoid)(gi[H + c] + gh[H + c]);
+        const REAL g = F(tanh)(gi[2 * H + c] + gh[2 * H + c]);
+        const REAL o = F(sigmoid)(gi[3 * H + c] + gh[3 * H + c]);
+        const REAL cn = f * c_prev[c] + i * g;
+        cell[c] = cn;
+        h[c] = o * F(tanh)(cn);
+        gates[c] = i;
+        gates[H + c] = f;
+        gates[2 * H + c] = g;
+        gates[3 * H + c] = o;
+    }
+}
+
+/* gc_tot = gc + gh o (1 - tanh² c); d = [gc_tot g i(1-i), gc_tot c_prev f(1-f), gc_tot i (1-g²),
+   gh tanh(c) o(1-o)]; gc becomes gc_tot f (the gradient of c_prev). */
+static inline void F(lstm_gate_grad)(int64_t H, const REAL* restrict gates, const REAL* restrict cell,
+                                     const REAL* restrict c_prev, const REAL* restrict gh, REAL* restrict gc,
+                                     REAL* restrict d) {
+    for (int64_t c = 0; c < H; ++c) {
+        const REAL i = gates[c], f = gates[H + c], g = gates[2 * H + c], o = gates[3 * H + c];
+        const REAL tc = F(tanh)(cell[c]);
+        const REAL total = gc[c] + gh[c] * o * (1 - tc * tc);
+        d[c] = total * g * (i * (1 - i));
+        d[H + c] = total * c_prev[c] * (f * (1 - f));
+        d[2 * H + c] = total * i * (1 - g * g);
+        d[3 * H + c] = gh[c] * tc * (o * (1 - o));
+        gc[c] = total * f;
+    }
+}
+
+/* pre = gi + h W_hhᵀ, then lstm_activate: out = h, second = cells c, third = gates. */
+static inline void F(lstm_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden;
+    const REAL* x[2] = {NULL, NULL};
+    REAL* y[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) {
+        x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
+        y[r] = a->tmp + (b + r) * a->ld;
+    }
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    for (int r = 0; r < rows; ++r)
+        F(lstm_activate)(H, a->gi + AT(b + r, t, 4 * H), y[r],
+                         t ? a->second + AT(b + r, t - 1, H) : a->c0 + (b + r) * H, a->out + AT(b + r, t, H),
+                         a->second + AT(b + r, t, H), a->third + AT(b + r, t, 4 * H));
+}
+
+/* out = d_gates, then gh_{t-1} = d_gates W_hh + grad_out[t - 1], gc_{t-1} = gc_tot f; g / gc hold gh_t /
+   gc_t per row; scales = the cells. */
+static inline void F(lstm_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden;
+    const REAL* x[2] = {NULL, NULL};
+    REAL* y[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) {
+        REAL* d = a->out + AT(b + r, t, 4 * H);
+        y[r] = a->g + (b + r) * a->ld;
+        F(lstm_gate_grad)(H, a->gates + AT(b + r, t, 4 * H), a->scales + AT(b + r, t, H),
+                          t ? a->scales + AT(b + r, t - 1, H) : a->c0 + (b + r) * H, y[r],
+                          a->gc + (b + r) * a->ld, d);
+        x[r] = d;
+    }
+    F(product)(rows, x, 4 * H, a->weight, a->ld, a->ld, y);
+    if (t > 0 && a->grad_out)
+        for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
+}
+
+#undef AT
+
+/* ---- exported entry points ----------------------------------------------------------------------
+   Each allocates its padded weight (and bias / per-row buffers), runs the sweep, frees them. */
+
+/* The per-row state buffers (B x ld, zeroed) and the padded weight/bias; 1 if any allocation failed. */
+static int F(allocate)(F(args)* a, int64_t batch, REAL** weight, REAL** bias, REAL** tmp, REAL** g, REAL** gc) {
+    *tmp = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
+    *g = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
+    *gc = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
+    *bias = (REAL*)calloc((size_t)a->ld + 1, sizeof(REAL));
+    a->tmp = *tmp, a->g = *g, a->gc = *gc, a->bias = *bias, a->weight = *weight;
+    return !(*weight && *bias && *tmp && *g && *gc);
+}
+
+static void F(release)(REAL* weight, REAL* bias, REAL* tmp, REAL* g, REAL* gc) {
+    free(weight), free(bias), free(tmp), free(g), free(gc);
+}
+
+/* Runs a forward: W_hh (G H x H) transposed into an (H x ld) weight, b_hh (G H or NULL) padded. */
+static int F(forward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_hh, const REAL* b_hh,
+                      F(step_fn) step, int threads) {
+    const int64_t H = a->hidden;
+    a->ld = F(padded_width)(gates * H);
+    REAL *weight = F(transposed)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc;
+    if (F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc)) {
+        F(release)(weight, bias, tmp, g, gc);
+        return 1;
+    }
+    if (b_hh) memcpy(bias, b_hh, sizeof(REAL) * (size_t)(gates * H));
+    F(sweep)(a, batch, 0, step, threads);
+    F(release)(weight, bias, tmp, g, gc);
+    return 0;
+}
+
+/* Runs a backward: W_hh (G H x H) padded to (G H x ld); g starts as grad_out[:, T-1] (or grad_last when
+   given, or 0), gc as grad_c (or 0); on return g0 / gc0 (either may be NULL) hold the gradients of h_0 / c_0. */
+static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_hh, const REAL* grad_c,
+                       REAL* g0, REAL* gc0, F(step_fn) step, int threads) {
+    const int64_t H = a->hidden;
+    a->ld = F(padded_width)(H);
+    REAL *weight = F(padded)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc;
+    if (F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc)) {
+        F(release)(weight, bias, tmp, g, gc);
+        return 1;
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+        if (a->grad_out && a->steps > 0)
+            memcpy(g + b * a->ld, a->grad_out + (b * a->steps + a->steps - 1) * H, sizeof(REAL) * (size_t)H);
+        if (grad_c) memcpy(gc + b * a->ld, grad_c + b * H, sizeof(REAL) * (size_t)H);
+    }
+    F(sweep)(a, batch, 1, step, threads);
+    for (int64_t b = 0; b < batch; ++b) {
+        if (g0) memcpy(g0 + b * H, g + b * a->ld, sizeof(REAL) * (size_t)H);
+        if (gc0) memcpy(gc0 + b * H, gc + b * a->ld, sizeof(REAL) * (size_t)H);
+    }
+    F(release)(weight, bias, tmp, g, gc);
+    return 0;
+}
+
+int F(bppsa_rnn_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
+                         const REAL* b_hh, const REAL* h0, int relu, REAL* out, REAL* slope, int threads) {
+    F(args) a = {0};
+    a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0, a.relu = relu, a.out = out, a.second = slope;
+    F(add_stream)(&a, gi, hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, slope, hidden);
+    return F(forward)(&a, batch, 1, w_hh, b_hh, F(rnn_forward_step), threads);
+}
+
+int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* slope, const REAL* w_hh,
+                          const REAL* grad_out, int relu, REAL* d_a, REAL* g0, int threads) {
+    F(args) a = {0};
+    a.steps = steps, a.hidden = hidden, a.scales = slope, a.grad_out = grad_out, a.relu = relu, a.out = d_a;
+    F(add_stream)(&a, slope, hidden), F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
+    return F(backward)(&a, batch, 1, w_hh, NULL, g0, NULL, F(rnn_backward_step), threads);
+}
+
+int F(bppsa_gru_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
+                         const REAL* b_hh, const REAL* h0, REAL* out, REAL* scales, REAL* z, REAL* dn,
+                         int threads) {
+    F(args) a = {0};
+    a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0;
+    a.out = out, a.second = scales, a.third = z, a.fourth = dn;
+    F(add_stream)(&a, gi, 3 * hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, scales, 3 * hidden);
+    F(add_output)(&a, z, hidden), F(add_output)(&a, dn, hidden);
+    return F(forward)(&a, batch, 3, w_hh, b_hh, F(gru_forward_step), threads);
+}
+
+int F(bppsa_gru_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* scales, const REAL* z,
+                          const REAL* dn, const REAL* w_hh, const REAL* grad_out, REAL* d_gh, REAL* d_gi,
+                          REAL* g0, int threads) {
+    F(args) a = {0};
+    a.steps = steps, a.hidden = hidden, a.scales = scales, a.z = z, a.dn = dn, a.grad_out = grad_out;
+    a.out = d_gh, a.second = d_gi;
+    F(add_stream)(&a, scales, 3 * hidden), F(add_stream)(&a, z, hidden), F(add_stream)(&a, dn, hidden);
+    F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_gh, 3 * hidden), F(add_output)(&a, d_gi, 3 * hidden);
+    return F(backward)(&a, batch, 3, w_hh, NULL, g0, NULL, F(gru_backward_step), threads);
+}
+
+int F(bppsa_lstm_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
+                          const REAL* h0, const REAL* c0, REAL* out, REAL* cells, REAL* gates, int threads) {
+    F(args) a = {0};
+    a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0, a.c0 = c0;
+    a.out = out, a.second = cells, a.third = gates;
+    F(add_stream)(&a, gi, 4 * hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, cells, hidden);
+    F(add_output)(&a, gates, 4 * hidden);
+    return F(forward)(&a, batch, 4, w_hh, NULL, F(lstm_forward_step), threads);
+}
+
+int F(bppsa_lstm_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gates, const REAL* cells,
+                           const REAL* c0, const REAL* w_hh, const REAL* grad_out, const REAL* grad_cn,
+                           REAL* d_gates, REAL* gh0, REAL* gc0, int threads) {
+    F(args) a = {0};
+    a.steps = steps, a.hidden = hidden, a.gates = gates, a.scales = cells, a.c0 = c0, a.grad_out = grad_out;
+    a.out = d_gates;
+    F(add_stream)(&a, gates, 4 * hidden), F(add_stream)(&a, cells, hidden), F(add_stream)(&a, grad_out, hidden);
+    F(add_output)(&a, d_gates, 4 * hidden);
+    return F(backward)(&a, batch, 4, w_hh, grad_cn, gh0, gc0, F(lstm_backward_step), threads);
+}
+
+#undef F
