@@ -449,8 +449,9 @@ class LSTMCell(RecurrentCell):
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
         cells, gates = factors
-        return native.lstm_backward(gates, cells[:, 1:].contiguous(), c0, w_hh, _contiguous(grad_out),
-                                    _contiguous(grad_cn))  # fmt: skip
+        result = native.lstm_backward(gates, cells[:, 1:].contiguous(), c0, w_hh, _contiguous(grad_out),
+                                      _contiguous(grad_cn))  # fmt: skip
+        return None if result is None else (result[0], *result)
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
