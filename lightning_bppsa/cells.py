@@ -122,6 +122,11 @@ class RecurrentCell:
         """Rows of the factored weight (``k d``)."""
         return self.gates * hidden
 
+    @staticmethod
+    def fused_backward(chosen: plan.Plan, like: Tensor) -> bool:
+        """Whether the backward under ``chosen`` is the compiled kernel's fused scan + gate gradients."""
+        return chosen.kernel == "c" and chosen.algorithm == "linear" and _native_ok(like)
+
     def backward(
         self,
         algorithm: str,
@@ -147,7 +152,7 @@ class RecurrentCell:
         batch, n, hidden = out.shape
         chosen = self.plan(algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type, dtype=dtype)
         fused = None
-        if chosen.kernel == "c" and chosen.algorithm == "linear" and _native_ok(out_):
+        if self.fused_backward(chosen, out_):
             fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_cn)
         if fused is None and self._needs_torch_semantics(out_, grad_out):
             fused = self._select_sweep(factors, weights[1], self.direct_gradients(grad_out, grad_cn, out_))
@@ -273,7 +278,9 @@ class RNNCell(RecurrentCell):
             raise ValueError(f"nonlinearity must be 'tanh' or 'relu'; got {nonlinearity!r}")
         self.name = f"rnn_{nonlinearity}"
         self.relu = nonlinearity == "relu"
-        self.cost = CellCost(autograd_ops_per_step=3.5, gates=1, state_factor=1)
+        self.cost = CellCost(autograd_ops_per_step=3.5, gates=1, state_factor=1, autograd_step=55e-6,
+                             autograd_row=0.37e-6, autograd_row_mac=0.33e-9, native_row=0.4e-6,
+                             native_row_mac=0.45e-9)  # fmt: skip
 
     def _native_forward(self, kernels, gi, h0, c0, weights):
         return kernels.rnn_forward(gi, weights[1], None, h0, self.relu)
@@ -330,7 +337,9 @@ class GRUCell(RecurrentCell):
     _folds_hidden_bias = False  # b_hh's n block sits inside r ⊙ (.)
 
     def __init__(self) -> None:
-        self.cost = CellCost(autograd_ops_per_step=10.0, gates=3, state_factor=1)
+        self.cost = CellCost(autograd_ops_per_step=10.0, gates=3, state_factor=1, autograd_step=150e-6,
+                             autograd_row=1.35e-6, autograd_row_mac=0.35e-9, native_row=1.8e-6,
+                             native_row_mac=0.55e-9)  # fmt: skip
 
     def _native_forward(self, kernels, gi, h0, c0, weights):
         return kernels.gru_forward(gi, weights[1], weights[3] if len(weights) == 4 else None, h0)
@@ -384,7 +393,9 @@ class LSTMCell(RecurrentCell):
 
     def __init__(self) -> None:
         # torch's CPU LSTM backward is one fused op per step
-        self.cost = CellCost(autograd_ops_per_step=1.0, gates=4, state_factor=2)
+        self.cost = CellCost(autograd_ops_per_step=1.0, gates=4, state_factor=2, autograd_step=3e-6,
+                             autograd_row=1.3e-6, autograd_row_mac=0.21e-9, native_row=0.8e-6,
+                             native_row_mac=0.55e-9)  # fmt: skip
 
     def jacobian_width(self, hidden: int) -> int:
         return 10 * hidden

@@ -139,32 +139,53 @@ def fastest(*, n: int, d: int, batch: int, width: int | None, device: str, nativ
 class CellCost:
     """A recurrent cell's row of the model (each cell of :mod:`lightning_bppsa.cells` owns one).
 
-    ``autograd_ops_per_step``: torch ops per step in autograd's backward of torch's own layer (fitted on the
-    development CPU at B = 16, H = 20: RNN ~21 µs, GRU ~60 µs, LSTM ~6 µs per step; CPU LSTM's autograd
-    backward is one fused op per step); ``gates``: G (``W_hh`` is ``G H x H``); ``state_factor``: the scan
-    state is ``state_factor * H``.
+    ``autograd_ops_per_step``: torch ops per step in autograd's backward of torch's own layer; ``gates``: G
+    (``W_hh`` is ``G H x H``); ``state_factor``: the scan state is ``state_factor * H``. The whole training
+    step of one layer on CPU (fitted on the 2-core development machine, one thread, B in {1, 16, 64, 256},
+    T in {10, 1000}, H in {20, 64}):
+
+    - torch's layer under autograd: ``n (step + B (row + row_mac · G H²))`` (``autograd_*``);
+    - the compiled cell kernels (forward with factors, fused backward, GEMMs): ``n B (row + row_mac · G H²)``
+      (``native_*``) plus a fixed ~0.6 ms per call.
     """
 
     autograd_ops_per_step: float
     gates: int
     state_factor: int
+    autograd_step: float = 0.0
+    autograd_row: float = 0.0
+    autograd_row_mac: float = 0.0
+    native_row: float = 0.0
+    native_row_mac: float = 0.0
 
 
 _SCAN_FIXED_OPS = 170  # autograd.Function, Jacobian data, validation, parameter GEMMs: ~0.25 ms whatever n
 _ELEMENTWISE_BYTES_PER_S = 5e9  # element-wise passes over (B, n, G H) in the forward and backward
+_NATIVE_CALL_SECONDS = 6e-4  # the two ops, their GEMMs and autograd's bookkeeping, per layer call
+_AUTOGRAD_CALL_SECONDS = 3e-4
 
 
 @lru_cache(maxsize=1024)  # called on every forward; shapes repeat from batch to batch
-def recurrent_path(cost: CellCost, *, n: int, hidden: int, batch: int, width: int, device: str, native: bool) -> str:
-    """``"scan"`` or ``"autograd"``: which backward a recurrent layer should use (``algorithm="auto"``).
+def recurrent_path(
+    cost: CellCost, *, n: int, hidden: int, batch: int, width: int, device: str, native: bool, fused: bool = False
+) -> str:
+    """``"scan"`` or ``"autograd"``: which path a recurrent layer should take (``algorithm="auto"``).
 
-    Compares the predicted backward of autograd (``n`` steps of a few small ops each) with the scan's
-    (best algorithm of :func:`predict_seconds` over the factored Jacobians of ``width`` rows, plus the
-    element-wise passes over the gates, linear in ``B n H G``).
+    ``fused``: the compiled cell kernels run the whole layer (CPU): whole steps are compared with the
+    fitted rows of :class:`CellCost`. Otherwise the predicted backward of autograd (``n`` steps of a few
+    small ops each) is compared with the scan's (best algorithm of :func:`predict_seconds` over the factored
+    Jacobians of ``width`` rows, plus the element-wise passes over the gates, linear in ``B n H G``).
     """
+    macs = cost.gates * hidden * hidden
+    if fused:
+        ours = _NATIVE_CALL_SECONDS + n * batch * (cost.native_row + cost.native_row_mac * macs)
+        autograd = _AUTOGRAD_CALL_SECONDS + n * (
+            cost.autograd_step + batch * (cost.autograd_row + cost.autograd_row_mac * macs)
+        )
+        return "scan" if ours < autograd else "autograd"
     mach = MACHINES.get(device, MACHINES["cuda"])
     d, gates = cost.state_factor * hidden, cost.gates
-    autograd = n * (cost.autograd_ops_per_step * mach.autograd_op_seconds + 4 * batch * hidden * gates * hidden / mach.rowblock_flops)
+    autograd = n * (cost.autograd_ops_per_step * mach.autograd_op_seconds + 4 * batch * macs / mach.rowblock_flops)
     chunk = best_chunk(n=n, d=d, batch=batch, width=width, device=device, native=native)
     algorithm = fastest(n=n, d=d, batch=batch, width=width, device=device, native=native, chunk=chunk)
     scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk, native=native)

@@ -107,11 +107,10 @@ class _ScanRecurrent:
             return "scan", ""  # symbolic sizes while torch.compile traces: the op plans at run time
         cell = cell_of(self.mode)
         device = input.device.type
-        native = device == "cpu" and cell.plan("auto", batch=batch, n=length, hidden=self.hidden_size,
-                                               device=device, dtype=input.dtype).kernel == "c"  # fmt: skip
+        chosen = cell.plan("auto", batch=batch, n=length, hidden=self.hidden_size, device=device, dtype=input.dtype)
         path = cost_model.recurrent_path(
             cell.cost, n=length, hidden=self.hidden_size, batch=batch, width=cell.jacobian_width(self.hidden_size),
-            device=device, native=native,
+            device=device, native=chosen.kernel == "c", fused=cell.fused_backward(chosen, input),
         )
         return path, "" if path == "scan" else "cost model: the scan does not pay at this size"
 
