@@ -14,13 +14,18 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
 - ``"linear"``: ``bppsa_sweep_*``, one block per batch row runs the ``n`` steps in order.
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
-  every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices, so
-  it runs for ``d`` up to 77 (float32) / 54 (float64); wider states, or a single chunk, use the sweep.
+  every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
+  the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
+  227 KiB on an H100: ``d`` up to 167 float32 / 118 float64; 48 KiB without the opt-in: 77 / 54);
+  wider states, or a single chunk, use the sweep. Under ``torch.use_deterministic_algorithms(True)`` the
+  look-back waits for the previous chunk only (a fixed order of products: bit-identical reruns).
 
 Float16 / bfloat16 inputs run in float32 (as the torch implementation does); other inputs are made
-contiguous (a copy only when they are not). CuPy is imported inside the functions only, the module is
-compiled once per process and device (NVRTC; CuPy keeps the binary in ``$CUPY_CACHE_DIR``), and a launch
-uses raw data pointers on ``torch.cuda.current_stream()``: no copies, no synchronisation.
+contiguous (a copy only when they are not). CuPy (>= 14, with NVRTC: the ``cuda12`` / ``cuda13`` extras)
+is imported inside the functions only, the module is compiled once per process and device (NVRTC;
+CuPy keeps the binary in ``$CUPY_CACHE_DIR``) by :func:`available` or :func:`prepare`, never inside a
+CUDA graph capture (a first call there raises), and a launch uses raw data pointers on
+``torch.cuda.current_stream()``: no copies, no synchronisation.
 
 :func:`launch_config` and :func:`kernel_args` are the one place that computes a launch (kernel name,
 grid, block, shared memory, buffers, argument words); the host emulation in
@@ -46,16 +51,21 @@ __all__ = [
     "KernelUsage",
     "Launch",
     "available",
+    "device_shared_limit",
     "fits",
     "kernel_args",
     "launch_config",
+    "prepare",
     "ptxas_usage",
     "run",
     "scan_dense",
     "scan_factored",
 ]
 
-SHARED_BYTES = 48 * 1024  # dynamic shared memory per block without an opt-in attribute
+SHARED_BYTES = 48 * 1024  # shared memory per block (static + dynamic) without the opt-in attribute
+#: static shared memory of each kernel family (ptxas / NVRTC report it: the compile gate and the CuPy
+#: loader check these figures); a launch's dynamic part gets the limit minus this
+STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16}
 MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of a chunk-product step
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
 KERNELS = tuple(
@@ -74,10 +84,12 @@ class Launch:
     grid: int  # blocks (1-D)
     block: int  # threads per block (a multiple of 32)
     shared_bytes: int  # dynamic shared memory per block
+    static_bytes: int  # the kernel's static shared memory (STATIC_SHARED_BYTES)
     tile_rows: int  # operand rows streamed through shared memory at once
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
     sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
+    ordered: bool = False  # chunked: look back at the previous chunk only (deterministic)
 
 
 def _threads(work_items: int) -> int:
@@ -95,14 +107,20 @@ def launch_config(
     affine: bool,
     algorithm: str,
     chunk_size: int,
+    shared_limit: int = SHARED_BYTES,
+    deterministic: bool = False,
 ) -> Launch:
     """The launch of one scan of ``batch`` chains of ``n >= 1`` steps of state size ``d``.
 
-    ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient.
-    Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64).
+    ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient;
+    ``shared_limit`` is the shared memory a block may use, static + dynamic (48 KiB, or the device's
+    opt-in maximum); ``deterministic`` fixes the chunked kernel's look-back order.
+    Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64 at 48 KiB).
     """
     if n < 1 or batch < 1 or d < 1:
         raise ValueError(f"launch_config needs n, batch, d >= 1; got n={n}, batch={batch}, d={d}")
+    if shared_limit < SHARED_BYTES:
+        raise ValueError(f"shared_limit={shared_limit} is below the 48 KiB every CUDA device gives a block")
     suffix = {4: "f32", 8: "f64"}[element_bytes]
     chain = "factored" if factored else "dense"
     operand_rows = m if factored else d
@@ -112,27 +130,32 @@ def launch_config(
     matrices = 2 * rows * d * element_bytes
     vectors = 2 * d * element_bytes
     row_bytes = d * element_bytes
-    chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= SHARED_BYTES
+    chunked_budget = shared_limit - STATIC_SHARED_BYTES["chunked"]
+    chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= chunked_budget
     if chunked:
-        tile_rows = min(operand_rows, (SHARED_BYTES - matrices - vectors) // row_bytes)
+        tile_rows = min(operand_rows, (chunked_budget - matrices - vectors) // row_bytes)
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
             block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
             shared_bytes=matrices + vectors + tile_rows * row_bytes,
+            static_bytes=STATIC_SHARED_BYTES["chunked"],
             tile_rows=tile_rows,
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
+            ordered=deterministic,
         )
-    if vectors + row_bytes > SHARED_BYTES:
+    sweep_budget = shared_limit - STATIC_SHARED_BYTES["sweep"]
+    if vectors + row_bytes > sweep_budget:
         raise ValueError(f"state size d={d} is too wide for the CUDA scan kernels' shared memory")
-    tile_rows = min(operand_rows, (SHARED_BYTES - vectors) // row_bytes)
+    tile_rows = min(operand_rows, (sweep_budget - vectors) // row_bytes)
     return Launch(
         kernel=f"bppsa_sweep_{chain}_{suffix}",
         grid=batch,
         block=_threads(d),
         shared_bytes=vectors + tile_rows * row_bytes,
+        static_bytes=STATIC_SHARED_BYTES["sweep"],
         tile_rows=tile_rows,
         chunk=n,
         work_elements=0,
@@ -156,8 +179,11 @@ def kernel_args(
     m: int,
     affine: bool,
 ) -> list[int]:
-    """The kernel's 14 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order."""
-    return [mat, scales, diagonal, grad, out, work, sync, n, batch, d, m, launch.chunk, int(affine), launch.tile_rows]
+    """The kernel's 15 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order."""
+    return [
+        mat, scales, diagonal, grad, out, work, sync, n, batch, d, m, launch.chunk, int(affine), launch.tile_rows,
+        int(launch.ordered),
+    ]  # fmt: skip
 
 
 Launcher = Callable[[Launch, list, torch.device], None]
@@ -172,12 +198,17 @@ def run(
     algorithm: str,
     chunk_size: int,
     launcher: Launcher,
+    shared_limit: int = SHARED_BYTES,
+    deterministic: bool | None = None,
 ) -> Tensor:
     """Prepare buffers, compute the launch and hand it to ``launcher(launch, args, device)``.
 
     ``mat`` is ``jacobians_t`` (``scales is None``) or the factored ``weight``. Returns ``(B, n + 1, d)``
-    in ``grad``'s dtype. Shared by the CUDA path and the host emulation.
+    in ``grad``'s dtype. ``deterministic=None`` follows ``torch.are_deterministic_algorithms_enabled()``.
+    Shared by the CUDA path and the host emulation.
     """
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     factored = scales is not None
 
@@ -203,6 +234,8 @@ def run(
         affine=affine,
         algorithm=algorithm,
         chunk_size=chunk_size,
+        shared_limit=shared_limit,
+        deterministic=deterministic,
     )
     work = torch.empty(launch.work_elements, dtype=compute, device=grad.device)
     sync = torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device)
@@ -240,7 +273,7 @@ _AVAILABLE: dict[str, tuple[bool, str]] = {}  # the answer of the first eager ca
 def available() -> tuple[bool, str]:
     """``(True, "")`` when CuPy and a CUDA device are usable, else ``(False, why)``.
 
-    The first eager call compiles the kernels (once; CuPy caches the binary on disk). While
+    The first eager call compiles the kernels (:func:`prepare`; CuPy caches the binary on disk). While
     ``torch.compile`` traces (the cost model asks from inside ``backprop_scan``), it only reports what
     an earlier eager call found, so tracing never imports CuPy or compiles.
     """
@@ -253,13 +286,15 @@ def available() -> tuple[bool, str]:
 
 def _check_available() -> tuple[bool, str]:
     try:
-        import cupy  # noqa: F401
+        import cupy
     except ImportError as err:
-        return False, f"CuPy is not installed ({err}); install cupy-cuda12x or cupy-cuda13x"
+        return False, f"CuPy is not installed ({err}); install lightning-bppsa[cuda12] or [cuda13] (see README)"
+    if not hasattr(cupy.cuda.Stream, "from_external"):
+        return False, f"CuPy {cupy.__version__} is too old: the CUDA kernels need CuPy >= 14"
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
-    try:  # a driver / CuPy mismatch shows here, once, instead of in the first scan
-        _module(torch.cuda.current_device())
+    try:  # a driver / CuPy mismatch, or NVRTC missing, shows here, once, instead of in the first scan
+        prepare(torch.cuda.current_device())
     except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
         return False, f"the CUDA kernels do not compile or load here ({type(err).__name__}: {err})"
     return True, ""
@@ -272,13 +307,56 @@ def source() -> str:
 
 
 @functools.cache
-def _module(device_index: int):
+def device_shared_limit(device_index: int) -> int:
+    """Shared memory a block may use on the device, static + dynamic: its opt-in maximum."""
+    return max(SHARED_BYTES, torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin)
+
+
+_MODULES: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy Function}
+
+
+def prepare(device_index: int) -> dict:
+    """Compile (NVRTC) and load the kernels on a device, once; opt every kernel in to the device's
+    whole shared memory and check its static shared memory against ``STATIC_SHARED_BYTES``.
+
+    Returns ``{kernel name: cupy Function}``. Call it before capturing a CUDA graph: inside a capture
+    the first scan raises instead of compiling (loading a module is not a capturable operation).
+    """
+    if device_index in _MODULES:
+        return _MODULES[device_index]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the BPPSA CUDA kernels are not compiled yet and cannot be inside a CUDA graph capture: "
+            "run one scan (or lightning_bppsa.kernels.cuda.prepare(device)) before capturing"
+        )
     import cupy
 
+    limit = device_shared_limit(device_index)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=source(), options=("-std=c++17",))
-        module.compile()
-    return module
+        functions = {}
+        for name in KERNELS:
+            function = module.get_function(name)
+            static = STATIC_SHARED_BYTES[name.split("_")[1]]
+            if function.shared_size_bytes > static:
+                raise RuntimeError(
+                    f"{name} has {function.shared_size_bytes} B of static shared memory here, launch_config "
+                    f"budgets {static} B (STATIC_SHARED_BYTES)"
+                )
+            function.max_dynamic_shared_size_bytes = limit - static
+            functions[name] = function
+    _MODULES[device_index] = functions
+    return functions
+
+
+class _TorchStream:
+    """torch's stream handle in the CUDA stream protocol (what ``cupy.cuda.Stream.from_external`` takes)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
 
 
 def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
@@ -286,8 +364,8 @@ def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
     import numpy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _module(index).get_function(launch.kernel)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
+    kernel = prepare(index)[launch.kernel]
+    stream = cupy.cuda.Stream.from_external(_TorchStream(torch.cuda.current_stream(device).cuda_stream))
     with cupy.cuda.Device(index), stream:
         kernel((launch.grid,), (launch.block,), tuple(numpy.uint64(a) for a in args), shared_mem=launch.shared_bytes)
 
@@ -300,6 +378,7 @@ class KernelUsage:
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    static_shared_bytes: int
 
 
 def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = None) -> dict[str, dict[str, KernelUsage]]:
@@ -327,7 +406,8 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
             r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry
         ).groups()
         registers = re.search(r"Used (\d+) registers", entry).group(1)
-        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads))
+        smem = re.search(r"(\d+) bytes smem", entry)
+        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads), int(smem.group(1)) if smem else 0)
     return usage
 
 
@@ -344,13 +424,23 @@ def fits(d: int, element_bytes: int) -> tuple[bool, str]:
     return True, ""
 
 
+def _device_limit(t: Tensor) -> int:
+    return device_shared_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def scan_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
     """``bppsa::scan_dense`` on CUDA: ``jacobians_t`` ``(B, n, d, d)``, ``grad`` ``(B, d)`` or ``(B, n + 1, d)``."""
-    return run(jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda)
+    return run(
+        jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda,
+        shared_limit=_device_limit(grad),
+    )  # fmt: skip
 
 
 def scan_factored(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     """``bppsa::scan_factored`` on CUDA: ``J_t = diag(u_t) + [diag(s^1_t) .. diag(s^k_t)] W`` (see ``FactoredJacobians``)."""
-    return run(weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda)
+    return run(
+        weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda,
+        shared_limit=_device_limit(grad),
+    )  # fmt: skip

@@ -2,9 +2,11 @@
 
 For tests on machines without a GPU. The same source and the same launches as
 :mod:`lightning_bppsa.kernels.cuda` (:func:`~lightning_bppsa.kernels.cuda.launch_config`), with one
-OS thread per CUDA thread; ``resident`` bounds the blocks that run at once (blocks start in block
-order, as on a GPU that has room for only that many), which checks that the inter-block waits
-cannot deadlock. Slow (a barrier costs a few context switches): keep grids tiny.
+OS thread per CUDA thread; ``resident`` bounds the blocks that run at once (as on a GPU that has room
+for only that many), which checks that the inter-block waits cannot deadlock; blocks are dispatched
+in a random order drawn from ``seed`` (0: index order), and every release store of a flag waits a
+random time of up to ``jitter_us`` first (opening the window between a block's two announcements).
+Slow (a barrier costs a few context switches): keep grids tiny.
 
 Build through :func:`lightning_bppsa.kernels._build.load_library` into ``$BPPSA_CACHE_DIR``;
 A ThreadSanitizer variant (``build_arguments("thread")``) loads only into a process started with
@@ -44,7 +46,7 @@ def build_arguments(sanitize: str | None = None) -> dict:
     }
 
 
-#: ``bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident, timeout_s)``
+#: ``bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident, timeout_s, seed, jitter_us)``
 LAUNCH_ARGTYPES = [
     ctypes.c_void_p,
     ctypes.POINTER(ctypes.c_uint64),
@@ -52,6 +54,8 @@ LAUNCH_ARGTYPES = [
     ctypes.c_uint,
     ctypes.c_size_t,
     ctypes.c_uint,
+    ctypes.c_double,
+    ctypes.c_ulonglong,
     ctypes.c_double,
 ]
 
@@ -64,7 +68,7 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def _launcher(resident: int | None, timeout: float):
+def _launcher(resident: int | None, timeout: float, seed: int, jitter_us: float):
     def launch(config: cuda.Launch, args: list, device: torch.device) -> None:
         if device.type != "cpu":
             raise ValueError(f"the emulated kernels take CPU tensors; got {device}")
@@ -72,11 +76,13 @@ def _launcher(resident: int | None, timeout: float):
         words = (ctypes.c_uint64 * len(args))(*args)
         entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
         blocks = config.grid if resident is None else resident
-        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout)
+        status = lib.bppsa_emu_launch(
+            entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout, seed, jitter_us
+        )
         if status == _TIMEOUT:
             raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
         if status == _ERROR:
-            raise RuntimeError(f"{config.kernel}: an exception escaped an emulated thread")
+            raise RuntimeError(f"{config.kernel}: an emulated thread failed (a bad warp mask, or shared memory exhausted)")
 
     return launch
 
@@ -89,10 +95,17 @@ def scan_dense(
     *,
     resident: int | None = None,
     timeout: float = 60.0,
+    seed: int = 1,
+    jitter_us: float = 0.0,
+    deterministic: bool | None = None,
 ) -> Tensor:
-    """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if ``None``)."""
-    launcher = _launcher(resident, timeout)
-    return cuda.run(jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher)
+    """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if
+    ``None``), dispatched in the order drawn from ``seed``, release stores delayed up to ``jitter_us``."""
+    launcher = _launcher(resident, timeout, seed, jitter_us)
+    return cuda.run(
+        jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
+        deterministic=deterministic,
+    )  # fmt: skip
 
 
 def scan_factored(
@@ -105,7 +118,13 @@ def scan_factored(
     *,
     resident: int | None = None,
     timeout: float = 60.0,
+    seed: int = 1,
+    jitter_us: float = 0.0,
+    deterministic: bool | None = None,
 ) -> Tensor:
     """:func:`lightning_bppsa.kernels.cuda.scan_factored` on CPU tensors (see :func:`scan_dense`)."""
-    launcher = _launcher(resident, timeout)
-    return cuda.run(weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher)
+    launcher = _launcher(resident, timeout, seed, jitter_us)
+    return cuda.run(
+        weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
+        deterministic=deterministic,
+    )  # fmt: skip

@@ -9,7 +9,9 @@
 //                       publishes it and sets its flag to AGGREGATE (release);
 //                    2. looks back (decoupled look-back) over up to 32 earlier chunks of its row for
 //                       the nearest one whose flag is INCLUSIVE, and pushes that chunk's left-boundary
-//                       gradient through the aggregates in between: its carry g_{hi+1};
+//                       gradient through the aggregates in between: its carry g_{hi+1}. With
+//                       `ordered` (torch.use_deterministic_algorithms) it waits for chunk q - 1's
+//                       inclusive only: the same products in the same order on every run;
 //                    3. publishes its own inclusive g_lo = carry C + b (flag INCLUSIVE), then
 //                    4. sweeps its c steps from the carry, writing out[b, t].
 //                    A block waits only on chunks with smaller tickets, i.e. blocks that already
@@ -24,9 +26,16 @@
 //   work      chunked only: B p aggregates of R x d (R = d + affine), then B p inclusives of d
 //   sync      chunked only, zeroed: [ticket counter, B p flags]
 //
-// Shared memory (dynamic, bytes computed by kernels/cuda.py:launch_config): two R x d matrices
-// (chunked), two d-vectors, and a tile of `tile_rows` x d operand rows; every step streams its
-// operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits.
+// Memory ordering of the look-back: a chunk publishes its data with L2 stores (st.cg), a barrier,
+// then ONE release store of its flag by thread 0 (cumulative over the block's stores ordered by the
+// barrier). A reader polls flags with relaxed loads (an acquire load per poll would invalidate the
+// SM's L1 each time), then every polling lane runs one fence.acq_rel.gpu after the ballot, then a
+// barrier, and the block reads the published data through L2 (ld.cg), never through L1.
+//
+// Shared memory (dynamic, bytes computed by kernels/cuda.py:launch_config, which also budgets the
+// chunked kernels' static words: STATIC_SHARED_BYTES there, checked against ptxas): two R x d
+// matrices (chunked), two d-vectors, and a tile of `tile_rows` x d operand rows; every step streams
+// its operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits.
 #include "cuda_host_emulation.h"
 
 namespace {
@@ -106,7 +115,8 @@ struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-majo
 
 // Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
 // the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
-// (R x d, row-major). Ends with a barrier: Y is ready for everyone.
+// (R x d, row-major). The caller ends what it did before with a barrier (X complete, the tile free);
+// product ends with one too: Y is ready for everyone (so consecutive steps share one barrier).
 // A thread owns an RB x CB block of outputs per pass (rows rg RB .. rg RB + RB - 1, columns cg,
 // cg + groups, ..: neighbouring threads read neighbouring tile columns), so that per operand row it
 // reads RB + CB shared values for RB CB FMAs; and two partial sums of each output (even and odd operand
@@ -139,7 +149,8 @@ __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, i
             for (int j = 0; j < CB; ++j) even[i][j] = odd[i][j] = T(0);
         for (int j0 = 0; j0 < K; j0 += tile_rows) {
             const int count = K - j0 < tile_rows ? K - j0 : tile_rows;
-            __syncthreads();  // X is complete and the previous tile consumed
+            // the previous tile consumed (before the first tile of the first pass: the caller's barrier)
+            if (j0 > 0 || base > 0) __syncthreads();
             op.load_tile(tile, j0, count);
             __syncthreads();
             int xc = j0 % d;  // tile row jj multiplies X column (j0 + jj) mod d
@@ -247,15 +258,15 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
     sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
 }
 
-// Raise a chunk's flag once the whole block's stores of what it announces are visible GPU-wide.
+// Raise a chunk's flag after the whole block's (st.cg) stores of what it announces: the barrier orders
+// them before thread 0's release store, which is cumulative (one fence instead of one per thread).
 __device__ inline void publish(unsigned* flag, unsigned value) {
-    __threadfence();  // every thread: its own stores first ...
-    __syncthreads();  // ... then thread 0, after all of them
+    __syncthreads();
     if (threadIdx.x == 0) bppsa::store_release(flag, value);
 }
 
 template <class T, bool Factored>
-__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows) {
+__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows, bool ordered) {
     BPPSA_DYNAMIC_SHARED(smem);
     BPPSA_SHARED(unsigned, shared_ticket, 1);
     BPPSA_SHARED(int, shared_hops, 1);
@@ -280,6 +291,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
 
     // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
     for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
+    __syncthreads();
     for (i64 t = hi; t >= lo; --t) {
         if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
         T* store = t == lo ? aggregate_of(q) : nullptr;
@@ -294,25 +306,26 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     if (q == 0) {
         copy_row(p.last(b), x, p.out_row(b, p.n), d);
     } else {
-        if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
-            const i64 k = q - 1 - (i64)threadIdx.x;
+        if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l (ordered: lane 0 only)
+            const int lane = threadIdx.x, window = ordered ? 1 : kLookBack;
+            const i64 k = q - 1 - lane;
             unsigned flag = 0;
-            if (k >= 0)
-                while ((flag = bppsa::load_acquire(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
-            const unsigned inclusive = __ballot_sync(0xffffffffu, k >= 0 && flag == kInclusive);
+            if (lane < window && k >= 0)
+                while ((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
+            const unsigned inclusive = __ballot_sync(0xffffffffu, flag == kInclusive);
             int hops;
             if (inclusive) {
                 hops = __ffs(inclusive) - 1;
-            } else {  // 32 aggregates and no inclusive yet: wait for the farthest one's
-                hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
-                if (threadIdx.x == 0)
-                    while (bppsa::load_acquire(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
+            } else {  // only aggregates in the window: wait for the farthest one's inclusive
+                hops = q - 1 < window - 1 ? (int)(q - 1) : window - 1;
+                if (lane == 0)
+                    while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
                         bppsa::spin_pause();
             }
-            __threadfence();
-            if (threadIdx.x == 0) shared_hops[0] = hops;
+            bppsa::fence_acq_rel();  // what the polls saw published is visible to this lane's later reads ...
+            if (lane == 0) shared_hops[0] = hops;
         }
-        __syncthreads();
+        __syncthreads();  // ... and, through the barrier, to the whole block's
         const int hops = shared_hops[0];
         copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
         for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
@@ -340,10 +353,10 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
 #define BPPSA_PARAMS(T)                                                                                  \
     (const T* __restrict__ mat, const T* __restrict__ scales, const T* __restrict__ diagonal,            \
      const T* __restrict__ grad, T* __restrict__ out, T* work, unsigned* sync, i64 n, i64 batch, i64 d, \
-     i64 m, i64 chunk, i64 affine, i64 tile_rows)
+     i64 m, i64 chunk, i64 affine, i64 tile_rows, i64 ordered)
 #define BPPSA_HOST_ARGS(T)                                                                              \
     ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (T*)a[4], (T*)a[5], (unsigned*)a[6], \
-     (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12], (i64)a[13])
+     (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12], (i64)a[13], (i64)a[14])
 #define BPPSA_PROBLEM(T) \
     Problem<T> { mat, scales, diagonal, grad, out, n, batch, (int)d, (int)m, (int)affine }
 
@@ -357,11 +370,11 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
-        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                  \
+        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows, ordered != 0);                  \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
-        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                   \
+        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows, ordered != 0);                   \
     }                                                                                                   \
     BPPSA_ENTRY(bppsa_sweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                         \
     BPPSA_ENTRY(bppsa_sweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                      \

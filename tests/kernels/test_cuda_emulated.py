@@ -154,7 +154,8 @@ lib.bppsa_emu_launch.restype = ctypes.c_int
 entry = ctypes.cast(getattr(lib, spec["kernel"] + "_host"), ctypes.c_void_p)
 status = lib.bppsa_emu_launch(entry, (ctypes.c_uint64 * len(words))(*words), ctypes.c_uint(spec["grid"]),
                               ctypes.c_uint(spec["block"]), ctypes.c_size_t(spec["shared"]),
-                              ctypes.c_uint(spec["grid"]), ctypes.c_double(120.0))
+                              ctypes.c_uint(spec["grid"]), ctypes.c_double(120.0),
+                              ctypes.c_ulonglong(1), ctypes.c_double(0.0))
 open(spec["buffers"][spec["out"]], "wb").write(bytes(buffers[spec["out"]]))
 sys.exit(status)
 """
