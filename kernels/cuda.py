@@ -16,7 +16,7 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
   every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
   the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
-  227 KiB on an H100: ``d`` up to 167 float32 / 118 float64; 48 KiB without the opt-in: 77 / 54);
+  227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
   wider states, or a single chunk, use the sweep. Under ``torch.use_deterministic_algorithms(True)`` the
   look-back waits for the previous chunk only (a fixed order of products: bit-identical reruns).
 
@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from lightning_bppsa.kernels._build import kernel_path
@@ -56,7 +58,9 @@ __all__ = [
     "kernel_args",
     "launch_config",
     "prepare",
+    "ptx",
     "ptxas_usage",
+    "source_path",
     "run",
     "scan_dense",
     "scan_factored",
@@ -300,10 +304,17 @@ def _check_available() -> tuple[bool, str]:
     return True, ""
 
 
+def source_path(name: str) -> Path:
+    """Where ``scan.cu`` / its header are read from: this package, or ``$BPPSA_CUDA_SOURCE_DIR`` (the
+    mutation tests point it at a mutated copy)."""
+    folder = os.environ.get("BPPSA_CUDA_SOURCE_DIR")
+    return Path(folder) / name if folder else kernel_path(name)
+
+
 def source() -> str:
     """``scan.cu`` with its header inlined (CuPy's cache key is the source text, so a header edit counts)."""
-    header = kernel_path("cuda_host_emulation.h").read_text()
-    return kernel_path("scan.cu").read_text().replace('#include "cuda_host_emulation.h"', header)
+    header = source_path("cuda_host_emulation.h").read_text()
+    return source_path("scan.cu").read_text().replace('#include "cuda_host_emulation.h"', header)
 
 
 @functools.cache
@@ -394,7 +405,7 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             nvcc, "-fatbin", "-std=c++17", *gencodes, "-Xptxas", "-v", "-Xptxas", "-warn-spills",
-            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(kernel_path("scan.cu")),
+            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(source_path("scan.cu")),
         ]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -409,6 +420,25 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
         smem = re.search(r"(\d+) bytes smem", entry)
         usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads), int(smem.group(1)) if smem else 0)
     return usage
+
+
+def ptx(arch: str = "compute_90", nvcc: str | None = None) -> dict[str, str]:
+    """``scan.cu`` compiled to PTX by nvcc (no GPU needed): ``{kernel name: its PTX body}``.
+
+    For static checks of what the emulator cannot see, e.g. the cache operators of the look-back's loads.
+    Raises ``FileNotFoundError`` without nvcc, ``RuntimeError`` (with nvcc's output) if it fails.
+    """
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-ptx", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.ptx", str(source_path("scan.cu"))]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-3000:]}")
+        text = Path(f"{tmp}/scan.ptx").read_text()
+    bodies = re.split(r"^\.visible \.entry ", text, flags=re.M)[1:]
+    return {body[: body.index("(")]: body for body in bodies}
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:

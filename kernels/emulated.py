@@ -20,7 +20,7 @@ import ctypes
 
 import torch
 from lightning_bppsa.kernels import cuda
-from lightning_bppsa.kernels._build import kernel_path, load_library
+from lightning_bppsa.kernels._build import load_library
 from torch import Tensor
 
 __all__ = ["LaunchTimeout", "build_arguments", "library", "scan_dense", "scan_factored"]
@@ -38,10 +38,10 @@ def build_arguments(sanitize: str | None = None) -> dict:
     must not import torch, such as a ThreadSanitizer run, can build the same library from them)."""
     return {
         "name": "bppsa_scan_emulated" + (f"_{sanitize}" if sanitize else ""),
-        "sources": [str(kernel_path("scan.cu"))],
+        "sources": [str(cuda.source_path("scan.cu"))],
         "compiler": _COMPILER,
         "flag_sets": [["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]],
-        "depends": [str(kernel_path("cuda_host_emulation.h"))],
+        "depends": [str(cuda.source_path("cuda_host_emulation.h"))],
         "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in cuda.KERNELS)],
     }
 
@@ -73,6 +73,8 @@ def _launcher(resident: int | None, timeout: float, seed: int, jitter_us: float)
         if device.type != "cpu":
             raise ValueError(f"the emulated kernels take CPU tensors; got {device}")
         lib = library()
+        if config.work_elements:  # poisoned scratch (all-ones bytes: NaN): reading unpublished data shows
+            ctypes.memset(args[5], 0xFF, config.work_elements * (8 if config.kernel.endswith("f64") else 4))
         words = (ctypes.c_uint64 * len(args))(*args)
         entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
         blocks = config.grid if resident is None else resident

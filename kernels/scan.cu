@@ -115,8 +115,8 @@ struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-majo
 
 // Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
 // the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
-// (R x d, row-major). The caller ends what it did before with a barrier (X complete, the tile free);
-// product ends with one too: Y is ready for everyone (so consecutive steps share one barrier).
+// (R x d, row-major). Two barriers per step: after a tile is loaded (X, written before the call, is
+// then complete too) and at the end (Y ready, the tile free for the next step's load).
 // A thread owns an RB x CB block of outputs per pass (rows rg RB .. rg RB + RB - 1, columns cg,
 // cg + groups, ..: neighbouring threads read neighbouring tile columns), so that per operand row it
 // reads RB + CB shared values for RB CB FMAs; and two partial sums of each output (even and odd operand
@@ -149,7 +149,7 @@ __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, i
             for (int j = 0; j < CB; ++j) even[i][j] = odd[i][j] = T(0);
         for (int j0 = 0; j0 < K; j0 += tile_rows) {
             const int count = K - j0 < tile_rows ? K - j0 : tile_rows;
-            // the previous tile consumed (before the first tile of the first pass: the caller's barrier)
+            // the previous tile consumed (before the first tile of the first pass: the end of the last step)
             if (j0 > 0 || base > 0) __syncthreads();
             op.load_tile(tile, j0, count);
             __syncthreads();
@@ -291,7 +291,6 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
 
     // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
     for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
-    __syncthreads();
     for (i64 t = hi; t >= lo; --t) {
         if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
         T* store = t == lo ? aggregate_of(q) : nullptr;
