@@ -17,8 +17,9 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
   every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
   the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
   227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
-  wider states, or a single chunk, use the sweep. Under ``torch.use_deterministic_algorithms(True)`` the
-  look-back waits for the previous chunk only (a fixed order of products: bit-identical reruns).
+  wider states, or a single chunk, use the sweep. Deterministic: a chunk's carry is recomputed by the
+  same instructions that made its predecessor's published inclusive, so the bits do not depend on how
+  far the look-back went (nothing to switch under ``torch.use_deterministic_algorithms(True)``).
 
 Float16 / bfloat16 inputs run in float32 (as the torch implementation does); other inputs are made
 contiguous (a copy only when they are not). CuPy (>= 14, with NVRTC: the ``cuda12`` / ``cuda13`` extras)
@@ -93,7 +94,6 @@ class Launch:
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
     sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
-    ordered: bool = False  # chunked: look back at the previous chunk only (deterministic)
 
 
 def _threads(work_items: int) -> int:
@@ -112,13 +112,12 @@ def launch_config(
     algorithm: str,
     chunk_size: int,
     shared_limit: int = SHARED_BYTES,
-    deterministic: bool = False,
 ) -> Launch:
     """The launch of one scan of ``batch`` chains of ``n >= 1`` steps of state size ``d``.
 
     ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient;
     ``shared_limit`` is the shared memory a block may use, static + dynamic (48 KiB, or the device's
-    opt-in maximum); ``deterministic`` fixes the chunked kernel's look-back order.
+    opt-in maximum).
     Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64 at 48 KiB).
     """
     if n < 1 or batch < 1 or d < 1:
@@ -148,7 +147,6 @@ def launch_config(
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
-            ordered=deterministic,
         )
     sweep_budget = shared_limit - STATIC_SHARED_BYTES["sweep"]
     if vectors + row_bytes > sweep_budget:
@@ -183,11 +181,8 @@ def kernel_args(
     m: int,
     affine: bool,
 ) -> list[int]:
-    """The kernel's 15 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order."""
-    return [
-        mat, scales, diagonal, grad, out, work, sync, n, batch, d, m, launch.chunk, int(affine), launch.tile_rows,
-        int(launch.ordered),
-    ]  # fmt: skip
+    """The kernel's 14 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order."""
+    return [mat, scales, diagonal, grad, out, work, sync, n, batch, d, m, launch.chunk, int(affine), launch.tile_rows]
 
 
 Launcher = Callable[[Launch, list, torch.device], None]
@@ -203,16 +198,13 @@ def run(
     chunk_size: int,
     launcher: Launcher,
     shared_limit: int = SHARED_BYTES,
-    deterministic: bool | None = None,
 ) -> Tensor:
     """Prepare buffers, compute the launch and hand it to ``launcher(launch, args, device)``.
 
     ``mat`` is ``jacobians_t`` (``scales is None``) or the factored ``weight``. Returns ``(B, n + 1, d)``
-    in ``grad``'s dtype. ``deterministic=None`` follows ``torch.are_deterministic_algorithms_enabled()``.
-    Shared by the CUDA path and the host emulation.
+    in ``grad``'s dtype. ``shared_limit``: see :func:`launch_config`. Shared by the CUDA path and the host
+    emulation.
     """
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
     compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     factored = scales is not None
 
@@ -239,7 +231,6 @@ def run(
         algorithm=algorithm,
         chunk_size=chunk_size,
         shared_limit=shared_limit,
-        deterministic=deterministic,
     )
     work = torch.empty(launch.work_elements, dtype=compute, device=grad.device)
     sync = torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device)

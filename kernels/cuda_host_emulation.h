@@ -10,8 +10,8 @@
 // load_relaxed / fence_acq_rel / store_release) through std::atomic_ref, and a bound on the blocks
 // resident at once, which is what a kernel with inter-block waits needs for forward progress.
 // Blocks are dispatched in a seeded random order (a GPU promises no order: a kernel that assumes
-// blockIdx order deadlocks or goes wrong here), and every release store can be delayed by a seeded
-// random time (jitter), which opens the windows between a block's announcements to other blocks.
+// blockIdx order deadlocks or goes wrong here), and the thread of every release store can stall for a
+// seeded random time after it (jitter), which opens the windows between a block's announcements.
 // Not emulated: lock-step warps (every lane of a warp must reach a warp collective), the GPU memory
 // model's weaker orderings (x86 is stronger: PTX cache operators are checked statically instead),
 // bank conflicts, occupancy, FMA contraction. Only what scan.cu uses is here (no shuffles: add one
@@ -66,6 +66,7 @@ template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v
 #include <climits>
 #include <condition_variable>
 #include <memory>
+#include <latch>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -181,13 +182,15 @@ inline unsigned load_relaxed(const unsigned* flag) {
     return std::atomic_ref<unsigned>(*const_cast<unsigned*>(flag)).load(order);
 }
 inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_acq_rel); }
+// The announcing thread then stalls (jitter): its block stays at what it just announced for a while,
+// which is the window where a reader may wrongly take an announcement for the next one.
 inline void store_release(unsigned* flag, unsigned v) {
+    std::atomic_ref<unsigned>(*flag).store(v, std::memory_order_release);
     auto& self = bppsa_emu::self;
     if (self.jitter_us > 0) {
         std::uniform_real_distribution<double> delay(0, self.jitter_us);
         std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(delay(self.random)));
     }
-    std::atomic_ref<unsigned>(*flag).store(v, std::memory_order_release);
 }
 inline unsigned take_ticket(unsigned* counter) {
     return std::atomic_ref<unsigned>(*counter).fetch_add(1u, std::memory_order_relaxed);
@@ -223,7 +226,7 @@ T* static_shared(size_t count) {
 enum { BPPSA_EMU_OK = 0, BPPSA_EMU_TIMEOUT = 1, BPPSA_EMU_ERROR = 2 };
 
 // Run a grid: `resident` slots of blockDim threads each take blocks in a seeded random order (index
-// order for seed 0); release stores wait up to `jitter_us` (seeded) first.
+// order for seed 0); a release store's thread then stalls up to `jitter_us` (seeded).
 extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* args, unsigned grid_x,
                                 unsigned block_x, size_t shared_bytes, unsigned resident, double timeout_s,
                                 unsigned long long seed, double jitter_us) {
@@ -245,6 +248,7 @@ extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* 
         slots.back()->dynamic_bytes = shared_bytes;
     }
     unsigned running = resident * block_x;  // threads still running (guarded by `mutex`)
+    std::latch start(resident * block_x);    // the resident blocks start together, not as their threads appear
     for (unsigned s = 0; s < resident; ++s) {
         for (unsigned t = 0; t < block_x; ++t) {
             threads.emplace_back([&, s, t] {
@@ -254,6 +258,7 @@ extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* 
                 threadIdx = {t, 0, 0};
                 blockDim = {block_x, 1, 1};
                 gridDim = {grid_x, 1, 1};
+                start.arrive_and_wait();
                 try {
                     for (;;) {
                         if (t == 0) {  // the next block of the dispatch order

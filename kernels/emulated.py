@@ -4,8 +4,9 @@ For tests on machines without a GPU. The same source and the same launches as
 :mod:`lightning_bppsa.kernels.cuda` (:func:`~lightning_bppsa.kernels.cuda.launch_config`), with one
 OS thread per CUDA thread; ``resident`` bounds the blocks that run at once (as on a GPU that has room
 for only that many), which checks that the inter-block waits cannot deadlock; blocks are dispatched
-in a random order drawn from ``seed`` (0: index order), and every release store of a flag waits a
-random time of up to ``jitter_us`` first (opening the window between a block's two announcements).
+in a random order drawn from ``seed`` (0: index order), and the thread of every release store of a
+flag then stalls up to ``jitter_us`` (its block stays at what it announced: the window between a
+block's two announcements).
 Slow (a barrier costs a few context switches): keep grids tiny.
 
 Build through :func:`lightning_bppsa.kernels._build.load_library` into ``$BPPSA_CACHE_DIR``;
@@ -99,14 +100,12 @@ def scan_dense(
     timeout: float = 60.0,
     seed: int = 1,
     jitter_us: float = 0.0,
-    deterministic: bool | None = None,
 ) -> Tensor:
     """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if
     ``None``), dispatched in the order drawn from ``seed``, release stores delayed up to ``jitter_us``."""
     launcher = _launcher(resident, timeout, seed, jitter_us)
     return cuda.run(
         jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
-        deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -122,11 +121,9 @@ def scan_factored(
     timeout: float = 60.0,
     seed: int = 1,
     jitter_us: float = 0.0,
-    deterministic: bool | None = None,
 ) -> Tensor:
     """:func:`lightning_bppsa.kernels.cuda.scan_factored` on CPU tensors (see :func:`scan_dense`)."""
     launcher = _launcher(resident, timeout, seed, jitter_us)
     return cuda.run(
         weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
-        deterministic=deterministic,
     )  # fmt: skip

@@ -9,9 +9,7 @@
 //                       publishes it and sets its flag to AGGREGATE (release);
 //                    2. looks back (decoupled look-back) over up to 32 earlier chunks of its row for
 //                       the nearest one whose flag is INCLUSIVE, and pushes that chunk's left-boundary
-//                       gradient through the aggregates in between: its carry g_{hi+1}. With
-//                       `ordered` (torch.use_deterministic_algorithms) it waits for chunk q - 1's
-//                       inclusive only: the same products in the same order on every run;
+//                       gradient through the aggregates in between: its carry g_{hi+1};
 //                    3. publishes its own inclusive g_lo = carry C + b (flag INCLUSIVE), then
 //                    4. sweeps its c steps from the carry, writing out[b, t].
 //                    A block waits only on chunks with smaller tickets, i.e. blocks that already
@@ -266,7 +264,7 @@ __device__ inline void publish(unsigned* flag, unsigned value) {
 }
 
 template <class T, bool Factored>
-__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows, bool ordered) {
+__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows) {
     BPPSA_DYNAMIC_SHARED(smem);
     BPPSA_SHARED(unsigned, shared_ticket, 1);
     BPPSA_SHARED(int, shared_hops, 1);
@@ -305,18 +303,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     if (q == 0) {
         copy_row(p.last(b), x, p.out_row(b, p.n), d);
     } else {
-        if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l (ordered: lane 0 only)
-            const int lane = threadIdx.x, window = ordered ? 1 : kLookBack;
+        if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
+            const int lane = threadIdx.x;
             const i64 k = q - 1 - lane;
             unsigned flag = 0;
-            if (lane < window && k >= 0)
+            if (k >= 0)
                 while ((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
             const unsigned inclusive = __ballot_sync(0xffffffffu, flag == kInclusive);
             int hops;
             if (inclusive) {
                 hops = __ffs(inclusive) - 1;
             } else {  // only aggregates in the window: wait for the farthest one's inclusive
-                hops = q - 1 < window - 1 ? (int)(q - 1) : window - 1;
+                hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
                 if (lane == 0)
                     while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
                         bppsa::spin_pause();
@@ -325,23 +323,26 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
             if (lane == 0) shared_hops[0] = hops;
         }
         __syncthreads();  // ... and, through the barrier, to the whole block's
-        const int hops = shared_hops[0];
-        copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
-        for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
-            const T* agg = aggregate_of(q - 1 - l);
-            product<1, 1>(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
+        copy_row(inclusive_of(q - 1 - shared_hops[0]), x, (T*)nullptr, d);
+    }
+
+    // 3. Push the carry through the aggregates of chunks q - hops .. q - 1 (farthest first), then, if a
+    //    later chunk needs it, through this chunk's own: its inclusive g_lo = carry C + b, published so
+    //    that later chunks need not wait for step 4. ONE call site for both: a carry recomputed here is
+    //    bit-identical to the inclusive its chunk published, so the result does not depend on how far
+    //    the look-back went (run-to-run identical bits whatever the schedule: deterministic).
+    const int hops = q == 0 ? 0 : shared_hops[0];
+    for (int l = hops - 1; l >= (q + 1 < chunks ? -1 : 0); --l) {
+        const bool own = l < 0;
+        product<1, 1>(AggregateStep<T>{aggregate_of(q - 1 - l), p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0,
+                      own ? inclusive_of(q) : (T*)nullptr);
+        if (!own) {  // the carry moves one chunk closer; the own product leaves x = the carry for step 4
             T* swap = x;
             x = y;
             y = swap;
         }
     }
-
-    // 3. Publish the inclusive g_lo = carry C + b, so that later chunks need not wait for step 4.
-    if (q + 1 < chunks) {
-        const T* own = aggregate_of(q);
-        product<1, 1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
-        publish(&flags[q * p.batch + b], kInclusive);
-    }
+    if (q + 1 < chunks) publish(&flags[q * p.batch + b], kInclusive);
 
     // 4. The per-step gradients of the chunk.
     sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
@@ -352,10 +353,10 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
 #define BPPSA_PARAMS(T)                                                                                  \
     (const T* __restrict__ mat, const T* __restrict__ scales, const T* __restrict__ diagonal,            \
      const T* __restrict__ grad, T* __restrict__ out, T* work, unsigned* sync, i64 n, i64 batch, i64 d, \
-     i64 m, i64 chunk, i64 affine, i64 tile_rows, i64 ordered)
+     i64 m, i64 chunk, i64 affine, i64 tile_rows)
 #define BPPSA_HOST_ARGS(T)                                                                              \
     ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (T*)a[4], (T*)a[5], (unsigned*)a[6], \
-     (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12], (i64)a[13], (i64)a[14])
+     (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12], (i64)a[13])
 #define BPPSA_PROBLEM(T) \
     Problem<T> { mat, scales, diagonal, grad, out, n, batch, (int)d, (int)m, (int)affine }
 
@@ -369,11 +370,11 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
-        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows, ordered != 0);                  \
+        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                  \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
-        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows, ordered != 0);                   \
+        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                   \
     }                                                                                                   \
     BPPSA_ENTRY(bppsa_sweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                         \
     BPPSA_ENTRY(bppsa_sweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                      \

@@ -54,11 +54,7 @@ def test_kernel_args_follow_the_kernel_signature():
     args = cuda.kernel_args(
         launch, mat=1, scales=2, diagonal=0, grad=3, out=4, work=5, sync=6, n=1000, batch=16, d=20, m=20, affine=False
     )
-    assert args == [1, 2, 0, 3, 4, 5, 6, 1000, 16, 20, 20, launch.chunk, 0, launch.tile_rows, 0]
-    ordered = config(deterministic=True)
-    assert ordered.ordered and cuda.kernel_args(
-        ordered, mat=1, scales=2, diagonal=0, grad=3, out=4, work=5, sync=6, n=1000, batch=16, d=20, m=20, affine=False
-    )[-1] == 1
+    assert args == [1, 2, 0, 3, 4, 5, 6, 1000, 16, 20, 20, launch.chunk, 0, launch.tile_rows]
 
 
 def test_availability_says_why_not():
@@ -133,15 +129,6 @@ def test_static_plus_dynamic_shared_memory_within_the_limit_of_every_launch():
 def test_shared_limit_below_48_kib_is_refused():
     with pytest.raises(ValueError, match="shared_limit=1024"):
         config(shared_limit=1024)
-
-
-def test_deterministic_algorithms_order_the_look_back(monkeypatch):
-    seen = []
-    grad = torch.rand(2, 5)
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    cuda.run(torch.rand(2, 9, 5, 5), None, None, grad, algorithm="chunked", chunk_size=3,
-             launcher=lambda launch, args, device: seen.append((launch.ordered, args[-1])))  # fmt: skip
-    assert seen == [(True, 1)]
 
 
 def test_the_first_call_inside_a_graph_capture_refuses_to_compile(monkeypatch):

@@ -92,13 +92,6 @@ MUTATIONS = [
         (EMULATED, "-k", "look_back_over or chunked_factored"),
     ),
     Mutation(
-        "deterministic mode ignored (look-back window always 32)",
-        "scan.cu",
-        "window = ordered ? 1 : kLookBack;",
-        "window = kLookBack;",
-        (EMULATED, "-k", "deterministic_algorithms"),
-    ),
-    Mutation(
         "no barrier before reloading the tile on a second output pass",
         "scan.cu",
         "if (j0 > 0 || base > 0) __syncthreads();",
