@@ -2,7 +2,8 @@
 
 Ready for a GPU machine; nothing here was run on one (no GPU was lent to this project's sessions).
 
-    python benchmarks/gpu.py            # GPU: every grid, CUDA events, writes benchmarks/results/cuda-gpu.md (< 10 min)
+    python benchmarks/gpu.py --first-contact  # GPU: sanitizers, look-back stress, then every grid (< 10 min)
+    python benchmarks/gpu.py            # GPU: every grid, CUDA events, writes benchmarks/results/cuda-gpu.md
     python benchmarks/gpu.py --quick    # GPU: the headline rows only
     python benchmarks/gpu.py --plan     # no GPU needed: the model's predictions -> benchmarks/results/cuda-plan-gpu.md
 
@@ -42,14 +43,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
+import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -153,13 +159,17 @@ def measure(cell: str, batch: int, length: int, inputs: int) -> dict:
     return r
 
 
-def measured_table(quick: bool) -> str:
+def measured_table(quick: bool, deadline: float = math.inf) -> str:
+    """The measured rows; rows not started by ``deadline`` (``time.monotonic()``) are listed as not measured."""
     lines = [
         "| cell | B | T | input | BPPSA path | backward cuDNN ms | backward BPPSA ms | speedup "
         "| sweep kernel ms (model) | chunked kernel ms (model) | chunk | peak MiB cuDNN | peak MiB BPPSA |",
         "|" + " --- |" * 13,
     ]
     for cell, batch, length, inputs in rows(quick):
+        if time.monotonic() > deadline:
+            lines.append(f"| {cell} | {batch} | {length} | {inputs} | not measured (time limit) |" + " |" * 8)
+            continue
         r = measure(cell, batch, length, inputs)
         ms, mib = 1e3, 2.0**-20
         lines.append(
@@ -271,9 +281,109 @@ def plan() -> str:
     return "\n".join(out) + "\n"
 
 
+# --------------------------------------------------------------------------------------------------
+# First contact with a GPU: sanitizers, look-back stress, then the grids (one command, < 10 minutes)
+# --------------------------------------------------------------------------------------------------
+
+#: the CUDA cases of the test suite run under compute-sanitizer (small grids: the tools are slow)
+SANITIZED_TESTS = ["tests/gpu/test_cuda_kernels.py", "-k", "sweep or chunked or stream or empty"]
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+
+
+def _sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    fallback = Path(cuda_home) / "bin" / "compute-sanitizer"
+    return found or (str(fallback) if fallback.exists() else None)
+
+
+def run_sanitizers(timeout: float) -> list[tuple[str, bool, str]]:
+    """(tool, passed, detail) for memcheck, racecheck, synccheck over the test suite's CUDA cases."""
+    tool_path = _sanitizer()
+    if tool_path is None:
+        return [(tool, False, "compute-sanitizer not found (CUDA toolkit bin/ not on PATH)") for tool in SANITIZER_TOOLS]
+    results = []
+    for tool in SANITIZER_TOOLS:
+        cmd = [tool_path, "--tool", tool, "--error-exitcode", "99", sys.executable, "-m", "pytest", "-x", "-q",
+               "-p", "no:cacheprovider", *SANITIZED_TESTS]  # fmt: skip
+        start = time.monotonic()
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            results.append((tool, False, f"did not finish in {timeout:.0f} s"))
+            continue
+        summary = [line for line in done.stdout.splitlines() if "ERROR SUMMARY" in line or "passed" in line]
+        detail = f"exit {done.returncode} in {time.monotonic() - start:.0f} s; " + " | ".join(summary[-2:])
+        if done.returncode != 0:
+            detail += "\n" + (done.stdout + done.stderr)[-3000:]
+        results.append((tool, done.returncode == 0, detail))
+    return results
+
+
+def _test_cases():
+    """tests/kernels/test_cuda_emulated.py as a module: the exact inputs and the float64 loop it tests with."""
+    path = ROOT / "tests" / "kernels" / "test_cuda_emulated.py"
+    spec = importlib.util.spec_from_file_location("_cuda_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def look_back_stress(repeats: int = 20) -> tuple[bool, str]:
+    """The chunked kernel on a grid far above residency (64 rows x 10000 chunks of 2 steps), exact inputs
+    (signed permutations, integer gradients: any order of products gives the same bits), compared bit
+    for bit with the sweep in float64 on every repeat, and float32 against the float64 loop."""
+    from lightning_bppsa.kernels import cuda as kernels
+
+    cases = _test_cases()
+    jt, grad = cases.exact_dense(64, 20000, 4, torch.Generator().manual_seed(0))
+    jt, grad = jt.cuda(), grad.cuda()
+    sweep = kernels.scan_dense(jt, grad, "linear", 1)
+    mismatches = sum(not torch.equal(kernels.scan_dense(jt, grad, "chunked", 2), sweep) for _ in range(repeats))
+    sweep_float32 = kernels.scan_dense(jt.float(), grad.float(), "linear", 1)
+    mismatches += sum(
+        not torch.equal(kernels.scan_dense(jt.float(), grad.float(), "chunked", 3), sweep_float32) for _ in range(repeats)
+    )
+    grid = 64 * 10000
+    detail = f"{mismatches} of {2 * repeats} launches differ from the sweep (grid {grid} blocks, 1 + 10000 chunks/row)"
+    return mismatches == 0, detail
+
+
+def first_contact() -> int:
+    """Sanitizers, then the look-back stress, then the paper's grids; returns the exit status."""
+    start = time.monotonic()
+    report = []
+    for tool, passed, detail in run_sanitizers(timeout=100):
+        report.append((f"compute-sanitizer {tool}", passed, detail))
+        print(f"[{'ok' if passed else 'FAIL'}] compute-sanitizer {tool}: {detail}", flush=True)
+    passed, detail = look_back_stress()
+    report.append(("look-back stress", passed, detail))
+    print(f"[{'ok' if passed else 'FAIL'}] look-back stress: {detail}", flush=True)
+    if all(ok for _, ok, _ in report):
+        write_measurements(quick=False, deadline=start + 570)  # the whole command in < 10 minutes
+    else:
+        print("grids not measured: fix the failures above first", flush=True)
+    print(f"first contact: {time.monotonic() - start:.0f} s", flush=True)
+    return 0 if all(ok for _, ok, _ in report) else 1
+
+
+def write_measurements(quick: bool, deadline: float = math.inf) -> None:
+    device = torch.cuda.get_device_name()
+    table = measured_table(quick, deadline)
+    header = (
+        f"# CUDA kernels vs cuDNN autograd ({device})\n\nMeasured by `python benchmarks/gpu.py"
+        f"{' --quick' if quick else ''}` on {datetime.date.today()}, torch {torch.__version__}, "
+        f"cuDNN {torch.backends.cudnn.version()}. Backward = `loss.backward()` alone (CUDA events, median).\n\n"
+    )
+    (RESULTS / "cuda-gpu.md").write_text(header + table + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="headline rows only")
+    parser.add_argument(
+        "--first-contact", action="store_true", help="sanitizers + look-back stress, then every grid (GPU, < 10 min)"
+    )
     parser.add_argument("--plan", action="store_true", help="write the model's predictions (no GPU needed)")
     args = parser.parse_args()
     if args.plan:
@@ -288,14 +398,9 @@ def main() -> None:
     ok, reason = kernels.available()
     if not ok:
         sys.exit(f"benchmarks/gpu.py: the CUDA kernels cannot run: {reason}")
-    device = torch.cuda.get_device_name()
-    table = measured_table(args.quick)
-    header = (
-        f"# CUDA kernels vs cuDNN autograd ({device})\n\nMeasured by `python benchmarks/gpu.py"
-        f"{' --quick' if args.quick else ''}` on {datetime.date.today()}, torch {torch.__version__}, "
-        f"cuDNN {torch.backends.cudnn.version()}. Backward = `loss.backward()` alone (CUDA events, median).\n\n"
-    )
-    (RESULTS / "cuda-gpu.md").write_text(header + table + "\n")
+    if args.first_contact:
+        sys.exit(first_contact())
+    write_measurements(args.quick)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ __all__ = [
     "prepare",
     "ptx",
     "ptxas_usage",
+    "sass_loops",
     "source_path",
     "run",
     "scan_dense",
@@ -430,6 +431,60 @@ def ptx(arch: str = "compute_90", nvcc: str | None = None) -> dict[str, str]:
         text = Path(f"{tmp}/scan.ptx").read_text()
     bodies = re.split(r"^\.visible \.entry ", text, flags=re.M)[1:]
     return {body[: body.index("(")]: body for body in bodies}
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One innermost loop of a kernel's SASS (a backward branch with no other loop inside)."""
+
+    instructions: int  # issued per iteration, per warp
+    kinds: dict[str, int]  # opcode (before the first dot) -> count per iteration
+
+
+def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, list[SassLoop]]:
+    """The innermost loops of every kernel's SASS (nvcc -cubin, then ``cuobjdump -sass``; no GPU needed),
+    in code order: what the cost model's per-step instruction counts come from.
+
+    Needs ``cuobjdump`` and ``nvdisasm`` (``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``; found
+    on ``PATH`` or beside ``cuobjdump``); raises ``FileNotFoundError`` without them or without nvcc.
+    """
+    nvcc = shutil.which("nvcc")
+    cuobjdump = cuobjdump or shutil.which("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        raise FileNotFoundError("sass_loops needs nvcc and cuobjdump on PATH")
+    env = {**os.environ, "NVDISASM_PATH": os.environ.get("NVDISASM_PATH", str(Path(cuobjdump).parent))}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.cubin", str(source_path("scan.cu"))]
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/scan.cubin"], capture_output=True, text=True, env=env)
+    if sass.returncode != 0 or "Function :" not in sass.stdout:
+        raise FileNotFoundError(f"cuobjdump -sass failed (nvdisasm missing?): {sass.stderr.strip()[-300:]}")
+    loops: dict[str, list[SassLoop]] = {}
+    for chunk in sass.stdout.split("Function : ")[1:]:
+        name = chunk.split()[0]
+        code = [
+            (int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", chunk)
+        ]
+        back = []  # (target, branch address) of every backward branch
+        for address, text in code:
+            target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+            if target and int(target.group(1), 16) <= address:
+                back.append((int(target.group(1), 16), address))
+        innermost = [
+            (lo, hi) for lo, hi in back if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b in back)
+        ]
+        found = []
+        for lo, hi in sorted(innermost):
+            body = [text for address, text in code if lo <= address <= hi]
+            kinds: dict[str, int] = {}
+            for text in body:
+                words = text.split()
+                op = words[1] if words[0].startswith("@") else words[0]
+                kinds[op.split(".")[0]] = kinds.get(op.split(".")[0], 0) + 1
+            found.append(SassLoop(len(body), kinds))
+        loops[name] = found
+    return loops
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:

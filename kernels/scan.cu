@@ -24,8 +24,8 @@
 //   work      chunked only: B p aggregates of R x d (R = d + affine), then B p inclusives of d
 //   sync      chunked only, zeroed: [ticket counter, B p flags]
 //
-// Memory ordering of the look-back: a chunk publishes its data with L2 stores (st.cg), a barrier,
-// then ONE release store of its flag by thread 0 (cumulative over the block's stores ordered by the
+// Memory ordering of the look-back: a chunk publishes its data with L2 stores (st.cg), a barrier (the
+// end of the product that stored them), then ONE release store of its flag by thread 0 (cumulative over the block's stores ordered by the
 // barrier). A reader polls flags with relaxed loads (an acquire load per poll would invalidate the
 // SM's L1 each time), then every polling lane runs one fence.acq_rel.gpu after the ballot, then a
 // barrier, and the block reads the published data through L2 (ld.cg), never through L1.
@@ -54,6 +54,19 @@ __device__ void prefetch_span(const T* p, int count) {  // one 128-byte line per
         bppsa::prefetch_l1(p + e);
 }
 
+// Visits e = threadIdx.x, threadIdx.x + blockDim.x, .. < rows * inner as f(e / inner, e % inner), the
+// divisions done once per call, not per element (in SASS an integer division is ~20 instructions).
+template <class F>
+__device__ void for_each_strided(int rows, int inner, F f) {
+    const int step_major = blockDim.x / inner, step_minor = blockDim.x % inner;
+    for (int major = threadIdx.x / inner, minor = threadIdx.x % inner; major < rows;) {
+        f(major, minor);
+        major += step_major;
+        minor += step_minor;
+        if (minor >= inner) minor -= inner, ++major;
+    }
+}
+
 template <class T>
 struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i]
     const T* jt;
@@ -61,10 +74,9 @@ struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i
     int d;
     __device__ int rows() const { return d; }
     __device__ void load_tile(T* tile, int j0, int count) const {
-        for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
-            const int c = e / count, i = e % count;  // i fastest: contiguous global reads
-            tile[i * d + c] = jt[(i64)c * d + j0 + i];
-        }
+        const T* from = jt + j0;
+        const int n = d;  // i fastest: contiguous global reads
+        for_each_strided(d, count, [&](int c, int i) { tile[i * n + c] = from[(i64)c * n + i]; });
     }
     __device__ T diag(int) const { return T(0); }
     __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
@@ -83,10 +95,10 @@ struct FactoredStep {  // A[j][c] = s_t[j] W[j][c], plus diag(u_t)
     int d, m;
     __device__ int rows() const { return m; }
     __device__ void load_tile(T* tile, int j0, int count) const {
-        for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
-            const int j = j0 + e / d;
-            tile[e] = scales[j] * weight[(i64)j0 * d + e];
-        }
+        const T* s = scales + j0;
+        const T* w = weight + (i64)j0 * d;
+        const int n = d;
+        for_each_strided(count, d, [&](int j, int c) { tile[j * n + c] = s[j] * w[(i64)j * n + c]; });
     }
     __device__ T diag(int c) const { return diagonal ? diagonal[c] : T(0); }
     __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
@@ -256,10 +268,10 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
     sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
 }
 
-// Raise a chunk's flag after the whole block's (st.cg) stores of what it announces: the barrier orders
-// them before thread 0's release store, which is cumulative (one fence instead of one per thread).
+// Raise a chunk's flag. Called right after the product that stored what it announces (st.cg): that
+// product's closing barrier orders every thread's stores before thread 0's release store, which is
+// cumulative (one release by one thread instead of a fence in every thread).
 __device__ inline void publish(unsigned* flag, unsigned value) {
-    __syncthreads();
     if (threadIdx.x == 0) bppsa::store_release(flag, value);
 }
 

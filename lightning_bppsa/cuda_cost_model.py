@@ -30,6 +30,7 @@ class CudaModel:
     epilogue_cycles: float = 40  # diagonal, addend, stores of a step
     smem_wavefronts_per_cycle: float = 1.0  # per SM: one 32-lane shared-memory access per cycle
     blocks_per_sm: int = 8  # resident blocks per SM (registers ~50-100 x <= 256 threads)
+    shared_limit: int = 232448  # shared memory per block with the opt-in (what kernels.cuda launches with)
 
 
 CUDA_MODEL = CudaModel()
@@ -65,7 +66,7 @@ def cuda_kernel_seconds(
     factored = width is not None
     launch = cuda_kernel.launch_config(
         factored=factored, element_bytes=element_bytes, n=n, batch=batch, d=d, m=width or d, affine=affine,
-        algorithm=algorithm, chunk_size=chunk_size,
+        algorithm=algorithm, chunk_size=chunk_size, shared_limit=model.shared_limit,
     )
     operand = width or d
     vector, _ = _cuda_step(1, d, operand, launch.block, 1, launch.tile_rows, model.l1_cycles, model)
@@ -81,15 +82,21 @@ def cuda_kernel_seconds(
     return model.launch_seconds + cycles / model.clock_hz
 
 
-def cuda_choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None) -> tuple[str, int]:
+def cuda_choose(
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, element_bytes: int = 4
+) -> tuple[str, int]:
     """The CUDA kernels' rule: ``"linear"`` keeps the sweep; ``"chunked"`` / ``"blelloch"`` get the chunk
-    size the model predicts fastest; ``"auto"`` takes whichever of the two the model predicts faster."""
+    size the model predicts fastest; ``"auto"`` takes whichever of the two the model predicts faster.
+    ``element_bytes`` is the compute dtype's (4: float32 and half precision, 8: float64): it sizes the
+    shared-memory tiles, so the plan is dtype-aware."""
+    if element_bytes not in (4, 8):
+        raise ValueError(f"element_bytes must be 4 or 8 (the kernels' compute dtypes); got {element_bytes}")
     if n <= 1:
         return ("linear" if algorithm == "auto" else algorithm), 1
     candidates = sorted({2**k for k in range(1, int(math.log2(n)) + 1) if 2**k < n} | {max(2, math.isqrt(n))})
 
     def seconds(name: str, c: int) -> float:
-        return cuda_kernel_seconds(name, n=n, d=d, batch=batch, width=width, chunk_size=c)
+        return cuda_kernel_seconds(name, n=n, d=d, batch=batch, width=width, chunk_size=c, element_bytes=element_bytes)
 
     chunk = min(candidates, key=lambda c: seconds("chunked", c))
     if algorithm != "auto":

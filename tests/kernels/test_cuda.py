@@ -84,6 +84,24 @@ def test_cost_model_rule_for_the_cuda_kernels():
     assert cuda_cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
 
 
+def test_cost_model_plan_is_dtype_aware():
+    from lightning_bppsa import cuda_cost_model
+
+    for element_bytes in (4, 8):
+        algorithm, chunk = cuda_cost_model.cuda_choose(
+            "chunked", n=1000, d=100, batch=4, width=100, element_bytes=element_bytes
+        )
+        best = min(
+            (cuda_cost_model.cuda_kernel_seconds(
+                "chunked", n=1000, d=100, batch=4, width=100, chunk_size=c, element_bytes=element_bytes
+            ), c)
+            for c in (chunk, max(2, chunk // 2), min(999, chunk * 2))
+        )  # fmt: skip
+        assert best[1] == chunk
+    with pytest.raises(ValueError, match="element_bytes must be 4 or 8"):
+        cuda_cost_model.cuda_choose("auto", n=10, d=4, batch=2, width=None, element_bytes=2)
+
+
 H100_OPTIN = 232448  # an H100's shared_memory_per_block_optin (227 KiB)
 
 

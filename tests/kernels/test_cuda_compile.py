@@ -53,7 +53,7 @@ def test_nvrtc_compiles_what_cupy_loads():
 #: per chunked kernel, the PTX instructions of the look-back protocol (pinned: a change must keep every
 #: load of published data .cg, i.e. through L2 and never from a possibly stale L1 line; review, then update)
 LOOK_BACK_PTX = {
-    r"ld\.global\.cg\.f(32|64)": 6,  # published aggregates and inclusives (and the last-state row)
+    r"ld\.global\.cg\.f(32|64)": 4,  # published aggregates and inclusives (and the last-state row)
     r"st\.global\.cg\.f(32|64)": 6,  # what a chunk publishes (and its outputs)
     r"ld\.relaxed\.gpu\.u32": 4,  # flag polls: relaxed (no L1 invalidation per poll) ...
     r"fence\.acq_rel\.gpu": 1,  # ... then one fence after the ballot

@@ -85,10 +85,10 @@ MUTATIONS = [
         (COMPILE, "-m", "slow", "-k", "look_back_ptx"),
     ),
     Mutation(
-        "publish without the barrier (thread 0 announces before the block's stores)",
+        "a chunk announced before its aggregate is stored (the closing barrier of a product dropped)",
         "scan.cu",
-        "    __syncthreads();\n    if (threadIdx.x == 0) bppsa::store_release(flag, value);",
-        "    if (threadIdx.x == 0) bppsa::store_release(flag, value);",
+        "                if (store) bppsa::store_shared_global(store + o, v);\n            }\n    }\n    __syncthreads();",
+        "                if (store) bppsa::store_shared_global(store + o, v);\n            }\n    }",
         (EMULATED, "-k", "look_back_over or chunked_factored"),
     ),
     Mutation(
