@@ -15,27 +15,23 @@ alone on a graph recorded once (CUDA events, median); the scan kernel alone (swe
 launch ``launch_config`` computes) next to the model's prediction; peak CUDA memory of one forward +
 backward.
 
-The model (``--plan``; :func:`lightning_bppsa.cuda_cost_model.cuda_kernel_seconds`)
+The model (``--plan``; :func:`lightning_bppsa.cuda_cost_model.cuda_kernel_band`)
 --------------------------------------------------------------------------------
 Per launch, for B chains of n steps, state d, operand rows K (factored: K = m = k d; dense: K = d),
-R = d (+1 for per-step gradients), chunk c, p = ceil(n / c) chunks:
+R = d (+1 for per-step gradients), chunk c, p = ceil(n / c) chunks: each step (a ``product`` in
+scan.cu) costs the instructions its loops issue, counted in the SASS (per warp and iteration: tile
+loads, FMA pairs, plus ~150 outside the loops), with every latency hidden (low) or one memory latency
+per iteration (high).
 
-- sweep (``bppsa_sweep_*``, 1 launch, B blocks of ceil(d / 32) warps): FLOPs 2 B n d K; bytes read
-  B n K (+ d for δ, u) elements plus the shared weight, written B (n + 1) d; critical path n dependent
-  vector steps, each two barriers + an L1-hit operand tile (prefetched one step ahead) + K/2 dependent
-  FMAs (two chains).
-- chunked (``bppsa_chunked_*``, 1 launch + 1 memset of 1 + B p flags, B p blocks): FLOPs 2 B n R d K
-  (chunk aggregates) + 2 B n d K (sweep) + <= 2 B p 32 d^2 (look-back) ; bytes: the operands twice
-  (the second read mostly from L2), B p (R + 1) d elements of aggregates/carries written and read back
-  (L2); critical path c matrix steps + p look-back hops (each an L2-latency vector step) + c vector
-  steps, and at least the grid's shared-memory throughput for the aggregates: every FMA reads two
-  shared operands, one 32-lane wavefront per SM and cycle -> 16 FMA / SM / cycle.
+- sweep (``bppsa_sweep_*``, 1 launch, B blocks): n dependent vector steps.
+- chunked (``bppsa_chunked_*``, 1 launch + 1 memset of 1 + B p flags, B p blocks): c matrix steps
+  (bounded below by the grid's issue rate), p dependent carries (a flag poll and one vector step with
+  its operand from L2 each), then c vector steps.
 
-Assumed device (CudaModel): H100 SXM, 132 SMs at 1.75 GHz, launch + memset 6 us, barrier 30 cycles,
-L1 35, L2 270, FMA latency 4 cycles. The cuDNN baseline cannot be modelled; the plan compares with
-the paper's measured V100 baseline (Appendix G, Table 4: (53.33 - 25.86) s per 2000 iterations =
-13.7 ms per backward at B = 16, T = 1000, i.e. ~13.7 us per step, and 404 ms at T = 30000) and says
-what an H100 cuDNN would have to exceed for each target to fail. What the plan predicts is written to
+The cuDNN baseline cannot be modelled; the plan compares with the paper's measured V100 baseline
+(Appendix G, Table 4: (53.33 - 25.86) s per 2000 iterations = 13.7 ms per backward at B = 16,
+T = 1000, i.e. ~13.7 us per step, and 404 ms at T = 30000) and says what an H100 cuDNN would have to
+exceed for each target to fail. What the plan predicts is written to
 ``results/cuda-plan-gpu.md`` with the registers per kernel (ptxas, sm_80 / sm_90).
 """
 
@@ -212,11 +208,27 @@ def plan() -> str:
         "# CUDA kernels: the model's plan (not measurements)",
         "",
         f"Written by `python benchmarks/gpu.py --plan` on {datetime.date.today()}. No GPU was available: every time",
-        "below is a prediction of `lightning_bppsa.cuda_cost_model.cuda_kernel_seconds` under the assumed device",
-        f"figures ({model.name}: {model.sms} SMs at {model.clock_hz / 1e9:.2f} GHz, launch + memset "
-        f"{model.launch_seconds * 1e6:.0f} us, barrier {model.barrier_cycles:.0f} cycles, L1 {model.l1_cycles:.0f}, "
-        f"L2 {model.l2_cycles:.0f}, FMA latency {model.fma_cycles:.0f}, shared memory one wavefront / SM / cycle).",
-        "Run `python benchmarks/gpu.py` on a GPU to measure (writes `cuda-gpu.md`).",
+        "below is a prediction of `lightning_bppsa.cuda_cost_model.cuda_kernel_band`: the instructions each step",
+        "issues, counted in the kernels' SASS (table below), one warp in order, between every latency hidden (low)",
+        "and one memory latency per loop iteration (high), under assumed device figures "
+        f"({model.name}: {model.sms} SMs x {model.schedulers_per_sm} schedulers at {model.clock_hz / 1e9:.2f} GHz,",
+        f"launch + memset {model.launch_seconds * 1e6:.0f} us, barrier {model.barrier_cycles:.0f} cycles, "
+        f"L1 {model.l1_cycles:.0f}, L2 {model.l2_cycles:.0f}, shared {model.smem_cycles:.0f}). The band is the",
+        "uncertainty the model knows of; the device figures and the ~150 instructions outside the loops are",
+        "assumptions on top (a previous model, from shared-memory wavefronts, predicted 41 us for the",
+        "RNN B=16 T=1000 row; an outside instruction-level review estimated 105-140 us).",
+        "Run `python benchmarks/gpu.py --first-contact` on a GPU to measure (writes `cuda-gpu.md`).",
+        "",
+        "## Instructions per loop iteration (SASS, sm_90; what the model counts)",
+        "",
+        "| loop | instructions per warp and iteration |",
+        "| --- | --- |",
+        *(f"| {name} | {count} |" for name, count in vars(cuda_cost_model.SASS_COUNTS).items()),
+        "",
+        "The vector step's inner loop issues 24 instructions for 2 FMAs and a float32 tile element 31: a",
+        "d = 20 vector step is ~800 issued instructions, the reason the sweep and the chunks' sweeps are slow.",
+        "A warp-resident step for d <= 32 (state in registers, W loaded once) would cut that several-fold:",
+        "not written yet.",
         "",
         "## Registers per kernel (ptxas, `-warn-spills -Werror`: 0 spill bytes, 0 stack)",
         "",
@@ -231,7 +243,7 @@ def plan() -> str:
         "",
         "## Work and predicted time per launch (float32, last-state gradient, d = 20)",
         "",
-        "| chain | B | T | kernel | chunk | FLOPs | global-memory bytes | critical path | launches | predicted us |",
+        "| chain | B | T | kernel | chunk | FLOPs | global-memory bytes | critical path | launches | predicted us (low-high) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     predictions = {}
@@ -240,11 +252,12 @@ def plan() -> str:
         best, chunk = cuda_cost_model.cuda_choose("auto", n=n, d=HIDDEN, batch=batch, width=width)
         for kernel, algorithm, c in (("sweep", "linear", n), ("chunked", "chunked", chunk)):
             flops, nbytes, path = _work(kernel, batch, n, HIDDEN, k, c)
-            seconds = cuda_cost_model.cuda_kernel_seconds(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
+            band = cuda_cost_model.cuda_kernel_band(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
+            seconds = math.sqrt(band[0] * band[1])
             launches = "1" if kernel == "sweep" else "1 + memset"
             out.append(
                 f"| {label} | {batch} | {n} | {kernel} | {c if kernel == 'chunked' else '-'} | {flops:.3g} | {nbytes:.3g} "
-                f"| {path} | {launches} | {seconds * 1e6:.0f} |"
+                f"| {path} | {launches} | {seconds * 1e6:.0f} ({band[0] * 1e6:.0f}-{band[1] * 1e6:.0f}) |"
             )
             if algorithm == best:
                 predictions[(label, batch, n)] = (kernel, seconds)
@@ -263,7 +276,7 @@ def plan() -> str:
         "Not modelled, and likely decisive at T ~ 1000: BPPSA's backward is more than the scan kernel. The",
         "module also prepares the Jacobian factors (element-wise passes over (B, T, 3H)) and computes the",
         "parameter gradients (two GEMMs over all steps), a few tens of torch ops at ~5-10 us of launch",
-        "each, i.e. ~0.1-0.3 ms whatever T. At T = 1000 that is several times the predicted kernel time, so",
+        "each, i.e. ~0.1-0.3 ms whatever T. At T = 1000 that is one to three times the predicted kernel time, so",
         "the 100x end-to-end backward target at T = 1000 is predicted to be met only if those ops shrink",
         "(fusion, or a CUDA graph of the whole backward); at T = 30000 and for GRU L they are a small share.",
         "",

@@ -77,3 +77,27 @@ def test_look_back_ptx_uses_l2_loads_relaxed_polls_and_one_fence():
     for name in cuda.KERNELS:  # the sweeps publish nothing: no flags, no fences
         if "_sweep_" in name:
             assert not re.search(r"fence|\.release|\.acquire|\.relaxed", bodies[name]), name
+
+
+@pytest.mark.slow  # ~5 s of nvcc + cuobjdump
+def test_cost_model_instruction_counts_are_the_sass():
+    """The cost model's per-iteration instruction counts are those of the current SASS (sm_90)."""
+    from lightning_bppsa.cuda_cost_model import SASS_COUNTS
+
+    try:
+        loops = cuda.sass_loops("sm_90")
+    except FileNotFoundError as err:
+        pytest.skip(f"needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): {err}")
+
+    def sizes(kernel, *, has=(), lacks=(), ffma=None):
+        return {
+            loop.instructions for loop in loops[kernel]
+            if all(k in loop.kinds for k in has) and not any(k in loop.kinds for k in lacks)
+            and (ffma is None or loop.kinds.get("FFMA") == ffma)
+        }  # fmt: skip
+
+    assert SASS_COUNTS.tile_factored in sizes("bppsa_sweep_factored_f32", has=("LDG", "FMUL", "STS"))
+    assert SASS_COUNTS.tile_dense in sizes("bppsa_sweep_dense_f32", has=("LDG", "STS"), lacks=("STG", "FMUL"))
+    assert SASS_COUNTS.fma_vector in sizes("bppsa_sweep_factored_f32", ffma=2)
+    assert SASS_COUNTS.fma_matrix in sizes("bppsa_chunked_factored_f32", ffma=8)
+    assert SASS_COUNTS.tile_aggregate in sizes("bppsa_chunked_dense_f32", has=("LDG", "STS"), lacks=("STG", "FMUL"))
