@@ -304,17 +304,25 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 
 
 def _sanitizer() -> str | None:
+    """compute-sanitizer: on PATH, in $CUDA_HOME/bin, or from the nvidia-cuda-sanitizer-api wheel."""
     found = shutil.which("compute-sanitizer")
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    fallback = Path(cuda_home) / "bin" / "compute-sanitizer"
-    return found or (str(fallback) if fallback.exists() else None)
+    if found:
+        return found
+    places = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin"]
+    places += [Path(p) / "nvidia" for p in sys.path if p and (Path(p) / "nvidia").is_dir()]
+    for place in places:
+        for candidate in sorted(place.rglob("compute-sanitizer")) if place.is_dir() else []:
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
 
 
 def run_sanitizers(timeout: float) -> list[tuple[str, bool, str]]:
     """(tool, passed, detail) for memcheck, racecheck, synccheck over the test suite's CUDA cases."""
     tool_path = _sanitizer()
     if tool_path is None:
-        return [(tool, False, "compute-sanitizer not found (CUDA toolkit bin/ not on PATH)") for tool in SANITIZER_TOOLS]
+        missing = "compute-sanitizer not found: put the CUDA toolkit's bin/ on PATH, or pip install nvidia-cuda-sanitizer-api"
+        return [(tool, False, missing) for tool in SANITIZER_TOOLS]
     results = []
     for tool in SANITIZER_TOOLS:
         cmd = [tool_path, "--tool", tool, "--error-exitcode", "99", sys.executable, "-m", "pytest", "-x", "-q",
