@@ -2,7 +2,8 @@
 
 Ready for a GPU machine; nothing here was run on one (no GPU was lent to this project's sessions).
 
-    python benchmarks/gpu.py            # GPU: every grid, CUDA events, writes benchmarks/results/cuda-gpu.md (< 10 min)
+    python benchmarks/gpu.py --first-contact  # GPU: sanitizers, look-back stress, then every grid (< 10 min)
+    python benchmarks/gpu.py            # GPU: every grid, CUDA events, writes benchmarks/results/cuda-gpu.md
     python benchmarks/gpu.py --quick    # GPU: the headline rows only
     python benchmarks/gpu.py --plan     # no GPU needed: the model's predictions -> benchmarks/results/cuda-plan-gpu.md
 
@@ -14,27 +15,23 @@ alone on a graph recorded once (CUDA events, median); the scan kernel alone (swe
 launch ``launch_config`` computes) next to the model's prediction; peak CUDA memory of one forward +
 backward.
 
-The model (``--plan``; :func:`lightning_bppsa.cuda_cost_model.cuda_kernel_seconds`)
+The model (``--plan``; :func:`lightning_bppsa.cuda_cost_model.cuda_kernel_band`)
 --------------------------------------------------------------------------------
 Per launch, for B chains of n steps, state d, operand rows K (factored: K = m = k d; dense: K = d),
-R = d (+1 for per-step gradients), chunk c, p = ceil(n / c) chunks:
+R = d (+1 for per-step gradients), chunk c, p = ceil(n / c) chunks: each step (a ``product`` in
+scan.cu) costs the instructions its loops issue, counted in the SASS (per warp and iteration: tile
+loads, FMA pairs, plus ~150 outside the loops), with every latency hidden (low) or one memory latency
+per iteration (high).
 
-- sweep (``bppsa_sweep_*``, 1 launch, B blocks of ceil(d / 32) warps): FLOPs 2 B n d K; bytes read
-  B n K (+ d for δ, u) elements plus the shared weight, written B (n + 1) d; critical path n dependent
-  vector steps, each two barriers + an L1-hit operand tile (prefetched one step ahead) + K/2 dependent
-  FMAs (two chains).
-- chunked (``bppsa_chunked_*``, 1 launch + 1 memset of 1 + B p flags, B p blocks): FLOPs 2 B n R d K
-  (chunk aggregates) + 2 B n d K (sweep) + <= 2 B p 32 d^2 (look-back) ; bytes: the operands twice
-  (the second read mostly from L2), B p (R + 1) d elements of aggregates/carries written and read back
-  (L2); critical path c matrix steps + p look-back hops (each an L2-latency vector step) + c vector
-  steps, and at least the grid's shared-memory throughput for the aggregates: every FMA reads two
-  shared operands, one 32-lane wavefront per SM and cycle -> 16 FMA / SM / cycle.
+- sweep (``bppsa_sweep_*``, 1 launch, B blocks): n dependent vector steps.
+- chunked (``bppsa_chunked_*``, 1 launch + 1 memset of 1 + B p flags, B p blocks): c matrix steps
+  (bounded below by the grid's issue rate), p dependent carries (a flag poll and one vector step with
+  its operand from L2 each), then c vector steps.
 
-Assumed device (CudaModel): H100 SXM, 132 SMs at 1.75 GHz, launch + memset 6 us, barrier 30 cycles,
-L1 35, L2 270, FMA latency 4 cycles. The cuDNN baseline cannot be modelled; the plan compares with
-the paper's measured V100 baseline (Appendix G, Table 4: (53.33 - 25.86) s per 2000 iterations =
-13.7 ms per backward at B = 16, T = 1000, i.e. ~13.7 us per step, and 404 ms at T = 30000) and says
-what an H100 cuDNN would have to exceed for each target to fail. What the plan predicts is written to
+The cuDNN baseline cannot be modelled; the plan compares with the paper's measured V100 baseline
+(Appendix G, Table 4: (53.33 - 25.86) s per 2000 iterations = 13.7 ms per backward at B = 16,
+T = 1000, i.e. ~13.7 us per step, and 404 ms at T = 30000) and says what an H100 cuDNN would have to
+exceed for each target to fail. What the plan predicts is written to
 ``results/cuda-plan-gpu.md`` with the registers per kernel (ptxas, sm_80 / sm_90).
 """
 
@@ -42,14 +39,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
+import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -153,13 +155,17 @@ def measure(cell: str, batch: int, length: int, inputs: int) -> dict:
     return r
 
 
-def measured_table(quick: bool) -> str:
+def measured_table(quick: bool, deadline: float = math.inf) -> str:
+    """The measured rows; rows not started by ``deadline`` (``time.monotonic()``) are listed as not measured."""
     lines = [
         "| cell | B | T | input | BPPSA path | backward cuDNN ms | backward BPPSA ms | speedup "
         "| sweep kernel ms (model) | chunked kernel ms (model) | chunk | peak MiB cuDNN | peak MiB BPPSA |",
         "|" + " --- |" * 13,
     ]
     for cell, batch, length, inputs in rows(quick):
+        if time.monotonic() > deadline:
+            lines.append(f"| {cell} | {batch} | {length} | {inputs} | not measured (time limit) |" + " |" * 8)
+            continue
         r = measure(cell, batch, length, inputs)
         ms, mib = 1e3, 2.0**-20
         lines.append(
@@ -202,11 +208,27 @@ def plan() -> str:
         "# CUDA kernels: the model's plan (not measurements)",
         "",
         f"Written by `python benchmarks/gpu.py --plan` on {datetime.date.today()}. No GPU was available: every time",
-        "below is a prediction of `lightning_bppsa.cuda_cost_model.cuda_kernel_seconds` under the assumed device",
-        f"figures ({model.name}: {model.sms} SMs at {model.clock_hz / 1e9:.2f} GHz, launch + memset "
-        f"{model.launch_seconds * 1e6:.0f} us, barrier {model.barrier_cycles:.0f} cycles, L1 {model.l1_cycles:.0f}, "
-        f"L2 {model.l2_cycles:.0f}, FMA latency {model.fma_cycles:.0f}, shared memory one wavefront / SM / cycle).",
-        "Run `python benchmarks/gpu.py` on a GPU to measure (writes `cuda-gpu.md`).",
+        "below is a prediction of `lightning_bppsa.cuda_cost_model.cuda_kernel_band`: the instructions each step",
+        "issues, counted in the kernels' SASS (table below), one warp in order, between every latency hidden (low)",
+        "and one memory latency per loop iteration (high), under assumed device figures "
+        f"({model.name}: {model.sms} SMs x {model.schedulers_per_sm} schedulers at {model.clock_hz / 1e9:.2f} GHz,",
+        f"launch + memset {model.launch_seconds * 1e6:.0f} us, barrier {model.barrier_cycles:.0f} cycles, "
+        f"L1 {model.l1_cycles:.0f}, L2 {model.l2_cycles:.0f}, shared {model.smem_cycles:.0f}). The band is the",
+        "uncertainty the model knows of; the device figures and the ~150 instructions outside the loops are",
+        "assumptions on top (a previous model, from shared-memory wavefronts, predicted 41 us for the",
+        "RNN B=16 T=1000 row; an outside instruction-level review estimated 105-140 us).",
+        "Run `python benchmarks/gpu.py --first-contact` on a GPU to measure (writes `cuda-gpu.md`).",
+        "",
+        "## Instructions per loop iteration (SASS, sm_90; what the model counts)",
+        "",
+        "| loop | instructions per warp and iteration |",
+        "| --- | --- |",
+        *(f"| {name} | {count} |" for name, count in vars(cuda_cost_model.SASS_COUNTS).items()),
+        "",
+        "The vector step's inner loop issues 24 instructions for 2 FMAs and a float32 tile element 31: a",
+        "d = 20 vector step is ~800 issued instructions, the reason the sweep and the chunks' sweeps are slow.",
+        "A warp-resident step for d <= 32 (state in registers, W loaded once) would cut that several-fold:",
+        "not written yet.",
         "",
         "## Registers per kernel (ptxas, `-warn-spills -Werror`: 0 spill bytes, 0 stack)",
         "",
@@ -221,7 +243,7 @@ def plan() -> str:
         "",
         "## Work and predicted time per launch (float32, last-state gradient, d = 20)",
         "",
-        "| chain | B | T | kernel | chunk | FLOPs | global-memory bytes | critical path | launches | predicted us |",
+        "| chain | B | T | kernel | chunk | FLOPs | global-memory bytes | critical path | launches | predicted us (low-high) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     predictions = {}
@@ -230,11 +252,12 @@ def plan() -> str:
         best, chunk = cuda_cost_model.cuda_choose("auto", n=n, d=HIDDEN, batch=batch, width=width)
         for kernel, algorithm, c in (("sweep", "linear", n), ("chunked", "chunked", chunk)):
             flops, nbytes, path = _work(kernel, batch, n, HIDDEN, k, c)
-            seconds = cuda_cost_model.cuda_kernel_seconds(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
+            band = cuda_cost_model.cuda_kernel_band(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
+            seconds = math.sqrt(band[0] * band[1])
             launches = "1" if kernel == "sweep" else "1 + memset"
             out.append(
                 f"| {label} | {batch} | {n} | {kernel} | {c if kernel == 'chunked' else '-'} | {flops:.3g} | {nbytes:.3g} "
-                f"| {path} | {launches} | {seconds * 1e6:.0f} |"
+                f"| {path} | {launches} | {seconds * 1e6:.0f} ({band[0] * 1e6:.0f}-{band[1] * 1e6:.0f}) |"
             )
             if algorithm == best:
                 predictions[(label, batch, n)] = (kernel, seconds)
@@ -253,7 +276,7 @@ def plan() -> str:
         "Not modelled, and likely decisive at T ~ 1000: BPPSA's backward is more than the scan kernel. The",
         "module also prepares the Jacobian factors (element-wise passes over (B, T, 3H)) and computes the",
         "parameter gradients (two GEMMs over all steps), a few tens of torch ops at ~5-10 us of launch",
-        "each, i.e. ~0.1-0.3 ms whatever T. At T = 1000 that is several times the predicted kernel time, so",
+        "each, i.e. ~0.1-0.3 ms whatever T. At T = 1000 that is one to three times the predicted kernel time, so",
         "the 100x end-to-end backward target at T = 1000 is predicted to be met only if those ops shrink",
         "(fusion, or a CUDA graph of the whole backward); at T = 30000 and for GRU L they are a small share.",
         "",
@@ -271,9 +294,117 @@ def plan() -> str:
     return "\n".join(out) + "\n"
 
 
+# --------------------------------------------------------------------------------------------------
+# First contact with a GPU: sanitizers, look-back stress, then the grids (one command, < 10 minutes)
+# --------------------------------------------------------------------------------------------------
+
+#: the CUDA cases of the test suite run under compute-sanitizer (small grids: the tools are slow)
+SANITIZED_TESTS = ["tests/gpu/test_cuda_kernels.py", "-k", "sweep or chunked or stream or empty"]
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+
+
+def _sanitizer() -> str | None:
+    """compute-sanitizer: on PATH, in $CUDA_HOME/bin, or from the nvidia-cuda-sanitizer-api wheel."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    places = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin"]
+    places += [Path(p) / "nvidia" for p in sys.path if p and (Path(p) / "nvidia").is_dir()]
+    for place in places:
+        for candidate in sorted(place.rglob("compute-sanitizer")) if place.is_dir() else []:
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
+
+
+def run_sanitizers(timeout: float) -> list[tuple[str, bool, str]]:
+    """(tool, passed, detail) for memcheck, racecheck, synccheck over the test suite's CUDA cases."""
+    tool_path = _sanitizer()
+    if tool_path is None:
+        missing = "compute-sanitizer not found: put the CUDA toolkit's bin/ on PATH, or pip install nvidia-cuda-sanitizer-api"
+        return [(tool, False, missing) for tool in SANITIZER_TOOLS]
+    results = []
+    for tool in SANITIZER_TOOLS:
+        cmd = [tool_path, "--tool", tool, "--error-exitcode", "99", sys.executable, "-m", "pytest", "-x", "-q",
+               "-p", "no:cacheprovider", *SANITIZED_TESTS]  # fmt: skip
+        start = time.monotonic()
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            results.append((tool, False, f"did not finish in {timeout:.0f} s"))
+            continue
+        summary = [line for line in done.stdout.splitlines() if "ERROR SUMMARY" in line or "passed" in line]
+        detail = f"exit {done.returncode} in {time.monotonic() - start:.0f} s; " + " | ".join(summary[-2:])
+        if done.returncode != 0:
+            detail += "\n" + (done.stdout + done.stderr)[-3000:]
+        results.append((tool, done.returncode == 0, detail))
+    return results
+
+
+def _test_cases():
+    """tests/kernels/test_cuda_emulated.py as a module: the exact inputs and the float64 loop it tests with."""
+    path = ROOT / "tests" / "kernels" / "test_cuda_emulated.py"
+    spec = importlib.util.spec_from_file_location("_cuda_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def look_back_stress(repeats: int = 20) -> tuple[bool, str]:
+    """The chunked kernel on a grid far above residency (64 rows x 10000 chunks of 2 steps), exact inputs
+    (signed permutations, integer gradients: any order of products gives the same bits), compared bit
+    for bit with the sweep in float64 on every repeat, and float32 against the float64 loop."""
+    from lightning_bppsa.kernels import cuda as kernels
+
+    cases = _test_cases()
+    jt, grad = cases.exact_dense(64, 20000, 4, torch.Generator().manual_seed(0))
+    jt, grad = jt.cuda(), grad.cuda()
+    sweep = kernels.scan_dense(jt, grad, "linear", 1)
+    mismatches = sum(not torch.equal(kernels.scan_dense(jt, grad, "chunked", 2), sweep) for _ in range(repeats))
+    sweep_float32 = kernels.scan_dense(jt.float(), grad.float(), "linear", 1)
+    mismatches += sum(
+        not torch.equal(kernels.scan_dense(jt.float(), grad.float(), "chunked", 3), sweep_float32) for _ in range(repeats)
+    )
+    grid = 64 * 10000
+    detail = f"{mismatches} of {2 * repeats} launches differ from the sweep (grid {grid} blocks, 1 + 10000 chunks/row)"
+    return mismatches == 0, detail
+
+
+def first_contact() -> int:
+    """Sanitizers, then the look-back stress, then the paper's grids; returns the exit status."""
+    start = time.monotonic()
+    report = []
+    for tool, passed, detail in run_sanitizers(timeout=100):
+        report.append((f"compute-sanitizer {tool}", passed, detail))
+        print(f"[{'ok' if passed else 'FAIL'}] compute-sanitizer {tool}: {detail}", flush=True)
+    passed, detail = look_back_stress()
+    report.append(("look-back stress", passed, detail))
+    print(f"[{'ok' if passed else 'FAIL'}] look-back stress: {detail}", flush=True)
+    if all(ok for _, ok, _ in report):
+        write_measurements(quick=False, deadline=start + 570)  # the whole command in < 10 minutes
+    else:
+        print("grids not measured: fix the failures above first", flush=True)
+    print(f"first contact: {time.monotonic() - start:.0f} s", flush=True)
+    return 0 if all(ok for _, ok, _ in report) else 1
+
+
+def write_measurements(quick: bool, deadline: float = math.inf) -> None:
+    device = torch.cuda.get_device_name()
+    table = measured_table(quick, deadline)
+    header = (
+        f"# CUDA kernels vs cuDNN autograd ({device})\n\nMeasured by `python benchmarks/gpu.py"
+        f"{' --quick' if quick else ''}` on {datetime.date.today()}, torch {torch.__version__}, "
+        f"cuDNN {torch.backends.cudnn.version()}. Backward = `loss.backward()` alone (CUDA events, median).\n\n"
+    )
+    (RESULTS / "cuda-gpu.md").write_text(header + table + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="headline rows only")
+    parser.add_argument(
+        "--first-contact", action="store_true", help="sanitizers + look-back stress, then every grid (GPU, < 10 min)"
+    )
     parser.add_argument("--plan", action="store_true", help="write the model's predictions (no GPU needed)")
     args = parser.parse_args()
     if args.plan:
@@ -288,14 +419,9 @@ def main() -> None:
     ok, reason = kernels.available()
     if not ok:
         sys.exit(f"benchmarks/gpu.py: the CUDA kernels cannot run: {reason}")
-    device = torch.cuda.get_device_name()
-    table = measured_table(args.quick)
-    header = (
-        f"# CUDA kernels vs cuDNN autograd ({device})\n\nMeasured by `python benchmarks/gpu.py"
-        f"{' --quick' if args.quick else ''}` on {datetime.date.today()}, torch {torch.__version__}, "
-        f"cuDNN {torch.backends.cudnn.version()}. Backward = `loss.backward()` alone (CUDA events, median).\n\n"
-    )
-    (RESULTS / "cuda-gpu.md").write_text(header + table + "\n")
+    if args.first_contact:
+        sys.exit(first_contact())
+    write_measurements(args.quick)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,19 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
 - ``"linear"``: ``bppsa_sweep_*``, one block per batch row runs the ``n`` steps in order.
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
-  every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices, so
-  it runs for ``d`` up to 77 (float32) / 54 (float64); wider states, or a single chunk, use the sweep.
+  every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
+  the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
+  227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
+  wider states, or a single chunk, use the sweep. Deterministic: a chunk's carry is recomputed by the
+  same instructions that made its predecessor's published inclusive, so the bits do not depend on how
+  far the look-back went (nothing to switch under ``torch.use_deterministic_algorithms(True)``).
 
 Float16 / bfloat16 inputs run in float32 (as the torch implementation does); other inputs are made
-contiguous (a copy only when they are not). CuPy is imported inside the functions only, the module is
-compiled once per process and device (NVRTC; CuPy keeps the binary in ``$CUPY_CACHE_DIR``), and a launch
-uses raw data pointers on ``torch.cuda.current_stream()``: no copies, no synchronisation.
+contiguous (a copy only when they are not). CuPy (>= 14, with NVRTC: the ``cuda12`` / ``cuda13`` extras)
+is imported inside the functions only, the module is compiled once per process and device (NVRTC;
+CuPy keeps the binary in ``$CUPY_CACHE_DIR``) by :func:`available` or :func:`prepare`, never inside a
+CUDA graph capture (a first call there raises), and a launch uses raw data pointers on
+``torch.cuda.current_stream()``: no copies, no synchronisation.
 
 :func:`launch_config` and :func:`kernel_args` are the one place that computes a launch (kernel name,
 grid, block, shared memory, buffers, argument words); the host emulation in
@@ -31,12 +37,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from lightning_bppsa.kernels._build import kernel_path
@@ -46,16 +54,24 @@ __all__ = [
     "KernelUsage",
     "Launch",
     "available",
+    "device_shared_limit",
     "fits",
     "kernel_args",
     "launch_config",
+    "prepare",
+    "ptx",
     "ptxas_usage",
+    "sass_loops",
+    "source_path",
     "run",
     "scan_dense",
     "scan_factored",
 ]
 
-SHARED_BYTES = 48 * 1024  # dynamic shared memory per block without an opt-in attribute
+SHARED_BYTES = 48 * 1024  # shared memory per block (static + dynamic) without the opt-in attribute
+#: static shared memory of each kernel family (ptxas / NVRTC report it: the compile gate and the CuPy
+#: loader check these figures); a launch's dynamic part gets the limit minus this
+STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16}
 MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of a chunk-product step
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
 KERNELS = tuple(
@@ -74,6 +90,7 @@ class Launch:
     grid: int  # blocks (1-D)
     block: int  # threads per block (a multiple of 32)
     shared_bytes: int  # dynamic shared memory per block
+    static_bytes: int  # the kernel's static shared memory (STATIC_SHARED_BYTES)
     tile_rows: int  # operand rows streamed through shared memory at once
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
@@ -95,14 +112,19 @@ def launch_config(
     affine: bool,
     algorithm: str,
     chunk_size: int,
+    shared_limit: int = SHARED_BYTES,
 ) -> Launch:
     """The launch of one scan of ``batch`` chains of ``n >= 1`` steps of state size ``d``.
 
-    ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient.
-    Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64).
+    ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient;
+    ``shared_limit`` is the shared memory a block may use, static + dynamic (48 KiB, or the device's
+    opt-in maximum).
+    Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64 at 48 KiB).
     """
     if n < 1 or batch < 1 or d < 1:
         raise ValueError(f"launch_config needs n, batch, d >= 1; got n={n}, batch={batch}, d={d}")
+    if shared_limit < SHARED_BYTES:
+        raise ValueError(f"shared_limit={shared_limit} is below the 48 KiB every CUDA device gives a block")
     suffix = {4: "f32", 8: "f64"}[element_bytes]
     chain = "factored" if factored else "dense"
     operand_rows = m if factored else d
@@ -112,27 +134,31 @@ def launch_config(
     matrices = 2 * rows * d * element_bytes
     vectors = 2 * d * element_bytes
     row_bytes = d * element_bytes
-    chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= SHARED_BYTES
+    chunked_budget = shared_limit - STATIC_SHARED_BYTES["chunked"]
+    chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= chunked_budget
     if chunked:
-        tile_rows = min(operand_rows, (SHARED_BYTES - matrices - vectors) // row_bytes)
+        tile_rows = min(operand_rows, (chunked_budget - matrices - vectors) // row_bytes)
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
             block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
             shared_bytes=matrices + vectors + tile_rows * row_bytes,
+            static_bytes=STATIC_SHARED_BYTES["chunked"],
             tile_rows=tile_rows,
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
         )
-    if vectors + row_bytes > SHARED_BYTES:
+    sweep_budget = shared_limit - STATIC_SHARED_BYTES["sweep"]
+    if vectors + row_bytes > sweep_budget:
         raise ValueError(f"state size d={d} is too wide for the CUDA scan kernels' shared memory")
-    tile_rows = min(operand_rows, (SHARED_BYTES - vectors) // row_bytes)
+    tile_rows = min(operand_rows, (sweep_budget - vectors) // row_bytes)
     return Launch(
         kernel=f"bppsa_sweep_{chain}_{suffix}",
         grid=batch,
         block=_threads(d),
         shared_bytes=vectors + tile_rows * row_bytes,
+        static_bytes=STATIC_SHARED_BYTES["sweep"],
         tile_rows=tile_rows,
         chunk=n,
         work_elements=0,
@@ -172,11 +198,13 @@ def run(
     algorithm: str,
     chunk_size: int,
     launcher: Launcher,
+    shared_limit: int = SHARED_BYTES,
 ) -> Tensor:
     """Prepare buffers, compute the launch and hand it to ``launcher(launch, args, device)``.
 
     ``mat`` is ``jacobians_t`` (``scales is None``) or the factored ``weight``. Returns ``(B, n + 1, d)``
-    in ``grad``'s dtype. Shared by the CUDA path and the host emulation.
+    in ``grad``'s dtype. ``shared_limit``: see :func:`launch_config`. Shared by the CUDA path and the host
+    emulation.
     """
     compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     factored = scales is not None
@@ -203,6 +231,7 @@ def run(
         affine=affine,
         algorithm=algorithm,
         chunk_size=chunk_size,
+        shared_limit=shared_limit,
     )
     work = torch.empty(launch.work_elements, dtype=compute, device=grad.device)
     sync = torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device)
@@ -240,7 +269,7 @@ _AVAILABLE: dict[str, tuple[bool, str]] = {}  # the answer of the first eager ca
 def available() -> tuple[bool, str]:
     """``(True, "")`` when CuPy and a CUDA device are usable, else ``(False, why)``.
 
-    The first eager call compiles the kernels (once; CuPy caches the binary on disk). While
+    The first eager call compiles the kernels (:func:`prepare`; CuPy caches the binary on disk). While
     ``torch.compile`` traces (the cost model asks from inside ``backprop_scan``), it only reports what
     an earlier eager call found, so tracing never imports CuPy or compiles.
     """
@@ -253,32 +282,84 @@ def available() -> tuple[bool, str]:
 
 def _check_available() -> tuple[bool, str]:
     try:
-        import cupy  # noqa: F401
+        import cupy
     except ImportError as err:
-        return False, f"CuPy is not installed ({err}); install cupy-cuda12x or cupy-cuda13x"
+        return False, f"CuPy is not installed ({err}); install lightning-bppsa[cuda12] or [cuda13] (see README)"
+    if not hasattr(cupy.cuda.Stream, "from_external"):
+        return False, f"CuPy {cupy.__version__} is too old: the CUDA kernels need CuPy >= 14"
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
-    try:  # a driver / CuPy mismatch shows here, once, instead of in the first scan
-        _module(torch.cuda.current_device())
+    try:  # a driver / CuPy mismatch, or NVRTC missing, shows here, once, instead of in the first scan
+        prepare(torch.cuda.current_device())
     except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
         return False, f"the CUDA kernels do not compile or load here ({type(err).__name__}: {err})"
     return True, ""
 
 
+def source_path(name: str) -> Path:
+    """Where ``scan.cu`` / its header are read from: this package, or ``$BPPSA_CUDA_SOURCE_DIR`` (the
+    mutation tests point it at a mutated copy)."""
+    folder = os.environ.get("BPPSA_CUDA_SOURCE_DIR")
+    return Path(folder) / name if folder else kernel_path(name)
+
+
 def source() -> str:
     """``scan.cu`` with its header inlined (CuPy's cache key is the source text, so a header edit counts)."""
-    header = kernel_path("cuda_host_emulation.h").read_text()
-    return kernel_path("scan.cu").read_text().replace('#include "cuda_host_emulation.h"', header)
+    header = source_path("cuda_host_emulation.h").read_text()
+    return source_path("scan.cu").read_text().replace('#include "cuda_host_emulation.h"', header)
 
 
 @functools.cache
-def _module(device_index: int):
+def device_shared_limit(device_index: int) -> int:
+    """Shared memory a block may use on the device, static + dynamic: its opt-in maximum."""
+    return max(SHARED_BYTES, torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin)
+
+
+_MODULES: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy Function}
+
+
+def prepare(device_index: int) -> dict:
+    """Compile (NVRTC) and load the kernels on a device, once; opt every kernel in to the device's
+    whole shared memory and check its static shared memory against ``STATIC_SHARED_BYTES``.
+
+    Returns ``{kernel name: cupy Function}``. Call it before capturing a CUDA graph: inside a capture
+    the first scan raises instead of compiling (loading a module is not a capturable operation).
+    """
+    if device_index in _MODULES:
+        return _MODULES[device_index]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the BPPSA CUDA kernels are not compiled yet and cannot be inside a CUDA graph capture: "
+            "run one scan (or lightning_bppsa.kernels.cuda.prepare(device)) before capturing"
+        )
     import cupy
 
+    limit = device_shared_limit(device_index)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=source(), options=("-std=c++17",))
-        module.compile()
-    return module
+        functions = {}
+        for name in KERNELS:
+            function = module.get_function(name)
+            static = STATIC_SHARED_BYTES[name.split("_")[1]]
+            if function.shared_size_bytes > static:
+                raise RuntimeError(
+                    f"{name} has {function.shared_size_bytes} B of static shared memory here, launch_config "
+                    f"budgets {static} B (STATIC_SHARED_BYTES)"
+                )
+            function.max_dynamic_shared_size_bytes = limit - static
+            functions[name] = function
+    _MODULES[device_index] = functions
+    return functions
+
+
+class _TorchStream:
+    """torch's stream handle in the CUDA stream protocol (what ``cupy.cuda.Stream.from_external`` takes)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
 
 
 def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
@@ -286,8 +367,8 @@ def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
     import numpy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _module(index).get_function(launch.kernel)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
+    kernel = prepare(index)[launch.kernel]
+    stream = cupy.cuda.Stream.from_external(_TorchStream(torch.cuda.current_stream(device).cuda_stream))
     with cupy.cuda.Device(index), stream:
         kernel((launch.grid,), (launch.block,), tuple(numpy.uint64(a) for a in args), shared_mem=launch.shared_bytes)
 
@@ -300,6 +381,7 @@ class KernelUsage:
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    static_shared_bytes: int
 
 
 def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = None) -> dict[str, dict[str, KernelUsage]]:
@@ -315,7 +397,7 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             nvcc, "-fatbin", "-std=c++17", *gencodes, "-Xptxas", "-v", "-Xptxas", "-warn-spills",
-            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(kernel_path("scan.cu")),
+            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(source_path("scan.cu")),
         ]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -327,8 +409,82 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
             r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry
         ).groups()
         registers = re.search(r"Used (\d+) registers", entry).group(1)
-        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads))
+        smem = re.search(r"(\d+) bytes smem", entry)
+        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads), int(smem.group(1)) if smem else 0)
     return usage
+
+
+def ptx(arch: str = "compute_90", nvcc: str | None = None) -> dict[str, str]:
+    """``scan.cu`` compiled to PTX by nvcc (no GPU needed): ``{kernel name: its PTX body}``.
+
+    For static checks of what the emulator cannot see, e.g. the cache operators of the look-back's loads.
+    Raises ``FileNotFoundError`` without nvcc, ``RuntimeError`` (with nvcc's output) if it fails.
+    """
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-ptx", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.ptx", str(source_path("scan.cu"))]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-3000:]}")
+        text = Path(f"{tmp}/scan.ptx").read_text()
+    bodies = re.split(r"^\.visible \.entry ", text, flags=re.M)[1:]
+    return {body[: body.index("(")]: body for body in bodies}
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One innermost loop of a kernel's SASS (a backward branch with no other loop inside)."""
+
+    instructions: int  # issued per iteration, per warp
+    kinds: dict[str, int]  # opcode (before the first dot) -> count per iteration
+
+
+def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, list[SassLoop]]:
+    """The innermost loops of every kernel's SASS (nvcc -cubin, then ``cuobjdump -sass``; no GPU needed),
+    in code order: what the cost model's per-step instruction counts come from.
+
+    Needs ``cuobjdump`` and ``nvdisasm`` (``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``; found
+    on ``PATH`` or beside ``cuobjdump``); raises ``FileNotFoundError`` without them or without nvcc.
+    """
+    nvcc = shutil.which("nvcc")
+    cuobjdump = cuobjdump or shutil.which("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        raise FileNotFoundError("sass_loops needs nvcc and cuobjdump on PATH")
+    env = {**os.environ, "NVDISASM_PATH": os.environ.get("NVDISASM_PATH", str(Path(cuobjdump).parent))}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.cubin", str(source_path("scan.cu"))]
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/scan.cubin"], capture_output=True, text=True, env=env)
+    if sass.returncode != 0 or "Function :" not in sass.stdout:
+        raise FileNotFoundError(f"cuobjdump -sass failed (nvdisasm missing?): {sass.stderr.strip()[-300:]}")
+    loops: dict[str, list[SassLoop]] = {}
+    for chunk in sass.stdout.split("Function : ")[1:]:
+        name = chunk.split()[0]
+        code = [
+            (int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", chunk)
+        ]
+        back = []  # (target, branch address) of every backward branch
+        for address, text in code:
+            target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+            if target and int(target.group(1), 16) <= address:
+                back.append((int(target.group(1), 16), address))
+        innermost = [
+            (lo, hi) for lo, hi in back if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b in back)
+        ]
+        found = []
+        for lo, hi in sorted(innermost):
+            body = [text for address, text in code if lo <= address <= hi]
+            kinds: dict[str, int] = {}
+            for text in body:
+                words = text.split()
+                op = words[1] if words[0].startswith("@") else words[0]
+                kinds[op.split(".")[0]] = kinds.get(op.split(".")[0], 0) + 1
+            found.append(SassLoop(len(body), kinds))
+        loops[name] = found
+    return loops
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:
@@ -344,13 +500,23 @@ def fits(d: int, element_bytes: int) -> tuple[bool, str]:
     return True, ""
 
 
+def _device_limit(t: Tensor) -> int:
+    return device_shared_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def scan_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:
     """``bppsa::scan_dense`` on CUDA: ``jacobians_t`` ``(B, n, d, d)``, ``grad`` ``(B, d)`` or ``(B, n + 1, d)``."""
-    return run(jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda)
+    return run(
+        jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda,
+        shared_limit=_device_limit(grad),
+    )  # fmt: skip
 
 
 def scan_factored(
     weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk_size: int
 ) -> Tensor:
     """``bppsa::scan_factored`` on CUDA: ``J_t = diag(u_t) + [diag(s^1_t) .. diag(s^k_t)] W`` (see ``FactoredJacobians``)."""
-    return run(weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda)
+    return run(
+        weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=_launch_cuda,
+        shared_limit=_device_limit(grad),
+    )  # fmt: skip

@@ -4,20 +4,26 @@
 //   g++ -std=c++20 -pthread -x c++ scan.cu -shared -fPIC      (one OS thread per CUDA thread)
 //
 // Emulated: grid and block indices, per-block shared memory (dynamic, and static through
-// BPPSA_SHARED), __syncthreads as a futex barrier, the warp vote the kernels use (__ballot_sync)
-// through a per-warp exchange buffer and barrier, the ticket atomic and release/acquire flags through
-// std::atomic_ref (bppsa::take_ticket / load_acquire / store_release), and a bound on the blocks
-// resident at once (blocks start in block-index order), which is what a kernel with inter-block
-// waits needs for forward progress. Not emulated: lock-step
-// warps (every warp collective here needs the full mask), the GPU memory model's weaker orderings,
+// BPPSA_SHARED), __syncthreads as a futex barrier, the warp vote the kernels use (__ballot_sync, its
+// mask honoured: a calling lane outside the mask is an error, lanes outside it vote nothing) through a
+// per-warp exchange buffer and barrier, the ticket atomic and the flags (bppsa::take_ticket /
+// load_relaxed / fence_acq_rel / store_release) through std::atomic_ref, and a bound on the blocks
+// resident at once, which is what a kernel with inter-block waits needs for forward progress.
+// Blocks are dispatched in a seeded random order (a GPU promises no order: a kernel that assumes
+// blockIdx order deadlocks or goes wrong here), and the thread of every release store can stall for a
+// seeded random time after it (jitter), which opens the windows between a block's announcements.
+// Not emulated: lock-step warps (every lane of a warp must reach a warp collective), the GPU memory
+// model's weaker orderings (x86 is stronger: PTX cache operators are checked statically instead),
 // bank conflicts, occupancy, FMA contraction. Only what scan.cu uses is here (no shuffles: add one
 // the same way, through the exchange buffer, with a kernel that needs it). Build with
-// -fsanitize=thread to look for races.
+// -fsanitize=thread to look for races (there a relaxed flag poll is an acquire: ThreadSanitizer does
+// not model fences).
 //
 // Launch from the host with bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident,
-// timeout): `entry` is a kernel's host trampoline (BPPSA_ENTRY below), `args` its arguments as 64-bit
-// words. A launch that deadlocks is aborted after `timeout` seconds (every wait checks a flag) and
-// returns BPPSA_EMU_TIMEOUT instead of hanging the caller.
+// timeout, seed, jitter_us): `entry` is a kernel's host trampoline (BPPSA_ENTRY below), `args` its
+// arguments as 64-bit words; seed 0 dispatches blocks in index order. A launch that deadlocks is
+// aborted after `timeout` seconds (every wait checks a flag) and returns BPPSA_EMU_TIMEOUT instead of
+// hanging the caller; an error inside a kernel (say a bad warp mask) returns BPPSA_EMU_ERROR.
 #pragma once
 
 #ifdef __CUDACC__  // ------------------------------------------------------------------- real CUDA
@@ -26,11 +32,13 @@
 #define BPPSA_SHARED(T, name, count) __shared__ T name[count]
 
 namespace bppsa {
-__device__ __forceinline__ unsigned load_acquire(const unsigned* flag) {
+// A flag poll: relaxed (no L1 invalidation per poll); one fence_acq_rel() after the polls orders them.
+__device__ __forceinline__ unsigned load_relaxed(const unsigned* flag) {
     unsigned v;
-    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
     return v;
 }
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void store_release(unsigned* flag, unsigned v) {
     asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
 }
@@ -52,12 +60,15 @@ template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
 #include <memory>
+#include <latch>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -129,6 +140,8 @@ struct Block {
 struct ThreadState {
     Block* block = nullptr;
     size_t static_offset = 0;  // bump allocator for BPPSA_SHARED, reset when a block starts
+    std::minstd_rand random;   // jitter of this thread's release stores, seeded per (launch, block, thread)
+    double jitter_us = 0;
 };
 inline thread_local ThreadState self;
 
@@ -142,25 +155,42 @@ inline bppsa_emu::Block::Warp& bppsa_emu_warp() {
     return *bppsa_emu::self.block->warps[threadIdx.x / 32];
 }
 
-inline unsigned __ballot_sync(unsigned, int predicate) {
+// Every lane of the warp exchanges its vote (lock step is not emulated); a calling lane must be in
+// `mask` (undefined on a GPU: an error here) and only the lanes of `mask` vote.
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+    const unsigned lane = threadIdx.x % 32;
+    if (!(mask >> lane & 1u)) throw std::logic_error("__ballot_sync: the calling lane is not in the mask");
     auto& warp = bppsa_emu_warp();
-    warp.exchange[threadIdx.x % 32] = predicate ? 1 : 0;
+    warp.exchange[lane] = predicate ? 1 : 0;
     warp.barrier.wait();
-    unsigned mask = 0;
-    for (unsigned lane = 0; lane < 32; ++lane) mask |= unsigned(warp.exchange[lane]) << lane;
+    unsigned votes = 0;
+    for (unsigned l = 0; l < 32; ++l) votes |= unsigned(warp.exchange[l]) << l;
     warp.barrier.wait();
-    return mask;
+    return votes & mask;
 }
 
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 namespace bppsa {
-inline unsigned load_acquire(const unsigned* flag) {
-    return std::atomic_ref<unsigned>(*const_cast<unsigned*>(flag)).load(std::memory_order_acquire);
+inline unsigned load_relaxed(const unsigned* flag) {
+#ifdef __SANITIZE_THREAD__  // ThreadSanitizer does not model fences: let the poll itself acquire
+    constexpr auto order = std::memory_order_acquire;
+#else
+    constexpr auto order = std::memory_order_relaxed;
+#endif
+    return std::atomic_ref<unsigned>(*const_cast<unsigned*>(flag)).load(order);
 }
+inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_acq_rel); }
+// The announcing thread then stalls (jitter): its block stays at what it just announced for a while,
+// which is the window where a reader may wrongly take an announcement for the next one.
 inline void store_release(unsigned* flag, unsigned v) {
     std::atomic_ref<unsigned>(*flag).store(v, std::memory_order_release);
+    auto& self = bppsa_emu::self;
+    if (self.jitter_us > 0) {
+        std::uniform_real_distribution<double> delay(0, self.jitter_us);
+        std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(delay(self.random)));
+    }
 }
 inline unsigned take_ticket(unsigned* counter) {
     return std::atomic_ref<unsigned>(*counter).fetch_add(1u, std::memory_order_relaxed);
@@ -195,11 +225,16 @@ T* static_shared(size_t count) {
 
 enum { BPPSA_EMU_OK = 0, BPPSA_EMU_TIMEOUT = 1, BPPSA_EMU_ERROR = 2 };
 
-// Run a grid: `resident` slots of blockDim threads each take blocks in block-index order.
+// Run a grid: `resident` slots of blockDim threads each take blocks in a seeded random order (index
+// order for seed 0); a release store's thread then stalls up to `jitter_us` (seeded).
 extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* args, unsigned grid_x,
-                                unsigned block_x, size_t shared_bytes, unsigned resident, double timeout_s) {
+                                unsigned block_x, size_t shared_bytes, unsigned resident, double timeout_s,
+                                unsigned long long seed, double jitter_us) {
     using namespace bppsa_emu;
     aborted.store(false);
+    std::vector<unsigned> order(grid_x);
+    for (unsigned b = 0; b < grid_x; ++b) order[b] = b;
+    if (seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
     std::atomic<unsigned> next_block{0};
     std::atomic<int> status{BPPSA_EMU_OK};
     std::mutex mutex;
@@ -213,28 +248,36 @@ extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* 
         slots.back()->dynamic_bytes = shared_bytes;
     }
     unsigned running = resident * block_x;  // threads still running (guarded by `mutex`)
+    std::latch start(resident * block_x);    // the resident blocks start together, not as their threads appear
     for (unsigned s = 0; s < resident; ++s) {
         for (unsigned t = 0; t < block_x; ++t) {
             threads.emplace_back([&, s, t] {
                 Block& block = *slots[s];
                 self.block = &block;
+                self.jitter_us = jitter_us;
                 threadIdx = {t, 0, 0};
                 blockDim = {block_x, 1, 1};
                 gridDim = {grid_x, 1, 1};
+                start.arrive_and_wait();
                 try {
                     for (;;) {
-                        if (t == 0) slot_block[s] = next_block.fetch_add(1);  // blocks start in order
+                        if (t == 0) {  // the next block of the dispatch order
+                            const unsigned i = next_block.fetch_add(1);
+                            slot_block[s] = i < grid_x ? order[i] : grid_x;
+                        }
                         block.barrier.wait();
                         const unsigned b = slot_block[s];
                         block.barrier.wait();  // everyone has read it before thread 0 takes the next
                         if (b >= grid_x) break;
                         blockIdx = {b, 0, 0};
                         self.static_offset = 0;
+                        self.random.seed(static_cast<unsigned>(seed * 1000003u + b * 1024u + t));
                         entry(args);
                         block.barrier.wait();  // the block ends before its shared memory is reused
                     }
                 } catch (const Aborted&) {
-                    status.store(BPPSA_EMU_TIMEOUT);
+                    int ok = BPPSA_EMU_OK;
+                    status.compare_exchange_strong(ok, BPPSA_EMU_TIMEOUT);
                 } catch (...) {
                     status.store(BPPSA_EMU_ERROR);
                     aborted.store(true);

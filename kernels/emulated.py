@@ -2,9 +2,12 @@
 
 For tests on machines without a GPU. The same source and the same launches as
 :mod:`lightning_bppsa.kernels.cuda` (:func:`~lightning_bppsa.kernels.cuda.launch_config`), with one
-OS thread per CUDA thread; ``resident`` bounds the blocks that run at once (blocks start in block
-order, as on a GPU that has room for only that many), which checks that the inter-block waits
-cannot deadlock. Slow (a barrier costs a few context switches): keep grids tiny.
+OS thread per CUDA thread; ``resident`` bounds the blocks that run at once (as on a GPU that has room
+for only that many), which checks that the inter-block waits cannot deadlock; blocks are dispatched
+in a random order drawn from ``seed`` (0: index order), and the thread of every release store of a
+flag then stalls up to ``jitter_us`` (its block stays at what it announced: the window between a
+block's two announcements).
+Slow (a barrier costs a few context switches): keep grids tiny.
 
 Build through :func:`lightning_bppsa.kernels._build.load_library` into ``$BPPSA_CACHE_DIR``;
 A ThreadSanitizer variant (``build_arguments("thread")``) loads only into a process started with
@@ -18,7 +21,7 @@ import ctypes
 
 import torch
 from lightning_bppsa.kernels import cuda
-from lightning_bppsa.kernels._build import kernel_path, load_library
+from lightning_bppsa.kernels._build import load_library
 from torch import Tensor
 
 __all__ = ["LaunchTimeout", "build_arguments", "library", "scan_dense", "scan_factored"]
@@ -36,15 +39,15 @@ def build_arguments(sanitize: str | None = None) -> dict:
     must not import torch, such as a ThreadSanitizer run, can build the same library from them)."""
     return {
         "name": "bppsa_scan_emulated" + (f"_{sanitize}" if sanitize else ""),
-        "sources": [str(kernel_path("scan.cu"))],
+        "sources": [str(cuda.source_path("scan.cu"))],
         "compiler": _COMPILER,
         "flag_sets": [["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]],
-        "depends": [str(kernel_path("cuda_host_emulation.h"))],
+        "depends": [str(cuda.source_path("cuda_host_emulation.h"))],
         "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in cuda.KERNELS)],
     }
 
 
-#: ``bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident, timeout_s)``
+#: ``bppsa_emu_launch(entry, args, grid, block, shared_bytes, resident, timeout_s, seed, jitter_us)``
 LAUNCH_ARGTYPES = [
     ctypes.c_void_p,
     ctypes.POINTER(ctypes.c_uint64),
@@ -52,6 +55,8 @@ LAUNCH_ARGTYPES = [
     ctypes.c_uint,
     ctypes.c_size_t,
     ctypes.c_uint,
+    ctypes.c_double,
+    ctypes.c_ulonglong,
     ctypes.c_double,
 ]
 
@@ -64,19 +69,23 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def _launcher(resident: int | None, timeout: float):
+def _launcher(resident: int | None, timeout: float, seed: int, jitter_us: float):
     def launch(config: cuda.Launch, args: list, device: torch.device) -> None:
         if device.type != "cpu":
             raise ValueError(f"the emulated kernels take CPU tensors; got {device}")
         lib = library()
+        if config.work_elements:  # poisoned scratch (all-ones bytes: NaN): reading unpublished data shows
+            ctypes.memset(args[5], 0xFF, config.work_elements * (8 if config.kernel.endswith("f64") else 4))
         words = (ctypes.c_uint64 * len(args))(*args)
         entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
         blocks = config.grid if resident is None else resident
-        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout)
+        status = lib.bppsa_emu_launch(
+            entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout, seed, jitter_us
+        )
         if status == _TIMEOUT:
             raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
         if status == _ERROR:
-            raise RuntimeError(f"{config.kernel}: an exception escaped an emulated thread")
+            raise RuntimeError(f"{config.kernel}: an emulated thread failed (a bad warp mask, or shared memory exhausted)")
 
     return launch
 
@@ -89,10 +98,15 @@ def scan_dense(
     *,
     resident: int | None = None,
     timeout: float = 60.0,
+    seed: int = 1,
+    jitter_us: float = 0.0,
 ) -> Tensor:
-    """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if ``None``)."""
-    launcher = _launcher(resident, timeout)
-    return cuda.run(jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher)
+    """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if
+    ``None``), dispatched in the order drawn from ``seed``, release stores delayed up to ``jitter_us``."""
+    launcher = _launcher(resident, timeout, seed, jitter_us)
+    return cuda.run(
+        jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
+    )  # fmt: skip
 
 
 def scan_factored(
@@ -105,7 +119,11 @@ def scan_factored(
     *,
     resident: int | None = None,
     timeout: float = 60.0,
+    seed: int = 1,
+    jitter_us: float = 0.0,
 ) -> Tensor:
     """:func:`lightning_bppsa.kernels.cuda.scan_factored` on CPU tensors (see :func:`scan_dense`)."""
-    launcher = _launcher(resident, timeout)
-    return cuda.run(weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher)
+    launcher = _launcher(resident, timeout, seed, jitter_us)
+    return cuda.run(
+        weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
+    )  # fmt: skip

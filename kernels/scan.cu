@@ -24,9 +24,16 @@
 //   work      chunked only: B p aggregates of R x d (R = d + affine), then B p inclusives of d
 //   sync      chunked only, zeroed: [ticket counter, B p flags]
 //
-// Shared memory (dynamic, bytes computed by kernels/cuda.py:launch_config): two R x d matrices
-// (chunked), two d-vectors, and a tile of `tile_rows` x d operand rows; every step streams its
-// operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits.
+// Memory ordering of the look-back: a chunk publishes its data with L2 stores (st.cg), a barrier (the
+// end of the product that stored them), then ONE release store of its flag by thread 0 (cumulative over the block's stores ordered by the
+// barrier). A reader polls flags with relaxed loads (an acquire load per poll would invalidate the
+// SM's L1 each time), then every polling lane runs one fence.acq_rel.gpu after the ballot, then a
+// barrier, and the block reads the published data through L2 (ld.cg), never through L1.
+//
+// Shared memory (dynamic, bytes computed by kernels/cuda.py:launch_config, which also budgets the
+// chunked kernels' static words: STATIC_SHARED_BYTES there, checked against ptxas): two R x d
+// matrices (chunked), two d-vectors, and a tile of `tile_rows` x d operand rows; every step streams
+// its operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits.
 #include "cuda_host_emulation.h"
 
 namespace {
@@ -47,6 +54,19 @@ __device__ void prefetch_span(const T* p, int count) {  // one 128-byte line per
         bppsa::prefetch_l1(p + e);
 }
 
+// Visits e = threadIdx.x, threadIdx.x + blockDim.x, .. < rows * inner as f(e / inner, e % inner), the
+// divisions done once per call, not per element (in SASS an integer division is ~20 instructions).
+template <class F>
+__device__ void for_each_strided(int rows, int inner, F f) {
+    const int step_major = blockDim.x / inner, step_minor = blockDim.x % inner;
+    for (int major = threadIdx.x / inner, minor = threadIdx.x % inner; major < rows;) {
+        f(major, minor);
+        major += step_major;
+        minor += step_minor;
+        if (minor >= inner) minor -= inner, ++major;
+    }
+}
+
 template <class T>
 struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i]
     const T* jt;
@@ -54,10 +74,9 @@ struct DenseStep {  // A = J_t, from jacobians_t (transposed): A[i][c] = jt[c][i
     int d;
     __device__ int rows() const { return d; }
     __device__ void load_tile(T* tile, int j0, int count) const {
-        for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
-            const int c = e / count, i = e % count;  // i fastest: contiguous global reads
-            tile[i * d + c] = jt[(i64)c * d + j0 + i];
-        }
+        const T* from = jt + j0;
+        const int n = d;  // i fastest: contiguous global reads
+        for_each_strided(d, count, [&](int c, int i) { tile[i * n + c] = from[(i64)c * n + i]; });
     }
     __device__ T diag(int) const { return T(0); }
     __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
@@ -76,10 +95,10 @@ struct FactoredStep {  // A[j][c] = s_t[j] W[j][c], plus diag(u_t)
     int d, m;
     __device__ int rows() const { return m; }
     __device__ void load_tile(T* tile, int j0, int count) const {
-        for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
-            const int j = j0 + e / d;
-            tile[e] = scales[j] * weight[(i64)j0 * d + e];
-        }
+        const T* s = scales + j0;
+        const T* w = weight + (i64)j0 * d;
+        const int n = d;
+        for_each_strided(count, d, [&](int j, int c) { tile[j * n + c] = s[j] * w[(i64)j * n + c]; });
     }
     __device__ T diag(int c) const { return diagonal ? diagonal[c] : T(0); }
     __device__ T addend(int c) const { return delta ? delta[c] : T(0); }
@@ -106,7 +125,8 @@ struct AggregateStep {  // A = C of a published chunk aggregate [C; b] (row-majo
 
 // Y = X A + diag(A) X for the R x d rows X (shared), by the whole block; row `add_row` of Y also gets
 // the operand's addend. Y is written to shared memory and, if `store` is not null, to global memory
-// (R x d, row-major). Ends with a barrier: Y is ready for everyone.
+// (R x d, row-major). Two barriers per step: after a tile is loaded (X, written before the call, is
+// then complete too) and at the end (Y ready, the tile free for the next step's load).
 // A thread owns an RB x CB block of outputs per pass (rows rg RB .. rg RB + RB - 1, columns cg,
 // cg + groups, ..: neighbouring threads read neighbouring tile columns), so that per operand row it
 // reads RB + CB shared values for RB CB FMAs; and two partial sums of each output (even and odd operand
@@ -139,7 +159,8 @@ __device__ void product(const Op& op, const T* X, T* Y, int R, int d, T* tile, i
             for (int j = 0; j < CB; ++j) even[i][j] = odd[i][j] = T(0);
         for (int j0 = 0; j0 < K; j0 += tile_rows) {
             const int count = K - j0 < tile_rows ? K - j0 : tile_rows;
-            __syncthreads();  // X is complete and the previous tile consumed
+            // the previous tile consumed (before the first tile of the first pass: the end of the last step)
+            if (j0 > 0 || base > 0) __syncthreads();
             op.load_tile(tile, j0, count);
             __syncthreads();
             int xc = j0 % d;  // tile row jj multiplies X column (j0 + jj) mod d
@@ -247,10 +268,10 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
     sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
 }
 
-// Raise a chunk's flag once the whole block's stores of what it announces are visible GPU-wide.
+// Raise a chunk's flag. Called right after the product that stored what it announces (st.cg): that
+// product's closing barrier orders every thread's stores before thread 0's release store, which is
+// cumulative (one release by one thread instead of a fence in every thread).
 __device__ inline void publish(unsigned* flag, unsigned value) {
-    __threadfence();  // every thread: its own stores first ...
-    __syncthreads();  // ... then thread 0, after all of them
     if (threadIdx.x == 0) bppsa::store_release(flag, value);
 }
 
@@ -295,41 +316,45 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         copy_row(p.last(b), x, p.out_row(b, p.n), d);
     } else {
         if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
-            const i64 k = q - 1 - (i64)threadIdx.x;
+            const int lane = threadIdx.x;
+            const i64 k = q - 1 - lane;
             unsigned flag = 0;
             if (k >= 0)
-                while ((flag = bppsa::load_acquire(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
-            const unsigned inclusive = __ballot_sync(0xffffffffu, k >= 0 && flag == kInclusive);
+                while ((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
+            const unsigned inclusive = __ballot_sync(0xffffffffu, flag == kInclusive);
             int hops;
             if (inclusive) {
                 hops = __ffs(inclusive) - 1;
-            } else {  // 32 aggregates and no inclusive yet: wait for the farthest one's
+            } else {  // only aggregates in the window: wait for the farthest one's inclusive
                 hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
-                if (threadIdx.x == 0)
-                    while (bppsa::load_acquire(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
+                if (lane == 0)
+                    while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
                         bppsa::spin_pause();
             }
-            __threadfence();
-            if (threadIdx.x == 0) shared_hops[0] = hops;
+            bppsa::fence_acq_rel();  // what the polls saw published is visible to this lane's later reads ...
+            if (lane == 0) shared_hops[0] = hops;
         }
-        __syncthreads();
-        const int hops = shared_hops[0];
-        copy_row(inclusive_of(q - 1 - hops), x, (T*)nullptr, d);
-        for (int l = hops - 1; l >= 0; --l) {  // farthest aggregate first
-            const T* agg = aggregate_of(q - 1 - l);
-            product<1, 1>(AggregateStep<T>{agg, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, (T*)nullptr);
+        __syncthreads();  // ... and, through the barrier, to the whole block's
+        copy_row(inclusive_of(q - 1 - shared_hops[0]), x, (T*)nullptr, d);
+    }
+
+    // 3. Push the carry through the aggregates of chunks q - hops .. q - 1 (farthest first), then, if a
+    //    later chunk needs it, through this chunk's own: its inclusive g_lo = carry C + b, published so
+    //    that later chunks need not wait for step 4. ONE call site for both: a carry recomputed here is
+    //    bit-identical to the inclusive its chunk published, so the result does not depend on how far
+    //    the look-back went (run-to-run identical bits whatever the schedule: deterministic).
+    const int hops = q == 0 ? 0 : shared_hops[0];
+    for (int l = hops - 1; l >= (q + 1 < chunks ? -1 : 0); --l) {
+        const bool own = l < 0;
+        product<1, 1>(AggregateStep<T>{aggregate_of(q - 1 - l), p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0,
+                      own ? inclusive_of(q) : (T*)nullptr);
+        if (!own) {  // the carry moves one chunk closer; the own product leaves x = the carry for step 4
             T* swap = x;
             x = y;
             y = swap;
         }
     }
-
-    // 3. Publish the inclusive g_lo = carry C + b, so that later chunks need not wait for step 4.
-    if (q + 1 < chunks) {
-        const T* own = aggregate_of(q);
-        product<1, 1>(AggregateStep<T>{own, p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0, inclusive_of(q));
-        publish(&flags[q * p.batch + b], kInclusive);
-    }
+    if (q + 1 < chunks) publish(&flags[q * p.batch + b], kInclusive);
 
     // 4. The per-step gradients of the chunk.
     sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);

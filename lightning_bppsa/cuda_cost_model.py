@@ -1,7 +1,12 @@
-"""The CUDA kernels' cost model (:mod:`lightning_bppsa.kernels.cuda`): a latency / throughput model of one
-launch, used to pick the sweep or the chunked kernel and its chunk size on CUDA.
+"""The CUDA kernels' cost model (:mod:`lightning_bppsa.kernels.cuda`): the time of one launch from the
+instructions its steps issue, used to pick the sweep or the chunked kernel and its chunk size on CUDA.
 
-No GPU was available to fit it: the figures are assumptions (H100 SXM class), stated in :class:`CudaModel`.
+No GPU was available to fit it. The instruction counts are measured (the SASS of ``scan.cu``, see
+:class:`StepInstructions`); the device figures are assumptions (H100 SXM class, :class:`CudaModel`).
+Every step runs loops that the compiler does not unroll, one warp's instructions in order, so a step
+costs between its issued instructions (every latency hidden: the ``low`` bound) and its issued
+instructions plus one memory latency per loop iteration (nothing hidden: ``high``); a prediction is
+that band, and :func:`cuda_kernel_seconds` its geometric middle.
 """
 
 from __future__ import annotations
@@ -11,85 +16,141 @@ from dataclasses import dataclass
 
 from lightning_bppsa.kernels import cuda as cuda_kernel
 
-__all__ = ["CUDA_MODEL", "CudaModel", "cuda_choose", "cuda_kernel_seconds"]
+__all__ = ["CUDA_MODEL", "SASS_COUNTS", "CudaModel", "StepInstructions", "cuda_choose", "cuda_kernel_band",
+           "cuda_kernel_seconds"]  # fmt: skip
 
+
+@dataclass(frozen=True)
+class StepInstructions:
+    """Issued instructions per warp and iteration of the innermost loops of a scan step: counted in the
+    SASS of ``scan.cu`` (sm_90, nvcc 13.0, float32; float64 within 3) by
+    :func:`lightning_bppsa.kernels.cuda.sass_loops`, checked by ``tests/kernels/test_cuda_compile.py``."""
+
+    tile_factored: int = 31  # one scaled weight element into the shared tile (2 LDG, FMUL, STS)
+    tile_dense: int = 23  # one Jacobian element (LDG, STS)
+    tile_aggregate: int = 11  # one element of a published aggregate (LDG.cg from L2, STS)
+    fma_vector: int = 24  # two operand rows of a vector step (4 LDS, 2 FFMA: the index bookkeeping dominates)
+    fma_matrix: int = 44  # two operand rows of a 2 x 2-outputs-per-thread matrix step (8 LDS, 8 FFMA)
+    step_overhead: int = 150  # outside the loops (prefetch, epilogue, indexing): estimated from the SASS, +-50
+
+
+SASS_COUNTS = StepInstructions()
 
 
 @dataclass(frozen=True)
 class CudaModel:
-    """Assumed GPU figures behind :func:`cuda_kernel_seconds` (not measured: no GPU was lent)."""
+    """Assumed GPU figures (not measured: no GPU was lent)."""
 
     name: str = "H100 SXM (assumed figures)"
     sms: int = 132
+    schedulers_per_sm: int = 4  # one warp instruction per scheduler and cycle
     clock_hz: float = 1.75e9
     launch_seconds: float = 6e-6  # the kernel launch plus the zeroed flag buffer (a memset)
     barrier_cycles: float = 30  # one __syncthreads of a few warps
-    l1_cycles: float = 35  # L1 hit: a step's prefetched operand, the shared weight
-    l2_cycles: float = 270  # L2 hit: published chunk aggregates and carries
-    fma_cycles: float = 4  # dependent FMA latency
-    epilogue_cycles: float = 40  # diagonal, addend, stores of a step
-    smem_wavefronts_per_cycle: float = 1.0  # per SM: one 32-lane shared-memory access per cycle
-    blocks_per_sm: int = 8  # resident blocks per SM (registers ~50-100 x <= 256 threads)
+    l1_cycles: float = 35  # L1 hit: a step's prefetched operand
+    l2_cycles: float = 270  # L2 hit: published chunk aggregates and carries, a flag poll
+    smem_cycles: float = 30  # a shared-memory load
+    blocks_per_sm: int = 8  # resident blocks per SM (registers ~50-75 x <= 256 threads)
+    shared_limit: int = 232448  # shared memory per block with the opt-in (what kernels.cuda launches with)
 
 
 CUDA_MODEL = CudaModel()
 
 
-def _cuda_step(rows: int, d: int, operand_rows: int, threads: int, block: int, tile_rows: int,
-               operand_cycles: float, model: CudaModel) -> tuple[float, float]:
-    """(latency in cycles, shared-memory wavefronts) of one ``product`` in scan.cu: ``rows x d`` times a
-    ``operand_rows x d`` operand streamed through shared memory, ``block x block`` outputs per thread."""
+def _step_cycles(
+    *, rows: int, d: int, operand_rows: int, threads: int, block: int, tile_rows: int, tile_instructions: int,
+    tile_latency: float, model: CudaModel, counts: StepInstructions,
+) -> tuple[float, float, float]:
+    """(low, high) cycles of one ``product`` in scan.cu for one warp, and the instructions the whole block
+    issues: ``rows x d`` outputs (``block x block`` per thread) times an ``operand_rows x d`` operand
+    streamed through shared memory in tiles of ``tile_rows``."""
     groups = math.ceil(rows / block) * math.ceil(d / block)
     passes = math.ceil(groups / threads)
     tiles = math.ceil(operand_rows / tile_rows)
-    load = tiles * (2 * model.barrier_cycles + operand_cycles + math.ceil(tile_rows * d / threads))
-    chain = passes * (operand_rows / 2 * model.fma_cycles + model.l1_cycles + model.epilogue_cycles)
-    wavefronts = threads // 32 * passes * operand_rows * 2 * block  # per operand row: block X + block tile reads
-    return load + chain + model.barrier_cycles, wavefronts
+    tile_iterations = passes * tiles * math.ceil(min(tile_rows, operand_rows) * d / threads)
+    fma_iterations = passes * math.ceil(operand_rows / 2)
+    fma = counts.fma_matrix if block > 1 else counts.fma_vector
+    issued = tile_iterations * tile_instructions + fma_iterations * fma + counts.step_overhead
+    barriers = (passes * tiles + 1) * model.barrier_cycles
+    low = issued + barriers
+    high = low + tile_iterations * tile_latency + fma_iterations * model.smem_cycles + model.l1_cycles
+    return low, high, issued * threads / 32
+
+
+def cuda_kernel_band(
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, chunk_size: int,
+    affine: bool = False, element_bytes: int = 4, model: CudaModel = CUDA_MODEL,
+    counts: StepInstructions = SASS_COUNTS,
+) -> tuple[float, float]:
+    """Predicted (low, high) seconds of one CUDA scan launch (``"linear"``: the sweep kernel; ``"chunked"``
+    / ``"blelloch"``: the one-launch chunked kernel), from the launch that ``launch_config`` computes.
+
+    - sweep: ``n`` dependent vector steps per block, ``B`` blocks side by side (in waves).
+    - chunked: ``c`` matrix steps (every chunk's aggregate, bounded below by the grid's issue rate: all
+      blocks' instructions over all schedulers), then ``p = ceil(n / c)`` dependent carries (each a flag
+      poll and one vector step with its operand from L2), then ``c`` vector steps of the chunk's sweep.
+    """
+    if n < 1:
+        return model.launch_seconds, model.launch_seconds
+    factored = width is not None
+    launch = cuda_kernel.launch_config(
+        factored=factored, element_bytes=element_bytes, n=n, batch=batch, d=d, m=width or d, affine=affine,
+        algorithm=algorithm, chunk_size=chunk_size, shared_limit=model.shared_limit,
+    )  # fmt: skip
+    operand = width or d
+    operand_tile = counts.tile_factored if factored else counts.tile_dense
+    common = dict(d=d, threads=launch.block, tile_rows=launch.tile_rows, model=model, counts=counts)
+    vector_low, vector_high, _ = _step_cycles(
+        rows=1, operand_rows=operand, block=1, tile_instructions=operand_tile, tile_latency=model.l1_cycles, **common
+    )
+    if launch.kernel.startswith("bppsa_sweep_"):
+        waves = math.ceil(batch / (model.sms * model.blocks_per_sm))
+        cycles = (waves * n * vector_low, waves * n * vector_high)
+    else:
+        c, chunks = launch.chunk, math.ceil(n / launch.chunk)
+        matrix_low, matrix_high, matrix_issued = _step_cycles(
+            rows=d + int(affine), operand_rows=operand, block=cuda_kernel.MATRIX_BLOCK, tile_instructions=operand_tile,
+            tile_latency=model.l1_cycles, **common,
+        )  # fmt: skip
+        hop_low, hop_high, _ = _step_cycles(
+            rows=1, operand_rows=d, block=1, tile_instructions=counts.tile_aggregate, tile_latency=model.l2_cycles,
+            **common,
+        )  # fmt: skip
+        issue_bound = batch * n * matrix_issued / (model.sms * model.schedulers_per_sm)
+        cycles = (
+            max(c * matrix_low, issue_bound) + chunks * (hop_low + model.l2_cycles) + c * vector_low,
+            max(c * matrix_high, issue_bound) + chunks * (hop_high + 2 * model.l2_cycles) + c * vector_high,
+        )
+    return tuple(model.launch_seconds + x / model.clock_hz for x in cycles)
 
 
 def cuda_kernel_seconds(
     algorithm: str, *, n: int, d: int, batch: int, width: int | None, chunk_size: int,
     affine: bool = False, element_bytes: int = 4, model: CudaModel = CUDA_MODEL,
 ) -> float:
-    """Predicted seconds of one CUDA scan launch (``"linear"``: the sweep kernel; ``"chunked"`` /
-    ``"blelloch"``: the one-launch chunked kernel), from the launch that ``launch_config`` computes.
-
-    - sweep: ``n`` dependent vector steps per block, ``B`` blocks side by side.
-    - chunked: ``c`` matrix steps (every chunk's aggregate; bounded below by the grid's shared-memory
-      throughput, all SMs together: 2 x 2 outputs per thread read 4 shared values per 4 FMAs), then ``p = ceil(n / c)`` dependent look-back hops (one vector step
-      with its operand from L2 each), then ``c`` vector steps of the chunk's sweep.
-    """
-    if n < 1:
-        return model.launch_seconds
-    factored = width is not None
-    launch = cuda_kernel.launch_config(
-        factored=factored, element_bytes=element_bytes, n=n, batch=batch, d=d, m=width or d, affine=affine,
-        algorithm=algorithm, chunk_size=chunk_size,
-    )
-    operand = width or d
-    vector, _ = _cuda_step(1, d, operand, launch.block, 1, launch.tile_rows, model.l1_cycles, model)
-    if launch.kernel.startswith("bppsa_sweep_"):
-        waves = math.ceil(batch / (model.sms * model.blocks_per_sm))
-        return model.launch_seconds + waves * n * vector / model.clock_hz
-    c, chunks = launch.chunk, math.ceil(n / launch.chunk)
-    rows = d + int(affine)
-    matrix, wavefronts = _cuda_step(rows, d, operand, launch.block, cuda_kernel.MATRIX_BLOCK, launch.tile_rows, model.l1_cycles, model)
-    hop, _ = _cuda_step(1, d, d, launch.block, 1, launch.tile_rows, model.l2_cycles, model)
-    throughput = batch * n * wavefronts / (model.sms * model.smem_wavefronts_per_cycle)
-    cycles = max(c * matrix, throughput) + chunks * hop + c * vector
-    return model.launch_seconds + cycles / model.clock_hz
+    """The geometric middle of :func:`cuda_kernel_band` (same arguments): what the plan compares."""
+    low, high = cuda_kernel_band(
+        algorithm, n=n, d=d, batch=batch, width=width, chunk_size=chunk_size, affine=affine,
+        element_bytes=element_bytes, model=model,
+    )  # fmt: skip
+    return math.sqrt(low * high)
 
 
-def cuda_choose(algorithm: str, *, n: int, d: int, batch: int, width: int | None) -> tuple[str, int]:
+def cuda_choose(
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, element_bytes: int = 4
+) -> tuple[str, int]:
     """The CUDA kernels' rule: ``"linear"`` keeps the sweep; ``"chunked"`` / ``"blelloch"`` get the chunk
-    size the model predicts fastest; ``"auto"`` takes whichever of the two the model predicts faster."""
+    size the model predicts fastest; ``"auto"`` takes whichever of the two the model predicts faster.
+    ``element_bytes`` is the compute dtype's (4: float32 and half precision, 8: float64): it sizes the
+    shared-memory tiles, so the plan is dtype-aware."""
+    if element_bytes not in (4, 8):
+        raise ValueError(f"element_bytes must be 4 or 8 (the kernels' compute dtypes); got {element_bytes}")
     if n <= 1:
         return ("linear" if algorithm == "auto" else algorithm), 1
     candidates = sorted({2**k for k in range(1, int(math.log2(n)) + 1) if 2**k < n} | {max(2, math.isqrt(n))})
 
     def seconds(name: str, c: int) -> float:
-        return cuda_kernel_seconds(name, n=n, d=d, batch=batch, width=width, chunk_size=c)
+        return cuda_kernel_seconds(name, n=n, d=d, batch=batch, width=width, chunk_size=c, element_bytes=element_bytes)
 
     chunk = min(candidates, key=lambda c: seconds("chunked", c))
     if algorithm != "auto":

@@ -31,11 +31,7 @@ CASES = _load_cases()
 
 
 @pytest.fixture
-def gpu(cuda) -> torch.device:
-    ok, reason = kernels.available()
-    if not ok and importlib.util.find_spec("cupy") is None:
-        pytest.skip(f"CUDA kernels unavailable: {reason}")
-    assert ok, f"CuPy is installed but the CUDA kernels are unavailable: {reason}"
+def gpu(cuda) -> torch.device:  # the conftest fixture already failed if the kernels cannot run here
     return cuda
 
 
@@ -117,3 +113,55 @@ def test_half_precision_and_non_contiguous(gpu):
     torch.testing.assert_close(out.cpu(), expected.bfloat16())
     jt_gpu, grad_gpu = jt.to(gpu).mT.contiguous().mT, grad.to(gpu).mT.contiguous().mT
     CASES.check(kernels.scan_dense(jt_gpu, grad_gpu, "chunked", 5).cpu(), jt, grad, torch.float64)
+
+
+def test_chunked_kernel_beyond_48_kib_of_shared_memory(gpu):
+    """d = 120 (float32): two 121 x 120 matrices need ~114 KiB: the launch opts in to the device's limit."""
+    gen = torch.Generator().manual_seed(120)
+    weight, scales, diag, grad = CASES.make_factored(2, 40, 120, 1, True, True, gen)
+    launch = kernels.launch_config(
+        factored=True, element_bytes=4, n=40, batch=2, d=120, m=120, affine=True, algorithm="chunked",
+        chunk_size=4, shared_limit=kernels.device_shared_limit(torch.cuda.current_device()),
+    )  # fmt: skip
+    assert launch.kernel.startswith("bppsa_chunked_") and launch.shared_bytes > kernels.SHARED_BYTES
+    args = [t.to(gpu, torch.float32) for t in (weight, scales, diag, grad)]
+    out = kernels.scan_factored(*args, "chunked", 4)
+    CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
+
+
+def test_deterministic_algorithms_repeat_the_bits(gpu):
+    gen = torch.Generator().manual_seed(4)
+    weight, scales, diag, grad = CASES.make_factored(8, 3000, 20, 3, True, True, gen)
+    args = [t.to(gpu) for t in (weight, scales, diag, grad)]
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [kernels.scan_factored(*args, "chunked", 4) for _ in range(5)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(runs[0], other) for other in runs[1:])
+    CASES.check(runs[0].cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
+
+
+def test_exact_look_back_stress_bit_equal_to_the_sweep(gpu):
+    """Signed permutations and integer gradients (exact in any order): the chunked kernel over a grid far
+    above residency (64 rows x 2500 chunks) must give the sweep's bits on every repeat."""
+    gen = torch.Generator().manual_seed(5)
+    jt, grad = CASES.exact_dense(64, 5000, 4, gen)
+    jt, grad = jt.to(gpu), grad.to(gpu)
+    sweep = kernels.scan_dense(jt, grad, "linear", 1)
+    assert torch.equal(sweep.cpu(), CASES.plain_loop(jt.cpu(), grad.cpu()))
+    for _ in range(10):
+        assert torch.equal(kernels.scan_dense(jt, grad, "chunked", 2), sweep)
+
+
+def test_cuda_graph_capture_after_the_first_call(gpu):
+    gen = torch.Generator().manual_seed(6)
+    jt, grad = CASES.make_dense(4, 300, 20, True, gen)
+    jt_gpu, grad_gpu = jt.to(gpu), grad.to(gpu)
+    kernels.scan_dense(jt_gpu, grad_gpu, "chunked", 16)  # compiled and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.scan_dense(jt_gpu, grad_gpu, "chunked", 16)
+    graph.replay()
+    torch.cuda.synchronize()
+    CASES.check(out.cpu(), jt, grad, torch.float64)

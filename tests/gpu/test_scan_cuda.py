@@ -1,4 +1,4 @@
-"""The scan ops on CUDA tensors give the CPU float64 result (torch implementation until CUDA kernels land)."""
+"""The scan ops on CUDA tensors (the CUDA kernels: the fixture fails where they cannot run) give the CPU float64 result."""
 
 import pytest
 import torch

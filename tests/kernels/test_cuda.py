@@ -84,12 +84,82 @@ def test_cost_model_rule_for_the_cuda_kernels():
     assert cuda_cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
 
 
-@pytest.mark.parametrize(("element_bytes", "widest"), [(4, 77), (8, 54)])
-def test_widest_state_of_the_chunked_kernel_is_as_documented(element_bytes, widest):
+def test_cost_model_plan_is_dtype_aware():
+    from lightning_bppsa import cuda_cost_model
+
+    for element_bytes in (4, 8):
+        algorithm, chunk = cuda_cost_model.cuda_choose(
+            "chunked", n=1000, d=100, batch=4, width=100, element_bytes=element_bytes
+        )
+        best = min(
+            (cuda_cost_model.cuda_kernel_seconds(
+                "chunked", n=1000, d=100, batch=4, width=100, chunk_size=c, element_bytes=element_bytes
+            ), c)
+            for c in (chunk, max(2, chunk // 2), min(999, chunk * 2))
+        )  # fmt: skip
+        assert best[1] == chunk
+    with pytest.raises(ValueError, match="element_bytes must be 4 or 8"):
+        cuda_cost_model.cuda_choose("auto", n=10, d=4, batch=2, width=None, element_bytes=2)
+
+
+H100_OPTIN = 232448  # an H100's shared_memory_per_block_optin (227 KiB)
+
+
+@pytest.mark.parametrize(
+    ("element_bytes", "limit", "widest"),
+    [(4, cuda.SHARED_BYTES, 77), (8, cuda.SHARED_BYTES, 54), (4, H100_OPTIN, 169), (8, H100_OPTIN, 119)],
+)
+def test_widest_state_of_the_chunked_kernel_is_as_documented(element_bytes, limit, widest):
     def kernel(d):
-        return config(element_bytes=element_bytes, d=d, m=d, affine=True).kernel
+        return config(element_bytes=element_bytes, d=d, m=d, affine=True, shared_limit=limit).kernel
 
     assert kernel(widest).startswith("bppsa_chunked_") and kernel(widest + 1).startswith("bppsa_sweep_")
+
+
+def every_launch(static_bytes: dict[str, int] | None = None):
+    """Every launch launch_config makes for d in 1..128, both dtypes, both chain kinds (m = d .. 4d),
+    either gradient, both kernels, under 48 KiB and an H100's opt-in limit: (launch, limit)."""
+    for d in range(1, 129):
+        for element_bytes in (4, 8):
+            for m in (None, d, 2 * d, 3 * d, 4 * d):
+                for affine in (False, True):
+                    for algorithm in ("linear", "chunked"):
+                        for limit in (cuda.SHARED_BYTES, H100_OPTIN):
+                            launch = config(
+                                factored=m is not None, m=m or d, d=d, element_bytes=element_bytes, affine=affine,
+                                algorithm=algorithm, chunk_size=8, n=100, shared_limit=limit,
+                            )  # fmt: skip
+                            yield launch, limit
+
+
+def test_static_plus_dynamic_shared_memory_within_the_limit_of_every_launch():
+    """The chunked kernels also declare static shared memory (STATIC_SHARED_BYTES, checked against ptxas
+    by the compile gate): static + dynamic must fit the limit, for every launch launch_config makes."""
+    count = 0
+    for launch, limit in every_launch():
+        family = launch.kernel.split("_")[1]
+        assert launch.static_bytes == cuda.STATIC_SHARED_BYTES[family]
+        assert launch.static_bytes + launch.shared_bytes <= limit, (launch, limit)
+        count += 1
+    assert count == 128 * 2 * 5 * 2 * 2 * 2
+
+
+def test_shared_limit_below_48_kib_is_refused():
+    with pytest.raises(ValueError, match="shared_limit=1024"):
+        config(shared_limit=1024)
+
+
+def test_the_first_call_inside_a_graph_capture_refuses_to_compile(monkeypatch):
+    monkeypatch.setattr(cuda, "_MODULES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be inside a CUDA graph capture"):
+        cuda.prepare(0)
+
+
+def test_cupy_missing_is_reported_with_the_extras_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    ok, reason = cuda._check_available()
+    assert not ok and "cuda12" in reason and "cuda13" in reason
 
 
 def test_availability_is_not_probed_while_torch_compile_traces(monkeypatch):

@@ -115,6 +115,57 @@ def test_chunked_dense_float32(batch, n, d, chunk, resident, per_step):
     check(out, jt, grad, torch.float32)
 
 
+def exact_dense(batch, n, d, generator):
+    """Signed permutation Jacobians and small integer per-step gradients: every partial product and
+    sum is an integer below 2^24, so any association order (sweep, chunks, look-back) gives the same
+    bits, and a wrong carry, a stale or an unpublished (NaN-poisoned) read cannot hide in a tolerance."""
+    perms = torch.stack([torch.randperm(d, generator=generator) for _ in range(batch * n)])
+    signs = torch.randint(0, 2, (batch * n, d), generator=generator) * 2 - 1
+    jt = torch.zeros(batch * n, d, d, dtype=torch.float64)
+    jt.scatter_(2, perms.unsqueeze(-1), signs.unsqueeze(-1).double())
+    grad = torch.randint(-4, 5, (batch, n + 1, d), generator=generator).double()
+    return jt.view(batch, n, d, d), grad
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_blocks_dispatched_in_any_order_take_tickets(seed):
+    """Blocks start in a random order with one resident at a time: the kernel must order chunks by the
+    ticket it takes, not by blockIdx (a chunk waiting on a block that has not started never finishes)."""
+    gen = torch.Generator().manual_seed(seed)
+    jt, grad = exact_dense(2, 31, 3, gen)
+    out = emulated.scan_dense(jt, grad, "chunked", 3, resident=1, seed=seed, timeout=20)
+    assert torch.equal(out, plain_loop(jt, grad))
+
+
+@pytest.mark.parametrize(
+    ("resident", "jitter_us", "dtype"),
+    [(1, 2000, torch.float64), (2, 2000, torch.float32), (40, 20000, torch.float64), (40, 20000, torch.float32)],
+)
+def test_look_back_over_about_100_chunks_with_delayed_announcements(resident, jitter_us, dtype):
+    """~100 chunks per row (more than the 32-chunk window), 1-2 or 40 blocks resident, each block stalled
+    after every announcement: with 40 resident, blocks often find nothing but AGGREGATE in their whole
+    window and must wait for the farthest one's INCLUSIVE (the fallback) before reading it; the scratch
+    is NaN-poisoned, so reading it before it is published shows."""
+    gen = torch.Generator().manual_seed(100 + resident)
+    jt, grad = exact_dense(1, 101, 3, gen)
+    out = emulated.scan_dense(jt.to(dtype), grad.to(dtype), "chunked", 1, resident=resident, jitter_us=jitter_us, seed=7)
+    assert out.dtype == dtype and torch.equal(out.double(), plain_loop(jt, grad))
+
+
+def test_same_bits_whatever_the_schedule():
+    """Deterministic (torch.use_deterministic_algorithms needs no other path): however far each look-back
+    goes under different dispatch orders, residency and delays, the carries are the same instructions
+    on the same values, so the results are bit-identical."""
+    gen = torch.Generator().manual_seed(21)
+    weight, scales, diag, grad = make_factored(1, 61, 5, 3, True, True, gen)
+    runs = [
+        emulated.scan_factored(weight, scales, diag, grad, "chunked", 2, resident=res, seed=seed, jitter_us=500)
+        for seed, res in ((0, 31), (1, 6), (2, 2), (3, 31))
+    ]
+    check(runs[0], FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
+    assert all(torch.equal(runs[0], other) for other in runs[1:])
+
+
 def test_half_precision_runs_in_float32():
     gen = torch.Generator().manual_seed(3)
     jt, grad = make_dense(2, 9, 5, True, gen)
@@ -154,7 +205,8 @@ lib.bppsa_emu_launch.restype = ctypes.c_int
 entry = ctypes.cast(getattr(lib, spec["kernel"] + "_host"), ctypes.c_void_p)
 status = lib.bppsa_emu_launch(entry, (ctypes.c_uint64 * len(words))(*words), ctypes.c_uint(spec["grid"]),
                               ctypes.c_uint(spec["block"]), ctypes.c_size_t(spec["shared"]),
-                              ctypes.c_uint(spec["grid"]), ctypes.c_double(120.0))
+                              ctypes.c_uint(spec["grid"]), ctypes.c_double(120.0),
+                              ctypes.c_ulonglong(1), ctypes.c_double(0.0))
 open(spec["buffers"][spec["out"]], "wb").write(bytes(buffers[spec["out"]]))
 sys.exit(status)
 """

@@ -1,0 +1,117 @@
+"""Mutation list of the CUDA scan: each one-line bug below must make the suite fail.
+
+Each case copies ``scan.cu`` and its header to a temporary folder, applies one mutation there (the
+worktree is never edited), points ``$BPPSA_CUDA_SOURCE_DIR`` at the copy (read by the emulated build,
+the nvcc compile gate and the PTX check) and runs the tests named beside the mutation in a fresh
+pytest process, which must FAIL. Slow (a fresh g++ build of the emulated kernels per mutation):
+
+    pytest -m slow tests/kernels/test_cuda_mutations.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from lightning_bppsa.kernels import cuda
+
+HERE = Path(__file__).resolve().parent
+EMULATED = str(HERE / "test_cuda_emulated.py")
+COMPILE = str(HERE / "test_cuda_compile.py")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # scan.cu or cuda_host_emulation.h
+    old: str  # must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest arguments that must fail on the mutant
+
+
+MUTATIONS = [
+    Mutation(
+        "ticket = blockIdx.x (blocks assumed to start in index order)",
+        "scan.cu",
+        "shared_ticket[0] = bppsa::take_ticket(sync);",
+        "shared_ticket[0] = blockIdx.x;",
+        (EMULATED, "-k", "dispatched_in_any_order"),
+    ),
+    Mutation(
+        "fallback waits for AGGREGATE only, then reads an unpublished INCLUSIVE",
+        "scan.cu",
+        "while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)",
+        "while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) == 0)",
+        (EMULATED, "-k", "look_back_over"),
+    ),
+    Mutation(
+        "__ballot_sync with a partial mask",
+        "scan.cu",
+        "__ballot_sync(0xffffffffu, flag == kInclusive)",
+        "__ballot_sync(0x0000ffffu, flag == kInclusive)",
+        (EMULATED, "-k", "look_back_over"),
+    ),
+    Mutation(
+        "published data read through L1 (a weak load)",
+        "cuda_host_emulation.h",
+        "T load_shared_global(const T* p) { return __ldcg(p); }",
+        "T load_shared_global(const T* p) { return *p; }",
+        (COMPILE, "-m", "slow", "-k", "look_back_ptx"),
+    ),
+    Mutation(
+        "one published aggregate tile read through L1",
+        "scan.cu",
+        "tile[e] = bppsa::load_shared_global(c_matrix + (i64)j0 * d + e);",
+        "tile[e] = c_matrix[(i64)j0 * d + e];",
+        (COMPILE, "-m", "slow", "-k", "look_back_ptx"),
+    ),
+    Mutation(
+        "an acquire load per poll (invalidates L1 on every poll)",
+        "cuda_host_emulation.h",
+        'asm volatile("ld.relaxed.gpu.u32 %0, [%1];"',
+        'asm volatile("ld.acquire.gpu.u32 %0, [%1];"',
+        (COMPILE, "-m", "slow", "-k", "look_back_ptx"),
+    ),
+    Mutation(
+        "no fence after the polls",
+        "scan.cu",
+        "bppsa::fence_acq_rel();  // what the polls saw",
+        "// what the polls saw",
+        (COMPILE, "-m", "slow", "-k", "look_back_ptx"),
+    ),
+    Mutation(
+        "a chunk announced before its aggregate is stored (the closing barrier of a product dropped)",
+        "scan.cu",
+        "                if (store) bppsa::store_shared_global(store + o, v);\n            }\n    }\n    __syncthreads();",
+        "                if (store) bppsa::store_shared_global(store + o, v);\n            }\n    }",
+        (EMULATED, "-k", "look_back_over or chunked_factored"),
+    ),
+    Mutation(
+        "no barrier before reloading the tile on a second output pass",
+        "scan.cu",
+        "if (j0 > 0 || base > 0) __syncthreads();",
+        "if (j0 > 0) __syncthreads();",
+        (EMULATED, "-k", "wide_dense_sweep"),
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_the_suite_catches_the_mutation(mutation, tmp_path):
+    for name in ("scan.cu", "cuda_host_emulation.h"):
+        shutil.copy(cuda.source_path(name), tmp_path / name)
+    target = tmp_path / mutation.file
+    text = target.read_text()
+    assert text.count(mutation.old) == 1, f"the mutation no longer applies: {mutation.old!r} not found once"
+    target.write_text(text.replace(mutation.old, mutation.new))
+    env = {**os.environ, "BPPSA_CUDA_SOURCE_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    # exit status 1: tests ran and some failed (5 would be "no test ran", 2 a collection error)
+    assert result.returncode == 1, f"the suite did not catch {mutation.name!r}:\n{result.stdout[-3000:]}"
