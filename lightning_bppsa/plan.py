@@ -85,7 +85,7 @@ def _choose(
         if ok:
             ok, reason = cuda_kernel.fits(d, element_bytes)
         if ok:
-            name, chunk = cuda_choose(algorithm, n=n, d=d, batch=batch, width=width)
+            name, chunk = cuda_choose(algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes)
             return Plan("cuda", name, chunk, "CUDA kernels, launch model of cuda_cost_model")
         kernel, why = "torch", f"torch implementation on CUDA: {reason}"
     elif device == "cpu" and cpu_kernel.available() and dtype in (torch.float32, torch.float64):
