@@ -346,7 +346,7 @@ def measure_workload(
     rounds: int = 15,
     compile_budget: float = 120.0,
     backend: str = "inductor",
-    over_budget: dict[str, int] | None = None,
+    over_budget: dict[str, list[Any]] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     cpu_clock: Callable[[], float] = time.process_time,
     jax: Any = None,
@@ -358,8 +358,10 @@ def measure_workload(
         rounds: interleaved timed calls per arm, for the forward and for the whole step (at least 2).
         compile_budget: seconds a compiled arm's first calls may take; 0 skips the compiled torch arms.
         backend: ``torch.compile``'s backend (``"inductor"``; ``"aot_eager"`` compiles without C++).
-        over_budget: ``"{arm}:{cell}" -> T`` of earlier rows whose compile ran over the budget: an arm is
-            not compiled again for the same cell at that T or longer (its graph is unrolled over T). Updated.
+        over_budget: arm key -> ``[T, workload label]`` of the first row whose compile of that arm ran over
+            the budget; the arm is not compiled again at that T or longer, for any cell: with
+            ``allow_rnn`` its graph is unrolled over T, so the compile grows with T (a heuristic: a GRU
+            step has more ops than an RNN step). Updated in place.
         clock, cpu_clock: wall and CPU clocks (injectable, for tests).
         jax: the ``jax`` module, or ``None`` for no JAX arm.
 
@@ -379,11 +381,12 @@ def measure_workload(
     with torch._dynamo.config.patch(allow_rnn=True):
         arms = _build_arms(workload, module, x, backend, jax)
         for key, arm in list(arms.items()):
-            budget_key, budget = f"{key}:{workload.cell}", compile_budget if key in COMPILED else 0
+            budget = compile_budget if key in COMPILED else 0
             if key in COMPILED and key != "jax" and compile_budget <= 0:
                 status[key] = "not run (--compile-budget 0)"
-            elif workload.length >= over_budget.get(budget_key, sys.maxsize):
-                status[key] = f"skipped: compile exceeded the budget at T={over_budget[budget_key]}"
+            elif workload.length >= over_budget.get(key, [sys.maxsize])[0]:
+                length, where = over_budget[key]
+                status[key] = f"skipped: compile exceeded the budget at T={length} ({where})"
             else:
                 start = clock()
                 try:  # warm-up; for a compiled arm, the compile
@@ -397,7 +400,7 @@ def measure_workload(
                     budget_error = _over_budget(error)
                     what = ARMS[key] if key == "jax" else f"{ARMS[key]}, {backend}"
                     if budget_error is not None:
-                        over_budget[budget_key] = workload.length
+                        over_budget[key] = [workload.length, workload.label]
                         status[key] = f"{budget_error} ({what})"
                     else:
                         first_line = (str(error).splitlines() or [""])[0][:100]
@@ -514,7 +517,8 @@ def _header(
         f"`XLA_FLAGS='{ONE_THREAD_XLA_FLAGS}'`, for more XLA's default pool (all cores). Cores used = CPU "
         "time / wall time over the step rounds. torch.compile: backend "
         f"`{args.compile_backend}`, `allow_rnn=True` (the recurrence unrolled over T), budget "
-        f"{args.compile_budget:g} s for the first calls; compile s = the warm-up (one forward, two steps) "
+        f"{args.compile_budget:g} s for the first calls (once an arm ran over it, rows at that T or longer skip "
+        "it, rows run shortest T first); compile s = the warm-up (one forward, two steps) "
         "less those calls' steady time. Peak = resident-set growth during one step (JAX's allocator may keep "
         "buffers from the warm-up). Backward ops = torch ops dispatched by one eager `loss.backward()`. "
         "Rel. diff = max over the loss and every gradient of ‖arm − torch autograd‖ / ‖torch autograd‖; "

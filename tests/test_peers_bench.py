@@ -82,10 +82,10 @@ def test_compile_over_budget_is_reported_and_longer_rows_skip_it(peers) -> None:
     arms = _arms(result)
     for key in ("compile", "ours_compile"):
         assert arms[key]["status"] == f"compile exceeded the budget of 50 s ({peers.ARMS[key]}, aot_eager)"
-    assert over_budget == {"compile:RNN": 9, "ours_compile:RNN": 9}
-    longer = peers.WORKLOADS["smoke-rnn"]._replace(length=11)
+    assert over_budget == {"compile": [9, "RNN smoke"], "ours_compile": [9, "RNN smoke"]}
+    longer = peers.WORKLOADS["smoke-gru"]._replace(length=11)  # another cell, a longer unrolled graph
     arms = _arms(peers.measure_workload(longer, rounds=2, compile_budget=50, over_budget=over_budget))
-    assert arms["compile"]["status"] == "skipped: compile exceeded the budget at T=9"
+    assert arms["compile"]["status"] == "skipped: compile exceeded the budget at T=9 (RNN smoke)"
     assert arms["autograd"]["status"] == "ok"
 
 
