@@ -340,6 +340,42 @@ def _interleaved(
     return {key: (times[key], cpu[key] / max(sum(times[key]), 1e-12)) for key in keys}
 
 
+def _warm_up(
+    key: str,
+    arm: Arm,
+    workload: Workload,
+    compile_budget: float,
+    backend: str,
+    over_budget: dict[str, list[Any]],
+    clock: Callable[[], float],
+    compile_seconds: dict[str, float],
+) -> str | None:
+    """Run ``arm``'s first calls (for a compiled arm: its compile, within the budget) and record their
+    seconds in ``compile_seconds``; returns why the arm cannot be timed, or ``None``."""
+    if key in COMPILED and key != "jax" and compile_budget <= 0:
+        return "not run (--compile-budget 0)"
+    if workload.length >= over_budget.get(key, [sys.maxsize])[0]:
+        length, where = over_budget[key]
+        return f"skipped: compile exceeded the budget at T={length} ({where})"
+    budget = compile_budget if key in COMPILED else 0
+    start = clock()
+    try:
+        with _deadline(budget, clock) if budget > 0 else contextlib.nullcontext():
+            arm.forward(), arm.step(), arm.step()
+    except Exception as error:  # a compiler that fails: the row says so, the other arms go on
+        if key not in COMPILED:
+            raise
+        what = ARMS[key] if key == "jax" else f"{ARMS[key]}, {backend}"
+        budget_error = _over_budget(error)
+        if budget_error is not None:
+            over_budget[key] = [workload.length, workload.label]
+            return f"{budget_error} ({what})"
+        first_line = (str(error).splitlines() or [""])[0][:100].replace("|", "/")  # it goes in a table cell
+        return f"compile failed ({what}): {type(error).__name__}: {first_line}"
+    compile_seconds[key] = clock() - start
+    return None
+
+
 def measure_workload(
     workload: Workload,
     *,
@@ -381,32 +417,12 @@ def measure_workload(
     with torch._dynamo.config.patch(allow_rnn=True):
         arms = _build_arms(workload, module, x, backend, jax)
         for key, arm in list(arms.items()):
-            budget = compile_budget if key in COMPILED else 0
-            if key in COMPILED and key != "jax" and compile_budget <= 0:
-                status[key] = "not run (--compile-budget 0)"
-            elif workload.length >= over_budget.get(key, [sys.maxsize])[0]:
-                length, where = over_budget[key]
-                status[key] = f"skipped: compile exceeded the budget at T={length} ({where})"
-            else:
-                start = clock()
-                try:  # warm-up; for a compiled arm, the compile
-                    with _deadline(budget, clock) if budget > 0 else contextlib.nullcontext():
-                        arm.forward(), arm.step(), arm.step()
-                    compile_seconds[key] = clock() - start
-                    continue
-                except Exception as error:  # a compiler that fails: the row says so, the others go on
-                    if key not in COMPILED:
-                        raise
-                    budget_error = _over_budget(error)
-                    what = ARMS[key] if key == "jax" else f"{ARMS[key]}, {backend}"
-                    if budget_error is not None:
-                        over_budget[key] = [workload.length, workload.label]
-                        status[key] = f"{budget_error} ({what})"
-                    else:
-                        first_line = (str(error).splitlines() or [""])[0][:100]
-                        first_line = first_line.replace("|", "/")  # it goes in a table cell
-                        status[key] = f"compile failed ({what}): {type(error).__name__}: {first_line}"
-            del arms[key]
+            failure = _warm_up(
+                key, arm, workload, compile_budget, backend, over_budget, clock, compile_seconds
+            )
+            if failure is not None:
+                status[key] = failure
+                del arms[key]
         autograd = arms["autograd"].gradients()
         reference = _reference(module, x)
         accuracy = {key: _accuracy(arm.gradients(), autograd, reference) for key, arm in arms.items()}
