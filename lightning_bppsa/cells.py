@@ -14,8 +14,8 @@ A :class:`RecurrentCell` owns, for one layer in one direction over a batch-first
 The layer runs as two ``torch.library`` ops, opaque to ``torch.compile`` (one node each, nothing unrolled):
 
 - ``bppsa::recurrent_forward(cell, x, h0, c0, weights) -> [out, (c_n,) *factors]``
-- ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn)
-  -> [grad_x, grad_h0, (grad_c0,) *grad_weights]``
+- ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x)
+  -> [grad_x (empty unless need_x), grad_h0, (grad_c0,) *grad_weights]``
 
 ``cell`` names an entry of :data:`CELLS`. The backward's plan is decided inside the op, at run time
 (:func:`lightning_bppsa.plan.choose`): on CPU the linear schedule with a compiled kernel runs the scan and the
@@ -138,8 +138,10 @@ class RecurrentCell:
         factors: Sequence[Tensor],
         grad_out: Tensor | None,
         grad_cn: Tensor | None,
+        need_x: bool = True,
     ) -> list[Tensor]:
-        """Every input gradient: ``[grad_x, grad_h0, (grad_c0,) grad_W_ih, grad_W_hh, (grad_b_ih, grad_b_hh)]``.
+        """Every input gradient: ``[grad_x, grad_h0, (grad_c0,) grad_W_ih, grad_W_hh, (grad_b_ih, grad_b_hh)]``
+        (``grad_x`` empty when not ``need_x``: a first layer's input seldom needs one).
 
         Runs in the parameters' dtype (under autocast the forward ran in half precision).
         """
@@ -163,12 +165,9 @@ class RecurrentCell:
             starts = list(g[:, 0].split(hidden, -1))
         else:
             d_gi, d_gh, *starts = fused
-        h_prev = torch.cat([h0_.unsqueeze(1), out_[:, :-1]], 1)
-        grads = [
-            *_parameter_free_gradients(d_gi, weights[0], x, starts, h0, c0),
-            *_parameter_gradients(d_gi, d_gh, x_, h_prev, len(weights) == 4),
-        ]
-        return grads
+        grad_x = (d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape).to(x.dtype) if need_x else x.new_empty(0)
+        states = [starts[0].to(h0.dtype)] + ([starts[1].to(c0.dtype)] if c0 is not None else [])
+        return [grad_x, *states, *self._parameter_gradients(d_gi, d_gh, x_, h0_, out_, len(weights) == 4)]
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn) -> tuple | None:
         raise NotImplementedError
@@ -211,27 +210,33 @@ class RecurrentCell:
         by_id = {id(t): g for t, g in zip(wanted, found, strict=True)}
         return [None if t is None else by_id.get(id(t)) for t in leaves]
 
+    #: the gate block from which ``d_gi`` differs from ``d_gh`` (GRU: the n gate), ``None`` where equal
+    _input_gate_differs_from: int | None = None
 
-def _parameter_free_gradients(
-    d_gi: Tensor, w_ih: Tensor, x: Tensor, starts: list[Tensor], h0: Tensor, c0: Tensor | None
-) -> list[Tensor]:
-    """``grad_x = d_gi W_ih`` and the initial states' gradients, each in its input's dtype."""
-    grad_x = (d_gi.reshape(-1, d_gi.shape[-1]) @ w_ih).view(x.shape).to(x.dtype)
-    grads = [grad_x, starts[0].to(h0.dtype)]
-    if c0 is not None:
-        grads.append(starts[1].to(c0.dtype))
-    return grads
-
-
-def _parameter_gradients(d_gi: Tensor, d_gh: Tensor, x: Tensor, h_prev: Tensor, bias: bool) -> list[Tensor]:
-    """Eq. 2: every parameter gradient is one GEMM over all ``B n`` steps."""
-    dgi, dgh = d_gi.reshape(-1, d_gi.shape[-1]), d_gh.reshape(-1, d_gh.shape[-1])
-    grads = [dgi.T @ x.reshape(-1, x.shape[-1]), dgh.T @ h_prev.reshape(-1, h_prev.shape[-1])]
-    if bias:
-        ones = dgi.new_ones(dgi.shape[0])  # a column sum as a GEMV: several times faster than sum(0)
-        grad_b_ih = dgi.T @ ones
-        grads += [grad_b_ih, grad_b_ih.clone() if dgh is dgi else dgh.T @ ones]
-    return grads
+    def _parameter_gradients(
+        self, d_gi: Tensor, d_gh: Tensor, x: Tensor, h0: Tensor, out: Tensor, bias: bool
+    ) -> list[Tensor]:
+        """Eq. 2 in one GEMM over all ``B n`` steps: ``d_ghᵀ [x | 1 | h_prev]`` holds ``W_ih``'s, the biases'
+        and ``W_hh``'s gradients (GEMMs this thin are memory-bound: one pass over ``d_gh``, not four)."""
+        batch, n, inputs = x.shape
+        hidden, ones = h0.shape[-1], int(bias)
+        operand = x.new_empty(batch, n, inputs + ones + hidden)
+        operand[..., :inputs] = x
+        if bias:
+            operand[..., inputs] = 1
+        operand[:, 0, inputs + ones :] = h0
+        operand[:, 1:, inputs + ones :] = out[:, :-1]
+        flat = operand.view(-1, operand.shape[-1])
+        product = d_gh.reshape(-1, d_gh.shape[-1]).T @ flat  # (G H, I [+ 1] + H)
+        input_side = product[:, : inputs + ones]
+        if self._input_gate_differs_from is not None:  # the rows where d_gi differs: one thin GEMM more
+            start = self._input_gate_differs_from * hidden
+            input_side = input_side.clone()
+            input_side[start:] = d_gi[..., start:].reshape(-1, d_gi.shape[-1] - start).T @ flat[:, : inputs + ones]
+        grads = [input_side[:, :inputs].contiguous(), product[:, inputs + ones :].contiguous()]
+        if bias:
+            grads += [input_side[:, inputs].contiguous(), product[:, inputs].contiguous()]
+        return grads
 
 
 def _native_ok(x: Tensor) -> bool:
@@ -334,6 +339,7 @@ class GRUCell(RecurrentCell):
 
     name = "gru"
     gates = 3
+    _input_gate_differs_from = 2
     _folds_hidden_bias = False  # b_hh's n block sits inside r ⊙ (.)
 
     def __init__(self) -> None:
@@ -521,13 +527,15 @@ def recurrent_backward(
     factors: list[Tensor],
     grad_out: Tensor | None,
     grad_cn: Tensor | None,
+    need_x: bool,
 ) -> list[Tensor]:
     """Every input gradient of one layer (see :meth:`RecurrentCell.backward`)."""
-    grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn)
+    grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x)
     return [g.clone() if g._base is not None else g for g in grads]  # outputs must not alias each other
 
 
 @recurrent_backward.register_fake
-def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn) -> list[Tensor]:
+def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x) -> list[Tensor]:
     states = [h0] + ([c0] if c0 is not None else [])
-    return [torch.empty_like(x)] + [torch.empty_like(s) for s in states] + [torch.empty_like(w) for w in weights]
+    grad_x = torch.empty_like(x) if need_x else x.new_empty(0)
+    return [grad_x] + [torch.empty_like(s) for s in states] + [torch.empty_like(w) for w in weights]

@@ -62,7 +62,7 @@ class LayerFunction(torch.autograd.Function):
         else:
             start = clock()
             grads = torch.ops.bppsa.recurrent_backward(
-                ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out, grad_cn
+                ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out, grad_cn, needs[0]
             )
             if c0 is None:
                 grads = [*grads[:2], None, *grads[2:]]
