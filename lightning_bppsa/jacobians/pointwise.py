@@ -2,7 +2,8 @@
 
 For ``y = f(x)`` element-wise, ``Jᵀ = diag(f′(x))`` (``d x d``, ``d = x.numel()``, density ``1/d``):
 
-- ``ReLU``: ``f′ = [x > 0]``;  ``LeakyReLU``: ``f′ = 1 if x > 0 else negative_slope`` (torch's at 0)
+- ``ReLU``: ``f′ = [not y <= 0]``, as torch's ``threshold_backward`` selects: a NaN output passes the
+  gradient, and the scan's stored zeros give exactly 0 even against a NaN gradient (a select);  ``LeakyReLU``: ``f′ = 1 if x > 0 else negative_slope`` (torch's at 0)
 - ``Tanh``: ``f′ = 1 − y²``;  ``Sigmoid``: ``f′ = y (1 − y)``
 - ``Dropout`` (training, ``0 < p``): ``f′ = m / (1 − p)`` with the Bernoulli(1 − p) mask ``m`` of *this*
   forward: the linearizer draws ``m`` itself (as torch's CPU kernel does: ``empty_like(x).bernoulli_``) and
@@ -31,7 +32,8 @@ def _diag(values: Tensor) -> BatchedCSR:
 
 @register_linearizer(nn.ReLU)
 def linearize_relu(module: nn.ReLU, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    return torch.relu(x), _diag((x > 0).to(x.dtype))
+    y = torch.relu(x)
+    return y, _diag((~(y <= 0)).to(x.dtype))
 
 
 @register_linearizer(nn.LeakyReLU)
