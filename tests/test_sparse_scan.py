@@ -149,15 +149,21 @@ def test_mixed_and_half_precision_operands_scan_in_one_dtype():
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_stored_zeros_select_like_torchs_relu_backward(algorithm):
     """A NaN upstream gradient stops at a ReLU's masked entry (torch: exactly 0); a NaN output passes it."""
-    layers = [nn.Linear(3, 4).double(), nn.ReLU(), nn.Linear(4, 4).double(), nn.ReLU(), nn.Tanh()]
-    x = torch.tensor([[1.0, -2.0, 0.5], [float("nan"), 1.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    linear = nn.Linear(4, 4).double()
+    with torch.no_grad():
+        linear.bias[2] = -100.0  # ReLU masks entry 2 of every sample
+    layers = [nn.ReLU(), linear, nn.ReLU(), nn.Tanh(), nn.ReLU()]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x[0, 1] = float("nan")  # sample 0: NaN through the forward
+    x.requires_grad_()
     h, jacs = x, []
     for m in layers:
         h, jac = linearize(m, h.detach())
         jacs.append(jac)
     grad = torch.randn_like(h)
-    grad[0, 1] = float("nan")
+    grad[1:, 2] = float("nan")  # samples 1, 2: NaN gradient at the masked entry
     (expected,) = torch.autograd.grad(nn.Sequential(*layers)(x), x, grad)
+    assert expected[0, 1].isnan() and expected[1:].isfinite().all()
     states = sparse_backprop_scan(jacs, grad, algorithm=algorithm)
     torch.testing.assert_close(states[0], expected, atol=1e-12, rtol=1e-12, equal_nan=True)
 
