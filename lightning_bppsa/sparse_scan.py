@@ -500,7 +500,9 @@ def sparse_backprop_scan(
         max_pairs=max_pairs,
         workers=workers,
     )
-    with flush_denormals() if g_n.device.type == "cpu" else nullcontext():
+    device = g_n.device.type
+    # one dtype: autocast (when called inside a region) must not recast the products
+    with flush_denormals() if device == "cpu" else nullcontext(), torch.autocast(device, enabled=False):
         states = _run(schedule, chain, g_n)
     return [s.squeeze(0) for s in states] if grad.dim() == 1 else states
 
