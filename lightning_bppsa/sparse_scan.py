@@ -106,7 +106,7 @@ def _count_pairs(a: CSRPattern, b: CSRPattern) -> int:
 
 
 # patterns hash by identity and the cache keeps them alive, so a key never refers to a new pattern
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)  # a plan holds 24 bytes per pair: few, large
 def _plan_product(a: CSRPattern, b: CSRPattern) -> ProductPlan:
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"cannot multiply patterns of shapes {a.shape} and {b.shape}")

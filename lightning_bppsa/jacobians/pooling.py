@@ -49,7 +49,13 @@ def _refuse_maxpool2d(module: nn.MaxPool2d) -> str | None:
 @register_linearizer(nn.MaxPool2d, refuse=_refuse_maxpool2d, dims=exact_dims(4))
 def linearize_maxpool2d(module: nn.MaxPool2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
     y, indices = F.max_pool2d(
-        x, module.kernel_size, module.stride, module.padding, module.dilation, module.ceil_mode, return_indices=True
+        x,
+        module.kernel_size,
+        module.stride,
+        module.padding,
+        module.dilation,
+        module.ceil_mode,
+        return_indices=True,
     )
     window = WindowGeometry.of(x, y, module.kernel_size, module.stride, module.padding, module.dilation)
     pattern, out_pix, in_pix = _window_pattern(x.shape[1], window)
@@ -73,7 +79,9 @@ def linearize_avgpool2d(module: nn.AvgPool2d, x: Tensor) -> tuple[Tensor, Batche
 def _avg_divisor(window: WindowGeometry, count_include_pad: bool, divisor_override: int | None) -> Tensor:
     """``(ho·wo,)`` float64 divisors, as torch's avg_pool2d computes them."""
     if divisor_override:
-        return torch.full((window.out_hw[0] * window.out_hw[1],), float(divisor_override), dtype=torch.float64)
+        return torch.full(
+            (window.out_hw[0] * window.out_hw[1],), float(divisor_override), dtype=torch.float64
+        )
     extents = []
     sizes = (window.in_hw, window.out_hw, window.kernel, window.stride, window.padding)
     for size, out, k, s, p in zip(*sizes, strict=True):

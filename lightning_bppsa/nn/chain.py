@@ -74,8 +74,9 @@ class SparseChain(nn.Sequential):
 
     Args:
         *args: as ``nn.Sequential`` (modules, or one ``OrderedDict``).
-        algorithm: passed to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`
-            (``"auto"``: up-sweep depth from predicted FLOPs).
+        algorithm: passed to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`, one of
+            :data:`~lightning_bppsa.sparse_scan.ALGORITHMS` (``"auto"``: the tree's depth from predicted
+            FLOPs; ``"chunked"``: reduce-then-scan over chunks).
 
     Inputs are batches ``(B, *sample_shape)``. A layer the scan cannot take in its current
     configuration and mode (``BatchNorm2d`` in training mode, ...) or input it cannot take as a batch

@@ -174,7 +174,11 @@ def test_pooling_layers_with_one_window_share_its_pattern():
     x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
     patterns = [
         linearize(module, x)[1].pattern
-        for module in (nn.MaxPool2d(2), nn.AvgPool2d((2, 2), stride=2), nn.MaxPool2d((2, 2), stride=(2, 2), dilation=1))
+        for module in (
+            nn.MaxPool2d(2),
+            nn.AvgPool2d((2, 2), stride=2),
+            nn.MaxPool2d((2, 2), stride=(2, 2), dilation=1),
+        )
     ]
     assert patterns[0] is patterns[1] is patterns[2]
     assert linearize(nn.MaxPool2d(2, stride=1), x)[1].pattern is not patterns[0]
