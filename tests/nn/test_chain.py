@@ -400,6 +400,11 @@ def test_unbatched_input_runs_like_torch_on_autograd():
     assert "does not take a 3-dim input as a batch" in chain.last_stats["reason"]
 
 
+def test_unknown_algorithm_is_refused_when_the_chain_is_built():
+    with pytest.raises(ValueError, match=r"algorithm must be one of \('linear', 'blelloch', 'chunked', 'auto'\)"):
+        SparseChain(nn.ReLU(), algorithm="tree")
+
+
 def test_repr_says_it_is_the_bppsa_version_and_lists_the_layers():
     text = repr(SparseChain(nn.Conv2d(1, 2, 3), nn.ReLU(), algorithm="blelloch"))
     assert text.splitlines()[0] == "SparseChain(BPPSA sparse scan, algorithm='blelloch')("
