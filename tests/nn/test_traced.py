@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from lightning_bppsa.nn import ConversionRecord, SparseChain, convert
+from lightning_bppsa.strategy import format_conversion_table
 
 
 class Functional(nn.Module):
@@ -72,6 +73,7 @@ def test_without_trace_the_report_says_where_the_chain_is_and_how_to_find_it():
     assert type(model[0]) is Functional
     assert [(r.path, r.scanned) for r in report] == [("0", False)]
     assert "calls conv1 from forward() code" in report[0].reason and "trace=True" in report[0].reason
+    assert "no supported module found" not in format_conversion_table(report)  # the strategy's log
 
 
 class Branchy(Functional):
