@@ -1,38 +1,50 @@
 """BPPSA over a chain of sparse (CSR) transposed Jacobians with varying sizes (Sec. 3.3, 4.3, 5.3).
 
-A layer chain ``x_i = f_i(x_{i-1})``, ``i = 1..n``, has transposed Jacobians ``J_iᵀ`` of shape
-``(d_{i-1}, d_i)`` and back-propagation ``g_{i-1} = J_iᵀ g_i``. A segment of steps ``[i..j]`` composes to
-``g_{i-1} = (J_iᵀ ··· J_jᵀ) g_j``. The scan runs the paper's level-balanced schedule (Sec. 5.3):
+:func:`sparse_backprop_scan` is the entry point for layer chains (the dense ``(B, n, d, d)`` and factored
+recurrent chains go to :func:`lightning_bppsa.backprop_scan`). A layer chain ``x_i = f_i(x_{i-1})``,
+``i = 1..n``, has transposed Jacobians ``J_iᵀ`` of shape ``(d_{i-1}, d_i)`` and back-propagation
+``g_{i-1} = J_iᵀ g_i``. The composite of the steps of a *span* ``(i, j)`` is ``C_{ij} = J_{i+1}ᵀ ··· J_jᵀ``
+(so ``g_i = C_{ij} g_j``). Every schedule has three phases:
 
-1. **up-sweep** for ``L`` levels: level ``l`` multiplies neighbouring composites of level ``l - 1``
-   (sparse matrix-matrix, ``mm``; an unpaired last node is carried up), so a level-``L`` node covers
-   ``2^L`` steps;
-2. **linear scan** over the ``⌈n / 2^L⌉`` top nodes, from ``g_n`` (matrix-vector, ``mv``), giving ``g`` at
-   every multiple of ``2^L``;
-3. **down-sweep** from level ``L`` to 1: every right child of level ``l - 1`` pushes the ``g`` at its right
-   end through itself (``mv``), giving ``g`` at every multiple of ``2^{l-1}``.
+1. **up-sweep**: composites of longer spans from shorter ones (sparse matrix-matrix, ``mm``);
+2. **linear scan** over the top composites, which tile ``0..n``, from ``g_n`` (matrix-vector, ``mv``);
+3. **down-sweep**: the ``g`` inside every top span, pushed through composites (``mv``).
 
-``L = 0`` is the linear scan (what autograd does), ``L = ⌈log2 n⌉ − 1`` is Blelloch's Algorithm 1
-(its root product is never needed). Products of sparse Jacobians get denser level by level, so
-``L`` is chosen from the predicted FLOPs of every ``L`` for a given number of workers
-(:func:`plan_schedule`; unbounded workers: the critical path of Fig. 10).
+The algorithms differ in how the top spans are reduced:
 
-Because the patterns are fixed by the architecture, every product is planned once (*symbolic phase*:
-which pairs of entries meet and where their product lands, :class:`ProductPlan`, cached by pattern) and
-each step only runs the *numeric phase*: gather both operands' values, multiply, ``index_add`` into the
-product's values.
+- ``"blelloch"`` and ``"auto"``, the paper's level-balanced *tree* (Sec. 5.3): level ``l`` multiplies
+  neighbouring composites of level ``l - 1`` (an unpaired last node is carried up), so the top spans
+  hold ``2^L`` steps; the down-sweep goes from level ``L`` to 1, every right child pushing the ``g`` at its
+  right end through itself. ``"blelloch"`` is ``L = ⌈log2 n⌉ − 1`` (Algorithm 1; its root product is never
+  needed); ``"auto"`` chooses ``L`` from the predicted FLOPs of every ``L`` for a number of workers.
+- ``"chunked"`` (reduce-then-scan): chunks of ``c`` steps, each reduced by a left fold (step ``t`` makes
+  ``C_{a, a+t}`` of every chunk starting at ``a``), a linear scan over the chunk composites, and a linear
+  sweep inside every chunk; ``c`` is chosen from predicted FLOPs among powers of two in ``[2, n / 2]``.
+- ``"linear"``: no up-sweep (``L = 0``, ``c = 1``), what autograd does.
+
+Products of sparse Jacobians get denser with every product, so a schedule is only as cheap as its
+products stay sparse. Because the patterns are fixed by the architecture, every product is planned once
+(*symbolic phase*: which pairs of entries meet and where their product lands, :class:`ProductPlan`,
+cached by pattern) and each step only runs the *numeric phase*: gather both operands' values,
+multiply, ``index_add`` into the product's values. One :class:`ScanSchedule` (the steps and their
+operations) is what both :func:`sparse_backprop_scan` runs and :func:`scan_flop_report` counts.
 
 Batched form: each ``J_iᵀ`` is a :class:`~lightning_bppsa.jacobians.BatchedCSR` (values ``(B, nnz)`` per
 sample or ``(1, nnz)`` shared by the batch, one pattern) or a ``torch.sparse_csr_tensor`` (2-D: shared;
 3-D ``(B, d_{i-1}, d_i)`` with the same pattern in every batch). The gradients have different sizes, so
 the result is a list ``[g_0, ..., g_n]`` with ``g_i`` of shape ``(B, d_i)``.
+
+Stored zeros select: a matrix-vector product gives exactly 0 for a stored zero whatever the gradient
+it meets (``NaN`` included), and so does a product whose left factor is a stored zero, like torch's
+ReLU and max-pooling backward (``threshold_backward``: a select, not a multiply). A matrix shared by
+the batch (convolution, linear, average pooling) multiplies like torch's dense backward.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -43,16 +55,21 @@ from lightning_bppsa._chains import flush_denormals
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
 
 __all__ = [
+    "ALGORITHMS",
     "ProductPlan",
+    "ScanOp",
     "ScanSchedule",
     "ScanStepFlops",
     "plan_schedule",
+    "scan_dtype",
     "scan_flop_report",
     "sparse_backprop_scan",
 ]
 
 SparseJacobian = BatchedCSR | Tensor
 
+#: the schedules :func:`sparse_backprop_scan` runs
+ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
 #: products whose symbolic phase would pair more entries than this stay out of the up-sweep (memory)
 MAX_PAIRS = 50_000_000
 #: operations of one scan step that run concurrently in this implementation (one after another)
@@ -60,7 +77,7 @@ WORKERS = 1
 
 
 # --------------------------------------------------------------------------------------------------
-# Symbolic phase: plans of products, cached by the patterns' keys.
+# Symbolic phase: plans of products, cached by the patterns.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -83,37 +100,17 @@ class ProductPlan:
         return int(self.left.numel())
 
 
-def _pair_counts(a: CSRPattern, b: CSRPattern) -> Tensor:
-    """``(nnz(A),)``: how many entries of ``B`` each entry of ``A`` meets (the row length of ``B``)."""
-    return (b.crow[1:] - b.crow[:-1])[a.col]
-
-
 def _count_pairs(a: CSRPattern, b: CSRPattern) -> int:
-    return int(_pair_counts(a, b).sum())
+    """How many pairs of entries ``A @ B`` multiplies: every entry of ``A`` meets a row of ``B``."""
+    return int((b.crow[1:] - b.crow[:-1])[a.col].sum())
 
 
-class _PlanCache:
-    """Least-recently-used plans keyed by ``(A.key, B.key)``: the patterns are the same every step."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.size, self._plans = size, OrderedDict()
-
-    def get(self, a: CSRPattern, b: CSRPattern) -> ProductPlan:
-        key = (a.key, b.key)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _plan_product(a, b)
-            if len(self._plans) > self.size:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
-
-
+# patterns hash by identity and the cache keeps them alive, so a key never refers to a new pattern
+@functools.lru_cache(maxsize=64)  # a plan holds 24 bytes per pair: few, large
 def _plan_product(a: CSRPattern, b: CSRPattern) -> ProductPlan:
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"cannot multiply patterns of shapes {a.shape} and {b.shape}")
-    counts = _pair_counts(a, b)
+    counts = (b.crow[1:] - b.crow[:-1])[a.col]
     left = torch.repeat_interleave(torch.arange(a.nnz, device=a.col.device), counts)
     first = torch.cumsum(counts, 0) - counts  # first pair of every entry of A
     right = b.crow[a.col][left] + torch.arange(left.numel(), device=left.device) - first[left]
@@ -125,116 +122,261 @@ def _plan_product(a: CSRPattern, b: CSRPattern) -> ProductPlan:
     return ProductPlan(CSRPattern(crow, keys % n, (a.shape[0], n)), left, right, target)
 
 
-_PLANS = _PlanCache()
-
-
 # --------------------------------------------------------------------------------------------------
-# Schedules: how many up-sweep levels, chosen from predicted FLOPs.
+# Schedules: the steps of a scan and their operations, chosen from predicted FLOPs.
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class ScanSchedule:
-    """The symbolic plan of one scan.
+class ScanOp:
+    """One operation of a schedule.
 
     Attributes:
-        up_levels: ``L``, the number of up-sweep levels.
-        levels: ``levels[l]`` are the patterns of the level-``l`` nodes (``levels[0]``: the ``J_iᵀ``).
-        plans: ``plans[l][k]`` makes node ``k`` of level ``l + 1`` (``None``: carried up unpaired).
+        phase: ``"up"``, ``"linear"`` or ``"down"``.
+        kind: ``"mm"`` (makes the composite of ``span`` from those of ``(i, split)`` and ``(split, j)``)
+            or ``"mv"`` (``g_i = C_{ij} g_j`` for ``span = (i, j)``).
+        span: ``(i, j)``: the composite ``C_{ij} = J_{i+1}ᵀ ··· J_jᵀ`` made (``mm``) or read (``mv``).
+        pattern: that composite's pattern.
+        split: ``mm`` only: where the span is split.
+        plan: ``mm`` only: the product's symbolic phase.
     """
 
-    up_levels: int
-    levels: list[list[CSRPattern]]
-    plans: list[list[ProductPlan | None]]
+    phase: str
+    kind: str
+    span: tuple[int, int]
+    pattern: CSRPattern
+    split: int | None = None
+    plan: ProductPlan | None = None
+
+    @property
+    def flops(self) -> int:
+        """``2 ×`` multiply-adds per matrix (``mm``) or per sample (``mv``)."""
+        return 2 * (self.plan.pairs if self.plan is not None else self.pattern.nnz)
 
 
-def _step_cost(flops: list[int], workers: int | None) -> float:
+@dataclass(frozen=True)
+class ScanSchedule:
+    """The symbolic plan of one scan: what runs, step by step.
+
+    Attributes:
+        reduce: ``"tree"`` (``"linear"``, ``"blelloch"``, ``"auto"``) or ``"chunked"``.
+        chunk: steps per top span: ``2^L`` for a tree of ``L`` levels, ``c`` for chunked (1: linear).
+        steps: operations of one step run concurrently (they do not depend on each other); steps run
+            in order.
+    """
+
+    reduce: str
+    chunk: int
+    steps: tuple[tuple[ScanOp, ...], ...]
+
+    @property
+    def up_levels(self) -> int:
+        """Up-sweep steps: ``L`` for a tree, ``c - 1`` for chunked."""
+        return sum(1 for step in self.steps if step[0].phase == "up")
+
+
+def _step_cost(flops: Iterable[int], workers: int | None) -> float:
     """Time of one step in FLOPs: its costliest operation, or its work shared by ``workers``."""
+    flops = list(flops)
     if not flops:
         return 0.0
     return max(max(flops), sum(flops) / workers) if workers else float(max(flops))
 
 
-def _predicted_cost(
-    levels: list[list[CSRPattern]], up_flops: list[list[int]], top: int, workers: int | None
-) -> float:
-    """Predicted FLOPs along the steps of the schedule with ``top`` up-sweep levels (per sample)."""
-    up = sum(_step_cost(flops, workers) for flops in up_flops[:top])
-    linear = sum(2 * p.nnz for p in levels[top])
-    down = sum(_step_cost([2 * p.nnz for p in levels[l][1::2]], workers) for l in range(top))
-    return up + linear + down
+class _TooLarge(Exception):
+    """An up-sweep step would pair more entries than ``max_pairs``."""
 
 
-_SCHEDULES: OrderedDict[tuple, ScanSchedule] = OrderedDict()
+class _Builder:
+    """Patterns of the composites planned so far, keyed by span; turns spans into :class:`ScanOp` s."""
+
+    def __init__(self, patterns: Sequence[CSRPattern], max_pairs: int, workers: int | None) -> None:
+        self.n, self.max_pairs, self.workers = len(patterns), max_pairs, workers
+        self.nodes = {(i, i + 1): p for i, p in enumerate(patterns)}
+
+    def up_cost(self, products: list[tuple[int, int, int]]) -> float:
+        """Predicted cost of the up step making ``(i, j)`` from ``(i, m)``, ``(m, j)`` for every ``(i, m, j)``.
+
+        Raises:
+            _TooLarge: the step pairs more than ``max_pairs`` entries (its plans would not fit).
+        """
+        pairs = [_count_pairs(self.nodes[(i, m)], self.nodes[(m, j)]) for i, m, j in products]
+        if sum(pairs) > self.max_pairs:
+            raise _TooLarge(
+                f"{sum(pairs):,} pairs, more than max_pairs={self.max_pairs:,} "
+                f"({24 * sum(pairs) / 2**30:.1f} GiB of plans)"
+            )
+        return _step_cost((2 * p for p in pairs), self.workers)
+
+    def up(self, products: list[tuple[int, int, int]]) -> tuple[ScanOp, ...]:
+        ops = []
+        for i, m, j in products:
+            plan = _plan_product(self.nodes[(i, m)], self.nodes[(m, j)])
+            self.nodes[(i, j)] = plan.pattern
+            ops.append(ScanOp("up", "mm", (i, j), plan.pattern, m, plan))
+        return tuple(ops)
+
+    def mv(self, phase: str, spans: Iterable[tuple[int, int]]) -> tuple[ScanOp, ...]:
+        return tuple(ScanOp(phase, "mv", span, self.nodes[span]) for span in spans)
+
+    def cost(self, steps: Iterable[tuple[ScanOp, ...]]) -> float:
+        return sum(_step_cost((op.flops for op in step), self.workers) for step in steps)
+
+
+def _tree_products(n: int, level: int) -> list[tuple[int, int, int]]:
+    """Level ``level`` of the tree: neighbouring spans of ``2^(level-1)`` steps paired."""
+    s = 2 ** (level - 1)
+    return [(2 * k * s, (2 * k + 1) * s, min((2 * k + 2) * s, n)) for k in range(math.ceil(n / s) // 2)]
+
+
+def _tree_mv(b: _Builder, levels: int) -> list[tuple[ScanOp, ...]]:
+    """Linear scan over the level-``levels`` spans, then the down-sweep through the right children."""
+    n, top = b.n, 2**levels
+    steps = [
+        b.mv("linear", [(k * top, min((k + 1) * top, n))]) for k in range(math.ceil(n / top) - 1, -1, -1)
+    ]
+    for level in range(levels, 0, -1):
+        s = 2 ** (level - 1)
+        steps.append(b.mv("down", [(j * s, min((j + 1) * s, n)) for j in range(1, math.ceil(n / s), 2)]))
+    return steps
+
+
+def _tree(b: _Builder, up_levels: int | None) -> ScanSchedule:
+    """The tree of ``up_levels`` levels (raises :class:`_TooLarge`), or the cheapest one (``None``):
+    levels are planned while they fit ``max_pairs`` and the up-sweep stays cheaper than the linear scan."""
+    target = _max_levels(b.n) if up_levels is None else up_levels
+    up: list[tuple[ScanOp, ...]] = []
+    best = (b.cost(_tree_mv(b, 0)), 0)
+    linear_cost, up_cost = best[0], 0.0
+    while len(up) < target:
+        products = _tree_products(b.n, len(up) + 1)
+        try:
+            up_cost += b.up_cost(products)
+        except _TooLarge as error:
+            if up_levels is None:
+                break
+            raise ValueError(
+                f"up_levels={up_levels}: level {len(up) + 1} {error}; use fewer levels"
+            ) from None
+        if up_levels is None and up_cost >= linear_cost:
+            break
+        up.append(b.up(products))
+        best = min(best, (b.cost(up) + b.cost(_tree_mv(b, len(up))), len(up)))
+    levels = len(up) if up_levels is not None else best[1]
+    return ScanSchedule("tree", 2**levels, (*up[:levels], *_tree_mv(b, levels)))
+
+
+def _chunked_steps(b: _Builder, c: int, budget: float = math.inf) -> tuple[list[tuple[ScanOp, ...]], float]:
+    """Steps of chunks of ``c`` and their predicted cost; stops (cost ``inf``) once past ``budget``.
+
+    Raises:
+        _TooLarge: an up step does not fit ``max_pairs``.
+    """
+    n = b.n
+    ends = {a: min(a + c, n) for a in range(0, n, c)}
+    steps, cost = [], 0.0
+    for t in range(2, c + 1):  # left fold: C_{a, a+t} = C_{a, a+t-1} J_{a+t}ᵀ
+        products = [(a, a + t - 1, a + t) for a, end in ends.items() if a + t <= end]
+        cost += b.up_cost(products)
+        if cost >= budget:
+            return steps, math.inf
+        steps.append(b.up(products))
+    steps += [b.mv("linear", [(a, ends[a])]) for a in reversed(ends)]
+    steps += [
+        b.mv("down", [(a + t, a + t + 1) for a, end in ends.items() if a + t < end])
+        for t in range(c - 1, 0, -1)
+    ]
+    return steps, b.cost(steps)
+
+
+def _chunked(b: _Builder, chunk: int | None) -> ScanSchedule:
+    """Chunks of ``chunk`` steps (raises :class:`_TooLarge`), or of the cheapest power of two in
+    ``[2, n / 2]`` whose products fit ``max_pairs`` (1, the linear scan, when none does)."""
+    if chunk is not None:
+        return ScanSchedule("chunked", chunk, tuple(_chunked_steps(b, chunk)[0]))
+    n = b.n
+    candidates = [2**k for k in range(1, int(math.log2(max(n // 2, 1))) + 1)] or [min(2, max(n, 1))]
+    best: tuple[float, int, list[tuple[ScanOp, ...]]] | None = None
+    for c in candidates:
+        try:
+            steps, cost = _chunked_steps(b, c, math.inf if best is None else best[0])
+        except _TooLarge:
+            break  # longer chunks multiply denser composites still
+        if best is None or cost < best[0]:
+            best = (cost, c, steps)
+    if best is None:  # not even chunks of 2 fit: the linear scan, as the schedule's chunk says
+        best = (0.0, 1, _chunked_steps(b, 1)[0])
+    return ScanSchedule("chunked", best[1], tuple(best[2]))
+
+
+def _max_levels(n: int) -> int:
+    """Blelloch's depth: the most levels that leave >= 2 top nodes (the root product is never needed)."""
+    return max(math.ceil(math.log2(n)) - 1, 0) if n > 1 else 0
 
 
 def plan_schedule(
     patterns: Sequence[CSRPattern],
     up_levels: int | None = None,
     *,
+    algorithm: str = "auto",
+    chunk: int | None = None,
     max_pairs: int = MAX_PAIRS,
     workers: int | None = WORKERS,
 ) -> ScanSchedule:
-    """Plan the up-sweep for ``up_levels`` levels, or choose ``L`` when ``up_levels`` is ``None``.
+    """The schedule of ``algorithm`` over a chain of ``J_iᵀ`` patterns (cached per arguments).
 
-    The choice minimises the predicted FLOPs along the schedule's steps (per sample); a step costs
-    ``max(costliest operation, step work / workers)``: the up-sweep levels (``mm``), every ``mv`` of the
-    linear scan, the down-sweep levels (``mv``). ``workers=None`` models unbounded workers (the
+    ``up_levels`` forces a tree of ``L`` levels (whatever ``algorithm`` says, except ``"chunked"``),
+    ``chunk`` forces the chunk size of ``"chunked"``. Otherwise the choice (``L`` of ``"auto"``, ``c`` of
+    ``"chunked"``) minimises the predicted FLOPs along the schedule's steps (per sample); a step costs
+    ``max(costliest operation, step work / workers)``. ``workers=None`` models unbounded workers (the
     critical path of Fig. 10, the paper's setting); this implementation runs the operations of a step
     one after another (each using every thread), which ``workers=1`` models: then the choice minimises
-    total work, and the tree only pays where products stay as sparse as their factors.
-    Levels are planned only while all products of the level together pair at most ``max_pairs``
-    entries (the plans' index arrays take ``24 · pairs`` bytes) and the up-sweep alone stays cheaper
-    than the linear scan.
+    total work, and a tree only pays where products stay as sparse as their factors. Up-sweep steps are
+    planned only while all their products together pair at most ``max_pairs`` entries (the plans' index
+    arrays take ``24 · pairs`` bytes).
 
     Raises:
-        ValueError: a forced ``up_levels`` needs a level pairing more than ``max_pairs`` entries.
+        ValueError: an unknown ``algorithm``; ``up_levels`` or ``chunk`` out of range or given with the
+            other algorithm; a forced schedule needs a step pairing more than ``max_pairs`` entries.
     """
-    key = (tuple(p.key for p in patterns), up_levels, max_pairs, workers)
-    schedule = _SCHEDULES.get(key)
-    if schedule is None:
-        schedule = _SCHEDULES[key] = _plan_schedule(patterns, up_levels, max_pairs, workers)
-        if len(_SCHEDULES) > 32:
-            _SCHEDULES.popitem(last=False)
-    return schedule
-
-
-def _plan_schedule(
-    patterns: Sequence[CSRPattern], up_levels: int | None, max_pairs: int, workers: int | None
-) -> ScanSchedule:
     n = len(patterns)
-    full = _max_levels(n)
-    if up_levels is not None and not 0 <= up_levels <= full:
-        raise ValueError(f"up_levels must be in [0, {full}] for a chain of {n} Jacobians; got {up_levels}")
-    levels: list[list[CSRPattern]] = [list(patterns)]
-    plans: list[list[ProductPlan | None]] = []
-    up_flops: list[list[int]] = []
-    target = full if up_levels is None else up_levels
-    linear_cost = _predicted_cost(levels, up_flops, 0, workers)
-    while len(levels) - 1 < target:
-        nodes = levels[-1]
-        pairs = [_count_pairs(nodes[k], nodes[k + 1]) for k in range(0, len(nodes) - 1, 2)]
-        up_cost = sum(_step_cost(flops, workers) for flops in [*up_flops, [2 * p for p in pairs]])
-        if up_levels is None and (sum(pairs) > max_pairs or up_cost >= linear_cost):
-            break
-        if sum(pairs) > max_pairs:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    if up_levels is not None:
+        if algorithm == "chunked":
+            raise ValueError("up_levels forces a tree schedule; algorithm='chunked' takes chunk=")
+        if not 0 <= up_levels <= _max_levels(n):
             raise ValueError(
-                f"up_levels={up_levels}: level {len(levels)} pairs {sum(pairs):,} entries, more than "
-                f"max_pairs={max_pairs:,} ({24 * sum(pairs) / 2**30:.1f} GiB of plans); use fewer levels"
+                f"up_levels must be in [0, {_max_levels(n)}] for a chain of {n} Jacobians; got {up_levels}"
             )
-        level_plans: list[ProductPlan | None] = [
-            _PLANS.get(nodes[k], nodes[k + 1]) for k in range(0, len(nodes) - 1, 2)
-        ]
-        if len(nodes) % 2:
-            level_plans.append(None)
-        plans.append(level_plans)
-        levels.append([nodes[-1] if p is None else p.pattern for p in level_plans])
-        up_flops.append([2 * p for p in pairs])
-    if up_levels is None:
-        costs = [_predicted_cost(levels, up_flops, top, workers) for top in range(len(levels))]
-        chosen = costs.index(min(costs))
-        levels, plans = levels[: chosen + 1], plans[:chosen]
-    return ScanSchedule(len(levels) - 1, levels, plans)
+    if chunk is not None:
+        if algorithm != "chunked":
+            raise ValueError(f"chunk is the chunk size of algorithm='chunked'; got algorithm={algorithm!r}")
+        if not 1 <= chunk <= max(n, 1):
+            raise ValueError(f"chunk must be in [1, {max(n, 1)}] for a chain of {n} Jacobians; got {chunk}")
+    if algorithm == "linear" and up_levels is None:
+        up_levels = 0
+    elif algorithm == "blelloch" and up_levels is None:
+        up_levels = _max_levels(n)
+    return _plan(tuple(patterns), up_levels, algorithm == "chunked", chunk, max_pairs, workers)
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(
+    patterns: tuple[CSRPattern, ...],
+    up_levels: int | None,
+    chunked: bool,
+    chunk: int | None,
+    max_pairs: int,
+    workers: int | None,
+) -> ScanSchedule:
+    builder = _Builder(patterns, max_pairs, workers)
+    if not chunked:
+        return _tree(builder, up_levels)
+    try:
+        return _chunked(builder, chunk)
+    except _TooLarge as error:
+        raise ValueError(f"chunk={chunk}: an up-sweep step {error}; use a smaller chunk") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,8 +385,10 @@ def _plan_schedule(
 
 
 def _multiply(plan: ProductPlan, a: BatchedCSR, b: BatchedCSR) -> BatchedCSR:
-    """``A @ B`` by gather-multiply-reduce; shared operands stay shared (``V = 1``)."""
-    products = a.values[:, plan.left] * b.values[:, plan.right]  # (V, pairs)
+    """``A @ B`` by gather-multiply-reduce; shared operands stay shared (``V = 1``). A stored zero of
+    ``A`` (applied after ``B`` in back-propagation) selects: its products are 0 even against NaN."""
+    left = a.values[:, plan.left]
+    products = (left * b.values[:, plan.right]).masked_fill_(left == 0, 0)  # (V, pairs)
     values = products.new_zeros(products.shape[0], plan.pattern.nnz).index_add_(1, plan.target, products)
     return BatchedCSR(plan.pattern, values)
 
@@ -252,9 +396,9 @@ def _multiply(plan: ProductPlan, a: BatchedCSR, b: BatchedCSR) -> BatchedCSR:
 def _matvec(matrix: BatchedCSR, g: Tensor) -> Tensor:
     """``(B, rows)``: ``matrix @ g_b`` for every sample of ``g`` (``(B, cols)``)."""
     p = matrix.pattern
-    if matrix.shared:  # one matrix for the batch: a library SpMM
+    if matrix.shared:  # one matrix for the batch: a library SpMM (multiplies, as torch's dense backward)
         return (matrix.to_sparse_csr() @ g.T).T
-    products = matrix.values * g[:, p.col]
+    products = (matrix.values * g[:, p.col]).masked_fill_(matrix.values == 0, 0)  # a stored zero selects
     return products.new_zeros(g.shape[0], p.shape[0]).index_add_(1, p.row, products)
 
 
@@ -281,29 +425,26 @@ def _validate(chain: list[BatchedCSR], grad: Tensor) -> None:
             )
         if jac.values.shape[0] not in (1, batch):
             raise ValueError(f"jacobians_t[{i}] holds {jac.values.shape[0]} matrices for a batch of {batch}")
-        if jac.values.dtype != grad.dtype:
-            raise TypeError(f"jacobians_t[{i}] has dtype {jac.values.dtype} but grad has {grad.dtype}")
+        if not (jac.values.is_floating_point() and grad.is_floating_point()):
+            raise TypeError(
+                f"jacobians_t[{i}] ({jac.values.dtype}) and grad ({grad.dtype}) must be floating point"
+            )
     if chain and chain[-1].shape[1] != d_n:
         raise ValueError(
             f"grad has {d_n} features but the last Jacobian is {chain[-1].shape} (d_{{n-1}}, d_n)"
         )
 
 
-def _max_levels(n: int) -> int:
-    """Blelloch's depth: the most levels that leave >= 2 top nodes (the root product is never needed)."""
-    return max(math.ceil(math.log2(n)) - 1, 0) if n > 1 else 0
+def scan_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype the scan computes in: the promotion of its operands' dtypes, at least float32.
 
-
-def _up_levels(algorithm: str, up_levels: int | None, n: int) -> int | None:
-    if up_levels is not None:
-        return up_levels
-    if algorithm == "linear":
-        return 0
-    if algorithm == "blelloch":
-        return _max_levels(n)
-    if algorithm in ("auto", "chunked"):
-        return None
-    raise ValueError(f"algorithm must be one of 'linear', 'blelloch', 'chunked', 'auto'; got {algorithm!r}")
+    Mixed operands (autocast: half-precision activations' Jacobians, float32 weights) meet in one
+    dtype, and half precision runs in float32: torch's CPU sparse products have no half kernels.
+    """
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
 
 
 def sparse_backprop_scan(
@@ -312,6 +453,7 @@ def sparse_backprop_scan(
     *,
     algorithm: str = "auto",
     up_levels: int | None = None,
+    chunk: int | None = None,
     max_pairs: int = MAX_PAIRS,
     workers: int | None = WORKERS,
 ) -> list[Tensor]:
@@ -322,17 +464,23 @@ def sparse_backprop_scan(
             ``(d_{i-1}, d_i)``: :class:`~lightning_bppsa.jacobians.BatchedCSR` (values ``(B, nnz)`` or
             ``(1, nnz)``) or ``torch.sparse_csr_tensor`` (2-D shared, or 3-D ``(B, d_{i-1}, d_i)``).
         grad: ``(B, d_n)`` (or ``(d_n,)``), the gradient of the loss w.r.t. the last state ``x_n``.
-        algorithm: ``"linear"`` (``L = 0``), ``"blelloch"`` (``L = ⌈log2 n⌉ − 1``), ``"auto"`` or
-            ``"chunked"`` (``L`` from predicted FLOPs: the paper's up-sweep / linear / down-sweep
-            schedule, chunks of ``2^L`` steps reduced by a tree and scanned linearly).
-        up_levels: force ``L`` (overrides ``algorithm``).
-        max_pairs: memory bound on the pairs of one up-sweep level's symbolic phase, and
-        workers: the parallelism ``"auto"`` assumes (``None``: unbounded); see :func:`plan_schedule`.
+        algorithm: one of :data:`ALGORITHMS`: ``"linear"`` (``L = 0``), ``"blelloch"``
+            (``L = ⌈log2 n⌉ − 1``), ``"auto"`` (the tree's ``L`` from predicted FLOPs) or ``"chunked"``
+            (reduce chunks of ``c`` steps, linear scan over them, sweep inside them; see the module).
+        up_levels: force the tree's ``L`` (overrides ``algorithm``, except ``"chunked"``).
+        chunk: force the chunk size ``c`` of ``"chunked"``.
+        max_pairs: memory bound on the pairs of one up-sweep step's symbolic phase, and
+        workers: the parallelism the choice assumes (``None``: unbounded); see :func:`plan_schedule`.
 
     Returns:
-        ``[g_0, ..., g_n]``, ``g_i = ∇_{x_i} l`` of shape ``(B, d_i)`` (``(d_i,)`` for a 1-D ``grad``).
+        ``[g_0, ..., g_n]``, ``g_i = ∇_{x_i} l`` of shape ``(B, d_i)`` (``(d_i,)`` for a 1-D ``grad``), in
+        :func:`scan_dtype` of ``grad`` and the Jacobians' values (float32 for half-precision operands).
         Patterns from :func:`~lightning_bppsa.jacobians.linearize` are cached, so their products are
         planned once; ``torch.sparse_csr_tensor`` inputs are planned on every call.
+
+    Raises:
+        ValueError: mismatched shapes, an unknown ``algorithm`` (or as :func:`plan_schedule`).
+        TypeError: a Jacobian that is neither CSR form, non-floating-point values.
 
     Example:
         >>> j = torch.eye(2).to_sparse_csr()
@@ -341,37 +489,35 @@ def sparse_backprop_scan(
     """
     chain = [_as_batched(j, i) for i, j in enumerate(jacobians_t)]
     _validate(chain, grad)
-    squeeze = grad.dim() == 1
-    g_n = grad.unsqueeze(0) if squeeze else grad
-    n = len(chain)
-    levels = _up_levels(algorithm, up_levels, n)
-    schedule = plan_schedule([j.pattern for j in chain], levels, max_pairs=max_pairs, workers=workers)
-    with flush_denormals() if g_n.device.type == "cpu" else nullcontext():
+    dtype = scan_dtype([grad.dtype, *(j.values.dtype for j in chain)])
+    chain = [j if j.values.dtype == dtype else BatchedCSR(j.pattern, j.values.to(dtype)) for j in chain]
+    g_n = (grad.unsqueeze(0) if grad.dim() == 1 else grad).to(dtype)
+    schedule = plan_schedule(
+        [j.pattern for j in chain],
+        up_levels,
+        algorithm=algorithm,
+        chunk=chunk,
+        max_pairs=max_pairs,
+        workers=workers,
+    )
+    device = g_n.device.type
+    # one dtype: autocast (when called inside a region) must not recast the products
+    with flush_denormals() if device == "cpu" else nullcontext(), torch.autocast(device, enabled=False):
         states = _run(schedule, chain, g_n)
-    return [s.squeeze(0) for s in states] if squeeze else states
+    return [s.squeeze(0) for s in states] if grad.dim() == 1 else states
 
 
 def _run(schedule: ScanSchedule, chain: list[BatchedCSR], g_n: Tensor) -> list[Tensor]:
     n = len(chain)
-    nodes = [chain]
-    for level_plans in schedule.plans:  # 1. up-sweep (mm)
-        below = nodes[-1]
-        nodes.append(
-            [
-                below[-1] if p is None else _multiply(p, below[2 * k], below[2 * k + 1])
-                for k, p in enumerate(level_plans)
-            ]
-        )
-    g: list[Tensor | None] = [None] * (n + 1)
-    g[n] = g_n
-    top = schedule.up_levels
-    span = 2**top
-    for k in range(len(nodes[top]) - 1, -1, -1):  # 2. linear scan over the top nodes (mv)
-        g[k * span] = _matvec(nodes[top][k], g[min((k + 1) * span, n)])
-    for level in range(top, 0, -1):  # 3. down-sweep (mv): right children of level - 1
-        span = 2 ** (level - 1)
-        for j in range(1, len(nodes[level - 1]), 2):
-            g[j * span] = _matvec(nodes[level - 1][j], g[min((j + 1) * span, n)])
+    nodes = {(i, i + 1): jac for i, jac in enumerate(chain)}
+    g: list[Tensor | None] = [None] * n + [g_n]
+    for step in schedule.steps:
+        for op in step:
+            i, j = op.span
+            if op.kind == "mm":
+                nodes[op.span] = _multiply(op.plan, nodes[(i, op.split)], nodes[(op.split, j)])
+            else:
+                g[i] = _matvec(nodes[op.span], g[j])
     return g
 
 
@@ -409,20 +555,23 @@ class ScanStepFlops:
     critical: bool
 
 
-def _row(
-    method: str, step: int, phase: str, kind: str, states: tuple[int, int], flops: int, p: CSRPattern
-) -> dict:
-    return dict(
-        method=method,
-        step=step,
-        phase=phase,
-        kind=kind,
-        states=states,
-        flops=flops,
-        nnz=p.nnz,
-        density=p.density,
-        shape=p.shape,
-    )
+def _report_step(method: str, step: int, ops: Sequence[ScanOp]) -> list[ScanStepFlops]:
+    worst = max(range(len(ops)), key=lambda k: ops[k].flops)
+    return [
+        ScanStepFlops(
+            method,
+            step,
+            op.phase,
+            op.kind,
+            op.span,
+            op.flops,
+            op.pattern.nnz,
+            op.pattern.density,
+            op.pattern.shape,
+            k == worst,
+        )
+        for k, op in enumerate(ops)
+    ]
 
 
 def scan_flop_report(
@@ -430,23 +579,24 @@ def scan_flop_report(
     *,
     algorithm: str = "auto",
     up_levels: int | None = None,
+    chunk: int | None = None,
     max_pairs: int = MAX_PAIRS,
     workers: int | None = WORKERS,
 ) -> list[ScanStepFlops]:
     """Per-operation FLOPs and sparsity of BPPSA's scan and of plain BP on one chain (BPPSA Fig. 10).
 
     Only the patterns are read (no values): ``jacobians_t`` is what :func:`sparse_backprop_scan` takes,
-    or the :class:`~lightning_bppsa.jacobians.CSRPattern` of each ``J_iᵀ``; ``algorithm``, ``up_levels``,
-    ``max_pairs`` and ``workers`` select the schedule exactly as there.
+    or the :class:`~lightning_bppsa.jacobians.CSRPattern` of each ``J_iᵀ``; the other arguments select
+    the schedule exactly as there (the very :class:`ScanSchedule` the scan runs).
 
     Returns:
-        ``list[ScanStepFlops]``: first the scan's operations in execution order (up-sweep ``mm`` steps
-        ``1..L``, then the linear ``mv`` steps, then the down-sweep ``mv`` steps; in every step exactly one
+        ``list[ScanStepFlops]``: first the scan's operations in execution order (up-sweep ``mm`` steps,
+        then the linear ``mv`` steps, then the down-sweep ``mv`` steps; in every step exactly one
         operation has ``critical=True``), then BP's ``n`` layer operations (``method="bp"``, steps ``1..n``,
         all critical). Sum ``flops`` over ``critical`` rows for the critical path of either method.
 
     Raises:
-        ValueError: as :func:`plan_schedule`, when the forced schedule's products are too large to plan.
+        ValueError: as :func:`plan_schedule`.
 
     Example:
         >>> j = torch.eye(3).to_sparse_csr()
@@ -457,43 +607,11 @@ def scan_flop_report(
     patterns = [
         j if isinstance(j, CSRPattern) else _as_batched(j, i).pattern for i, j in enumerate(jacobians_t)
     ]
-    n = len(patterns)
     schedule = plan_schedule(
-        patterns, _up_levels(algorithm, up_levels, n), max_pairs=max_pairs, workers=workers
+        patterns, up_levels, algorithm=algorithm, chunk=chunk, max_pairs=max_pairs, workers=workers
     )
-    steps: list[list[dict]] = []
-    for level, level_plans in enumerate(schedule.plans):
-        span = 2**level
-        steps.append(
-            [
-                _row(
-                    "bppsa", 0, "up", "mm", (2 * k * span, min((2 * k + 2) * span, n)), 2 * p.pairs, p.pattern
-                )
-                for k, p in enumerate(level_plans)
-                if p is not None
-            ]
-        )
-    top, span = schedule.up_levels, 2**schedule.up_levels
-    for k in range(len(schedule.levels[top]) - 1, -1, -1):
-        p = schedule.levels[top][k]
-        steps.append([_row("bppsa", 0, "linear", "mv", (k * span, min((k + 1) * span, n)), 2 * p.nnz, p)])
-    for level in range(top, 0, -1):
-        span = 2 ** (level - 1)
-        nodes = schedule.levels[level - 1]
-        steps.append(
-            [
-                _row("bppsa", 0, "down", "mv", (j * span, min((j + 1) * span, n)), 2 * nodes[j].nnz, nodes[j])
-                for j in range(1, len(nodes), 2)
-            ]
-        )
-    for i in range(n, 0, -1):
-        steps.append([_row("bp", 0, "bp", "mv", (i - 1, i), 2 * patterns[i - 1].nnz, patterns[i - 1])])
-    report, step, method = [], 0, "bppsa"
-    for ops in steps:
-        if not ops:
-            continue
-        step = 1 if ops[0]["method"] != method else step + 1
-        method = ops[0]["method"]
-        worst = max(range(len(ops)), key=lambda k: ops[k]["flops"])
-        report.extend(ScanStepFlops(**{**op, "step": step}, critical=k == worst) for k, op in enumerate(ops))
+    report = [row for step, ops in enumerate(schedule.steps, 1) for row in _report_step("bppsa", step, ops)]
+    n = len(patterns)
+    for step, i in enumerate(range(n, 0, -1), 1):
+        report += _report_step("bp", step, [ScanOp("bp", "mv", (i - 1, i), patterns[i - 1])])
     return report

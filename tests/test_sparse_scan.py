@@ -1,4 +1,4 @@
-"""The sparse scan against a plain dense loop; schedules, plans, the FLOP report and errors."""
+"""The sparse scan against a plain dense loop; schedules, plans, the FLOP report, dtypes, NaN and errors."""
 
 import pytest
 import torch
@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_bppsa import backprop_scan
+from lightning_bppsa import sparse_scan
 from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, linearize
-from lightning_bppsa.sparse_scan import plan_schedule, scan_flop_report, sparse_backprop_scan
+from lightning_bppsa.sparse_scan import ALGORITHMS, plan_schedule, scan_flop_report, sparse_backprop_scan
 
 
 def random_chain(dims, batch, shared, density=0.4):
@@ -54,16 +54,16 @@ def test_every_schedule_matches_varying_width_backprop(dims, batch, seed, data):
     chain, dense = random_chain(dims, batch, shared)
     grad = torch.randn(batch, dims[-1], dtype=torch.float64)
     expected = varying_width_backprop(dense, grad)
-    for algorithm in ("linear", "blelloch", "chunked", "auto"):
+    for algorithm in ALGORITHMS:
         assert_states_close(sparse_backprop_scan(chain, grad, algorithm=algorithm), expected)
-    levels = plan_schedule([j.pattern for j in chain], None).levels
-    for up_levels in range(len(plan_schedule([j.pattern for j in chain], 0).levels) + len(levels)):
-        if up_levels <= max(0, (n - 1).bit_length() - 1):
-            assert_states_close(sparse_backprop_scan(chain, grad, up_levels=up_levels), expected)
+    for up_levels in range(max(0, (n - 1).bit_length() - 1) + 1):
+        assert_states_close(sparse_backprop_scan(chain, grad, up_levels=up_levels), expected)
+    for chunk in range(1, max(n, 1) + 1):
+        assert_states_close(sparse_backprop_scan(chain, grad, algorithm="chunked", chunk=chunk), expected)
 
 
-def test_layer_chain_through_backprop_scan_dispatch():
-    """A conv chain's Jacobians from ``linearize``, given to ``backprop_scan`` as a list: autograd's grads."""
+def test_layer_chain_jacobians_scan_to_autograds_gradient():
+    """A conv chain's Jacobians from ``linearize`` through the sparse scan's entry point: autograd's grads."""
     layers = [nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 2, 3), nn.Tanh()]
     layers = [m.double() for m in layers]
     x = torch.randn(2, 2, 8, 8, dtype=torch.float64, requires_grad=True)
@@ -73,8 +73,8 @@ def test_layer_chain_through_backprop_scan_dispatch():
         jacs.append(jac)
     grad = torch.randn_like(h)
     (expected,) = torch.autograd.grad(nn.Sequential(*layers)(x), x, grad)
-    for algorithm in ("linear", "blelloch", "auto"):
-        states = backprop_scan(jacs, grad.reshape(2, -1), algorithm=algorithm)
+    for algorithm in ALGORITHMS:
+        states = sparse_backprop_scan(jacs, grad.reshape(2, -1), algorithm=algorithm)
         torch.testing.assert_close(states[0].reshape_as(x), expected, atol=1e-10, rtol=1e-10)
 
 
@@ -99,7 +99,73 @@ def test_products_are_planned_once_per_pattern_pair():
     first, second = plan_schedule(patterns, 1), plan_schedule(patterns, 1)
     assert first is second  # the schedule is cached too
     other = plan_schedule(patterns[:3], 1)
-    assert other.plans[0][0] is first.plans[0][0]  # same pair of patterns, same plan
+    assert other.steps[0][0].plan is first.steps[0][0].plan  # same pair of patterns, same plan
+
+
+def test_chunked_is_its_own_schedule_never_auto_in_disguise():
+    diag = [CSRPattern.identity(5)] * 11
+    chunked = plan_schedule(diag, algorithm="chunked")
+    assert chunked.reduce == "chunked" and 2 <= chunked.chunk <= 5
+    assert plan_schedule(diag, algorithm="auto").reduce == "tree"
+    forced = plan_schedule(diag, algorithm="chunked", chunk=4)
+    # chunks [0, 4), [4, 8), [8, 11): a left fold of 3 steps, 3 linear steps, a sweep of 3 steps
+    assert [step[0].phase for step in forced.steps] == ["up"] * 3 + ["linear"] * 3 + ["down"] * 3
+    assert [op.span for op in forced.steps[0]] == [(0, 2), (4, 6), (8, 10)]
+    assert [op.span for op in forced.steps[2]] == [(0, 4), (4, 8)]
+    assert forced.up_levels == 3
+    dense = [CSRPattern.from_coo(*torch.ones(20, 20).nonzero(as_tuple=True), (20, 20))[0]] * 8
+    assert plan_schedule(dense, algorithm="chunked", max_pairs=100).chunk == 1  # nothing fits: linear, said
+
+
+def test_the_scan_runs_exactly_the_operations_the_report_counts(monkeypatch):
+    chain, _ = random_chain([6, 5, 7, 4, 5, 3, 4], 2, [False, True] * 3)
+    ran = []
+    multiply, matvec = sparse_scan._multiply, sparse_scan._matvec
+    monkeypatch.setattr(sparse_scan, "_multiply", lambda plan, a, b: ran.append("mm") or multiply(plan, a, b))
+    monkeypatch.setattr(sparse_scan, "_matvec", lambda m, g: ran.append(m.pattern.nnz) or matvec(m, g))
+    for kwargs in ({"algorithm": "blelloch"}, {"algorithm": "chunked", "chunk": 3}, {"up_levels": 1}):
+        ran.clear()
+        sparse_backprop_scan(chain, torch.randn(2, 4, dtype=torch.float64), **kwargs)
+        rows = [r for r in scan_flop_report(chain, **kwargs) if r.method == "bppsa"]
+        assert ran == ["mm" if r.kind == "mm" else r.nnz for r in rows], kwargs
+
+
+def test_mixed_and_half_precision_operands_scan_in_one_dtype():
+    """Autocast gives bfloat16 activation Jacobians beside float32 weights: promoted, at least float32."""
+    chain, dense = random_chain([5, 4, 6, 3], 2, [True, False, False])
+    grad = torch.randn(2, 3, dtype=torch.float64)
+    expected = varying_width_backprop(dense, grad)
+    low = [
+        BatchedCSR(j.pattern, j.values.to(dtype))
+        for j, dtype in zip(chain, [torch.float32, torch.bfloat16, torch.float16], strict=True)
+    ]
+    states = sparse_backprop_scan(low, grad.to(torch.bfloat16), algorithm="blelloch")
+    assert all(s.dtype == torch.float32 for s in states)
+    for s, e in zip(states, expected, strict=True):
+        torch.testing.assert_close(s.double(), e, atol=5e-2, rtol=5e-2)
+    assert sparse_backprop_scan(low, grad)[0].dtype == torch.float64
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_stored_zeros_select_like_torchs_relu_backward(algorithm):
+    """A NaN upstream gradient stops at a ReLU's masked entry (torch: exactly 0); a NaN output passes it."""
+    linear = nn.Linear(4, 4).double()
+    with torch.no_grad():
+        linear.bias[2] = -100.0  # ReLU masks entry 2 of every sample
+    layers = [nn.ReLU(), linear, nn.ReLU(), nn.Tanh(), nn.ReLU()]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x[0, 1] = float("nan")  # sample 0: NaN through the forward
+    x.requires_grad_()
+    h, jacs = x, []
+    for m in layers:
+        h, jac = linearize(m, h.detach())
+        jacs.append(jac)
+    grad = torch.randn_like(h)
+    grad[1:, 2] = float("nan")  # samples 1, 2: NaN gradient at the masked entry
+    (expected,) = torch.autograd.grad(nn.Sequential(*layers)(x), x, grad)
+    assert expected[0, 1].isnan() and expected[1:].isfinite().all()
+    states = sparse_backprop_scan(jacs, grad, algorithm=algorithm)
+    torch.testing.assert_close(states[0], expected, atol=1e-12, rtol=1e-12, equal_nan=True)
 
 
 def test_auto_stops_the_up_sweep_when_products_densify():
@@ -142,8 +208,16 @@ def test_mismatched_shapes_are_named():
         sparse_backprop_scan([chain[0], chain[0]], torch.randn(1, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad has 6 features"):
         sparse_backprop_scan(chain, torch.randn(1, 6, dtype=torch.float64))
-    with pytest.raises(ValueError, match="algorithm"):
+    with pytest.raises(
+        ValueError, match=r"algorithm must be one of \('linear', 'blelloch', 'chunked', 'auto'\)"
+    ):
         sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), algorithm="tree")
+    with pytest.raises(ValueError, match="chunk must be in"):
+        sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), algorithm="chunked", chunk=3)
+    with pytest.raises(ValueError, match="chunk is the chunk size"):
+        sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), chunk=2)
+    with pytest.raises(ValueError, match="chunk="):
+        sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), algorithm="chunked", up_levels=0)
     with pytest.raises(ValueError, match="up_levels"):
         sparse_backprop_scan(chain, torch.randn(1, 5, dtype=torch.float64), up_levels=3)
     with pytest.raises(TypeError, match=r"jacobians_t\[0\]"):

@@ -11,6 +11,8 @@ from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
 from lightning_bppsa.jacobians.dispatch import (
     is_supported,
     linearize,
+    output_dims,
+    refusal,
     register_linearizer,
     supported_types,
     transposed_jacobian,
@@ -23,6 +25,8 @@ __all__ = [
     "FactoredJacobians",
     "is_supported",
     "linearize",
+    "output_dims",
+    "refusal",
     "register_linearizer",
     "supported_types",
     "transposed_jacobian",

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_bppsa.jacobians._window import WindowGeometry, pair, window_positions
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
-from lightning_bppsa.jacobians.dispatch import register_linearizer
+from lightning_bppsa.jacobians.dispatch import exact_dims, register_linearizer
 
 __all__: list[str] = []
 
@@ -71,15 +71,17 @@ class _PrunedPatterns:
 _PRUNED = _PrunedPatterns()
 
 
-@register_linearizer(nn.Conv2d)
-def linearize_conv2d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    """``(y, Jᵀ)`` for a batch ``x`` of shape ``(B, ci, hi, wi)``; ``Jᵀ`` is shared by the batch."""
+def _refuse_conv2d(module: nn.Conv2d) -> str | None:
     if module.padding_mode != "zeros":
-        raise NotImplementedError(
-            f"Conv2d with padding_mode={module.padding_mode!r}: only 'zeros' is supported"
-        )
-    if x.dim() != 4:
-        raise ValueError(f"Conv2d needs samples of shape (C, H, W); got a batch of shape {tuple(x.shape)}")
+        return f"Conv2d with padding_mode={module.padding_mode!r}: only 'zeros' padding has a Jacobian here"
+    return None
+
+
+@register_linearizer(nn.Conv2d, refuse=_refuse_conv2d, dims=exact_dims(4))
+def linearize_conv2d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
+    """``(y, Jᵀ)`` for a batch ``x`` of shape ``(B, ci, hi, wi)``; ``Jᵀ`` is shared by the batch.
+
+    Under autocast the values are the weights as the forward used them (cast to ``y``'s dtype)."""
     y = module(x)
     padding = module.padding
     if padding == "same":
@@ -90,5 +92,5 @@ def linearize_conv2d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
     geometry = ((module.in_channels, module.out_channels, module.groups), window)
     pattern, w_idx = _PRUNED.get(geometry, module.weight)
     pattern = pattern.to(x.device)
-    values = module.weight.detach().reshape(-1)[w_idx.to(x.device)]
+    values = module.weight.detach().reshape(-1)[w_idx.to(x.device)].to(y.dtype)
     return y, BatchedCSR(pattern, values.unsqueeze(0))

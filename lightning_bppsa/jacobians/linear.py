@@ -33,20 +33,25 @@ def _kron_pattern(rows: int, in_features: int, out_features: int) -> tuple[CSRPa
     return pattern, w_idx[order]
 
 
-@register_linearizer(nn.Linear)
+def _batched_linear_dims(module: nn.Linear, ndim: int) -> int | None:
+    return ndim if ndim >= 2 else None  # a 1-D input is one unbatched sample to torch
+
+
+def _flatten_dims(module: nn.Flatten, ndim: int) -> int | None:
+    start, end = module.start_dim % ndim, module.end_dim % ndim
+    return ndim - max(end - start, 0) if start > 0 else None  # start 0 would merge the batch
+
+
+@register_linearizer(nn.Linear, dims=_batched_linear_dims)
 def linearize_linear(module: nn.Linear, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    if x.dim() < 2:
-        raise ValueError(
-            f"Linear needs samples of shape (*, {module.in_features}); got a batch of shape {tuple(x.shape)}"
-        )
-    y = module(x)  # first: a wrong size or dtype gets torch's own error
+    y = module(x)
     rows = x[0].numel() // module.in_features
     pattern, w_idx = _kron_pattern(rows, module.in_features, module.out_features)
-    values = module.weight.detach().reshape(-1)[w_idx.to(x.device)]
+    values = module.weight.detach().reshape(-1)[w_idx.to(x.device)].to(y.dtype)  # as autocast used it
     return y, BatchedCSR(pattern.to(x.device), values.unsqueeze(0))
 
 
-@register_linearizer(nn.Flatten)
+@register_linearizer(nn.Flatten, dims=_flatten_dims)
 def linearize_flatten(module: nn.Flatten, x: Tensor) -> tuple[Tensor, BatchedCSR]:
     y = module(x)
     size = x[0].numel()

@@ -2,7 +2,8 @@
 
 For ``y = f(x)`` element-wise, ``Jᵀ = diag(f′(x))`` (``d x d``, ``d = x.numel()``, density ``1/d``):
 
-- ``ReLU``: ``f′ = [x > 0]``;  ``LeakyReLU``: ``f′ = 1 if x > 0 else negative_slope`` (torch's at 0)
+- ``ReLU``: ``f′ = [not y <= 0]``, as torch's ``threshold_backward`` selects: a NaN output passes the
+  gradient, and the scan's stored zeros give exactly 0 even against a NaN gradient (a select);  ``LeakyReLU``: ``f′ = 1 if x > 0 else negative_slope`` (torch's at 0)
 - ``Tanh``: ``f′ = 1 − y²``;  ``Sigmoid``: ``f′ = y (1 − y)``
 - ``Dropout`` (training, ``0 < p``): ``f′ = m / (1 − p)`` with the Bernoulli(1 − p) mask ``m`` of *this*
   forward: the linearizer draws ``m`` itself (as torch's CPU kernel does: ``empty_like(x).bernoulli_``) and
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
-from lightning_bppsa.jacobians.dispatch import register_linearizer
+from lightning_bppsa.jacobians.dispatch import exact_dims, register_linearizer
 
 __all__: list[str] = []
 
@@ -31,7 +32,8 @@ def _diag(values: Tensor) -> BatchedCSR:
 
 @register_linearizer(nn.ReLU)
 def linearize_relu(module: nn.ReLU, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    return torch.relu(x), _diag((x > 0).to(x.dtype))
+    y = torch.relu(x)
+    return y, _diag((~(y <= 0)).to(x.dtype))
 
 
 @register_linearizer(nn.LeakyReLU)
@@ -64,19 +66,20 @@ def linearize_dropout(module: nn.Dropout, x: Tensor) -> tuple[Tensor, BatchedCSR
     return x * scale, _diag(scale)
 
 
-@register_linearizer(nn.BatchNorm2d)
-def linearize_batchnorm2d(module: nn.BatchNorm2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
+def _refuse_batchnorm2d(module: nn.BatchNorm2d) -> str | None:
     if module.training or module.running_var is None:
-        raise NotImplementedError(
-            "BatchNorm2d needs eval mode with running statistics: in training mode its Jacobian couples "
-            "the samples of the batch"
+        return (
+            "BatchNorm2d in training mode or without running statistics (track_running_stats=False): "
+            "normalising with the batch's statistics couples the samples of the batch"
         )
-    if x.dim() != 4:
-        raise ValueError(
-            f"BatchNorm2d needs samples of shape (C, H, W); got a batch of shape {tuple(x.shape)}"
-        )
+    return None
+
+
+@register_linearizer(nn.BatchNorm2d, refuse=_refuse_batchnorm2d, dims=exact_dims(4))
+def linearize_batchnorm2d(module: nn.BatchNorm2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
+    y = module(x)
     scale = torch.rsqrt(module.running_var.detach() + module.eps)
     if module.weight is not None:
         scale = scale * module.weight.detach()
-    per_pixel = scale.to(x.dtype)[:, None, None].expand(x.shape[1:]).unsqueeze(0)
-    return module(x), _diag(per_pixel)
+    per_pixel = scale.to(y.dtype)[:, None, None].expand(x.shape[1:]).unsqueeze(0)
+    return y, _diag(per_pixel)

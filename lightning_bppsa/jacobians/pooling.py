@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_bppsa.jacobians._window import WindowGeometry, window_positions
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
-from lightning_bppsa.jacobians.dispatch import register_linearizer
+from lightning_bppsa.jacobians.dispatch import exact_dims, register_linearizer
 
 __all__: list[str] = []
 
@@ -40,18 +40,22 @@ def _window_pattern(channels: int, window: WindowGeometry) -> tuple[CSRPattern, 
     return pattern, pix[mask][order], pos[mask][order]
 
 
-def _check_batch(module: nn.Module, x: Tensor) -> None:
-    if x.dim() != 4:
-        raise ValueError(
-            f"{type(module).__name__} needs samples of shape (C, H, W); got a batch of shape {tuple(x.shape)}"
-        )
+def _refuse_maxpool2d(module: nn.MaxPool2d) -> str | None:
+    if module.return_indices:
+        return "MaxPool2d(return_indices=True): the scan returns the pooled values only, not the indices"
+    return None
 
 
-@register_linearizer(nn.MaxPool2d)
+@register_linearizer(nn.MaxPool2d, refuse=_refuse_maxpool2d, dims=exact_dims(4))
 def linearize_maxpool2d(module: nn.MaxPool2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    _check_batch(module, x)
     y, indices = F.max_pool2d(
-        x, module.kernel_size, module.stride, module.padding, module.dilation, module.ceil_mode, return_indices=True
+        x,
+        module.kernel_size,
+        module.stride,
+        module.padding,
+        module.dilation,
+        module.ceil_mode,
+        return_indices=True,
     )
     window = WindowGeometry.of(x, y, module.kernel_size, module.stride, module.padding, module.dilation)
     pattern, out_pix, in_pix = _window_pattern(x.shape[1], window)
@@ -62,9 +66,8 @@ def linearize_maxpool2d(module: nn.MaxPool2d, x: Tensor) -> tuple[Tensor, Batche
     return y, BatchedCSR(pattern.to(x.device), values)
 
 
-@register_linearizer(nn.AvgPool2d)
+@register_linearizer(nn.AvgPool2d, dims=exact_dims(4))
 def linearize_avgpool2d(module: nn.AvgPool2d, x: Tensor) -> tuple[Tensor, BatchedCSR]:
-    _check_batch(module, x)
     y = module(x)
     window = WindowGeometry.of(x, y, module.kernel_size, module.stride, module.padding)
     pattern, out_pix, _ = _window_pattern(x.shape[1], window)
@@ -76,7 +79,9 @@ def linearize_avgpool2d(module: nn.AvgPool2d, x: Tensor) -> tuple[Tensor, Batche
 def _avg_divisor(window: WindowGeometry, count_include_pad: bool, divisor_override: int | None) -> Tensor:
     """``(ho·wo,)`` float64 divisors, as torch's avg_pool2d computes them."""
     if divisor_override:
-        return torch.full((window.out_hw[0] * window.out_hw[1],), float(divisor_override), dtype=torch.float64)
+        return torch.full(
+            (window.out_hw[0] * window.out_hw[1],), float(divisor_override), dtype=torch.float64
+        )
     extents = []
     sizes = (window.in_hw, window.out_hw, window.kernel, window.stride, window.padding)
     for size, out, k, s, p in zip(*sizes, strict=True):

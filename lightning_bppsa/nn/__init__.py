@@ -3,7 +3,7 @@
 Importing this package registers the converters of every module family with ``convert``.
 """
 
-from lightning_bppsa.nn import chain, recurrent
+from lightning_bppsa.nn import chain, recurrent, traced  # noqa: F401  (traced registers its converters)
 from lightning_bppsa.nn._reference_backward import reference_backward
 from lightning_bppsa.nn.chain import *  # noqa: F403
 from lightning_bppsa.nn.convert import Conversion, ConversionRecord, convert, register_converter

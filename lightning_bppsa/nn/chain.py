@@ -11,27 +11,39 @@
 - inside :func:`~lightning_bppsa.nn.reference_backward`, and under ``create_graph=True`` (double
   backward), the backward is plain autograd through the recorded forward instead (same dropout masks).
 
-A call runs the layers' own forward under plain autograd (``last_stats["path"] == "autograd"``) when
-there is nothing to scan or the scan cannot run: gradients disabled, an empty batch, meta tensors,
-``torch.func`` transforms, ``torch.compile`` tracing, a layer in a mode without an analytic Jacobian
-(``BatchNorm2d`` in training), ``MaxPool2d(return_indices=True)``, or a layer with hooks.
+A call runs the layers' own forward under plain autograd (``last_stats["path"] == "autograd"``, with
+the ``reason``) when there is nothing to scan or the scan cannot run: gradients disabled, an empty
+batch, meta tensors, ``torch.func`` transforms, ``torch.compile`` tracing, a layer whose configuration or
+mode has no analytic Jacobian (``Conv2d(padding_mode="reflect")``, ``BatchNorm2d`` in training mode or
+without running statistics, ``MaxPool2d(return_indices=True)``, any unsupported module), an input the
+layers take but not as a batch (an unbatched ``(C, H, W)`` image, a 1-D ``Linear`` input), or a layer with
+hooks. So a chain never fails where the equivalent ``nn.Sequential`` runs, and input torch rejects gets
+torch's own error from the layer's forward.
 ``torch.jit.script`` compiles the equivalent ``nn.Sequential`` (see :meth:`SparseChain.__prepare_scriptable__`).
 
+Precision: the scan computes in one dtype, :func:`~lightning_bppsa.sparse_scan.scan_dtype` of the
+Jacobians and the output gradient (float32 for float16 / bfloat16 chains, with or without autocast:
+torch's CPU sparse products have no half kernels); the input and parameter gradients come back in
+their own dtypes. Under autocast the layers' parameter gradients are replayed under the same autocast
+state as the forward, as torch's would be.
+
 ``last_stats`` records what the last forward did, like the recurrent modules' (``nn/recurrent.py``):
-``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``layers``, ``linearize_seconds`` (the layers'
-forward together with their Jacobian generation: :func:`~lightning_bppsa.jacobians.linearize` does
-both in one call, so the Jacobian part alone is not measured and no ``jacobian_seconds`` is reported),
-``scan_seconds`` and ``param_seconds`` (the backward's scan and parameter gradients, filled in by the
-backward; they stay 0 under ``reference_backward``).
+``path`` (``"scan"`` / ``"autograd"``), ``reason`` (why autograd; ``None`` on the scan), ``algorithm``,
+``layers``, ``scan_dtype`` (the dtype the scan computes in, ``None`` on autograd), ``linearize_seconds``
+(the layers' forward together with their Jacobian generation: :func:`~lightning_bppsa.jacobians.linearize`
+does both in one call, so the Jacobian part alone is not measured and no ``jacobian_seconds`` is
+reported), ``scan_seconds`` and ``param_seconds`` (the backward's scan and parameter gradients, filled
+in by the backward; they stay 0 under ``reference_backward``).
 
 Where conversion pays off (the converter is conservative): the scan's per-step work is sparse
 matrix-vector / matrix-matrix products whose cost follows the Jacobians' sparsity. Convolution, pooling
 and element-wise layers have very sparse Jacobians (Table 1), and pruned convolutions sparser still
 (Sec. 5.3); a dense ``nn.Linear`` Jacobian is a dense block, and products with it are dense. So only
 chains with at least :data:`MIN_LAYERS` layers that contain an ``nn.Conv2d`` are converted; chains
-with ``nn.BatchNorm2d`` (in training mode its Jacobian couples the batch), with
-``nn.MaxPool2d(return_indices=True)`` (the scan returns no indices) or with hooks on a layer (the scan
-does not call the layers) stay on autograd, and the conversion report says why. Even
+with a layer the scan cannot take (see :func:`~lightning_bppsa.jacobians.refusal`: e.g.
+``Conv2d(padding_mode="reflect")``, ``MaxPool2d(return_indices=True)``), with ``nn.BatchNorm2d`` in any
+mode (in training mode its Jacobian couples the batch) or with hooks on a layer (the scan does not call
+the layers) stay on autograd, and the conversion report says why. Even
 then, on CPU the sparse scan is slower than autograd's fused convolution backward
 (``benchmarks/results/vgg-cpu.md``): conversion is meant for the paper's setting (many workers, pruned
 weights), and exactness is what the tests guarantee.
@@ -45,11 +57,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, linearize
+from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, linearize, output_dims, refusal
 from lightning_bppsa.nn._clock import clock
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
-from lightning_bppsa.sparse_scan import ScanStepFlops, scan_flop_report, sparse_backprop_scan
+from lightning_bppsa.sparse_scan import (
+    ALGORITHMS,
+    ScanStepFlops,
+    scan_dtype,
+    scan_flop_report,
+    sparse_backprop_scan,
+)
 
 __all__ = ["MIN_LAYERS", "SparseChain"]
 
@@ -62,18 +80,25 @@ class SparseChain(nn.Sequential):
 
     Args:
         *args: as ``nn.Sequential`` (modules, or one ``OrderedDict``).
-        algorithm: passed to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`
-            (``"auto"``: up-sweep depth from predicted FLOPs).
+        algorithm: passed to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`, one of
+            :data:`~lightning_bppsa.sparse_scan.ALGORITHMS` (``"auto"``: the tree's depth from predicted
+            FLOPs; ``"chunked"``: reduce-then-scan over chunks).
 
-    Inputs are batches ``(B, *sample_shape)``. Layers whose current mode has no analytic Jacobian
-    (``BatchNorm2d`` in training mode) make the whole chain run on plain autograd for that call.
+    Inputs are batches ``(B, *sample_shape)``. A layer the scan cannot take in its current
+    configuration and mode (``BatchNorm2d`` in training mode, ...) or input it cannot take as a batch
+    make the whole chain run on plain autograd for that call (``last_stats["reason"]`` says why).
+    Its ``repr`` names it ``SparseChain(BPPSA sparse scan, algorithm=...)`` above the layers.
 
     Example:
         >>> chain = SparseChain(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten())
         >>> chain(torch.randn(4, 1, 5, 5, requires_grad=True)).sum().backward()
+        >>> chain.last_stats["path"], chain.last_stats["scan_dtype"]
+        ('scan', 'torch.float32')
     """
 
     def __init__(self, *args: nn.Module, algorithm: str = "auto") -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
         super().__init__(*args)
         self.algorithm = algorithm
         self._last_patterns: list[CSRPattern] | None = None
@@ -85,30 +110,48 @@ class SparseChain(nn.Sequential):
         chain = cls(OrderedDict(sequential.named_children()), algorithm=algorithm)
         return chain.train(sequential.training)
 
-    def _scannable(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> bool:
-        if not torch.is_grad_enabled() or not (x.requires_grad or params):
-            return False
-        if x.numel() == 0 or x.device.type == "meta":
-            return False  # an empty batch, or no values: nothing to scan
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            return False  # torch.func / torch.compile: the sparse scan has no functorch rules, no trace
-        return all(_unscannable(m, runtime=True) is None for m in self)
+    def _get_name(self) -> str:
+        # what nn.Module's repr prints before the layers: say that this is not a plain nn.Sequential
+        return f"SparseChain(BPPSA sparse scan, algorithm={self.algorithm!r})"
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _why_autograd(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> str | None:
+        """Why this call runs on plain autograd, or ``None`` when the scan runs it."""
+        if not isinstance(x, Tensor):
+            return f"the input is a {type(x).__name__}, not a Tensor"
+        if not torch.is_grad_enabled() or not (x.requires_grad or params):
+            return "no gradient is needed"
+        if x.numel() == 0 or x.device.type == "meta":
+            return "no values to scan (an empty batch or the meta device)"
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return "torch.func / torch.compile: the sparse scan has no functorch rules and no trace"
+        ndim = x.dim()
+        for i, layer in enumerate(self):
+            reason = _unscannable(layer, runtime=True)
+            if reason is not None:
+                return f"layer {i}, {reason}"
+            out = output_dims(layer, ndim)
+            if out is None:
+                return f"layer {i}, {type(layer).__name__} does not take a {ndim}-dim input as a batch"
+            ndim = out
+        return None
+
+    def forward(self, input: Tensor) -> Tensor:  # named as nn.Sequential's, which callers may pass by name
         params = tuple(p for p in self.parameters() if p.requires_grad)
-        scannable = self._scannable(x, params)
+        reason = self._why_autograd(input, params)
         # a fresh dict per call: the backward of this forward updates the one it was given
         self.last_stats = {
-            "path": "scan" if scannable else "autograd",
+            "path": "scan" if reason is None else "autograd",
+            "reason": reason,
             "algorithm": self.algorithm,
             "layers": len(self),
+            "scan_dtype": None,
             "linearize_seconds": 0.0,
             "scan_seconds": 0.0,
             "param_seconds": 0.0,
         }
-        if not scannable:
-            return super().forward(x)
-        return _ChainFunction.apply(self, x, *params)
+        if reason is not None:
+            return super().forward(input)
+        return _ChainFunction.apply(self, input, *params)
 
     def __prepare_scriptable__(self) -> nn.Sequential:
         """What ``torch.jit.script`` compiles: an ``nn.Sequential`` of the same layers and this chain's hooks.
@@ -132,12 +175,11 @@ def _unscannable(layer: nn.Module, *, runtime: bool) -> str | None:
     """Why ``layer`` keeps its chain on autograd, or ``None``. ``runtime``: judge its current mode only
     (the converter, ``runtime=False``, refuses ``BatchNorm2d`` in any mode: it may be trained later)."""
     name = type(layer).__name__
-    if not is_supported(layer):
-        return f"{name} has no analytic Jacobian"
-    if isinstance(layer, nn.BatchNorm2d) and (layer.training or not runtime):
+    reason = refusal(layer)
+    if reason is not None:
+        return reason
+    if isinstance(layer, nn.BatchNorm2d) and not runtime:
         return "BatchNorm2d: its training-mode Jacobian couples the batch"
-    if isinstance(layer, nn.MaxPool2d) and layer.return_indices:
-        return "MaxPool2d(return_indices=True): the scan returns the pooled values only, not the indices"
     if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
         return f"{name} has hooks: the scan does not call its layers, so they would not run"
     return None
@@ -148,6 +190,16 @@ def _replay(layer: nn.Module, x: Tensor, jac: BatchedCSR) -> Tensor:
     if isinstance(layer, nn.Dropout) and layer.training and layer.p > 0:
         return x * jac.values.reshape(x.shape)
     return layer(x)
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """The autocast state of the forward, to replay layers under it in the backward (as ``custom_bwd``)."""
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast(state: tuple[str, bool, torch.dtype]) -> torch.autocast:
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 class _ChainFunction(torch.autograd.Function):
@@ -163,7 +215,9 @@ class _ChainFunction(torch.autograd.Function):
             jacs.append(jac)
         ctx.stats = chain.last_stats
         ctx.stats["linearize_seconds"] = clock() - start
+        ctx.stats["scan_dtype"] = str(scan_dtype([h.dtype, *(j.values.dtype for j in jacs)]))
         ctx.chain, ctx.inputs, ctx.jacs, ctx.params = chain, inputs, jacs, params
+        ctx.autocast = _autocast_state(x.device.type)
         chain._last_patterns = [j.pattern for j in jacs]
         return h.clone() if h is x or h._base is x else h  # an autograd.Function must not return a view of x
 
@@ -176,11 +230,15 @@ class _ChainFunction(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()
         if create_graph or reference_backward_enabled():
             grad_x, param_grads = _autograd_backward(
-                chain, inputs[0], jacs, params, grad_out, needs_x, create_graph
+                chain, inputs[0], jacs, params, grad_out, needs_x, create_graph, ctx.autocast
             )
         else:
-            grad_x, param_grads = _scan_backward(chain, inputs, jacs, params, grad_out, needs_x, ctx.stats)
-        return (None, grad_x, *param_grads)
+            grad_x, param_grads = _scan_backward(
+                chain, inputs, jacs, params, grad_out, needs_x, ctx.stats, ctx.autocast
+            )
+        # the scan computes in one dtype: every gradient in the dtype of what it is the gradient of
+        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params, strict=True)]
+        return (None, None if grad_x is None else grad_x.to(inputs[0].dtype), *param_grads)
 
 
 def _scan_backward(
@@ -191,6 +249,7 @@ def _scan_backward(
     grad_out: Tensor,
     needs_x: bool,
     stats: dict[str, Any],
+    autocast: tuple[str, bool, torch.dtype],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     first = 0 if needs_x else 1  # without x's gradient the scan starts at x_1
     start = clock()
@@ -206,9 +265,9 @@ def _scan_backward(
         own = [p for p in layer.parameters() if id(p) in wanted]
         if not own:
             continue
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast(autocast):
             y = _replay(layer, inputs[i].detach(), jacs[i])
-        g = states[i + 1 - first].reshape(y.shape)
+        g = states[i + 1 - first].reshape(y.shape).to(y.dtype)
         for p, grad in zip(own, torch.autograd.grad(y, own, g, allow_unused=True), strict=True):
             if grad is not None:
                 grads[id(p)] = grads[id(p)] + grad if id(p) in grads else grad
@@ -224,13 +283,15 @@ def _autograd_backward(
     grad_out: Tensor,
     needs_x: bool,
     create_graph: bool,
+    autocast: tuple[str, bool, torch.dtype],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     """The reference: plain autograd through the recorded forward. With ``create_graph`` the replay starts
     from the chain's own input, so the gradients are functions of it that autograd can differentiate again."""
     with torch.enable_grad():
         h = x0 = x if create_graph else x.detach().requires_grad_(needs_x)
-        for layer, jac in zip(chain, jacs, strict=True):
-            h = _replay(layer, h, jac)
+        with _autocast(autocast):
+            for layer, jac in zip(chain, jacs, strict=True):
+                h = _replay(layer, h, jac)
         wrt = ([x0] if needs_x else []) + list(params)
         grads = list(torch.autograd.grad(h, wrt, grad_out, allow_unused=True, create_graph=create_graph))
     grad_x = grads.pop(0) if needs_x else None

@@ -3,7 +3,9 @@
 Each family of modules registers a *converter* with :func:`register_converter`. A converter looks at one
 module and answers ``None`` (not mine: keep looking, recurse into its children) or a
 :class:`Conversion`: the replacement module (or ``None`` when the module stays on autograd) and a
-human-readable reason. Replacements reuse the original ``Parameter`` objects, so optimizers,
+human-readable reason. *Traced* converters (``register_converter(traced=True)``, e.g. the ``torch.fx``
+rewriting of layer chains written as ``forward()`` code, ``lightning_bppsa.nn.traced``) run first, and
+only under ``convert(model, trace=True)``: they replace modules with generated code. Replacements reuse the original ``Parameter`` objects, so optimizers,
 schedulers and checkpoints built on the original model keep working, and take over the replaced
 module's hooks (forward, forward-pre, backward and ``state_dict`` hooks, with their handles).
 """
@@ -43,13 +45,22 @@ class ConversionRecord:
 
 Converter = Callable[[nn.Module], "Conversion | None"]
 _CONVERTERS: list[Converter] = []
+_TRACED_CONVERTERS: list[Converter] = []
 
 
-def register_converter(converter: Converter) -> Converter:
-    """Register a converter (usable as a decorator). Registering the same function twice is a no-op."""
-    if converter not in _CONVERTERS:
-        _CONVERTERS.append(converter)
-    return converter
+def register_converter(
+    converter: Converter | None = None, *, traced: bool = False
+) -> Converter | Callable[[Converter], Converter]:
+    """Register a converter: ``@register_converter`` or ``@register_converter(traced=True)`` (run first,
+    and only under ``convert(..., trace=True)``). Registering the same function twice is a no-op."""
+
+    def register(function: Converter) -> Converter:
+        registry = _TRACED_CONVERTERS if traced else _CONVERTERS
+        if function not in registry:
+            registry.append(function)
+        return function
+
+    return register if converter is None else register(converter)
 
 
 def is_converted(module: nn.Module) -> bool:
@@ -85,8 +96,8 @@ def carry_hooks(old: nn.Module, new: nn.Module) -> None:
             new.__dict__[name] = old.__dict__[name]
 
 
-def _convert_one(module: nn.Module) -> Conversion | None:
-    for converter in _CONVERTERS:
+def _convert_one(module: nn.Module, trace: bool) -> Conversion | None:
+    for converter in (*_TRACED_CONVERTERS, *_CONVERTERS) if trace else _CONVERTERS:
         answer = converter(module)
         if answer is not None:
             return answer
@@ -94,7 +105,11 @@ def _convert_one(module: nn.Module) -> Conversion | None:
 
 
 def convert(
-    model: nn.Module, *, modules: Sequence[str] | None = None, report: list[ConversionRecord] | None = None
+    model: nn.Module,
+    *,
+    modules: Sequence[str] | None = None,
+    report: list[ConversionRecord] | None = None,
+    trace: bool = False,
 ) -> nn.Module:
     """Swap supported submodules of ``model`` in place for their BPPSA versions.
 
@@ -104,6 +119,10 @@ def convert(
             converts every supported module.
         report: if given, one :class:`ConversionRecord` per module a converter looked at is appended,
             and one (``scanned``, ``already_converted``) per module that already was a BPPSA module.
+        trace: also look for layer chains in the ``forward()`` code of user-defined modules with
+            ``torch.fx`` and replace such a module by a ``GraphModule`` running them through the scan
+            (``lightning_bppsa.nn.traced`` says when it does; opt-in: tracing bakes in one path through
+            the Python code).
 
     Returns:
         The converted model (the same object unless ``model`` itself was replaced).
@@ -121,10 +140,12 @@ def convert(
         missing = sorted(wanted - known)
         if missing:
             raise ValueError(f"modules {missing} not found in {type(model).__name__}; known: {sorted(known)}")
-    return _convert(model, "", wanted, report)
+    return _convert(model, "", wanted, report, trace)
 
 
-def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list | None) -> nn.Module:
+def _convert(
+    module: nn.Module, path: str, wanted: set[str] | None, report: list | None, trace: bool
+) -> nn.Module:
     if is_converted(module):
         # converting twice (e.g. Trainer.validate after Trainer.fit) must keep it, and say it runs through
         # the scan: listed whatever ``wanted`` says, since the table tells where every backward runs
@@ -133,7 +154,7 @@ def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list
             reason = f"{name}: already a BPPSA module; backward through the scan"
             report.append(ConversionRecord(path or "<root>", name, True, reason, already_converted=True))
         return module
-    answer = _convert_one(module) if wanted is None or path in wanted else None
+    answer = _convert_one(module, trace) if wanted is None or path in wanted else None
     if answer is not None:
         if report is not None:
             scanned = answer.replacement is not None
@@ -142,7 +163,7 @@ def _convert(module: nn.Module, path: str, wanted: set[str] | None, report: list
             carry_hooks(module, answer.replacement)
             return answer.replacement
     for name, child in list(module.named_children()):
-        new = _convert(child, f"{path}.{name}" if path else name, wanted, report)
+        new = _convert(child, f"{path}.{name}" if path else name, wanted, report, trace)
         if new is not child:
             setattr(module, name, new)
             if name == "_orig_mod" and hasattr(module, "_initialize"):

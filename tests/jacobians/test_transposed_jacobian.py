@@ -1,12 +1,21 @@
 """Every analytic transposed Jacobian equals autograd's (transposed, densified), float64, exactly."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_bppsa.jacobians import BatchedCSR, is_supported, linearize, transposed_jacobian
+from lightning_bppsa.jacobians import (
+    BatchedCSR,
+    is_supported,
+    linearize,
+    output_dims,
+    refusal,
+    transposed_jacobian,
+)
 
 
 def autograd_jt(module, x):
@@ -165,7 +174,11 @@ def test_pooling_layers_with_one_window_share_its_pattern():
     x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
     patterns = [
         linearize(module, x)[1].pattern
-        for module in (nn.MaxPool2d(2), nn.AvgPool2d((2, 2), stride=2), nn.MaxPool2d((2, 2), stride=(2, 2), dilation=1))
+        for module in (
+            nn.MaxPool2d(2),
+            nn.AvgPool2d((2, 2), stride=2),
+            nn.MaxPool2d((2, 2), stride=(2, 2), dilation=1),
+        )
     ]
     assert patterns[0] is patterns[1] is patterns[2]
     assert linearize(nn.MaxPool2d(2, stride=1), x)[1].pattern is not patterns[0]
@@ -177,9 +190,58 @@ def test_unsupported_module_is_named():
         transposed_jacobian(nn.GELU(), torch.randn(3))
 
 
-def test_batchnorm_training_mode_is_refused():
-    with pytest.raises(NotImplementedError, match="eval mode"):
-        transposed_jacobian(nn.BatchNorm2d(2).train(), torch.randn(2, 3, 3))
+@pytest.mark.parametrize(
+    "module",
+    [nn.BatchNorm2d(2).train(), nn.BatchNorm2d(2, track_running_stats=False).eval()],
+    ids=["training", "no-running-stats"],
+)
+def test_batchnorm_with_batch_statistics_is_refused(module):
+    assert "couples the samples" in refusal(module)
+    with pytest.raises(NotImplementedError, match="training mode or without running statistics"):
+        transposed_jacobian(module, torch.randn(2, 3, 3))
+
+
+def test_refusal_and_output_dims_answer_before_anything_runs():
+    assert refusal(nn.Conv2d(1, 1, 3)) is None and "GELU" in refusal(nn.GELU())
+    assert "return_indices" in refusal(nn.MaxPool2d(2, return_indices=True))
+    assert output_dims(nn.Conv2d(1, 1, 3), 4) == 4 and output_dims(nn.Conv2d(1, 1, 3), 3) is None
+    assert output_dims(nn.Linear(2, 2), 3) == 3 and output_dims(nn.Linear(2, 2), 1) is None
+    assert output_dims(nn.Flatten(), 4) == 2 and output_dims(nn.Flatten(2, 3), 5) == 4
+    assert output_dims(nn.Flatten(0), 4) is None  # merges the batch
+    assert output_dims(nn.ReLU(), 1) == 1 and output_dims(nn.GELU(), 2) is None
+
+
+# input torch's forward rejects: torch's own error type and message, before any Jacobian is built
+BAD_INPUTS = {
+    "conv 5-D": (nn.Conv2d(1, 2, 3), (2, 1, 1, 5, 5)),
+    "maxpool kernel > input": (nn.MaxPool2d(4), (2, 1, 2, 2)),
+    "maxpool 5-D": (nn.MaxPool2d(2), (2, 1, 1, 4, 4)),
+    "avgpool 2-D": (nn.AvgPool2d(2), (2, 4)),
+    "batchnorm channels": (nn.BatchNorm2d(3).eval(), (2, 2, 3, 3)),
+    "linear features": (nn.Linear(3, 2), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_torchs_own_error(case):
+    module, shape = BAD_INPUTS[case]
+    x = torch.randn(shape)
+    with pytest.raises(Exception) as expected:
+        module(x)
+    with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
+        linearize(module, x)
+
+
+def test_input_torch_takes_unbatched_is_refused_as_a_batch():
+    with pytest.raises(ValueError, match=r"not as a batch"):
+        linearize(nn.Conv2d(1, 2, 3), torch.randn(1, 5, 5))
+
+
+def test_relu_jacobian_passes_nan_outputs_like_threshold_backward():
+    x = torch.tensor([1.0, -2.0, float("nan"), 0.0], dtype=torch.float64)
+    expected = autograd_jt(nn.ReLU(), x)
+    torch.testing.assert_close(transposed_jacobian(nn.ReLU(), x).to_dense(), expected, equal_nan=True)
+    assert transposed_jacobian(nn.ReLU(), x).to_dense()[2, 2] == 1
 
 
 def test_conv_padding_mode_is_refused():
