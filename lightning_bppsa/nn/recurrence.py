@@ -221,8 +221,7 @@ class Recurrence(nn.Module):
                 self._fell_back(reason, failed.sticky)
         if path == "autograd":
             states = self._loop(x, s0, spec)
-        if not torch.compiler.is_compiling():
-            self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
+        self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
         outputs = self._outputs(states, spec)
         final = spec.unflatten(states[:, -1])
         if unbatched:
