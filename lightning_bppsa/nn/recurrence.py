@@ -34,11 +34,15 @@ cells that modify their input state in place (seen in the forward). A cell that 
 through the loop for that call, re-drawn from the same RNG state, so the same seed gives the same masks
 as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected and not supported.
 
-``algorithm="auto"`` runs the scan when ``T > 1`` and the dense Jacobians (``B T d² `` elements) fit in
-``memory_budget`` bytes (1 GiB by default; the batched gradient needs a few times that at peak), else
-autograd through the loop. It does not predict speed: dense Jacobians of an opaque cell cost ``~d`` times
-a batched backward of the cell, which pays for long sequences and small ``B d²`` and loses for large
-ones (``benchmarks/results/cells-cpu.md``). Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
+``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the dense Jacobians
+(``B T d²`` elements) exceed ``memory_budget`` bytes (1 GiB by default; the batched gradient needs a few
+times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``, dtype, device, training
+mode): autograd's backward through the first ``k ≤ 256`` steps of the batch against the scan's Jacobians
+of the same steps, and runs the scan where it is faster. Dense Jacobians of an opaque cell cost ``~d``
+times a batched backward of the cell, so the scan pays for small ``B d²`` (e.g. ``B = 1``) and loses to
+autograd's per-step overhead for large ones (``benchmarks/results/cells-cpu.md``); a fixed rule would get
+it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
+or cannot be batched before the scan's forward. Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
 always run the scan with that algorithm. Autograd through the loop also runs where the scan has nothing
 to do or cannot run: gradients disabled or not needed, an empty batch or sequence, the meta device,
 ``torch.func`` transforms, and while ``torch.compile`` traces (it traces the plain loop). Under
@@ -48,6 +52,7 @@ backward replays the loop with autograd.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Union
@@ -66,6 +71,13 @@ State = Union[Tensor, tuple[Tensor, ...]]
 #: rows x d of one batched-gradient call: its (d, rows, k d) intermediates stay a few MiB, which measured
 #: ~2x faster than one call over all B T rows (GRU-like cell, d = 32, B T = 16000, one core)
 _JACOBIAN_ELEMENTS = 2**15
+
+#: at most this many steps of a batch are run by the ``"auto"`` probe (see ``Recurrence._probe``)
+_PROBE_STEPS = 256
+#: the scan's whole backward (Jacobians, scan, parameter VJP) over its Jacobians alone, as the probe predicts it
+_SCAN_OVERHEAD = 1.25
+#: the probe's clock (tests inject one)
+_timer = time.perf_counter
 
 #: errors a cell or torch raises where the batched calls cannot run the cell (vmap rules, in-place ops)
 _BATCHING_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
@@ -142,8 +154,9 @@ class Recurrence(nn.Module):
             ``output_fn(state) -> Tensor`` (the per-step output; default: the first state tensor).
             It must treat batch rows independently (see the module docstring).
         batch_first: input and output are ``(B, T, *)`` instead of ``(T, B, *)``.
-        algorithm: ``"auto"`` (scan when it fits ``memory_budget`` and ``T > 1``), ``"linear"``,
-            ``"blelloch"`` or ``"chunked"`` (see :func:`~lightning_bppsa.backprop_scan`).
+        algorithm: ``"auto"`` (scan where it fits ``memory_budget``, ``T > 1`` and measures faster than
+            autograd; see the module docstring), ``"linear"``, ``"blelloch"`` or ``"chunked"`` (always
+            the scan, with that algorithm of :func:`~lightning_bppsa.backprop_scan`).
         memory_budget: bytes the dense Jacobians ``(B, T, d, d)`` may take under ``"auto"``.
         verify: check in the backward that the batched cell calls reproduce the forward's states.
 
@@ -159,7 +172,7 @@ class Recurrence(nn.Module):
         ...         self.lin = nn.Linear(3 + 4, 4)
         ...     def forward(self, x, h):
         ...         return torch.tanh(self.lin(torch.cat([x, h], -1)))
-        >>> rnn = Recurrence(Cell())
+        >>> rnn = Recurrence(Cell(), algorithm="linear")    # "auto": measures which backward is faster
         >>> out, h_n = rnn(torch.randn(10, 2, 3))           # (T, B, I)
         >>> out.sum().backward()
         >>> out.shape, h_n.shape, rnn.last_stats["path"]
@@ -186,6 +199,7 @@ class Recurrence(nn.Module):
         self.memory_budget, self.verify = memory_budget, verify
         self.last_stats: dict[str, Any] = {}
         self._unbatchable: str | None = None  # set once the batched calls failed for this cell
+        self._choices: dict[tuple, tuple[str, str | None]] = {}  # "auto"'s measured choice per batch shape
         self._warned = False
 
     def extra_repr(self) -> str:
@@ -283,7 +297,50 @@ class Recurrence(nn.Module):
             need = batch * steps * spec.width**2 * torch.finfo(spec.dtype).bits // 8
             if need > self.memory_budget:
                 return "autograd", f"auto: the dense Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+            modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
+            key = (batch, spec.width, spec.dtype, x.device, modes)
+            if key not in self._choices:
+                self._choices[key] = self._probe(x, s0, spec, params)
+            return self._choices[key]
         return "scan", None
+
+    def _probe(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
+        """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
+
+        Times autograd's backward through ``k`` steps of the loop and the scan's Jacobians of the same
+        ``B k`` rows (both grow linearly with ``T``; ``k`` fills one batched-gradient call where it can, so
+        the per-row cost is the real one); the scan runs where ``_SCAN_OVERHEAD`` times the latter is less.
+        Runs under a forked RNG (the batch's own random numbers are not consumed); a cell that draws random
+        numbers or cannot be batched is found here, before the scan's forward.
+        """
+        batch, steps = x.shape[:2]
+        k = min(steps, _PROBE_STEPS, max(16, -(-_chunk_rows(spec.width) // batch)))
+        x_k = x[:, :k].detach()
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
+            rng = _rng_state(x.device)
+            s0_leaf = s0.detach().requires_grad_()
+            states = self._loop(x_k, s0_leaf.clone(), spec)  # a clone: a cell may modify its state in place
+            if not _same_rng(x.device, rng):
+                reason = "the cell draws random numbers (e.g. dropout in training mode)"
+                self._fell_back(reason, sticky=False)
+                return "autograd", reason
+            start = _timer()
+            torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
+            middle = _timer()
+            try:
+                _step_jacobians(self, spec, x_k.reshape(batch * k, *x_k.shape[2:]), states.detach())
+            except (*_BATCHING_ERRORS, _RowsMixed) as error:
+                reason = _failure_reason(error)
+                self._fell_back(reason, sticky=True)
+                return "autograd", reason
+            end = _timer()
+        autograd, scan = middle - start, _SCAN_OVERHEAD * (end - middle)
+        if scan < autograd:
+            return "scan", None
+        return "autograd", (
+            f"auto: measured on {k} steps, the scan's backward (~{scan * 1e3:.2f} ms) does not beat "
+            f"autograd's (~{autograd * 1e3:.2f} ms)"
+        )
 
     def _loop(self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None) -> Tensor:
         """The states ``(B, T + 1, d)`` of the Python loop over time (recorded by autograd where grad mode is on).
@@ -363,11 +420,8 @@ class _ScanFunction(torch.autograd.Function):
         if not create_graph and not reference_backward_enabled():
             try:
                 grads = _scan_grads(module, spec, x, states, params, needs, grad_states)
-            except _BATCHING_ERRORS as error:
-                reason = f"the batched cell calls failed ({type(error).__name__}: {str(error).splitlines()[0]})"
-                _record_fallback(module, reason)
-            except _RowsMixed as error:
-                _record_fallback(module, str(error))
+            except (*_BATCHING_ERRORS, _RowsMixed) as error:
+                _record_fallback(module, _failure_reason(error))
         if grads is None:
             grads = _replay_grads(module, spec, x, s0, params, needs, grad_states, create_graph)
         return (None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
@@ -375,6 +429,12 @@ class _ScanFunction(torch.autograd.Function):
 
 class _RowsMixed(Exception):
     """The batched cell calls did not reproduce the forward's states."""
+
+
+def _failure_reason(error: Exception) -> str:
+    if isinstance(error, _RowsMixed):
+        return str(error)
+    return f"the batched cell calls failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})"
 
 
 def _record_fallback(module: Recurrence, reason: str) -> None:
@@ -397,11 +457,43 @@ def _scan_grads(
     rows = batch * steps
     start = clock()
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
+    jacobians_t, outs = _step_jacobians(module, spec, x_flat, states)
+    record(module.last_stats, "jacobian_seconds", clock() - start, add=True)
+    start = clock()
+    # a loss on the last state only needs no affine rows
+    only_last = steps == 1 or not grad_states[:, :-1].count_nonzero()
+    direct = grad_states[:, -1].contiguous() if only_last else grad_states
+    g = backprop_scan(jacobians_t.view(batch, steps, d, d), direct, algorithm=module.algorithm)
+    record(module.last_stats, "scan_seconds", clock() - start, add=True)
+    # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
+    wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
+    found: tuple[Tensor | None, ...] = ()
+    if wanted and outs:
+        cotangent = g[:, 1:].reshape(rows, d)
+        found = torch.autograd.grad(
+            [new for new, _, _ in outs], wanted, [cotangent[lo:hi] for _, lo, hi in outs], allow_unused=True
+        )
+    found_iter = iter(found)
+    x_grad = next(found_iter, None) if needs[0] and outs else None
+    param_grads = [next(found_iter, None) if need and outs else None for need in needs[2:]]
+    return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
+
+
+def _step_jacobians(
+    module: Recurrence, spec: _StateSpec, x_flat: Tensor, states: Tensor
+) -> tuple[Tensor, list[tuple[Tensor, int, int]]]:
+    """The transposed step Jacobians ``(B T, d, d)`` of all steps (rows ``(b, t)``), from batched cell calls.
+
+    Returns them and the calls' outputs ``(new states, lo, hi)`` (graphs kept for the parameter VJP).
+    Raises :class:`_RowsMixed` (``module.verify``) when the calls do not reproduce ``states``.
+    """
+    batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
+    rows = batch * steps
     prev_all, next_all = states[:, :-1].reshape(rows, d), states[:, 1:].reshape(rows, d)
     jacobians_t = states.new_empty(rows, d, d)
     eye = torch.eye(d, dtype=states.dtype, device=states.device)
     tolerance = torch.finfo(states.dtype).eps ** 0.5
-    chunk = max(1, _JACOBIAN_ELEMENTS // d)
+    chunk = _chunk_rows(d)
     outs = []
     for lo in range(0, rows, chunk):
         hi = min(lo + chunk, rows)
@@ -422,25 +514,12 @@ def _scan_grads(
         )
         jacobians_t[lo:hi] = jac.permute(1, 2, 0)  # jac[k, r, j] = ∂s_r[k]/∂s_{r-1}[j]
         outs.append((new, lo, hi))
-    record(module.last_stats, "jacobian_seconds", clock() - start, add=True)
-    start = clock()
-    # a loss on the last state only needs no affine rows
-    only_last = steps == 1 or not grad_states[:, :-1].count_nonzero()
-    direct = grad_states[:, -1].contiguous() if only_last else grad_states
-    g = backprop_scan(jacobians_t.view(batch, steps, d, d), direct, algorithm=module.algorithm)
-    record(module.last_stats, "scan_seconds", clock() - start, add=True)
-    # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
-    wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
-    found: tuple[Tensor | None, ...] = ()
-    if wanted and outs:
-        cotangent = g[:, 1:].reshape(rows, d)
-        found = torch.autograd.grad(
-            [new for new, _, _ in outs], wanted, [cotangent[lo:hi] for _, lo, hi in outs], allow_unused=True
-        )
-    found_iter = iter(found)
-    x_grad = next(found_iter, None) if needs[0] and outs else None
-    param_grads = [next(found_iter, None) if need and outs else None for need in needs[2:]]
-    return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
+    return jacobians_t, outs
+
+
+def _chunk_rows(d: int) -> int:
+    """Rows per batched-gradient call."""
+    return max(1, _JACOBIAN_ELEMENTS // d)
 
 
 def _replay_grads(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -11,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bppsa import BPPSAStrategy
-from lightning_bppsa.nn import Recurrence, convert, reference_backward
+from lightning_bppsa.nn import Recurrence, convert, recurrence, reference_backward
 from lightning_bppsa.nn.convert import is_converted
 from lightning_bppsa.testing import assert_derived_close
 
@@ -69,6 +71,19 @@ class PeepholeLSTM(nn.Module):
 CELLS = {"gated": GatedCell, "ind": IndCell, "lstm": PeepholeLSTM}
 
 
+def fake_timer(monkeypatch, autograd_seconds, jacobian_seconds):
+    """Inject the "auto" probe's clock: each probe reads it 3 times (start, after autograd, after Jacobians)."""
+    calls = []
+    values = itertools.accumulate(itertools.cycle([0.0, autograd_seconds, jacobian_seconds]))
+    monkeypatch.setattr(recurrence, "_timer", lambda: calls.append(None) or next(values))
+    return calls
+
+
+@pytest.fixture
+def scan_wins(monkeypatch):
+    return fake_timer(monkeypatch, 1.0, 0.1)
+
+
 def _zeros(cell, batch, dtype=F64):
     sizes = cell.state_size
     return tuple(torch.zeros(batch, s, dtype=dtype) for s in sizes) if isinstance(sizes, tuple) else torch.zeros(
@@ -102,9 +117,9 @@ def grads(fn, leaves, params, where):
     return out.detach(), [t.grad for t in [*leaves, *params]]
 
 
-def compare(cell, x, state0, *, where="every", batch_first=False, **kwargs):
-    """Recurrence vs the loop: same outputs and gradients (float64, 1e-10); returns the module."""
-    rec = Recurrence(cell, batch_first=batch_first, **kwargs)
+def compare(cell, x, state0, *, where="every", batch_first=False, rec=None, **kwargs):
+    """Recurrence (``rec`` or a new one) vs the loop: same outputs and gradients (float64, 1e-10)."""
+    rec = rec or Recurrence(cell, batch_first=batch_first, **kwargs)
     given = state0 if state0 is not None else _zeros(cell, x.shape[0 if batch_first else 1], x.dtype)
     leaves = [x] + ([] if state0 is None else list(state0) if isinstance(state0, tuple) else [state0])
     params = list(cell.parameters())
@@ -132,7 +147,7 @@ def make(kind, batch, steps, inputs=3, hidden=5, dtype=F64, with_state0=True, ba
 @pytest.mark.parametrize("kind", sorted(CELLS))
 @pytest.mark.parametrize("where", ["every", "last"])
 @pytest.mark.parametrize(("batch", "steps", "with_state0", "batch_first"), [(3, 7, True, False), (1, 11, False, True)])
-def test_gradients_equal_autograd_through_the_loop(kind, where, batch, steps, with_state0, batch_first):
+def test_gradients_equal_autograd_through_the_loop(kind, where, batch, steps, with_state0, batch_first, scan_wins):
     cell, x, state0 = make(kind, batch, steps, with_state0=with_state0, batch_first=batch_first)
     rec = compare(cell, x, state0, where=where, batch_first=batch_first)
     assert rec.last_stats["path"] == "scan" and rec.last_stats["reason"] is None
@@ -186,9 +201,10 @@ class DropoutCell(GatedCell):
         return super().forward(self.drop(x), h)
 
 
-def test_dropout_in_the_cell_runs_autograd_with_the_same_masks_and_eval_scans():
+@pytest.mark.parametrize("algorithm", ["auto", "linear"])  # found by the probe / by the scan's forward
+def test_dropout_in_the_cell_runs_autograd_with_the_same_masks_and_eval_scans(algorithm, scan_wins):
     cell, x, h0 = DropoutCell(3, 5).double(), *make("gated", 3, 9)[1:]
-    rec = Recurrence(cell)
+    rec = Recurrence(cell, algorithm=algorithm)
     params = list(cell.parameters())
     torch.manual_seed(7)
     with pytest.warns(RuntimeWarning, match="draws random numbers"):
@@ -202,7 +218,7 @@ def test_dropout_in_the_cell_runs_autograd_with_the_same_masks_and_eval_scans():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert rec.last_stats["path"] == "autograd" and "random" in rec.last_stats["reason"]
     cell.eval()
-    compare(cell, x, h0)  # no random numbers in eval mode: the same module scans again
+    compare(cell, x, h0, algorithm=algorithm)  # no random numbers in eval mode: the same module scans again
     rec(x, h0)
     assert rec.last_stats["path"] == "scan"
 
@@ -251,18 +267,19 @@ class NoVmapCell(GatedCell):
     [
         (BatchNormedCell, "independently"),
         (ItemCell, "independently"),
-        (InPlaceCell, "in place"),
+        (InPlaceCell, "in.place"),
         (NoVmapCell, "batched cell calls failed"),
     ],
 )
-def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(cell_cls, reason):
+@pytest.mark.parametrize("algorithm", ["auto", "linear"])  # found by the probe / by the scan's forward or backward
+def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(cell_cls, reason, algorithm):
     torch.manual_seed(3)
     cell = cell_cls(3, 5).double()
     x = (torch.randn(9, 4, 3, dtype=F64) * 3).requires_grad_()
     with pytest.warns(RuntimeWarning, match=reason) as record:
-        rec = compare(cell, x, None)
+        rec = compare(cell, x, None, algorithm=algorithm)
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
-    assert rec.last_stats["path"] == "autograd" and reason in rec.last_stats["reason"]
+    assert rec.last_stats["path"] == "autograd" and re.search(reason, rec.last_stats["reason"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per module
         rec(x)[0].sum().backward()
@@ -331,7 +348,7 @@ def test_bad_arguments_are_rejected():
         Recurrence(cell)(torch.randn(5, 4, 2))
 
 
-def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit():
+def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit(scan_wins):
     cell, x, h0 = make("gated", 3, 6)
     assert compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"] == "auto: one step, nothing to scan"
     rec = compare(cell, x, h0, memory_budget=3 * 6 * 25 * 8 - 1)
@@ -360,6 +377,20 @@ def test_double_backward_and_reference_backward_equal_autograd():
         (g_ref,) = torch.autograd.grad(out.sum(), cell.gates.weight, retain_graph=True)
     (g_scan,) = torch.autograd.grad(out.sum(), cell.gates.weight)
     torch.testing.assert_close(g_scan, g_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_measures_once_per_batch_shape_and_keeps_the_faster_backward(monkeypatch):
+    cell, x, h0 = make("gated", 3, 40)
+    calls = fake_timer(monkeypatch, 0.1, 1.0)  # the scan's Jacobians measure slower than autograd
+    rec = compare(cell, x, h0)
+    assert rec.last_stats["path"] == "autograd" and "does not beat autograd" in rec.last_stats["reason"]
+    compare(cell, x, h0, rec=rec)
+    assert len(calls) == 3  # measured once for this shape
+    rec.train(False)
+    calls = fake_timer(monkeypatch, 1.0, 0.1)
+    assert compare(cell, x, h0, rec=rec).last_stats["path"] == "scan" and len(calls) == 3  # another mode
+    _, x1, h1 = make("gated", 1, 40)
+    assert compare(cell, x1, h1, rec=rec).last_stats["path"] == "scan" and len(calls) == 6  # another B
 
 
 def test_torch_func_runs_autograd_through_the_loop():
