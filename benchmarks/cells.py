@@ -2,6 +2,7 @@
 
 Three cells written here the way a researcher would (a GRU-like gated cell, an IndRNN-style diagonal
 cell, an LSTM variant with a tuple state), looped over time in Python. Per row, same weights, both arms
+(the scan forced with ``algorithm="linear"``; and what ``"auto"`` picks)
 interleaved in one process: forward (the loop recorded by autograd vs ``Recurrence``'s unrecorded loop),
 backward alone (``torch.autograd.grad`` on a graph recorded once, ``retain_graph=True``) and a whole step
 (forward + backward), medians of ``torch.utils.benchmark``; the Recurrence backward's split into
@@ -94,14 +95,17 @@ def python_loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run_time: float) -> dict:
-    """Timings (seconds) and peaks (bytes) of both arms for one row."""
+    """Timings (seconds) and peaks (bytes) of the loop and of the forced scan for one row, and what
+    ``"auto"`` picks; the scan arm is skipped (``None``) where its Jacobians exceed ``budget`` bytes."""
     torch.manual_seed(0)
     cell = CELLS[kind](INPUTS, hidden)
-    rec = Recurrence(cell, memory_budget=budget)
     x = torch.randn(steps, batch, INPUTS, requires_grad=True)
     leaves = [x, *cell.parameters()]
-    arms = {"autograd": lambda: python_loop(cell, x), "rec": lambda: rec(x)[0]}
-    result: dict = {}
+    scan = Recurrence(cell, algorithm="linear")  # on CPU "auto" resolves the scan itself to "linear"
+    d = hidden * (2 if isinstance(cell.state_size, tuple) else 1)
+    fits = batch * steps * d * d * 4 <= budget
+    arms = {"loop": lambda: python_loop(cell, x), "scan": lambda: scan(x)[0]} if fits else {"loop": lambda: python_loop(cell, x)}
+    result: dict = {"d": d}
 
     def step(forward):
         torch.autograd.grad(forward().pow(2).mean(), leaves)
@@ -118,28 +122,36 @@ def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run
         result[f"step_{name}"] = median_seconds(lambda forward=forward: step(forward), min_run_time)
     for name, forward in arms.items():
         result[f"peak_{name}"] = peak_memory_bytes(lambda forward=forward: step(forward))
-    step(arms["rec"])  # one more for the split of its backward
-    result.update(path=rec.last_stats["path"], reason=rec.last_stats["reason"])
-    result.update(jac=rec.last_stats.get("jacobian_seconds", 0.0), scan=rec.last_stats.get("scan_seconds", 0.0))
+    if fits:
+        step(arms["scan"])  # one more for the split of its backward
+        result.update(jac=scan.last_stats["jacobian_seconds"], scan=scan.last_stats["scan_seconds"])
+    auto = Recurrence(cell, memory_budget=budget)
+    step(lambda: auto(x)[0])
+    result.update(auto=auto.last_stats["path"], auto_reason=auto.last_stats["reason"])
     return result
 
 
 HEADER = (
-    "| cell | H | B | T | d | path | fwd ms loop | fwd ms Recurrence | bwd ms loop | bwd ms Recurrence "
-    "| bwd speedup | step ms loop | step ms Recurrence | step speedup | Jacobians ms | scan ms "
-    "| peak MiB loop | peak MiB Recurrence |\n|" + " --- |" * 18
+    "| cell | H | B | T | d | fwd ms loop | fwd ms scan | bwd ms loop | bwd ms scan | bwd speedup "
+    "| step ms loop | step ms scan | step speedup | Jacobians ms | scan ms | peak MiB loop | peak MiB scan "
+    "| auto picks |\n|" + " --- |" * 18
 )
 
 
 def row(kind: str, hidden: int, batch: int, steps: int, r: dict) -> str:
     ms, mib = 1e3, 2.0**-20
-    d = hidden * (2 if isinstance(CELLS[kind](1, 1).state_size, tuple) else 1)
-    path = r["path"] if r["reason"] is None else f"{r['path']} ({r['reason']})"
+    auto = r["auto"] if r["auto_reason"] is None else f"{r['auto']} ({r['auto_reason']})"
+    head = f"| {kind} | {hidden} | {batch} | {steps} | {r['d']} "
+    if "bwd_scan" not in r:
+        return (
+            head + f"| {r['fwd_loop'] * ms:.1f} | not run | {r['bwd_loop'] * ms:.1f} | not run | - "
+            f"| {r['step_loop'] * ms:.1f} | not run | - | - | - | {r['peak_loop'] * mib:.1f} | - | {auto} |"
+        )
     return (
-        f"| {kind} | {hidden} | {batch} | {steps} | {d} | {path} | {r['fwd_autograd'] * ms:.1f} | {r['fwd_rec'] * ms:.1f} "
-        f"| {r['bwd_autograd'] * ms:.1f} | {r['bwd_rec'] * ms:.1f} | {r['bwd_autograd'] / r['bwd_rec']:.2f}x "
-        f"| {r['step_autograd'] * ms:.1f} | {r['step_rec'] * ms:.1f} | {r['step_autograd'] / r['step_rec']:.2f}x "
-        f"| {r['jac'] * ms:.1f} | {r['scan'] * ms:.1f} | {r['peak_autograd'] * mib:.1f} | {r['peak_rec'] * mib:.1f} |"
+        head + f"| {r['fwd_loop'] * ms:.1f} | {r['fwd_scan'] * ms:.1f} "
+        f"| {r['bwd_loop'] * ms:.1f} | {r['bwd_scan'] * ms:.1f} | {r['bwd_loop'] / r['bwd_scan']:.2f}x "
+        f"| {r['step_loop'] * ms:.1f} | {r['step_scan'] * ms:.1f} | {r['step_loop'] / r['step_scan']:.2f}x "
+        f"| {r['jac'] * ms:.1f} | {r['scan'] * ms:.1f} | {r['peak_loop'] * mib:.1f} | {r['peak_scan'] * mib:.1f} | {auto} |"
     )
 
 
@@ -156,12 +168,12 @@ def main() -> None:
     args = parser.parse_args()
     start, load_before = time.perf_counter(), os.getloadavg()
     lines = []
-    for title, rows in [("Headline rows (targets: backward >= 10x, step >= 3x at gated H=32 B=16 T=1000)", HEADLINE)] + (
-        [] if args.quick else [("Grid, algorithm 'auto'", GRID)]
-    ):
+    sections = [("Headline rows (targets: backward >= 10x, step >= 3x at B=16 T=1000 H=32)", HEADLINE)]
+    for title, rows in sections + ([] if args.quick else [("Grid", GRID)]):
         lines += ["", f"## {title}", "", HEADER]
         for kind, hidden, batch, steps in rows:
-            lines.append(row(kind, hidden, batch, steps, measure(kind, hidden, batch, steps, args.memory_budget, args.min_run_time)))
+            result = measure(kind, hidden, batch, steps, args.memory_budget, args.min_run_time)
+            lines.append(row(kind, hidden, batch, steps, result))
             print(lines[-1], flush=True)
     load_after = os.getloadavg()
     head = [
@@ -174,10 +186,13 @@ def main() -> None:
         "(a shared 2-core machine: other engineers' tests ran beside it).",
         "",
         "Input size 8, float32, loss = mean of the squared outputs of every step. `d` = the flat state size. "
-        f"`Recurrence(cell, memory_budget={args.memory_budget})`, algorithm 'auto'. Forward, backward (alone, on "
-        "a graph recorded once) and whole step: medians of torch.utils.benchmark, both arms interleaved. "
-        "Jacobians / scan: the Recurrence backward's two parts (`last_stats`). Peak: resident-set growth during "
-        "one step.",
+        "loop = autograd through the Python loop; scan = `Recurrence(cell, algorithm='linear')` (the scan forced; "
+        "not run where its dense Jacobians exceed --memory-budget = "
+        f"{args.memory_budget / 2**20:.0f} MiB). Forward, backward (alone, on a graph recorded once) and whole "
+        "step: medians of torch.utils.benchmark, both arms interleaved. Jacobians / scan: the scan backward's "
+        "two main parts (`last_stats`; the rest is the parameter VJP). Peak: resident-set growth during one step. "
+        f"auto picks: what `Recurrence(cell, memory_budget={args.memory_budget})` (algorithm 'auto', which "
+        "measures both backwards on the batch's first steps) chose for the row.",
     ]
     lines = head + lines + ["", f"Total benchmark time: {time.perf_counter() - start:.0f} s.", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
