@@ -294,7 +294,7 @@ class Recurrence(nn.Module):
         if self.algorithm == "auto":
             if steps == 1:
                 return "autograd", "auto: one step, nothing to scan"
-            need = batch * steps * spec.width**2 * torch.finfo(spec.dtype).bits // 8
+            need = batch * steps * spec.width**2 * spec.dtype.itemsize
             if need > self.memory_budget:
                 return "autograd", f"auto: the dense Jacobians need {need} bytes > memory_budget={self.memory_budget}"
             modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
@@ -324,16 +324,16 @@ class Recurrence(nn.Module):
                 reason = "the cell draws random numbers (e.g. dropout in training mode)"
                 self._fell_back(reason, sticky=False)
                 return "autograd", reason
-            start = _timer()
+            start = _synchronized_time(x.device)
             torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
-            middle = _timer()
+            middle = _synchronized_time(x.device)
             try:
                 _step_jacobians(self, spec, x_k.reshape(batch * k, *x_k.shape[2:]), states.detach())
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 reason = _failure_reason(error)
                 self._fell_back(reason, sticky=True)
                 return "autograd", reason
-            end = _timer()
+            end = _synchronized_time(x.device)
         autograd, scan = middle - start, _SCAN_OVERHEAD * (end - middle)
         if scan < autograd:
             return "scan", None
@@ -547,6 +547,13 @@ def _replay_grads(
     wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
     found = iter(torch.autograd.grad(states, wanted, grad_states, allow_unused=True, create_graph=create_graph))
     return [next(found) if need else None for need in needs]
+
+
+def _synchronized_time(device: torch.device) -> float:
+    """The probe's clock once ``device`` has finished its queued work (a sync on CUDA, once per batch shape)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _timer()
 
 
 def _rng_state(device: torch.device) -> list[Tensor]:
