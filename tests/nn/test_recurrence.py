@@ -9,6 +9,8 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -464,3 +466,30 @@ def test_torch_compile_traces_the_plain_loop_and_says_so():
     (g,) = torch.autograd.grad(out.sum(), cell.ih.weight)
     (g_ref,) = torch.autograd.grad(ref_out.sum(), cell.ih.weight)
     torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    steps=st.integers(1, 9),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    as_tuple=st.booleans(),
+    algorithm=st.sampled_from(["linear", "blelloch", "chunked"]),
+)
+def test_random_shapes_and_state_layouts_match_the_loop(batch, steps, sizes, as_tuple, algorithm):
+    class Mixer(nn.Module):
+        """Every state tensor is updated from all of them: a dense Jacobian across the tuple."""
+
+        def __init__(self):
+            super().__init__()
+            self.state_size = tuple(sizes) if as_tuple or len(sizes) > 1 else sizes[0]
+            self.lin = nn.Linear(2 + sum(sizes), sum(sizes), dtype=F64)
+
+        def forward(self, x, state):
+            flat = torch.cat([x, *state] if isinstance(state, tuple) else [x, state], -1)
+            new = torch.tanh(self.lin(flat)).split(sizes, -1)
+            return tuple(new) if isinstance(state, tuple) else new[0]
+
+    cell = Mixer()
+    x = torch.randn(steps, batch, 2, dtype=F64, requires_grad=True)
+    compare(cell, x, None, algorithm=algorithm)
