@@ -309,6 +309,18 @@ class WrongArity(nn.Module):
         return (state[0],)
 
 
+class ShapeChangesMidway(nn.Module):
+    state_size = 4
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x, h):
+        self.calls += 1
+        return h[:1] if self.calls == 3 else h + x.sum()
+
+
 class NoSize(nn.Module):
     def forward(self, x, h):
         return h
@@ -317,17 +329,18 @@ class NoSize(nn.Module):
 @pytest.mark.parametrize(
     ("cell", "match"),
     [
-        (WrongShape(), "output state shape must equal the input state shape"),
-        (WrongDtype(), "state dtypes must not differ"),
-        (WrongArity(), "same tuple arity"),
-        (NoSize(), "state0 is None and NoSize.state_size is None"),
+        (WrongShape, "output state shape must equal the input state shape"),
+        (ShapeChangesMidway, "output state shape must equal the input state shape"),
+        (WrongDtype, "state dtypes must not differ"),
+        (WrongArity, "same tuple arity"),
+        (NoSize, "state0 is None and NoSize.state_size is None"),
     ],
 )
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_bad_cells_get_an_error_naming_the_rule(cell, match, requires_grad):
     x = torch.randn(5, 2, 3, dtype=F64, requires_grad=requires_grad)
     with pytest.raises(ValueError, match=match):
-        Recurrence(cell)(x)
+        Recurrence(cell())(x)
 
 
 def test_bad_arguments_are_rejected():
