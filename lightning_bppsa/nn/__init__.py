@@ -7,11 +7,13 @@ from lightning_bppsa.nn import chain, recurrent, traced  # noqa: F401  (traced r
 from lightning_bppsa.nn._reference_backward import reference_backward
 from lightning_bppsa.nn.chain import *  # noqa: F403
 from lightning_bppsa.nn.convert import Conversion, ConversionRecord, convert, register_converter
+from lightning_bppsa.nn.recurrence import Recurrence
 from lightning_bppsa.nn.recurrent import *  # noqa: F403
 
 __all__ = [
     "Conversion",
     "ConversionRecord",
+    "Recurrence",
     "convert",
     "reference_backward",
     "register_converter",

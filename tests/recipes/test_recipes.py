@@ -25,6 +25,7 @@ SMOKE = {
         "--data.stand_in_val=8",
         "--data.batch_size=8",
     ],
+    "ligru_bitstream": ["--data.seq_len=30", "--data.num_samples=32", "--data.val_samples=8", "--data.batch_size=8"],
     "lenet5_convergence": ["--data.stand_in_train=64", "--data.stand_in_val=16", "--data.batch_size=16"],
 }
 COMMON = [

@@ -1,0 +1,203 @@
+"""User-written recurrent cells on CPU: autograd through the Python loop vs ``lightning_bppsa.nn.Recurrence``.
+
+Three cells written here the way a researcher would (a GRU-like gated cell, an IndRNN-style diagonal
+cell, an LSTM variant with a tuple state), looped over time in Python. Per row, same weights, both arms
+(the scan forced with ``algorithm="linear"``; and what ``"auto"`` picks)
+interleaved in one process: forward (the loop recorded by autograd vs ``Recurrence``'s unrecorded loop),
+backward alone (``torch.autograd.grad`` on a graph recorded once, ``retain_graph=True``) and a whole step
+(forward + backward), medians of ``torch.utils.benchmark``; the Recurrence backward's split into
+Jacobians (batched cell gradients) and scan from ``last_stats``; peak = resident-set growth during one
+step. Loss on every step's output, float32, input size 8.
+
+    OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py          # the grid
+    OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # headline rows
+
+Writes ``benchmarks/results/cells-cpu.md`` (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_bppsa.bench.measure import machine_description, median_seconds, peak_memory_bytes
+from lightning_bppsa.nn import Recurrence
+
+RESULTS = Path(__file__).parent / "results" / "cells-cpu.md"
+INPUTS = 8
+
+
+class GatedCell(nn.Module):
+    """A minimal GRU-like cell: update and reset gates, ``h' = (1 - z) n + z h``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, 3 * hidden), nn.Linear(hidden, 3 * hidden, bias=False)
+
+    def forward(self, x, h):
+        z, r, n = self.ih(x).chunk(3, -1)
+        hz, hr, hn = self.hh(h).chunk(3, -1)
+        z, r = torch.sigmoid(z + hz), torch.sigmoid(r + hr)
+        return (1 - z) * torch.tanh(n + r * hn) + z * h
+
+
+class IndRNNCell(nn.Module):
+    """IndRNN: ``h' = relu(x W + u ⊙ h + b)``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.lin = nn.Linear(inputs, hidden)
+        self.u = nn.Parameter(torch.rand(hidden))
+
+    def forward(self, x, h):
+        return torch.relu(self.lin(x) + self.u * h)
+
+
+class LSTMVariant(nn.Module):
+    """An LSTM with coupled input and forget gates (``i = 1 - f``) and a tuple state ``(h, c)``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.gates = nn.Linear(inputs + hidden, 3 * hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        f, g, o = self.gates(torch.cat([x, h], -1)).chunk(3, -1)
+        f = torch.sigmoid(f)
+        c = f * c + (1 - f) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
+CELLS = {"gated": GatedCell, "indrnn": IndRNNCell, "lstm": LSTMVariant}
+HEADLINE = [("gated", 32, 16, 1000), ("indrnn", 32, 16, 1000), ("lstm", 32, 16, 1000), ("gated", 32, 1, 1000)]
+GRID = [(c, h, b, t) for c in CELLS for h in (16, 32, 64) for b in (1, 16) for t in (100, 1000)]
+
+
+def python_loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The baseline: the loop a user writes, recorded by autograd; per-step outputs ``(T, B, H)``."""
+    size = cell.state_size
+    sizes = size if isinstance(size, tuple) else (size,)
+    zeros = tuple(x.new_zeros(x.shape[1], s) for s in sizes)
+    state, outs = zeros if isinstance(size, tuple) else zeros[0], []
+    for x_t in x:
+        state = cell(x_t, state)
+        outs.append(state[0] if isinstance(state, tuple) else state)
+    return torch.stack(outs)
+
+
+def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run_time: float) -> dict:
+    """Timings (seconds) and peaks (bytes) of the loop and of the forced scan for one row, and what
+    ``"auto"`` picks; the scan arm is skipped (``None``) where its Jacobians exceed ``budget`` bytes."""
+    torch.manual_seed(0)
+    cell = CELLS[kind](INPUTS, hidden)
+    x = torch.randn(steps, batch, INPUTS, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    scan = Recurrence(cell, algorithm="linear")  # on CPU "auto" resolves the scan itself to "linear"
+    d = hidden * (2 if isinstance(cell.state_size, tuple) else 1)
+    fits = batch * steps * d * d * 4 <= budget
+    arms = {"loop": lambda: python_loop(cell, x), "scan": lambda: scan(x)[0]} if fits else {"loop": lambda: python_loop(cell, x)}
+    result: dict = {"d": d}
+
+    def step(forward):
+        torch.autograd.grad(forward().pow(2).mean(), leaves)
+
+    for name, forward in arms.items():  # interleaved: each quantity for both arms before the next
+        result[f"fwd_{name}"] = median_seconds(forward, min_run_time)
+    for name, forward in arms.items():
+        loss = forward().pow(2).mean()
+        result[f"bwd_{name}"] = median_seconds(
+            lambda loss=loss: torch.autograd.grad(loss, leaves, retain_graph=True), min_run_time
+        )
+        del loss
+    for name, forward in arms.items():
+        result[f"step_{name}"] = median_seconds(lambda forward=forward: step(forward), min_run_time)
+    for name, forward in arms.items():
+        result[f"peak_{name}"] = peak_memory_bytes(lambda forward=forward: step(forward))
+    if fits:
+        step(arms["scan"])  # one more for the split of its backward
+        result.update(jac=scan.last_stats["jacobian_seconds"], scan=scan.last_stats["scan_seconds"])
+    auto = Recurrence(cell, memory_budget=budget)
+    step(lambda: auto(x)[0])
+    result.update(auto=auto.last_stats["path"], auto_reason=auto.last_stats["reason"])
+    return result
+
+
+HEADER = (
+    "| cell | H | B | T | d | fwd ms loop | fwd ms scan | bwd ms loop | bwd ms scan | bwd speedup "
+    "| step ms loop | step ms scan | step speedup | Jacobians ms | scan ms | peak MiB loop | peak MiB scan "
+    "| auto picks |\n|" + " --- |" * 18
+)
+
+
+def row(kind: str, hidden: int, batch: int, steps: int, r: dict) -> str:
+    ms, mib = 1e3, 2.0**-20
+    auto = r["auto"] if r["auto_reason"] is None else f"{r['auto']} ({r['auto_reason']})"
+    head = f"| {kind} | {hidden} | {batch} | {steps} | {r['d']} "
+    if "bwd_scan" not in r:
+        return (
+            head + f"| {r['fwd_loop'] * ms:.1f} | not run | {r['bwd_loop'] * ms:.1f} | not run | - "
+            f"| {r['step_loop'] * ms:.1f} | not run | - | - | - | {r['peak_loop'] * mib:.1f} | - | {auto} |"
+        )
+    return (
+        head + f"| {r['fwd_loop'] * ms:.1f} | {r['fwd_scan'] * ms:.1f} "
+        f"| {r['bwd_loop'] * ms:.1f} | {r['bwd_scan'] * ms:.1f} | {r['bwd_loop'] / r['bwd_scan']:.2f}x "
+        f"| {r['step_loop'] * ms:.1f} | {r['step_scan'] * ms:.1f} | {r['step_loop'] / r['step_scan']:.2f}x "
+        f"| {r['jac'] * ms:.1f} | {r['scan'] * ms:.1f} | {r['peak_loop'] * mib:.1f} | {r['peak_scan'] * mib:.1f} | {auto} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="headline rows only")
+    parser.add_argument("--min-run-time", type=float, default=0.2)
+    parser.add_argument(
+        "--memory-budget", type=int, default=2**28,
+        help="Recurrence(memory_budget=...) in bytes: rows whose dense Jacobians exceed it run autograd "
+        "(default 256 MiB, to keep the grid under ~8 minutes; the module's default is 1 GiB)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    start, load_before = time.perf_counter(), os.getloadavg()
+    lines = []
+    sections = [("Headline rows (targets: backward >= 10x, step >= 3x at B=16 T=1000 H=32)", HEADLINE)]
+    for title, rows in sections + ([] if args.quick else [("Grid", GRID)]):
+        lines += ["", f"## {title}", "", HEADER]
+        for kind, hidden, batch, steps in rows:
+            result = measure(kind, hidden, batch, steps, args.memory_budget, args.min_run_time)
+            lines.append(row(kind, hidden, batch, steps, result))
+            print(lines[-1], flush=True)
+    load_after = os.getloadavg()
+    head = [
+        "# User-written recurrent cells on CPU: autograd through the Python loop vs `Recurrence`",
+        "",
+        f"Machine: {machine_description()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}). "
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/cells.py"
+        f"{' --quick' if args.quick else ''}` under `flock /tmp/bppsa-bench.lock`; load average (1, 5, 15 min) "
+        f"{tuple(round(v, 2) for v in load_before)} before, {tuple(round(v, 2) for v in load_after)} after "
+        "(a shared 2-core machine: other engineers' tests ran beside it).",
+        "",
+        "Input size 8, float32, loss = mean of the squared outputs of every step. `d` = the flat state size. "
+        "loop = autograd through the Python loop; scan = `Recurrence(cell, algorithm='linear')` (the scan forced; "
+        "not run where its dense Jacobians exceed --memory-budget = "
+        f"{args.memory_budget / 2**20:.0f} MiB). Forward, backward (alone, on a graph recorded once) and whole "
+        "step: medians of torch.utils.benchmark, both arms interleaved. Jacobians / scan: the scan backward's "
+        "two main parts (`last_stats`; the rest is the parameter VJP). Peak: resident-set growth during one step. "
+        f"auto picks: what `Recurrence(cell, memory_budget={args.memory_budget})` (algorithm 'auto', which "
+        "measures both backwards on the batch's first steps) chose for the row.",
+    ]
+    lines = head + lines + ["", f"Total benchmark time: {time.perf_counter() - start:.0f} s.", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,584 @@
+"""``Recurrence(cell)``: the exact parallel-scan backward for any recurrent cell a user writes (BPPSA Sec. 3).
+
+A *cell* is any ``nn.Module`` with ``cell(x_t, state) -> state``: ``x_t`` is ``(B, I)``, ``state`` a
+``(B, d)`` tensor or a tuple of ``(B, d_k)`` tensors (e.g. ``(h, c)``), flattened here into one vector of
+``d = Σ d_k``. :class:`Recurrence` loops it over time like ``torch.nn.RNN`` and computes the backward as
+a scan instead of ``T`` small autograd steps:
+
+- forward: the Python loop over time *without* autograd recording; the states ``s_0..s_T`` are kept
+  as ``(B, T + 1, d)``;
+- backward: (1) the transposed step Jacobians ``J_tᵀ = (∂s_t/∂s_{t-1})ᵀ`` of all ``B T`` steps from
+  calls of the cell on all steps at once (rows ``(b, t)`` flattened, ``d`` cotangents batched with
+  ``torch.autograd.grad(..., is_grads_batched=True)``); (2) the dense scan
+  :func:`~lightning_bppsa.backprop_scan` with the per-step gradients of the states as direct
+  gradients, giving ``g_t = ∇_{s_t} l``; (3) every parameter and input gradient in one vector-Jacobian
+  product of those same cell calls with cotangents ``g_1..g_T`` (Eq. 2: no sequential dependency);
+  ``state0``'s gradient is ``g_0``.
+
+The per-step output is ``cell.output_fn(state)`` where the cell defines it, else the first tensor of the
+state; ``output_fn`` is applied once to the states of all steps after the loop (an ordinary autograd op).
+
+**Assumption: the cell treats batch rows independently** (row ``b`` of the new state depends only on
+row ``b`` of ``x_t`` and of the state), which is what makes one call on all ``B T`` steps equal to ``T``
+calls on ``B`` rows. With ``verify=True`` (default) the backward checks that the batched call reproduces
+the forward's states (to ``sqrt(eps)``); a cell that mixes rows (batch norm over the batch, a
+``.item()`` read over the whole batch that steers the computation, ...) fails that check. Gradients flow
+to ``input``, ``state0`` and the cell's own parameters; tensors the cell captures from elsewhere get none.
+The backward (and ``"auto"``'s probe) calls the cell again on batched rows: side effects of a call
+(forward hooks, counters, running statistics) happen again there. The cell must return its state in the
+state's dtype, also under autocast (cast it, e.g. ``h_new.to(h.dtype)``).
+
+**Falling back.** A cell the batched calls cannot handle never crashes training: the backward then
+replays the loop with autograd (exact), ``last_stats["reason"]`` says why, one warning per module says
+so, and later calls of that module run autograd through the loop directly. That covers a failing check
+above, cells the batched gradient cannot run (ops without vmap support, in-place ops on the state), and
+cells that modify their input state in place (seen in the forward). A cell that **draws random numbers**
+(dropout in training mode; detected from the RNG state, CPU and the input's CUDA device) runs autograd
+through the loop for that call, re-drawn from the same RNG state, so the same seed gives the same masks
+as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected and not supported.
+
+``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the dense Jacobians
+(``B T d²`` elements) exceed ``memory_budget`` bytes (1 GiB by default; the batched gradient needs a few
+times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``, dtype, device, training
+mode): autograd's backward through the first ``k ≤ 256`` steps of the batch against the scan's Jacobians
+of the same steps, and runs the scan where it is faster. Dense Jacobians of an opaque cell cost ``~d``
+times a batched backward of the cell, so the scan pays for small ``B d²`` (e.g. ``B = 1``) and loses to
+autograd's per-step overhead for large ones (``benchmarks/results/cells-cpu.md``); a fixed rule would get
+it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
+or cannot be batched before the scan's forward. Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
+always run the scan with that algorithm. Autograd through the loop also runs where the scan has nothing
+to do or cannot run: gradients disabled or not needed, an empty batch or sequence, the meta device,
+``torch.func`` transforms, and while ``torch.compile`` traces (it traces the plain loop). Under
+``create_graph=True`` (double backward) and inside :func:`~lightning_bppsa.nn.reference_backward` the
+backward replays the loop with autograd.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_bppsa.nn._clock import clock, record
+from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.scan import ALGORITHMS, backprop_scan
+
+__all__ = ["Recurrence"]
+
+State = Union[Tensor, tuple[Tensor, ...]]
+
+#: rows x d of one batched-gradient call: its (d, rows, k d) intermediates stay a few MiB, which measured
+#: ~2x faster than one call over all B T rows (GRU-like cell, d = 32, B T = 16000, one core)
+_JACOBIAN_ELEMENTS = 2**15
+
+#: at most this many steps of a batch are run by the ``"auto"`` probe (see ``Recurrence._probe``)
+_PROBE_STEPS = 256
+#: the scan's whole backward (Jacobians, scan, parameter VJP) over its Jacobians alone, as the probe predicts it
+_SCAN_OVERHEAD = 1.25
+#: the probe's clock (tests inject one)
+_timer = time.perf_counter
+
+#: errors a cell or torch raises where the batched calls cannot run the cell (vmap rules, in-place ops)
+_BATCHING_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
+
+
+class _Unbatchable(Exception):
+    """Raised inside the scan's forward when the cell must run through autograd instead."""
+
+    def __init__(self, reason: str, rng: list[Tensor], sticky: bool) -> None:
+        super().__init__(reason)
+        self.reason, self.rng, self.sticky = reason, rng, sticky
+
+
+@dataclass(frozen=True)
+class _StateSpec:
+    """How a state is laid out: the width of each tensor, whether it is a tuple, its dtype."""
+
+    sizes: tuple[int, ...]
+    is_tuple: bool
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        return sum(self.sizes)
+
+    def flatten(self, state: State) -> Tensor:
+        """``(..., d)``: the state's tensors concatenated along the last dimension."""
+        return torch.cat(state, -1) if self.is_tuple else state
+
+    def unflatten(self, flat: Tensor) -> State:
+        """The state as the cell sees it: views of ``flat``."""
+        return tuple(flat.split(self.sizes, -1)) if self.is_tuple else flat
+
+    def tensors(self, state: State) -> tuple[Tensor, ...]:
+        return state if self.is_tuple else (state,)
+
+    def check(self, new: Any, batch: int) -> State:
+        """``new`` (a cell's returned state) has this layout; else a ``ValueError`` naming the rule."""
+        if self.is_tuple:
+            if not isinstance(new, (tuple, list)) or len(new) != len(self.sizes):
+                got = f"a tuple of {len(new)}" if isinstance(new, (tuple, list)) else type(new).__name__
+                raise ValueError(
+                    f"Recurrence: the cell returned {got} but received a tuple of {len(self.sizes)} state "
+                    "tensors; a cell must return its state with the same tuple arity it receives"
+                )
+            new = tuple(new)
+        elif not isinstance(new, Tensor):
+            raise ValueError(
+                f"Recurrence: the cell returned a {type(new).__name__} but received a Tensor state; "
+                "a cell must return its state with the same structure it receives"
+            )
+        for k, (tensor, size) in enumerate(zip(self.tensors(new), self.sizes, strict=True)):
+            if not isinstance(tensor, Tensor) or tuple(tensor.shape) != (batch, size):
+                shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+                raise ValueError(
+                    f"Recurrence: the cell returned state tensor {k} of shape {shape} but received "
+                    f"{(batch, size)}; the output state shape must equal the input state shape"
+                )
+            if tensor.dtype != self.dtype:
+                raise ValueError(
+                    f"Recurrence: the cell returned state tensor {k} in {tensor.dtype} but the state is "
+                    f"{self.dtype}; state dtypes must not differ"
+                )
+        return new
+
+
+class Recurrence(nn.Module):
+    """Loop a user-written recurrent ``cell`` over time; its backward runs through the dense scan.
+
+    Args:
+        cell: ``nn.Module`` with ``cell(x_t, state) -> state`` (``x_t`` ``(B, I)``, ``state`` a ``(B, d)``
+            tensor or a tuple of ``(B, d_k)`` tensors). It may define ``state_size`` (an int for a tensor
+            state, a tuple of ints for a tuple state; needed when ``state0`` is not given) and
+            ``output_fn(state) -> Tensor`` (the per-step output; default: the first state tensor).
+            It must treat batch rows independently (see the module docstring).
+        batch_first: input and output are ``(B, T, *)`` instead of ``(T, B, *)``.
+        algorithm: ``"auto"`` (scan where it fits ``memory_budget``, ``T > 1`` and measures faster than
+            autograd; see the module docstring), ``"linear"``, ``"blelloch"`` or ``"chunked"`` (always
+            the scan, with that algorithm of :func:`~lightning_bppsa.backprop_scan`).
+        memory_budget: bytes the dense Jacobians ``(B, T, d, d)`` may take under ``"auto"``.
+        verify: check in the backward that the batched cell calls reproduce the forward's states.
+
+    ``last_stats`` records the last forward: ``path`` (``"scan"`` / ``"autograd"``), ``reason`` (why
+    autograd, else ``None``), ``algorithm``, and after a scan backward ``jacobian_seconds`` and
+    ``scan_seconds``.
+
+    Example:
+        >>> class Cell(nn.Module):
+        ...     state_size = 4
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = nn.Linear(3 + 4, 4)
+        ...     def forward(self, x, h):
+        ...         return torch.tanh(self.lin(torch.cat([x, h], -1)))
+        >>> rnn = Recurrence(Cell(), algorithm="linear")    # "auto": measures which backward is faster
+        >>> out, h_n = rnn(torch.randn(10, 2, 3))           # (T, B, I)
+        >>> out.sum().backward()
+        >>> out.shape, h_n.shape, rnn.last_stats["path"]
+        (torch.Size([10, 2, 4]), torch.Size([2, 4]), 'scan')
+    """
+
+    def __init__(
+        self,
+        cell: nn.Module,
+        batch_first: bool = False,
+        algorithm: str = "auto",
+        *,
+        memory_budget: int = 2**30,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(cell, nn.Module):
+            raise TypeError(f"cell must be an nn.Module with cell(x_t, state) -> state; got {type(cell).__name__}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+        if memory_budget < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes; got {memory_budget}")
+        self.cell, self.batch_first, self.algorithm = cell, batch_first, algorithm
+        self.memory_budget, self.verify = memory_budget, verify
+        self.last_stats: dict[str, Any] = {}
+        self._unbatchable: str | None = None  # set once the batched calls failed for this cell
+        self._choices: dict[tuple, tuple[str, str | None]] = {}  # "auto"'s measured choice per batch shape
+        self._warned = False
+
+    def extra_repr(self) -> str:
+        return f"batch_first={self.batch_first}, algorithm={self.algorithm!r}"
+
+    def forward(self, input: Tensor, state0: State | None = None) -> tuple[Tensor, State]:  # noqa: A002
+        """Run the cell over the sequence.
+
+        Args:
+            input: ``(T, B, I)`` (``(B, T, I)`` with ``batch_first``) or unbatched ``(T, I)``.
+            state0: initial state, ``(B, d)`` or a tuple of ``(B, d_k)`` (unbatched: without ``B``);
+                zeros of ``cell.state_size`` when ``None``.
+
+        Returns:
+            ``(outputs, final_state)``: ``outputs`` ``(T, B, *)`` (``(B, T, *)`` with ``batch_first``,
+            ``(T, *)`` unbatched), the per-step outputs; ``final_state`` as ``state0``.
+        """
+        if not isinstance(input, Tensor) or input.dim() not in (2, 3):
+            shape = tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__
+            layout = "(B, T, I)" if self.batch_first else "(T, B, I)"
+            raise ValueError(f"input must be {layout} or unbatched (T, I); got {shape}")
+        unbatched = input.dim() == 2
+        x = input.unsqueeze(0) if unbatched else input if self.batch_first else input.transpose(0, 1)
+        spec, s0 = self._initial_state(state0, x, unbatched)
+        params = tuple(p for p in self.cell.parameters() if p.requires_grad)
+        path, reason = self._path(x, s0, spec, params)
+        if path == "scan":
+            try:
+                states = _ScanFunction.apply(self, spec, x, s0, *params)
+            except _Unbatchable as failed:
+                _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
+                path, reason = "autograd", failed.reason
+                self._fell_back(reason, failed.sticky)
+        if path == "autograd":
+            states = self._loop(x, s0, spec)
+        self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
+        outputs = self._outputs(states, spec)
+        final = spec.unflatten(states[:, -1])
+        if unbatched:
+            outputs = outputs.squeeze(0 if self.batch_first else 1)
+            final = tuple(s.squeeze(0) for s in final) if spec.is_tuple else final.squeeze(0)
+        return outputs, final
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _initial_state(self, state0: State | None, x: Tensor, unbatched: bool) -> tuple[_StateSpec, Tensor]:
+        """The state's layout and the flat ``(B, d)`` initial state."""
+        batch = x.shape[0]
+        if state0 is None:
+            sizes = getattr(self.cell, "state_size", None)
+            ints = isinstance(sizes, tuple) and sizes and all(isinstance(s, int) and s > 0 for s in sizes)
+            if not (ints or (isinstance(sizes, int) and sizes > 0)):
+                raise ValueError(
+                    f"Recurrence: state0 is None and {type(self.cell).__name__}.state_size is {sizes!r}; "
+                    "give state0, or set cell.state_size (an int for a tensor state, a tuple of ints for a "
+                    "tuple state)"
+                )
+            dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+            spec = _StateSpec(sizes if isinstance(sizes, tuple) else (sizes,), isinstance(sizes, tuple), dtype)
+            return spec, x.new_zeros(batch, spec.width, dtype=dtype)
+        is_tuple = isinstance(state0, (tuple, list))
+        tensors = tuple(state0) if is_tuple else (state0,)
+        expected = "(d,)" if unbatched else f"(B={batch}, d)"
+        for k, s in enumerate(tensors):
+            ok = isinstance(s, Tensor) and s.dim() == 2 - unbatched and (unbatched or s.shape[0] == batch)
+            if not ok:
+                shape = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+                raise ValueError(f"state0 tensor {k} must have shape {expected}; got {shape}")
+        if not tensors or len({s.dtype for s in tensors}) > 1:
+            raise ValueError(
+                f"state0 must be a tensor or a non-empty tuple of tensors of one dtype (state dtypes must not "
+                f"differ); got dtypes {[s.dtype for s in tensors]}"
+            )
+        if unbatched:
+            tensors = tuple(s.unsqueeze(0) for s in tensors)
+        spec = _StateSpec(tuple(s.shape[-1] for s in tensors), is_tuple, tensors[0].dtype)
+        return spec, spec.flatten(tensors if is_tuple else tensors[0])
+
+    def _path(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
+        """``("scan", None)`` or ``("autograd", reason)``."""
+        batch, steps = x.shape[:2]
+        if not torch.is_grad_enabled() or not (x.requires_grad or s0.requires_grad or params):
+            return "autograd", "no gradient is needed"
+        if batch == 0 or steps == 0 or x.device.type == "meta":
+            return "autograd", "empty batch or sequence, or the meta device: nothing to scan"
+        if torch._C._are_functorch_transforms_active():
+            return "autograd", "inside a torch.func transform (the scan's Function has no functorch rules)"
+        if torch.compiler.is_compiling():
+            return "autograd", "torch.compile traces the loop (the scan's backward calls autograd itself)"
+        if self._unbatchable is not None:
+            return "autograd", self._unbatchable
+        if self.algorithm == "auto":
+            if steps == 1:
+                return "autograd", "auto: one step, nothing to scan"
+            need = batch * steps * spec.width**2 * spec.dtype.itemsize
+            if need > self.memory_budget:
+                return "autograd", f"auto: the dense Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+            modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
+            key = (batch, spec.width, spec.dtype, x.device, modes)
+            if key not in self._choices:
+                self._choices[key] = self._probe(x, s0, spec, params)
+            return self._choices[key]
+        return "scan", None
+
+    def _probe(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
+        """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
+
+        Times autograd's backward through ``k`` steps of the loop and the scan's Jacobians of the same
+        ``B k`` rows (both grow linearly with ``T``; ``k`` fills one batched-gradient call where it can, so
+        the per-row cost is the real one); the scan runs where ``_SCAN_OVERHEAD`` times the latter is less.
+        Runs under a forked RNG (the batch's own random numbers are not consumed); a cell that draws random
+        numbers or cannot be batched is found here, before the scan's forward.
+        """
+        batch, steps = x.shape[:2]
+        k = min(steps, _PROBE_STEPS, max(16, -(-_chunk_rows(spec.width) // batch)))
+        x_k = x[:, :k].detach()
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
+            rng = _rng_state(x.device)
+            s0_leaf = s0.detach().requires_grad_()
+            states = self._loop(x_k, s0_leaf.clone(), spec)  # a clone: a cell may modify its state in place
+            if not _same_rng(x.device, rng):
+                reason = "the cell draws random numbers (e.g. dropout in training mode)"
+                self._fell_back(reason, sticky=False)
+                return "autograd", reason
+            start = _synchronized_time(x.device)
+            torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
+            middle = _synchronized_time(x.device)
+            try:
+                _step_jacobians(self, spec, x_k.reshape(batch * k, *x_k.shape[2:]), states.detach())
+            except (*_BATCHING_ERRORS, _RowsMixed) as error:
+                reason = _failure_reason(error)
+                self._fell_back(reason, sticky=True)
+                return "autograd", reason
+            end = _synchronized_time(x.device)
+        autograd, scan = middle - start, _SCAN_OVERHEAD * (end - middle)
+        if scan < autograd:
+            return "scan", None
+        return "autograd", (
+            f"auto: measured on {k} steps, the scan's backward (~{scan * 1e3:.2f} ms) does not beat "
+            f"autograd's (~{autograd * 1e3:.2f} ms)"
+        )
+
+    def _loop(self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None) -> Tensor:
+        """The states ``(B, T + 1, d)`` of the Python loop over time (recorded by autograd where grad mode is on).
+
+        With ``rng`` (the scan's forward, grad mode off), raise :class:`_Unbatchable` for a cell that
+        draws random numbers or modifies its input state in place.
+        """
+        batch, steps = x.shape[:2]
+        state, flats = spec.unflatten(s0), [s0]
+        for t, x_t in enumerate(x.unbind(1)):  # one call for all steps' views: cheaper than x[:, t]
+            if rng is not None:
+                given = spec.tensors(state)
+                versions = [s._version for s in given]
+            state = self.cell(x_t, state)
+            # the layout is checked on the first and last steps (~7 µs a check): a shape changed in between
+            # reaches the last step, or fails in torch.stack below
+            if t == 0 or t == steps - 1:
+                state = spec.check(state, batch)
+            elif spec.is_tuple:
+                state = tuple(state)
+            if rng is not None:
+                if any(s._version != v for s, v in zip(given, versions, strict=True)):
+                    raise _Unbatchable("the cell modifies its input state in place", rng, sticky=True)
+                if (t == 0 or t == steps - 1) and not _same_rng(x.device, rng):
+                    reason = "the cell draws random numbers (e.g. dropout in training mode)"
+                    raise _Unbatchable(reason, rng, sticky=False)
+            flats.append(spec.flatten(state))
+        return torch.stack(flats, 1)
+
+    def _outputs(self, states: Tensor, spec: _StateSpec) -> Tensor:
+        """The per-step outputs, ``(T, B, *)`` or batch first, from the states ``(B, T + 1, d)``."""
+        batch, steps = states.shape[0], states.shape[1] - 1
+        output_fn = getattr(self.cell, "output_fn", None)
+        if output_fn is None:
+            outputs = states[:, 1:, : spec.sizes[0]]
+        else:
+            flat = output_fn(spec.unflatten(states[:, 1:].reshape(batch * steps, spec.width)))
+            if not isinstance(flat, Tensor) or flat.dim() == 0 or flat.shape[0] != batch * steps:
+                shape = tuple(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
+                raise ValueError(
+                    f"Recurrence: cell.output_fn must return a Tensor with the state's batch rows first "
+                    f"({batch * steps} rows here); got {shape}"
+                )
+            outputs = flat.unflatten(0, (batch, steps))
+        return (outputs if self.batch_first else outputs.transpose(0, 1)).contiguous()
+
+    def _fell_back(self, reason: str, sticky: bool) -> None:
+        """Remember (``sticky``) and warn once that this module's cell runs through autograd."""
+        if sticky:
+            self._unbatchable = f"the batched cell calls failed before: {reason}"
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"Recurrence({type(self.cell).__name__}): {reason}; autograd through the loop runs instead "
+                "(exact, slower)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# The scan's autograd.Function.
+# --------------------------------------------------------------------------------------------------
+
+
+class _ScanFunction(torch.autograd.Function):
+    """``(module, spec, x (B, T, I), s0 (B, d), *params) -> states (B, T + 1, d)``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, module: Recurrence, spec: _StateSpec, x: Tensor, s0: Tensor, *params: Tensor) -> Tensor:
+        states = module._loop(x, s0, spec, rng=_rng_state(x.device))
+        ctx.module, ctx.spec = module, spec
+        ctx.save_for_backward(x, s0, states, *params)
+        return states
+
+    @staticmethod
+    def backward(ctx, grad_states: Tensor):
+        x, s0, states, *params = ctx.saved_tensors
+        module, spec = ctx.module, ctx.spec
+        needs = ctx.needs_input_grad[2:]
+        # grad mode is on in a backward only under create_graph=True: the scan's result is not differentiable
+        create_graph = torch.is_grad_enabled()
+        grads = None
+        if not create_graph and not reference_backward_enabled():
+            try:
+                grads = _scan_grads(module, spec, x, states, params, needs, grad_states)
+            except (*_BATCHING_ERRORS, _RowsMixed) as error:
+                _record_fallback(module, _failure_reason(error))
+        if grads is None:
+            grads = _replay_grads(module, spec, x, s0, params, needs, grad_states, create_graph)
+        return (None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+
+
+class _RowsMixed(Exception):
+    """The batched cell calls did not reproduce the forward's states."""
+
+
+def _failure_reason(error: Exception) -> str:
+    if isinstance(error, _RowsMixed):
+        return str(error)
+    return f"the batched cell calls failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})"
+
+
+def _record_fallback(module: Recurrence, reason: str) -> None:
+    if not torch.compiler.is_compiling():
+        module.last_stats.update(path="autograd", reason=reason)
+    module._fell_back(reason, sticky=True)
+
+
+def _scan_grads(
+    module: Recurrence,
+    spec: _StateSpec,
+    x: Tensor,
+    states: Tensor,
+    params: list[Tensor],
+    needs: tuple[bool, ...],
+    grad_states: Tensor,
+) -> list[Tensor | None]:
+    """Gradients of ``(x, s0, *params)``: batched Jacobians, dense scan, one VJP (module docstring, 1-3)."""
+    batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
+    rows = batch * steps
+    start = clock()
+    x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
+    jacobians_t, outs = _step_jacobians(module, spec, x_flat, states)
+    record(module.last_stats, "jacobian_seconds", clock() - start, add=True)
+    start = clock()
+    # a loss on the last state only needs no affine rows
+    only_last = steps == 1 or not grad_states[:, :-1].count_nonzero()
+    direct = grad_states[:, -1].contiguous() if only_last else grad_states
+    g = backprop_scan(jacobians_t.view(batch, steps, d, d), direct, algorithm=module.algorithm)
+    record(module.last_stats, "scan_seconds", clock() - start, add=True)
+    # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
+    wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
+    found: tuple[Tensor | None, ...] = ()
+    if wanted and outs:
+        cotangent = g[:, 1:].reshape(rows, d)
+        found = torch.autograd.grad(
+            [new for new, _, _ in outs], wanted, [cotangent[lo:hi] for _, lo, hi in outs], allow_unused=True
+        )
+    found_iter = iter(found)
+    x_grad = next(found_iter, None) if needs[0] and outs else None
+    param_grads = [next(found_iter, None) if need and outs else None for need in needs[2:]]
+    return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
+
+
+def _step_jacobians(
+    module: Recurrence, spec: _StateSpec, x_flat: Tensor, states: Tensor
+) -> tuple[Tensor, list[tuple[Tensor, int, int]]]:
+    """The transposed step Jacobians ``(B T, d, d)`` of all steps (rows ``(b, t)``), from batched cell calls.
+
+    Returns them and the calls' outputs ``(new states, lo, hi)`` (graphs kept for the parameter VJP).
+    Raises :class:`_RowsMixed` (``module.verify``) when the calls do not reproduce ``states``.
+    """
+    batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
+    rows = batch * steps
+    prev_all, next_all = states[:, :-1].reshape(rows, d), states[:, 1:].reshape(rows, d)
+    jacobians_t = states.new_empty(rows, d, d)
+    eye = torch.eye(d, dtype=states.dtype, device=states.device)
+    tolerance = torch.finfo(states.dtype).eps ** 0.5
+    chunk = _chunk_rows(d)
+    outs = []
+    for lo in range(0, rows, chunk):
+        hi = min(lo + chunk, rows)
+        prev = prev_all[lo:hi].detach().requires_grad_()
+        with torch.enable_grad():
+            new = spec.flatten(spec.check(module.cell(x_flat[lo:hi], spec.unflatten(prev)), hi - lo))
+        if module.verify and not torch.allclose(new, next_all[lo:hi], rtol=tolerance, atol=tolerance):
+            raise _RowsMixed(
+                "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
+                "treat batch rows independently"
+            )
+        if not new.requires_grad:  # depends on nothing that needs a gradient: J = 0
+            jacobians_t[lo:hi] = 0
+            continue
+        cotangents = eye.unsqueeze(1).expand(d, hi - lo, d)  # row k of every step's Jacobian at once
+        (jac,) = torch.autograd.grad(
+            new, prev, cotangents, retain_graph=True, is_grads_batched=True, allow_unused=True, materialize_grads=True
+        )
+        jacobians_t[lo:hi] = jac.permute(1, 2, 0)  # jac[k, r, j] = ∂s_r[k]/∂s_{r-1}[j]
+        outs.append((new, lo, hi))
+    return jacobians_t, outs
+
+
+def _chunk_rows(d: int) -> int:
+    """Rows per batched-gradient call."""
+    return max(1, _JACOBIAN_ELEMENTS // d)
+
+
+def _replay_grads(
+    module: Recurrence,
+    spec: _StateSpec,
+    x: Tensor,
+    s0: Tensor,
+    params: list[Tensor],
+    needs: tuple[bool, ...],
+    grad_states: Tensor,
+    create_graph: bool,
+) -> list[Tensor | None]:
+    """Autograd through the loop replayed from the saved inputs: the gradients the scan must equal.
+
+    With ``create_graph`` the replay starts from the inputs themselves, so the gradients are functions
+    of them that autograd can differentiate again.
+    """
+    if create_graph:
+        x_leaf, s0_leaf = x, s0
+    else:
+        x_leaf, s0_leaf = x.detach().requires_grad_(needs[0]), s0.detach().requires_grad_(needs[1])
+    leaves = [x_leaf, s0_leaf, *params]
+    with torch.enable_grad():
+        states = module._loop(x_leaf, s0_leaf, spec)
+    wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
+    found = iter(torch.autograd.grad(states, wanted, grad_states, allow_unused=True, create_graph=create_graph))
+    return [next(found) if need else None for need in needs]
+
+
+def _synchronized_time(device: torch.device) -> float:
+    """The probe's clock once ``device`` has finished its queued work (a sync on CUDA, once per batch shape)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _timer()
+
+
+def _rng_state(device: torch.device) -> list[Tensor]:
+    """The default generators' states that a cell on ``device`` may draw from (CPU, and its CUDA device)."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _same_rng(device: torch.device, states: list[Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_rng_state(device), states, strict=True))
+
+
+def _set_rng_state(device: torch.device, states: list[Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)

@@ -1,0 +1,508 @@
+"""nn.Recurrence: gradients equal autograd through the same Python loop, for user-written cells."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_bppsa import BPPSAStrategy
+from lightning_bppsa.nn import Recurrence, convert, recurrence, reference_backward
+from lightning_bppsa.nn.convert import is_converted
+from lightning_bppsa.testing import assert_derived_close
+
+F64 = torch.float64
+
+
+class GatedCell(nn.Module):
+    """A minimal GRU-like cell, tensor state."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, 3 * hidden), nn.Linear(hidden, 3 * hidden, bias=False)
+
+    def forward(self, x, h):
+        z, r, n = self.ih(x).chunk(3, -1)
+        hz, hr, hn = self.hh(h).chunk(3, -1)
+        z, r = torch.sigmoid(z + hz), torch.sigmoid(r + hr)
+        return (1 - z) * torch.tanh(n + r * hn) + z * h
+
+
+class IndCell(nn.Module):
+    """IndRNN: ``h = relu(x W + u ⊙ h + b)`` (a diagonal step Jacobian)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.lin = nn.Linear(inputs, hidden)
+        self.u = nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def forward(self, x, h):
+        return torch.relu(self.lin(x) + self.u * h)
+
+
+class PeepholeLSTM(nn.Module):
+    """An LSTM variant with a tuple state ``(h, c)``, a peephole on ``c`` and a projected output."""
+
+    def __init__(self, inputs: int, hidden: int, out: int = 2) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.gates = nn.Linear(inputs + hidden, 4 * hidden)
+        self.peep = nn.Parameter(torch.randn(hidden) * 0.3)
+        self.proj = nn.Linear(hidden, out)
+
+    def forward(self, x, state):
+        h, c = state
+        i, f, g, o = self.gates(torch.cat([x, h], -1)).chunk(4, -1)
+        c = torch.sigmoid(f + self.peep * c) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+    def output_fn(self, state):
+        return self.proj(state[0])
+
+
+CELLS = {"gated": GatedCell, "ind": IndCell, "lstm": PeepholeLSTM}
+
+
+def fake_timer(monkeypatch, autograd_seconds, jacobian_seconds):
+    """Inject the "auto" probe's clock: each probe reads it 3 times (start, after autograd, after Jacobians)."""
+    calls = []
+    values = itertools.accumulate(itertools.cycle([0.0, autograd_seconds, jacobian_seconds]))
+    monkeypatch.setattr(recurrence, "_timer", lambda: calls.append(None) or next(values))
+    return calls
+
+
+@pytest.fixture
+def scan_wins(monkeypatch):
+    return fake_timer(monkeypatch, 1.0, 0.1)
+
+
+def _zeros(cell, batch, dtype=F64):
+    sizes = cell.state_size
+    return tuple(torch.zeros(batch, s, dtype=dtype) for s in sizes) if isinstance(sizes, tuple) else torch.zeros(
+        batch, sizes, dtype=dtype
+    )
+
+
+def loop(cell, x, state0, batch_first=False):
+    """The reference: autograd through the plain Python loop, outputs as Recurrence defines them."""
+    xs = x.unbind(1 if batch_first else 0)
+    state, outs = state0, []
+    for x_t in xs:
+        state = cell(x_t, state)
+        out = cell.output_fn(state) if hasattr(cell, "output_fn") else state[0] if isinstance(state, tuple) else state
+        outs.append(out)
+    return torch.stack(outs, 1 if batch_first else 0), state
+
+
+def loss_of(out, final, where):
+    last = final[0] if isinstance(final, tuple) else final
+    if where == "last":
+        return (last**2).sum() + last.sin().sum()
+    return (out**2).sum() + out.sum() * 0.3 + last.cos().sum()
+
+
+def grads(fn, leaves, params, where):
+    for t in [*leaves, *params]:
+        t.grad = None
+    out, final = fn()
+    loss_of(out, final, where).backward()
+    return out.detach(), [t.grad for t in [*leaves, *params]]
+
+
+def compare(cell, x, state0, *, where="every", batch_first=False, rec=None, **kwargs):
+    """Recurrence (``rec`` or a new one) vs the loop: same outputs and gradients (float64, 1e-10)."""
+    rec = rec or Recurrence(cell, batch_first=batch_first, **kwargs)
+    given = state0 if state0 is not None else _zeros(cell, x.shape[0 if batch_first else 1], x.dtype)
+    leaves = [x] + ([] if state0 is None else list(state0) if isinstance(state0, tuple) else [state0])
+    params = list(cell.parameters())
+    ours, g_ours = grads(lambda: rec(x, state0), leaves, params, where)
+    ref, g_ref = grads(lambda: loop(cell, x, given, batch_first), leaves, params, where)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for k, (a, b) in enumerate(zip(g_ours, g_ref, strict=True)):
+        assert (a is None) == (b is None), k
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"gradient {k}")
+    return rec
+
+
+def make(kind, batch, steps, inputs=3, hidden=5, dtype=F64, with_state0=True, batch_first=False):
+    cell = CELLS[kind](inputs, hidden).to(dtype)
+    shape = (batch, steps, inputs) if batch_first else (steps, batch, inputs)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    if not with_state0:
+        return cell, x, None
+    sizes = cell.state_size if isinstance(cell.state_size, tuple) else (cell.state_size,)
+    states = tuple(torch.randn(batch, s, dtype=dtype, requires_grad=True) for s in sizes)
+    return cell, x, states if isinstance(cell.state_size, tuple) else states[0]
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("where", ["every", "last"])
+@pytest.mark.parametrize(("batch", "steps", "with_state0", "batch_first"), [(3, 7, True, False), (1, 11, False, True)])
+def test_gradients_equal_autograd_through_the_loop(kind, where, batch, steps, with_state0, batch_first, scan_wins):
+    cell, x, state0 = make(kind, batch, steps, with_state0=with_state0, batch_first=batch_first)
+    rec = compare(cell, x, state0, where=where, batch_first=batch_first)
+    assert rec.last_stats["path"] == "scan" and rec.last_stats["reason"] is None
+
+
+@pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked"])
+def test_every_algorithm_is_exact_including_one_step_and_one_wide_state(algorithm):
+    compare(*make("gated", 2, 13), algorithm=algorithm)
+    rec = compare(*make("lstm", 3, 1), algorithm=algorithm)  # T = 1: an explicit algorithm still scans
+    assert rec.last_stats["path"] == "scan"
+    compare(*make("ind", 4, 5, hidden=1), algorithm=algorithm)
+
+
+def test_long_sequence_spans_several_jacobian_chunks():
+    # d = 64 -> 512 rows per batched-gradient call; B T = 1105 rows -> 3 calls
+    compare(*make("gated", 5, 221, hidden=64, inputs=2), where="every")
+
+
+def test_unbatched_input_and_state():
+    cell = PeepholeLSTM(3, 4).double()
+    x = torch.randn(6, 3, dtype=F64, requires_grad=True)
+    state0 = (torch.randn(4, dtype=F64, requires_grad=True), torch.randn(4, dtype=F64, requires_grad=True))
+    out, (h, c) = Recurrence(cell)(x, state0)
+    assert out.shape == (6, 2) and h.shape == c.shape == (4,)
+    batched = tuple(s.unsqueeze(0) for s in state0)
+    ref_out, (ref_h, _) = loop(cell, x.unsqueeze(1), batched)
+    torch.testing.assert_close(out, ref_out.squeeze(1))
+    (g_ours,) = torch.autograd.grad((out**2).sum() + h.sum(), state0[1])
+    (g_ref,) = torch.autograd.grad((ref_out**2).sum() + ref_h.sum(), state0[1])
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_float32_within_the_derived_tolerance():
+    cell64, x64, h64 = make("gated", 4, 50, hidden=8)
+    cell32 = GatedCell(3, 8)
+    cell32.load_state_dict(cell64.state_dict())
+    x32, h32 = x64.detach().float().requires_grad_(), h64.detach().float().requires_grad_()
+    _, ref = grads(lambda: loop(cell64, x64, h64), [x64, h64], list(cell64.parameters()), "every")
+    _, base = grads(lambda: loop(cell32, x32, h32), [x32, h32], list(cell32.parameters()), "every")
+    _, ours = grads(lambda: Recurrence(cell32)(x32, h32), [x32, h32], list(cell32.parameters()), "every")
+    for k, (a, r, b) in enumerate(zip(ours, ref, base, strict=True)):
+        assert_derived_close(a, r, b, name=f"gradient {k}")
+
+
+class DropoutCell(GatedCell):
+    def __init__(self, inputs, hidden):
+        super().__init__(inputs, hidden)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x, h):
+        return super().forward(self.drop(x), h)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "linear"])  # found by the probe / by the scan's forward
+def test_dropout_in_the_cell_runs_autograd_with_the_same_masks_and_eval_scans(algorithm, scan_wins):
+    cell, x, h0 = DropoutCell(3, 5).double(), *make("gated", 3, 9)[1:]
+    rec = Recurrence(cell, algorithm=algorithm)
+    params = list(cell.parameters())
+    torch.manual_seed(7)
+    with pytest.warns(RuntimeWarning, match="draws random numbers"):
+        ours, g_ours = grads(lambda: rec(x, h0), [x, h0], params, "every")
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    ref, g_ref = grads(lambda: loop(cell, x, h0), [x, h0], params, "every")
+    assert torch.equal(after, torch.get_rng_state())  # the generator advanced as by the plain loop
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    for a, b in zip(g_ours, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert rec.last_stats["path"] == "autograd" and "random" in rec.last_stats["reason"]
+    cell.eval()
+    compare(cell, x, h0, algorithm=algorithm)  # no random numbers in eval mode: the same module scans again
+    rec(x, h0)
+    assert rec.last_stats["path"] == "scan"
+
+
+class BatchNormedCell(GatedCell):
+    """Mixes batch rows: the batched calls cannot reproduce the loop."""
+
+    def forward(self, x, h):
+        return super().forward(x, h - h.mean(0))
+
+
+class ItemCell(GatedCell):
+    """Python control flow on a value read over the whole batch with ``.item()``."""
+
+    def forward(self, x, h):
+        h = super().forward(x, h)
+        return h * 0.5 if h.abs().max().item() > 0.9 else h
+
+
+class InPlaceCell(GatedCell):
+    """Modifies its input state in place."""
+
+    def forward(self, x, h):
+        h.clamp_(-5.0, 5.0)
+        return super().forward(x, h)
+
+
+class _NoVmapScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return 2 * t
+
+    @staticmethod
+    def backward(ctx, grad):
+        assert grad.abs().sum().item() >= 0  # .item() on a batched gradient: vmap refuses it
+        return 2 * grad
+
+
+class NoVmapCell(GatedCell):
+    def forward(self, x, h):
+        return super().forward(x, _NoVmapScale.apply(h) / 2)
+
+
+@pytest.mark.parametrize(
+    ("cell_cls", "reason"),
+    [
+        (BatchNormedCell, "independently"),
+        (ItemCell, "independently"),
+        (InPlaceCell, "in.place"),
+        (NoVmapCell, "batched cell calls failed"),
+    ],
+)
+@pytest.mark.parametrize("algorithm", ["auto", "linear"])  # found by the probe / by the scan's forward or backward
+def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(cell_cls, reason, algorithm):
+    torch.manual_seed(3)
+    cell = cell_cls(3, 5).double()
+    x = (torch.randn(9, 4, 3, dtype=F64) * 3).requires_grad_()
+    with pytest.warns(RuntimeWarning, match=reason) as record:
+        rec = compare(cell, x, None, algorithm=algorithm)
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    assert rec.last_stats["path"] == "autograd" and re.search(reason, rec.last_stats["reason"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per module
+        rec(x)[0].sum().backward()
+    assert rec.last_stats["path"] == "autograd" and "failed before" in rec.last_stats["reason"]
+
+
+class WrongShape(nn.Module):
+    state_size = 4
+
+    def forward(self, x, h):
+        return torch.cat([h, h], -1)
+
+
+class WrongDtype(nn.Module):
+    state_size = (3, 2)
+
+    def forward(self, x, state):
+        return state[0], state[1].float()
+
+
+class WrongArity(nn.Module):
+    state_size = (3, 2)
+
+    def forward(self, x, state):
+        return (state[0],)
+
+
+class ShapeChangesMidway(nn.Module):
+    state_size = 4
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x, h):
+        self.calls += 1
+        return h[:1] if self.calls == 3 else h + x.sum()
+
+
+class NoSize(nn.Module):
+    def forward(self, x, h):
+        return h
+
+
+@pytest.mark.parametrize(
+    ("cell", "match"),
+    [
+        (WrongShape, "output state shape must equal the input state shape"),
+        (ShapeChangesMidway, "output state shape must equal the input state shape"),
+        (WrongDtype, "state dtypes must not differ"),
+        (WrongArity, "same tuple arity"),
+        (NoSize, "state0 is None and NoSize.state_size is None"),
+    ],
+)
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_bad_cells_get_an_error_naming_the_rule(cell, match, requires_grad):
+    x = torch.randn(5, 2, 3, dtype=F64, requires_grad=requires_grad)
+    with pytest.raises(ValueError, match=match):
+        Recurrence(cell())(x)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        Recurrence(IndCell(2, 3), algorithm="fast")
+    with pytest.raises(TypeError, match="cell must be an nn.Module"):
+        Recurrence(lambda x, h: h)
+    with pytest.raises(ValueError, match="memory_budget"):
+        Recurrence(IndCell(2, 3), memory_budget=-1)
+    rec = Recurrence(IndCell(2, 3))
+    with pytest.raises(ValueError, match=r"input must be \(T, B, I\)"):
+        rec(torch.randn(2, 3, 4, 2))
+    with pytest.raises(ValueError, match=r"state0 tensor 0 must have shape \(B=4, d\)"):
+        rec(torch.randn(5, 4, 2), torch.randn(3, 3))
+    with pytest.raises(ValueError, match="state dtypes must not differ"):
+        Recurrence(PeepholeLSTM(2, 3))(torch.randn(5, 4, 2), (torch.randn(4, 3), torch.randn(4, 3).double()))
+    with pytest.raises(ValueError, match="output_fn must return a Tensor"):
+        cell = IndCell(2, 3)
+        cell.output_fn = lambda state: state.sum()
+        Recurrence(cell)(torch.randn(5, 4, 2))
+
+
+def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit(scan_wins):
+    cell, x, h0 = make("gated", 3, 6)
+    assert compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"] == "auto: one step, nothing to scan"
+    rec = compare(cell, x, h0, memory_budget=3 * 6 * 25 * 8 - 1)
+    assert rec.last_stats["path"] == "autograd" and "memory_budget" in rec.last_stats["reason"]
+    assert compare(cell, x, h0, memory_budget=3 * 6 * 25 * 8).last_stats["path"] == "scan"
+    rec = Recurrence(cell)
+    with torch.no_grad():
+        out, _ = rec(x, h0)
+    torch.testing.assert_close(out, loop(cell, x, h0)[0])
+    assert rec.last_stats["reason"] == "no gradient is needed"
+
+
+def test_double_backward_and_reference_backward_equal_autograd():
+    cell, x, h0 = make("lstm", 2, 5)
+    rec = Recurrence(cell)
+
+    def penalty(fn):
+        out, _ = fn()
+        (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum(), cell.gates.weight)[0]
+
+    ref = penalty(lambda: loop(cell, x, h0))
+    torch.testing.assert_close(penalty(lambda: rec(x, h0)), ref, rtol=1e-10, atol=1e-10)
+    out, _ = rec(x, h0)
+    with reference_backward():
+        (g_ref,) = torch.autograd.grad(out.sum(), cell.gates.weight, retain_graph=True)
+    (g_scan,) = torch.autograd.grad(out.sum(), cell.gates.weight)
+    torch.testing.assert_close(g_scan, g_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_measures_once_per_batch_shape_and_keeps_the_faster_backward(monkeypatch):
+    cell, x, h0 = make("gated", 3, 40)
+    calls = fake_timer(monkeypatch, 0.1, 1.0)  # the scan's Jacobians measure slower than autograd
+    rec = compare(cell, x, h0)
+    assert rec.last_stats["path"] == "autograd" and "does not beat autograd" in rec.last_stats["reason"]
+    compare(cell, x, h0, rec=rec)
+    assert len(calls) == 3  # measured once for this shape
+    rec.train(False)
+    calls = fake_timer(monkeypatch, 1.0, 0.1)
+    assert compare(cell, x, h0, rec=rec).last_stats["path"] == "scan" and len(calls) == 3  # another mode
+    _, x1, h1 = make("gated", 1, 40)
+    assert compare(cell, x1, h1, rec=rec).last_stats["path"] == "scan" and len(calls) == 6  # another B
+
+
+def test_torch_func_runs_autograd_through_the_loop():
+    cell, x, h0 = make("ind", 2, 4)
+    rec = Recurrence(cell)
+    params = dict(cell.named_parameters())
+
+    def loss(p):
+        return torch.func.functional_call(rec, {f"cell.{k}": v for k, v in p.items()}, (x, h0))[0].pow(2).sum()
+
+    ours = torch.func.grad(loss)(params)
+    assert rec.last_stats["path"] == "autograd" and "torch.func" in rec.last_stats["reason"]
+    ref = torch.autograd.grad(loop(cell, x, h0)[0].pow(2).sum(), list(params.values()))
+    for a, b in zip(ours.values(), ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_convert_keeps_a_recurrence_and_reports_it_scanned():
+    model = nn.Sequential(Recurrence(GatedCell(3, 4)))
+    inner = model[0]
+    report = []
+    assert convert(model, report=report) is model and model[0] is inner and is_converted(inner)
+    assert [(r.path, r.scanned, r.already_converted) for r in report] == [("0", True, True)]
+
+
+class CellModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.rec = Recurrence(PeepholeLSTM(3, 5, out=2), batch_first=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out, _ = self.rec(x)
+        return nn.functional.cross_entropy(out[:, -1], y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy):
+    pl.seed_everything(0, verbose=False)
+    model = CellModel()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 6, 3, generator=g), torch.randint(0, 2, (8,), generator=g))
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision="64-true",
+    )
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return model, trainer
+
+
+def test_trainer_with_bppsa_strategy_scans_a_recurrence_and_matches_autograd():
+    ours, trainer = _fit(BPPSAStrategy(algorithm="chunked"))
+    ref, _ = _fit("auto")
+    assert [(r.path, r.scanned) for r in trainer.strategy.conversion_report] == [("rec", True)]
+    assert ours.rec.algorithm == "chunked" and ours.rec.last_stats["path"] == "scan"
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow
+def test_torch_compile_traces_the_plain_loop_and_says_so():
+    cell, x, h0 = make("gated", 2, 5)
+    rec = Recurrence(cell)
+    compiled = torch.compile(rec, fullgraph=True)
+    out, _ = compiled(x, h0)
+    ref_out, _ = loop(cell, x, h0)
+    torch.testing.assert_close(out, ref_out)
+    assert rec.last_stats["path"] == "autograd" and "torch.compile" in rec.last_stats["reason"]
+    (g,) = torch.autograd.grad(out.sum(), cell.ih.weight)
+    (g_ref,) = torch.autograd.grad(ref_out.sum(), cell.ih.weight)
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    steps=st.integers(1, 9),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    as_tuple=st.booleans(),
+    algorithm=st.sampled_from(["linear", "blelloch", "chunked"]),
+)
+def test_random_shapes_and_state_layouts_match_the_loop(batch, steps, sizes, as_tuple, algorithm):
+    class Mixer(nn.Module):
+        """Every state tensor is updated from all of them: a dense Jacobian across the tuple."""
+
+        def __init__(self):
+            super().__init__()
+            self.state_size = tuple(sizes) if as_tuple or len(sizes) > 1 else sizes[0]
+            self.lin = nn.Linear(2 + sum(sizes), sum(sizes), dtype=F64)
+
+        def forward(self, x, state):
+            flat = torch.cat([x, *state] if isinstance(state, tuple) else [x, state], -1)
+            new = torch.tanh(self.lin(flat)).split(sizes, -1)
+            return tuple(new) if isinstance(state, tuple) else new[0]
+
+    cell = Mixer()
+    x = torch.randn(steps, batch, 2, dtype=F64, requires_grad=True)
+    compare(cell, x, None, algorithm=algorithm)
