@@ -72,6 +72,8 @@ def choose(
         dtype: the inputs' dtype (half precision computes in float32).
     """
     check_algorithm(algorithm)
+    if torch.compiler.is_compiling():  # kernels report only what eager calls found: never cache that
+        return _choose.__wrapped__(algorithm, n, d, batch, width, device, compute_dtype(dtype))
     return _choose(algorithm, n, d, batch, width, device, compute_dtype(dtype))
 
 

@@ -103,8 +103,8 @@ class _ScanRecurrent:
         batch_dim = 0 if self.batch_first else 1
         batch = input.shape[batch_dim] if input.dim() == 3 else 1
         length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
-        if not all(isinstance(v, int) for v in (batch, length)):
-            return "scan", ""  # symbolic sizes while torch.compile traces: the op plans at run time
+        if torch.compiler.is_compiling():
+            return "scan", ""  # nothing is decided while tracing: the ops plan at run time
         cell = cell_of(self.mode)
         device = input.device.type
         chosen = cell.plan("auto", batch=batch, n=length, hidden=self.hidden_size, device=device, dtype=input.dtype)
