@@ -389,7 +389,8 @@ class LSTMCell(RecurrentCell):
     which is a factored Jacobian with k = 5 tiles of the joint state over ``W5`` ``(10 H, 2 H)``: tile q < 4
     scales ``[g_h, g_c]`` by ``[local_h_q, local_c_q]`` against ``[[W_q, 0], [W_q, 0]]``, tile 4 by
     ``[o tanh'(c) f, f]`` against ``[[0, I], [0, I]]``. The compiled backward runs the recursion directly.
-    Factors: ``cells`` ``(B, n, H)`` = ``c_1..c_n`` and ``gates`` ``(B, n, 4H)`` (activated).
+    Factors: ``cells`` ``(B, n, H)`` = ``c_1..c_n``, ``gates`` ``(B, n, 4H)`` (activated) and ``c_0``
+    ``(B, H)`` (a copy: the op's outputs may not alias its inputs).
     """
 
     name = "lstm"
@@ -416,7 +417,7 @@ class LSTMCell(RecurrentCell):
         if result is None:
             return None
         out, cells, gates = result
-        return out, cells[:, -1].clone(), torch.cat([c0.unsqueeze(1), cells], 1), gates
+        return out, cells[:, -1].clone(), cells, gates, c0.clone()
 
     def _torch_forward_with_factors(self, x, h0, c0, weights):
         out, c_n = self.torch_forward(x, h0, c0, weights)
@@ -433,17 +434,17 @@ class LSTMCell(RecurrentCell):
         cells[0] = c0
         for t in range(x.shape[1]):  # c_t = f_t c_{t-1} + i_t g_t: element-wise, no GEMM
             torch.addcmul(ig[:, t], f[:, t], cells[t], out=cells[t + 1])
-        return out, c_n, cells.transpose(0, 1).contiguous(), gates
+        return out, c_n, cells[1:].transpose(0, 1).contiguous(), gates, c0.clone()
 
     def factor_shapes(self, batch, n, hidden):
-        return [(batch, n + 1, hidden), (batch, n, 4 * hidden)]
+        return [(batch, n, hidden), (batch, n, 4 * hidden), (batch, hidden)]
 
     def _locals(self, factors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``local_h``, ``local_c`` ``(B, n, 4H)`` and the tile-4 scales ``[o tanh'(c) f, f]`` ``(B, n, 2H)``."""
-        cells, gates = factors
+        cells, gates, c0 = factors
         hidden = cells.shape[-1]
         i, f, g, o = gates.split(hidden, -1)
-        c_prev, c = cells[:, :-1], cells[:, 1:]
+        c_prev, c = torch.cat([c0.unsqueeze(1), cells[:, :-1]], 1), cells
         tc = torch.tanh(c)
         dtc = o * (1 - tc * tc)
         local_c = torch.cat([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g), torch.zeros_like(o)], -1)
@@ -465,8 +466,8 @@ class LSTMCell(RecurrentCell):
         return d_gates, d_gates
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
-        cells, gates = factors
-        result = native.lstm_backward(gates, cells[:, 1:].contiguous(), c0, w_hh, _contiguous(grad_out),
+        cells, gates, _ = factors
+        result = native.lstm_backward(gates, cells, c0, w_hh, _contiguous(grad_out),
                                       _contiguous(grad_cn))  # fmt: skip
         return None if result is None else (result[0], *result)
 
