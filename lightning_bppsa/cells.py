@@ -227,12 +227,12 @@ class RecurrentCell:
         operand[:, 0, inputs + ones :] = h0
         operand[:, 1:, inputs + ones :] = out[:, :-1]
         flat = operand.view(-1, operand.shape[-1])
-        product = d_gh.reshape(-1, d_gh.shape[-1]).T @ flat  # (G H, I [+ 1] + H)
+        product = (flat.T @ d_gh.reshape(-1, d_gh.shape[-1])).T  # (G H, I [+ 1] + H); this order runs faster
         input_side = product[:, : inputs + ones]
         if self._input_gate_differs_from is not None:  # the rows where d_gi differs: one thin GEMM more
             start = self._input_gate_differs_from * hidden
             input_side = input_side.clone()
-            input_side[start:] = d_gi[..., start:].reshape(-1, d_gi.shape[-1] - start).T @ flat[:, : inputs + ones]
+            input_side[start:] = (flat[:, : inputs + ones].T @ d_gi[..., start:].reshape(-1, d_gi.shape[-1] - start)).T
         grads = [input_side[:, :inputs].contiguous(), product[:, inputs + ones :].contiguous()]
         if bias:
             grads += [input_side[:, inputs].contiguous(), product[:, inputs].contiguous()]
