@@ -9,14 +9,11 @@ import pytest
 from lightning_bppsa import cli
 from lightning_bppsa.cli.report import read_scalars
 
+BITSTREAM = ["--data.seq_len=30", "--data.num_samples=32", "--data.val_samples=8", "--data.batch_size=8"]
 # Tiny sizes per recipe: a recipe shipped without an entry here fails test_every_recipe_has_a_smoke_config.
 SMOKE = {
-    "rnn_bitstream": [
-        "--data.seq_len=30",
-        "--data.num_samples=32",
-        "--data.val_samples=8",
-        "--data.batch_size=8",
-    ],
+    "rnn_bitstream": BITSTREAM,
+    "rnn_bitstream_paper": BITSTREAM,  # the same recipe module with the paper's lr
     "gru_irmas": ["--model.size=L", "--data.size=L", "--data.stand_in_clips=40", "--data.batch_size=8"],
     "vgg11_pruned": [
         "--model.width=0.0625",
