@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_bppsa import cli
+from lightning_bppsa.cli.fit import BPPSACLI
 from lightning_bppsa.cli.report import read_scalars
 
 BITSTREAM = ["--data.seq_len=30", "--data.num_samples=32", "--data.val_samples=8", "--data.batch_size=8"]
@@ -76,7 +77,7 @@ def test_shared_datamodule_arguments_reach_every_recipe_through_the_cli(
     """``batch_size`` / ``seed`` / ``cache_dir`` live in TensorDataModule; the recipes forward ``**common``."""
     monkeypatch.chdir(tmp_path)
     args = ["--config", str(cli.find_recipe(recipe)), "--data.seed=7", "--data.batch_size=3"]
-    data = cli.BPPSACLI(args=[*args, f"--data.cache_dir={tmp_path}"], run=False).datamodule
+    data = BPPSACLI(args=[*args, f"--data.cache_dir={tmp_path}"], run=False).datamodule
     assert (data.seed, data.batch_size, data.cache_dir) == (7, 3, tmp_path)
     assert "seed7" in data.cache_name()
 
