@@ -159,8 +159,16 @@ class TensorDataModule(pl.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         assert self.tensors is not None, "call prepare_data() and setup() first"
         dataset = TensorDataset(self.tensors[f"{split}_x"], self.tensors[f"{split}_y"])
+        # the shuffle draws from its own generator, not torch's global one: two runs that take turns in one
+        # process (`lightning-bppsa compare`) then see the same batches in the same order
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
         return DataLoader(
-            dataset, self.batch_size, shuffle=shuffle, num_workers=self.num_workers, drop_last=shuffle
+            dataset,
+            self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            drop_last=shuffle,
+            generator=generator,
         )
 
     def train_dataloader(self) -> DataLoader:
