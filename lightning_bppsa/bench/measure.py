@@ -7,7 +7,7 @@ import gc
 import os
 import platform
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from torch.utils import benchmark
 
 __all__ = [
     "default_threads",
+    "interleaved_medians",
     "load_average",
     "machine_description",
     "median_seconds",
@@ -83,6 +84,23 @@ def median_seconds(fn: Callable[[], object], min_run_time: float = 0.2) -> float
     """Median wall time of ``fn()`` (one warm-up call excluded) measured by ``torch.utils.benchmark``."""
     fn()  # warm-up
     return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+
+
+def interleaved_medians(
+    fns: Mapping[str, Callable[[], object]], rounds: int, min_run_time: float
+) -> dict[str, list[float]]:
+    """:func:`median_seconds` of every function in ``fns``, ``rounds`` times in turn (A/B/A/B...).
+
+    Returns ``name -> [median of round 1, ...]``. Timing the methods in alternation, not one after the
+    other, lets a change of machine load hit all of them alike; the spread over rounds shows it.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1; got {rounds}")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(median_seconds(fn, min_run_time))
+    return times
 
 
 def _mmap_threshold(nbytes: int) -> None:

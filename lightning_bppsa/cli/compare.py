@@ -127,7 +127,9 @@ class TakeTurns(Callback):
             first, start = self._block_start
             seconds = (time.perf_counter() - start) / (step - first)
             total = trainer.max_steps if trainer.max_steps > 0 else "?"
-            print(f"  {self.label:>8}: step {step}/{total}, {1000 * seconds:.1f} ms/step over the last block", flush=True)
+            loss = trainer.callback_metrics.get("train/loss")
+            shown = f", train/loss {float(loss):.4f}" if loss is not None else ""
+            print(f"  {self.label:>8}: step {step}/{total}, {1000 * seconds:.1f} ms/step over the last block{shown}", flush=True)
             self.turns.hand_on(self.run)
             self.turns.wait(self.run)
         if self._block_start is None or step % self.block_steps == 0:

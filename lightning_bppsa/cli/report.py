@@ -21,6 +21,7 @@ from lightning_bppsa.callbacks.gradient_check import SECONDS_KEY as CHECK_SECOND
 
 __all__ = [
     "CHECK_SECONDS",
+    "FELL_BACK",
     "GRAD_REL_DIFF",
     "TIMING_KEYS",
     "Conditions",
@@ -50,21 +51,21 @@ class RunSummary:
 
     ``seconds``: median seconds per step of each :data:`TIMING_KEYS` entry (warm-up steps and steps
     with a gradient check excluded);
-    ``per_step``: ``time/<key> -> {step: seconds}`` for ``backward`` and ``step`` (the same exclusions);
     ``loss_curve``: ``(step, training seconds up to and including that step, training loss)`` per
     logged step, the seconds being the running sum of ``time/step`` less the gradient checks' time;
     ``final``: final metrics (``train/loss`` averaged over the last steps, ``val/loss``, ``val/acc``);
     ``grad_rel_diff``: ``(step, value)`` of every gradient check (:data:`GRAD_REL_DIFF`);
+    ``per_step``: ``key -> {step: seconds}`` for ``backward`` and ``step`` (the medians' steps);
     ``check_seconds``: the seconds those checks took in all.
     """
 
     label: str
     log_dir: str
     seconds: dict[str, float] = field(default_factory=dict)
-    per_step: dict[str, dict[int, float]] = field(default_factory=dict)
     loss_curve: list[tuple[int, float, float]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
     grad_rel_diff: list[tuple[int, float]] = field(default_factory=list)
+    per_step: dict[str, dict[int, float]] = field(default_factory=dict)
     check_seconds: float = 0.0
 
 
@@ -162,13 +163,20 @@ def _running_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+SAME_LOSS = 1e-4
+"""Train losses closer than this at the same step count as the same in the comparison table."""
+TARGET_SHARE = 0.8
+"""How far down the loss range the common target of :func:`loss_plot_data` lies (not the noisy floor)."""
+
+
 @dataclass
 class LossPlot:
     """What :func:`plot_loss_curves` draws, per run (in ``runs`` order).
 
     ``window``: steps of the running mean; ``smooth``: the smoothed losses; ``target``: a smoothed loss
-    every run reaches (the highest of the runs' lowest); ``reached``: ``(step, seconds)`` where each run's
-    smoothed loss first gets to ``target``.
+    every run reaches, :data:`TARGET_SHARE` of the way from the runs' common top (the lowest of their
+    highest) down to their common floor (the highest of their lowest); ``reached``: ``(step, seconds)``
+    where each run's smoothed loss first gets to ``target``.
     """
 
     window: int
@@ -181,7 +189,10 @@ def loss_plot_data(runs: Sequence[RunSummary]) -> LossPlot:
     """The smoothed curves and the time each run takes to reach a common loss (:class:`LossPlot`)."""
     window = smoothing_window(max((len(run.loss_curve) for run in runs), default=0))
     smooth = [_running_mean([loss for _, _, loss in run.loss_curve], window) for run in runs]
-    target = max((min(s) for s in smooth if s), default=None) if all(smooth) else None
+    target = None
+    if smooth and all(smooth):
+        top, floor = min(max(s) for s in smooth), max(min(s) for s in smooth)
+        target = top - TARGET_SHARE * (top - floor)
     reached: list[tuple[int, float] | None] = []
     for run, curve in zip(runs, smooth, strict=True):
         first = next((i for i, loss in enumerate(curve) if target is not None and loss <= target), None)
@@ -226,9 +237,13 @@ def format_comparison(baseline: RunSummary, bppsa: RunSummary, conditions: Condi
         values = [f"{s.final[metric]:.4f}" if metric in s.final else "-" for s in (baseline, bppsa)]
         rows.append((f"final {metric}", *values, ""))
     ours = {step: loss for step, _, loss in bppsa.loss_curve}
-    gaps = [abs(loss - ours[step]) for step, _, loss in baseline.loss_curve if step in ours]
+    gaps = [(step, abs(loss - ours[step])) for step, _, loss in baseline.loss_curve if step in ours]
     if gaps:
-        rows.append(("max train-loss gap at the same step", "", f"{max(gaps):.2e}", ""))
+        rows.append(("max train-loss gap at the same step", "", f"{max(gap for _, gap in gaps):.2e}", ""))
+        # a run that learns amplifies float32 rounding (~1e-7) step by step: past some step the two
+        # curves agree only statistically (any change of summation order does the same; see README)
+        split = next((step for step, gap in gaps if gap > SAME_LOSS), None)
+        rows.append((f"first step with a train-loss gap > {SAME_LOSS:g}", "", "none" if split is None else str(split), ""))
     if bppsa.grad_rel_diff:
         worst = max(value for _, value in bppsa.grad_rel_diff)
         checks = len(bppsa.grad_rel_diff)
@@ -311,49 +326,83 @@ def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path
 
 
 def speedup_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Pair the autograd and BPPSA rows of every grid point ``(T, B)``: backward latencies and speedup."""
+    """Pair the autograd and BPPSA rows of every grid point ``(T, B)``: backward latencies and speedup.
+
+    A point also takes the BPPSA row's ``path`` (``"scan"``, or ``"autograd"`` where BPPSA fell back to
+    autograd: then ``speedup`` is ``None``, both columns having timed autograd) and, when given, its
+    ``speedup_min`` / ``speedup_max`` (the range over the rounds).
+    """
     points: dict[tuple[Any, Any], dict[str, Any]] = {}
     for row in rows:
         point = points.setdefault((row.get("T"), row.get("B")), {"T": row.get("T"), "B": row.get("B")})
         point[f"{row['method']}_backward_s"] = float(row["backward_s"])
+        if row["method"] == "bppsa":
+            point["path"] = row.get("path") or "scan"
+            point.update({k: float(row[k]) for k in ("speedup_min", "speedup_max") if row.get(k) not in (None, "")})
     paired = [p for p in points.values() if "autograd_backward_s" in p and "bppsa_backward_s" in p]
     for point in paired:
-        point["speedup"] = point["autograd_backward_s"] / point["bppsa_backward_s"]
+        ran_scan = point["path"] != "autograd"
+        point["speedup"] = point["autograd_backward_s"] / point["bppsa_backward_s"] if ran_scan else None
     return sorted(paired, key=lambda p: (p["B"] is None, p["B"] or 0, p["T"] is None, p["T"] or 0))
 
 
-def format_bench_table(name: str, points: Sequence[Mapping[str, Any]]) -> str:
-    """The markdown table of :func:`speedup_rows`' points (backward ms of both methods, speedup)."""
-    lines = [
-        f"# bench {name}",
-        "",
-        "| T | B | autograd backward ms | bppsa backward ms | speedup |",
-        "|---:|---:|---:|---:|---:|",
-    ]
+FELL_BACK = "n/a*"
+FELL_BACK_NOTE = (
+    f"{FELL_BACK} BPPSA fell back to autograd at this point (path=autograd: `\"auto\"` judged the scan not "
+    "worth it), so both columns timed autograd and no speedup is claimed."
+)
+
+
+def format_bench_table(name: str, points: Sequence[Mapping[str, Any]], conditions: str = "") -> str:
+    """The markdown table of :func:`speedup_rows`' points: backward ms of both methods, the path BPPSA
+    took, the speedup with its range over the rounds; ``conditions`` (machine, threads, load) above it."""
+    lines = [f"# bench {name}", ""]
+    if conditions:
+        lines += [conditions, ""]
     lines += [
-        f"| {p['T']} | {p['B']} | {1e3 * p['autograd_backward_s']:.3f} | {1e3 * p['bppsa_backward_s']:.3f} "
-        f"| {p['speedup']:.2f}x |"
-        for p in points
+        "| T | B | path | autograd backward ms | bppsa backward ms | speedup | range over rounds |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
+    for p in points:
+        spread = f"{p['speedup_min']:.2f}-{p['speedup_max']:.2f}x" if "speedup_min" in p else ""
+        speedup = f"{p['speedup']:.2f}x" if p["speedup"] is not None else FELL_BACK
+        lines.append(
+            f"| {p['T']} | {p['B']} | {p['path']} | {1e3 * p['autograd_backward_s']:.3f} "
+            f"| {1e3 * p['bppsa_backward_s']:.3f} | {speedup} | {spread if p['speedup'] is not None else ''} |"
+        )
+    if any(p["speedup"] is None for p in points):
+        lines += ["", FELL_BACK_NOTE]
     return "\n".join(lines)
 
 
 def plot_bench_grid(points: Sequence[Mapping[str, Any]], x: str, line: str, path: Path, title: str) -> Path:
-    """Latency (both methods) and speedup against ``x`` (``"T"`` or ``"1/B"``); a line per ``line`` value."""
+    """Latency (both methods) and speedup against ``x`` (``"T"`` or ``"1/B"``); a line per ``line`` value.
+
+    Each ``line`` value keeps one colour in both panels (autograd dashed, BPPSA solid); points where BPPSA
+    fell back to autograd are left out of the speedup panel.
+    """
     key = "B" if x == "1/B" else x
     groups: dict[Any, list[Mapping[str, Any]]] = {}
     for point in points:
         groups.setdefault(point[line], []).append(point)
     fig, (latency, speed) = _pyplot().subplots(1, 2, figsize=(10, 4))
-    for value, group in sorted(groups.items()):
+    for index, (value, group) in enumerate(sorted(groups.items())):
+        color = f"C{index % 10}"
         group = sorted(group, key=lambda p: 1 / p[key] if x == "1/B" else p[key])
         xs = [1 / p[key] if x == "1/B" else p[key] for p in group]
         latency.plot(
-            xs, [p["autograd_backward_s"] * 1e3 for p in group], "--o", label=f"autograd {line}={value}"
+            xs, [p["autograd_backward_s"] * 1e3 for p in group], "--o", color=color, label=f"autograd {line}={value}"
         )
-        latency.plot(xs, [p["bppsa_backward_s"] * 1e3 for p in group], "-o", label=f"bppsa {line}={value}")
-        speed.plot(xs, [p["speedup"] for p in group], "-o", label=f"{line}={value}")
+        latency.plot(
+            xs, [p["bppsa_backward_s"] * 1e3 for p in group], "-s", color=color, label=f"bppsa {line}={value}"
+        )
+        scanned = [(xv, p["speedup"]) for xv, p in zip(xs, group, strict=True) if p["speedup"] is not None]
+        if scanned:
+            speed.plot(*zip(*scanned, strict=True), "-s", color=color, label=f"{line}={value}")
     latency.set(xscale="log", yscale="log", xlabel=x, ylabel="backward latency (ms)")
-    speed.set(xscale="log", xlabel=x, ylabel="backward speedup (autograd / bppsa)")
+    speed.set(
+        xscale="log", xlabel=x, ylabel="backward speedup (autograd / bppsa)",
+        title="points where BPPSA ran autograd left out" if any(p["speedup"] is None for p in points) else None,
+    )  # fmt: skip
     speed.axhline(1.0, color="grey", linewidth=0.8)
     return _save_figure(fig, (latency, speed), path, title, legend_size=7)

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bppsa
 from lightning_bppsa import BPPSADDPStrategy, BPPSAStrategy
-from lightning_bppsa.strategy import format_conversion_table
+from lightning_bppsa.nn import ConversionRecord
+from lightning_bppsa.strategy import format_conversion_table, module_plan
 
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 
@@ -328,12 +329,34 @@ def test_validate_after_fit_keeps_the_conversion_report(monkeypatch, same_traine
     assert model.rnn is fitted and model.rnn.algorithm == t.strategy.algorithm
     assert t.strategy.conversion_report == report == [report[0]]
     assert (report[0].path, report[0].scanned, report[0].already_converted) == ("rnn", True, False)
-    # the same rows; the title names the algorithm of the strategy that logged it
-    assert len(tables) == 2 and tables[0].splitlines()[1:] == tables[1].splitlines()[1:]
-    assert f"(algorithm {t.strategy.algorithm!r})" in tables[1].splitlines()[0]
-    assert "no supported module" not in tables[1]
-    row = next(line for line in tables[1].splitlines() if line.startswith("rnn "))
-    assert row.split()[:3] == ["rnn", "GRU", "scan"]
+    # fit logs the table once, after its first backward, saying what each module ran; a validate under the
+    # same strategy does not repeat it, one under a strategy with another algorithm logs its own
+    assert len(tables) == (1 if same_trainer else 2)
+    header, _, row = tables[0].splitlines()[1:4]
+    assert header.split() == ["module", "type", "backward", "ran", "why"]
+    assert row.split()[:4] == ["rnn", "GRU", "scan", "scan"] and row.split()[4].startswith("chunked")
+    if not same_trainer:
+        assert f"(algorithm {t.strategy.algorithm!r})" in tables[1].splitlines()[0]
+        assert "no supported module" not in tables[1]
+        row = next(line for line in tables[1].splitlines() if line.startswith("rnn "))
+        assert row.split()[:3] == ["rnn", "GRU", "scan"]
+
+
+def test_the_table_says_what_auto_resolved_to_or_why_a_module_ran_autograd():
+    rnn = lightning_bppsa.nn.RNN(1, 3)
+    assert module_plan(rnn) is None  # not run yet
+    rnn.last_stats = {"path": "scan", "algorithm": "auto", "scan_algorithm": "linear"}
+    assert module_plan(rnn) == "scan linear"
+    rnn.last_stats = {"path": "autograd", "algorithm": "auto"}
+    assert module_plan(rnn) == "autograd"
+    rnn.last_stats = {"path": "autograd", "plan": "autograd (B >= 256: the scan does not pay)"}
+    assert module_plan(rnn) == "autograd (B >= 256: the scan does not pay)"
+    record = ConversionRecord("rnn", "RNN", True, "RNN: backward through the scan")
+    table = format_conversion_table([record], "auto", {"rnn": module_plan(rnn)})
+    header, _, row = table.splitlines()[1:]
+    assert header.split() == ["module", "type", "backward", "ran", "why"]
+    assert row.split()[:3] == ["rnn", "RNN", "scan"]
+    assert row.index("autograd (B >= 256") == header.index("ran")  # the column lines up
 
 
 def test_model_built_from_bppsa_modules_is_reported_as_scanned(monkeypatch):
