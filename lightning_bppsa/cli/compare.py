@@ -36,7 +36,7 @@ from lightning_bppsa.cli.report import (
     summarise_run,
 )
 
-__all__ = ["DEFAULT_COMPARE_STEPS", "INCOMPLETE", "Turns", "compare", "incomplete_comparisons", "main"]
+__all__ = ["DEFAULT_COMPARE_STEPS", "INCOMPLETE", "Interrupted", "Turns", "compare", "incomplete_comparisons", "main"]
 
 DEFAULT_COMPARE_STEPS = 1000
 DEFAULT_BLOCKS = 20  # turns per run over a --max-steps budget
@@ -77,12 +77,16 @@ def _next_version(root: Path) -> str:
     return f"version_{max((int(n) for n in numbers if n.isdigit()), default=-1) + 1}"
 
 
+class Interrupted(Exception):
+    """Raised inside a run's thread when the comparison stops (Ctrl-C, or the other run failed)."""
+
+
 class Turns:
     """Lets training runs in several threads take turns: one runs while the others wait (no overlap).
 
     Run ``i`` calls :meth:`wait` before it starts and :meth:`hand_on` at every block boundary and when it
     ends (``finished=True``); the turn goes round the runs that have not finished. :meth:`abort` makes
-    every waiting or later call raise :class:`KeyboardInterrupt` (Ctrl-C in the main thread).
+    every waiting or later :meth:`wait` / :meth:`check` raise :class:`Interrupted`.
     """
 
     def __init__(self, runs: int) -> None:
@@ -95,8 +99,12 @@ class Turns:
         """Block until it is ``run``'s turn."""
         with self._cond:
             self._cond.wait_for(lambda: self._turn == run or self._aborted)
-            if self._aborted:
-                raise KeyboardInterrupt("compare was interrupted")
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` once :meth:`abort` was called."""
+        if self._aborted:
+            raise Interrupted("compare was interrupted")
 
     def hand_on(self, run: int, finished: bool = False) -> None:
         """End ``run``'s turn: the next unfinished run (or ``run`` itself, when alone) goes on."""
@@ -122,6 +130,7 @@ class TakeTurns(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.turns.check()
         step = trainer.global_step
         if self._block_start is not None and step > self._block_start[0] and step % self.block_steps == 0:
             first, start = self._block_start
@@ -175,13 +184,13 @@ def _run_in_turns(clis: Sequence[tuple[str, BPPSACLI]], block_steps: int, thread
         for worker in workers:
             while worker.is_alive():
                 worker.join(timeout=0.2)  # short waits: Ctrl-C reaches the main thread between them
-    except BaseException:
-        turns.abort()
+    except KeyboardInterrupt:
+        turns.abort()  # each run stops at its next step and Lightning tears it down
         for worker in workers:
             worker.join()
-        raise
-    for error in errors:
-        if error is not None:
+        raise SystemExit(1) from None  # as Lightning answers Ctrl-C
+    for error in errors:  # the run that failed first, not the other one it stopped
+        if error is not None and not isinstance(error, Interrupted):
             raise error
     return [result for result in results if result is not None]
 
