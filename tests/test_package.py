@@ -27,6 +27,37 @@ def test_import_does_not_load_cupy_or_initialise_cuda():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
+def test_the_core_and_the_cli_help_never_import_lightning_yet_the_strategy_names_work():
+    code = (
+        "import sys, lightning_bppsa, lightning_bppsa.nn, lightning_bppsa.scan\n"
+        "from lightning_bppsa.cli import main\n"
+        "main(['--help']); main(['--version']); main(['recipes'])\n"
+        "assert not [m for m in sys.modules if m.startswith(('lightning.', 'pytorch_lightning'))], 'Lightning imported'\n"
+        "import lightning.pytorch as pl\n"
+        "for name in ('bppsa', 'bppsa_ddp'):\n"
+        "    trainer = pl.Trainer(strategy=name, accelerator='cpu', devices=1, logger=False)\n"
+        "    assert type(trainer.strategy).__name__ in ('BPPSAStrategy', 'BPPSADDPStrategy'), name\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'bppsa_model_parallel' in StrategyRegistry\n"
+        "assert lightning_bppsa.BPPSAStrategy is StrategyRegistry.get('bppsa').__class__\n"
+        "assert type(pl.__spec__.loader).__name__ == 'SourceFileLoader'  # the hook left no trace\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "lightning-bppsa 0.1.0" in result.stdout and "rnn_bitstream_paper" in result.stdout
+
+
+@pytest.mark.slow
+def test_lightning_imported_first_then_the_package_registers_at_once():
+    code = (
+        "import lightning.pytorch as pl, lightning_bppsa\n"
+        "assert type(pl.Trainer(strategy='bppsa', logger=False).strategy).__name__ == 'BPPSAStrategy'\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+
+
 def test_strategy_registered_and_reimport_never_raises():
     from lightning.pytorch.strategies import StrategyRegistry
 
