@@ -73,10 +73,13 @@ def format_conversion_table(
     header = ("module", "type", "backward", *(("ran",) if plans is not None else ()), "why")
     rows = [header]
     for r in records:
-        plan = ((plans.get(r.path) or "-",) if plans is not None else ())
+        plan = (plans.get(r.path) or "-",) if plans is not None else ()
         rows.append((r.path, r.module_type, "scan" if r.scanned else "autograd", *plan, r.reason))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     title = "BPPSA conversion" + ("" if algorithm is None else f" (algorithm {algorithm!r})")
     return title + ":\n" + "\n".join(lines)
@@ -148,7 +151,9 @@ class _BPPSAMixin:
         object.__setattr__(model, _LOGGED_ATTR, key)  # a plain attribute, never a submodule or buffer
         rank_zero_info(format_conversion_table(self.conversion_report, self.algorithm, plans))
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         """``Strategy.backward`` with the same hooks in the same order; the scan runs inside autograd."""
         module = self.lightning_module
         assert module is not None

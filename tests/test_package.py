@@ -73,7 +73,9 @@ def test_strategy_registered_and_reimport_never_raises():
 def test_mapped_packages_import_only_under_their_namespace(name):
     module = importlib.import_module(f"lightning_bppsa.{name}")
     assert Path(module.__file__).resolve().parent == ROOT / name
-    result = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode != 0 and f"import lightning_bppsa.{name}" in result.stderr
 
 
@@ -86,11 +88,16 @@ def test_every_source_folder_is_shipped():
     for folder in folders:
         rel = folder.relative_to(ROOT)
         top = rel.parts[0]
-        dotted = ".".join(rel.parts) if top == "lightning_bppsa" else ".".join(("lightning_bppsa", *rel.parts))
+        dotted = (
+            ".".join(rel.parts) if top == "lightning_bppsa" else ".".join(("lightning_bppsa", *rel.parts))
+        )
         assert dotted in shipped, f"{rel} is not listed in [tool.setuptools] packages"
     for pattern_owner in config["package-data"]:
         assert pattern_owner in shipped
-    assert list((ROOT / "recipes").glob("*.yaml")) == [] or "*.yaml" in config["package-data"]["lightning_bppsa.recipes"]
+    assert (
+        list((ROOT / "recipes").glob("*.yaml")) == []
+        or "*.yaml" in config["package-data"]["lightning_bppsa.recipes"]
+    )
 
 
 def test_public_api_declared():

@@ -50,7 +50,10 @@ def default_threads(cpus: set[int] | None = None, topology: str = "/sys/devices/
     cores = set()
     for cpu in cpus:
         try:
-            ids = [Path(topology, f"cpu{cpu}", "topology", name).read_text().strip() for name in ("physical_package_id", "core_id")]
+            ids = [
+                Path(topology, f"cpu{cpu}", "topology", name).read_text().strip()
+                for name in ("physical_package_id", "core_id")
+            ]
         except OSError:
             ids = ["cpu", str(cpu)]
         cores.add(tuple(ids))

@@ -76,7 +76,9 @@ def build_case(
     return model, x, grad
 
 
-def _step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, algorithm: str | None = None) -> Callable[[], None]:
+def _step(
+    model: nn.Module, x: torch.Tensor, grad: torch.Tensor, algorithm: str | None = None
+) -> Callable[[], None]:
     """``model(x).backward(grad)`` (forward + backward), run with the chain's ``algorithm`` when given."""
 
     def step() -> None:
@@ -176,7 +178,9 @@ def bench_rows(
     for batch in batches:
         model, x, grad = build_case(weights, batch, width, size)
         chain = SparseChain.from_sequential(model, algorithm=algorithm)
-        r = measure(model, chain, x, grad, min_run_time, algorithms=(algorithm,), scan_alone=False, rounds=rounds)
+        r = measure(
+            model, chain, x, grad, min_run_time, algorithms=(algorithm,), scan_alone=False, rounds=rounds
+        )
         point = {"T": len(model), "B": batch, "weights": weights, "width": width, "size": size}
         for method, module, step_ms, mib in (
             ("autograd", model, r["autograd_ms"], r["autograd_mib"]),

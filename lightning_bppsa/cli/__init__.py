@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_lightning(command, rest)
         else:
             known = [*LIGHTNING_COMMANDS, *COMMANDS]
-            raise CLIError(f"unknown command {command!r} (commands: {', '.join(known)}){closest(command, known)}")
+            raise CLIError(
+                f"unknown command {command!r} (commands: {', '.join(known)}){closest(command, known)}"
+            )
     except (CLIError, RecipeConfigError) as error:
         sys.exit(f"lightning-bppsa: error: {error}")

@@ -86,7 +86,9 @@ def bench(name: str, *, quick: bool = False, out: str = DEFAULT_OUT, threads: in
         key = "B" if x == "1/B" else x
         if len({p[key] for p in points if p[key] is not None}) > 1 and all(p[key] for p in points):
             written.append(
-                plot_bench_grid(points, x, line, folder / f"bench-{name}-{suffix}.png", f"bench {name}: backward vs {x}")
+                plot_bench_grid(
+                    points, x, line, folder / f"bench-{name}-{suffix}.png", f"bench {name}: backward vs {x}"
+                )
             )
     print("written: " + ", ".join(map(str, written)), flush=True)
     return folder
@@ -101,7 +103,9 @@ def _print_progress(rows: Sequence[dict[str, Any]]) -> None:
     times = ", ".join(f"{r['method']} {1e3 * float(r['backward_s']):.3f} ms" for r in pair)
     path = next((r.get("path") for r in pair if r["method"] == "bppsa"), None)
     fell_back = " (BPPSA fell back to autograd)" if path == "autograd" else ""
-    print(f"  [{len(rows) // 2}] T={last.get('T')} B={last.get('B')}: backward {times}{fell_back}", flush=True)
+    print(
+        f"  [{len(rows) // 2}] T={last.get('T')} B={last.get('B')}: backward {times}{fell_back}", flush=True
+    )
 
 
 def main(argv: Sequence[str]) -> None:
@@ -116,7 +120,10 @@ def main(argv: Sequence[str]) -> None:
         "--out", default=DEFAULT_OUT, help=f"where the CSV, markdown and PNGs go ({DEFAULT_OUT})"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: one per physical core this process may use)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: one per physical core this process may use)",
     )
     args = parser.parse_args(argv)
     bench(args.name, quick=args.quick, out=args.out, threads=args.threads)

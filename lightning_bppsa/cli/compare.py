@@ -36,7 +36,15 @@ from lightning_bppsa.cli.report import (
     summarise_run,
 )
 
-__all__ = ["DEFAULT_COMPARE_STEPS", "INCOMPLETE", "Interrupted", "Turns", "compare", "incomplete_comparisons", "main"]
+__all__ = [
+    "DEFAULT_COMPARE_STEPS",
+    "INCOMPLETE",
+    "Interrupted",
+    "Turns",
+    "compare",
+    "incomplete_comparisons",
+    "main",
+]
 
 DEFAULT_COMPARE_STEPS = 1000
 DEFAULT_BLOCKS = 20  # turns per run over a --max-steps budget
@@ -129,7 +137,9 @@ class TakeTurns(Callback):
         self._block_start: tuple[int, float] | None = None
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.turns.check()
         step = trainer.global_step
         if self._block_start is not None and step > self._block_start[0] and step % self.block_steps == 0:
@@ -138,7 +148,10 @@ class TakeTurns(Callback):
             total = trainer.max_steps if trainer.max_steps > 0 else "?"
             loss = trainer.callback_metrics.get("train/loss")
             shown = f", train/loss {float(loss):.4f}" if loss is not None else ""
-            print(f"  {self.label:>8}: step {step}/{total}, {1000 * seconds:.1f} ms/step over the last block{shown}", flush=True)
+            print(
+                f"  {self.label:>8}: step {step}/{total}, {1000 * seconds:.1f} ms/step over the last block{shown}",
+                flush=True,
+            )
             self.turns.hand_on(self.run)
             self.turns.wait(self.run)
         if self._block_start is None or step % self.block_steps == 0:
@@ -147,7 +160,9 @@ class TakeTurns(Callback):
 
 def _build_run(strategy: str, args: Sequence[str], save_dir: str, check_every: int, config: Path) -> BPPSACLI:
     """The run's LightningCLI, not yet fitted (config errors surface here, before any training)."""
-    cli = BPPSACLI(args=[*args, f"--trainer.strategy={strategy}"], run=False, save_dir=save_dir, config=config)
+    cli = BPPSACLI(
+        args=[*args, f"--trainer.strategy={strategy}"], run=False, save_dir=save_dir, config=config
+    )
     if strategy == "bppsa" and check_every:
         # its seconds are logged and left out of compare's medians and clock
         cli.trainer.callbacks.insert(0, GradientCheck(every_n_steps=check_every))
@@ -306,7 +321,16 @@ def compare(
 
 
 #: LightningCLI's options that take no dot (``--trainer.x`` and the like are checked by LightningCLI itself)
-_LIGHTNING_TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler", "ckpt_path", "timer")
+_LIGHTNING_TOP_LEVEL = (
+    "seed_everything",
+    "trainer",
+    "model",
+    "data",
+    "optimizer",
+    "lr_scheduler",
+    "ckpt_path",
+    "timer",
+)
 
 
 def _check_unknown_options(parser: argparse.ArgumentParser, overrides: Sequence[str]) -> None:

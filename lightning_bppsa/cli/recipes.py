@@ -40,7 +40,9 @@ def copy_recipe(name: str, dest: str | None = None) -> Path:
     Refuses to overwrite an existing file. Returns the written path.
     """
     if name not in available_recipes():
-        raise CLIError(f"unknown recipe {name!r}{closest(name, available_recipes())}; see `lightning-bppsa recipes`")
+        raise CLIError(
+            f"unknown recipe {name!r}{closest(name, available_recipes())}; see `lightning-bppsa recipes`"
+        )
     target = Path(dest) if dest is not None else Path(f"{name}.yaml")
     if target.is_dir():
         target = target / f"{name}.yaml"

@@ -113,7 +113,9 @@ def summarise_run(label: str, log_dir: str, final: Mapping[str, float], warmup: 
             summary.seconds[key] = statistics.median(v for _, v in kept)
             if key in SPEEDUP_KEYS:
                 summary.per_step[key] = dict(kept)
-    step_times = sorted((step, value - checks.get(step, 0.0)) for _, step, value in scalars.get("time/step", []))
+    step_times = sorted(
+        (step, value - checks.get(step, 0.0)) for _, step, value in scalars.get("time/step", [])
+    )
     clock = dict(zip((step for step, _ in step_times), accumulate(v for _, v in step_times), strict=True))
     losses = scalars.get("train/loss", [])
     summary.loss_curve = [(step, clock[step], value) for _, step, value in losses if step in clock]
@@ -243,7 +245,14 @@ def format_comparison(baseline: RunSummary, bppsa: RunSummary, conditions: Condi
         # a run that learns amplifies float32 rounding (~1e-7) step by step: past some step the two
         # curves agree only statistically (any change of summation order does the same; see README)
         split = next((step for step, gap in gaps if gap > SAME_LOSS), None)
-        rows.append((f"first step with a train-loss gap > {SAME_LOSS:g}", "", "none" if split is None else str(split), ""))
+        rows.append(
+            (
+                f"first step with a train-loss gap > {SAME_LOSS:g}",
+                "",
+                "none" if split is None else str(split),
+                "",
+            )
+        )
     if bppsa.grad_rel_diff:
         worst = max(value for _, value in bppsa.grad_rel_diff)
         checks = len(bppsa.grad_rel_diff)
@@ -252,7 +261,9 @@ def format_comparison(baseline: RunSummary, bppsa: RunSummary, conditions: Condi
             "left out of the medians and the clock)", "", f"{worst:.2e}", "",
         ))  # fmt: skip
     if conditions is not None:
-        load = "; ".join(" ".join(f"{v:.2f}" for v in avg) for avg in (conditions.load_start, conditions.load_end))
+        load = "; ".join(
+            " ".join(f"{v:.2f}" for v in avg) for avg in (conditions.load_start, conditions.load_end)
+        )
         rows.append(("torch threads", str(conditions.threads), str(conditions.threads), ""))
         rows.append(("load average (1, 5, 15 min) at start; at end", load, "", ""))
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
@@ -338,7 +349,9 @@ def speedup_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         point[f"{row['method']}_backward_s"] = float(row["backward_s"])
         if row["method"] == "bppsa":
             point["path"] = row.get("path") or "scan"
-            point.update({k: float(row[k]) for k in ("speedup_min", "speedup_max") if row.get(k) not in (None, "")})
+            point.update(
+                {k: float(row[k]) for k in ("speedup_min", "speedup_max") if row.get(k) not in (None, "")}
+            )
     paired = [p for p in points.values() if "autograd_backward_s" in p and "bppsa_backward_s" in p]
     for point in paired:
         ran_scan = point["path"] != "autograd"
@@ -348,7 +361,7 @@ def speedup_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 FELL_BACK = "n/a*"
 FELL_BACK_NOTE = (
-    f"{FELL_BACK} BPPSA fell back to autograd at this point (path=autograd: `\"auto\"` judged the scan not "
+    f'{FELL_BACK} BPPSA fell back to autograd at this point (path=autograd: `"auto"` judged the scan not '
     "worth it), so both columns timed autograd and no speedup is claimed."
 )
 
@@ -391,7 +404,11 @@ def plot_bench_grid(points: Sequence[Mapping[str, Any]], x: str, line: str, path
         group = sorted(group, key=lambda p: 1 / p[key] if x == "1/B" else p[key])
         xs = [1 / p[key] if x == "1/B" else p[key] for p in group]
         latency.plot(
-            xs, [p["autograd_backward_s"] * 1e3 for p in group], "--o", color=color, label=f"autograd {line}={value}"
+            xs,
+            [p["autograd_backward_s"] * 1e3 for p in group],
+            "--o",
+            color=color,
+            label=f"autograd {line}={value}",
         )
         latency.plot(
             xs, [p["bppsa_backward_s"] * 1e3 for p in group], "-s", color=color, label=f"bppsa {line}={value}"

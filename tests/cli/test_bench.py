@@ -17,7 +17,14 @@ def _fake_rows(*, quick: bool = False, cell: str = "rnn") -> Iterator[dict]:
     for T in (10, 100):
         for B in (2, 16):
             path = "autograd" if (T, B) == (10, 16) else "scan"  # "auto" fell back to autograd there
-            yield {"method": "autograd", "T": T, "B": B, "backward_s": 1e-3 * T, "cell": cell, "path": "autograd"}
+            yield {
+                "method": "autograd",
+                "T": T,
+                "B": B,
+                "backward_s": 1e-3 * T,
+                "cell": cell,
+                "path": "autograd",
+            }
             yield {
                 "method": "bppsa", "T": T, "B": B, "backward_s": 1e-3 * T / 4, "cell": cell, "path": path,
                 "speedup_min": 3.5, "speedup_max": 4.5,
@@ -30,7 +37,9 @@ def test_bench_writes_csv_markdown_and_plots(
     monkeypatch.setitem(BENCHMARKS, "gru", (_fake_rows, {"cell": "gru"}))
     figures = []
     save = report._save_figure
-    monkeypatch.setattr(report, "_save_figure", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    monkeypatch.setattr(
+        report, "_save_figure", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k)
+    )
     out = bench("gru", quick=True, out=str(tmp_path / "results"), threads=1)
     rows = (out / "bench-gru.csv").read_text().splitlines()
     assert rows[0] == "method,T,B,backward_s,cell,path,speedup_min,speedup_max" and len(rows) == 9
@@ -40,7 +49,9 @@ def test_bench_writes_csv_markdown_and_plots(
     assert "1 threads" in table and "load average before: " in table
     printed = capsys.readouterr().out
     assert "[1] T=10 B=2: backward autograd 10.000 ms, bppsa 2.500 ms\n" in printed
-    assert "[2] T=10 B=16: backward autograd 10.000 ms, bppsa 2.500 ms (BPPSA fell back to autograd)" in printed
+    assert (
+        "[2] T=10 B=16: backward autograd 10.000 ms, bppsa 2.500 ms (BPPSA fell back to autograd)" in printed
+    )
     plots = [out / "bench-gru-vs-T.png", out / "bench-gru-vs-invB.png"]
     assert f"written: {out / 'bench-gru.csv'}, {out / 'bench-gru.md'}, {plots[0]}, {plots[1]}" in printed
     for plot in plots:
@@ -48,9 +59,13 @@ def test_bench_writes_csv_markdown_and_plots(
     # one colour per B in both panels of the vs-T plot; the fallback point is not in the speedup panel
     latency, speed = figures[0].axes
     colours = {line.get_label(): line.get_color() for line in latency.get_lines()}
-    assert colours["autograd B=2"] == colours["bppsa B=2"] != colours["bppsa B=16"] == colours["autograd B=16"]
+    assert (
+        colours["autograd B=2"] == colours["bppsa B=2"] != colours["bppsa B=16"] == colours["autograd B=16"]
+    )
     by_b = {line.get_label(): line for line in speed.get_lines() if line.get_label().startswith("B=")}
-    assert by_b["B=2"].get_color() == colours["bppsa B=2"] and by_b["B=16"].get_color() == colours["bppsa B=16"]
+    assert (
+        by_b["B=2"].get_color() == colours["bppsa B=2"] and by_b["B=16"].get_color() == colours["bppsa B=16"]
+    )
     assert list(by_b["B=2"].get_xdata()) == [10, 100] and list(by_b["B=16"].get_xdata()) == [100]
 
 
@@ -93,7 +108,11 @@ def test_bench_runs_the_shipped_grids_quick_from_any_folder(
     body = [line for line in table.splitlines() if line[:3].startswith("| ") and line[2].isdigit()]
     assert len(body) == points and table in printed + "\n"
     for line in body:  # a speedup where BPPSA ran the scan, the fallback mark where it did not
-        assert ("| scan |" in line and line.split("|")[6].strip().endswith("x")) or "| autograd | " in line and "| n/a* |" in line
+        assert (
+            ("| scan |" in line and line.split("|")[6].strip().endswith("x"))
+            or "| autograd | " in line
+            and "| n/a* |" in line
+        )
     assert f"[{points}] T=" in printed and "written: runs/bench/bench-" in printed
     assert (out / f"bench-{name}-vs-invB.png").read_bytes().startswith(b"\x89PNG")
     assert (out / f"bench-{name}-vs-T.png").exists() == (cell is not None)  # VGG's T is fixed

@@ -121,7 +121,9 @@ def test_compare_needs_a_budget(workdir: Path) -> None:
         compare("rnn_bitstream", max_steps=0)
 
 
-@pytest.mark.parametrize("budget", [{"max_epochs": -1}, {"max_steps": -5}, {"max_epochs": 0, "max_steps": 10}])
+@pytest.mark.parametrize(
+    "budget", [{"max_epochs": -1}, {"max_steps": -5}, {"max_epochs": 0, "max_steps": 10}]
+)
 def test_a_negative_or_zero_budget_is_refused_not_read_as_unlimited(workdir: Path, budget: dict) -> None:
     with pytest.raises(CLIError, match=">= 1"):
         compare("rnn_bitstream", **budget)

@@ -46,15 +46,18 @@ def test_where_names_the_file_and_line_or_the_command_line(tmp_path: Path) -> No
             "Subcommand 'fit' does not accept option 'trainer.max_step'",
             "unknown option 'trainer.max_step' on the command line; did you mean 'trainer.max_steps'?",
         ),
-        ("unrecognized arguments: --trainer.max_stepz=3", "unknown option 'trainer.max_stepz' on the command line"),
+        (
+            "unrecognized arguments: --trainer.max_stepz=3",
+            "unknown option 'trainer.max_stepz' on the command line",
+        ),
         (
             'Parser key "data":\n  Does not validate\n  Errors:\n    - Problem with given class_path '
             "'lightning_bppsa.recipes.rnn_bitstream.BitstreamDataModule':\n        Option 'seq_lem' is not accepted\n",
             "unknown option 'data.seq_lem' on the command line; did you mean 'data.seq_len'?",
         ),
         (
-            'Parser key "data":\n  Errors:\n    - Problem with given class_path \'x.Y\':\n        Parser key '
-            '"seq_len":\n          Expected a <class \'int\'>. Got value: abc\n    - Expected a <class \'NoneType\'>',
+            "Parser key \"data\":\n  Errors:\n    - Problem with given class_path 'x.Y':\n        Parser key "
+            "\"seq_len\":\n          Expected a <class 'int'>. Got value: abc\n    - Expected a <class 'NoneType'>",
             "bad value for 'data.seq_len' on the command line: Expected a <class 'int'>. Got value: abc",
         ),
         ("Something else\n  went wrong", "Something else went wrong"),

@@ -19,9 +19,15 @@ from lightning_bppsa.cli.recipes import describe
         (["fit"], "--config is required"),
         (["compare", "--config", "nope.yaml"], "shipped recipes: "),
         (["frobnicate"], "unknown command 'frobnicate' (commands: fit, validate"),
-        (["fitt"], "unknown command 'fitt' (commands: fit, validate, test, predict, compare, bench, recipes); did you mean 'fit'?"),
+        (
+            ["fitt"],
+            "unknown command 'fitt' (commands: fit, validate, test, predict, compare, bench, recipes); did you mean 'fit'?",
+        ),
         (["recipes", "cp", "rnn_bitsream"], "unknown recipe 'rnn_bitsream'; did you mean 'rnn_bitstream'?"),
-        (["compare", "--config", "rnn_bitstream", "--check-evry", "3"], "compare: unknown option --check-evry; did you mean '--check-every'?"),
+        (
+            ["compare", "--config", "rnn_bitstream", "--check-evry", "3"],
+            "compare: unknown option --check-evry; did you mean '--check-every'?",
+        ),
         (["compare", "--config", "rnn_bitstream", "--frobnicate"], "compare: unknown option --frobnicate"),
     ],
 )
@@ -48,10 +54,14 @@ def test_recipes_are_listed_with_their_description(capsys: pytest.CaptureFixture
     assert [line.split()[0] for line in lines] == available_recipes()
     paper = next(line for line in lines if line.startswith("rnn_bitstream_paper "))
     assert "Adam lr 1e-5" in paper
-    assert describe(find_recipe("rnn_bitstream")) in next(line for line in lines if line.startswith("rnn_bitstream "))
+    assert describe(find_recipe("rnn_bitstream")) in next(
+        line for line in lines if line.startswith("rnn_bitstream ")
+    )
 
 
-def test_a_recipe_is_copied_out_for_editing_and_never_over_a_file(workdir: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_recipe_is_copied_out_for_editing_and_never_over_a_file(
+    workdir: Path, capsys: pytest.CaptureFixture
+) -> None:
     main(["recipes", "cp", "rnn_bitstream"])
     copy = workdir / "rnn_bitstream.yaml"
     assert copy.read_text() == find_recipe("rnn_bitstream").read_text()

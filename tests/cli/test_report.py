@@ -65,7 +65,10 @@ def test_table_reports_speedups_and_the_agreement_of_the_runs() -> None:
     assert "| total ms/step | 50.00 | 20.00 | 2.50x |" in table
     assert "| max train-loss gap at the same step |  | 2.00e-06 |  |" in table
     assert "| first step with a train-loss gap > 0.0001 |  | none |  |" in table
-    assert "| max gradient rel. diff vs autograd (2 checks, 0.00 s: left out of the medians and the clock) |  | 4.00e-07 |  |" in table
+    assert (
+        "| max gradient rel. diff vs autograd (2 checks, 0.00 s: left out of the medians and the clock) |  | 4.00e-07 |  |"
+        in table
+    )
 
 
 def test_gradient_checks_are_left_out_of_the_medians_and_the_clock(tmp_path: Path) -> None:
@@ -106,8 +109,9 @@ def test_time_to_a_common_loss_and_the_smoothing_window() -> None:
     assert data.target == pytest.approx(top - 0.8 * (top - floor))
     (step_a, time_a), (step_b, time_b) = data.reached
     assert step_a == step_b and time_a / time_b == pytest.approx(4.0)
-    assert f"| seconds to smoothed train/loss <= {data.target:.3f} | {time_a:.3g} | {time_b:.3g} | 4.00x |" in (
-        format_comparison(autograd, bppsa)
+    assert (
+        f"| seconds to smoothed train/loss <= {data.target:.3f} | {time_a:.3g} | {time_b:.3g} | 4.00x |"
+        in (format_comparison(autograd, bppsa))
     )
 
 
@@ -116,7 +120,9 @@ def test_loss_plot_draws_identical_runs_both_visible_on_a_log_time_axis(
 ) -> None:
     figures = []
     save = report._save_figure
-    monkeypatch.setattr(report, "_save_figure", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    monkeypatch.setattr(
+        report, "_save_figure", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k)
+    )
     losses = [2.0 - 0.01 * i for i in range(100)]
     runs = [_run("autograd", [40] * 100, losses), _run("bppsa", [10] * 100, losses)]
     path = plot_loss_curves(runs, tmp_path / "loss.png", "title")
