@@ -332,7 +332,9 @@ def plot_loss_curves(runs: Sequence[RunSummary], path: Path, title: str) -> Path
         xscale="log", xlabel="training time (s, log scale): sum of time/step, the table's clock",
         ylabel=ylabel, title="loss vs training time",
     )  # fmt: skip
-    by_step.set(xlabel="step", ylabel=ylabel, title="loss vs step (identical runs overlap)")
+    by_step.set(
+        xlabel="step", ylabel=ylabel, title="loss vs step (autograd wide and pale, BPPSA dashed on top)"
+    )
     return _save_figure(fig, (by_time, by_step), path, title, legend_size=8)
 
 
