@@ -273,7 +273,6 @@ def compare(
     if threads is not None and threads < 1:
         raise CLIError(f"--threads must be >= 1; got {threads}")
     check_overrides(overrides)
-    threads = set_threads(threads)
     root = Path(save_dir) / recipe / "compare"
     for folder in incomplete_comparisons(root):
         print(f"ignoring {folder}: marked {INCOMPLETE} (interrupted or still running)", flush=True)
@@ -297,6 +296,7 @@ def compare(
                 "This comparison has not finished (interrupted, crashed or still running); its logs are "
                 "partial. `lightning-bppsa compare` never reads them: each comparison has its own folder.\n"
             )
+    threads = set_threads(threads)  # once both configs are valid: a refused one changes nothing
     print(f"training in turns of {block_steps} steps, {threads} torch thread(s)", flush=True)
     load_start = load_average()
     try:

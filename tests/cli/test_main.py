@@ -29,6 +29,10 @@ from lightning_bppsa.cli.recipes import describe
             "compare: unknown option --check-evry; did you mean '--check-every'?",
         ),
         (["compare", "--config", "rnn_bitstream", "--frobnicate"], "compare: unknown option --frobnicate"),
+        (
+            ["compare", "--config", "rnn_bitstream", "--trainer.max_stepz=3"],
+            "unknown option 'trainer.max_stepz' on the command line; did you mean 'trainer.max_steps'?",
+        ),
     ],
 )
 def test_errors_are_one_clear_line(workdir: Path, argv: list[str], message: str) -> None:
