@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -15,12 +16,12 @@ class Stopwatch:
     On CUDA the marks are recorded events, so nothing synchronises until :meth:`seconds` is called
     (at the end of the step); on CPU they are ``time.perf_counter()`` readings, or with
     ``cpu_time=True`` ``time.process_time()`` (CPU seconds of all the process's threads: insensitive to
-    other processes competing for the cores).
+    other processes competing for the cores). ``clock`` replaces the CPU clock (tests inject one).
     """
 
-    def __init__(self, cpu_time: bool = False) -> None:
+    def __init__(self, cpu_time: bool = False, clock: Callable[[], float] | None = None) -> None:
         self._marks: dict[str, float | torch.cuda.Event] = {}
-        self._clock = time.process_time if cpu_time else time.perf_counter
+        self._clock = clock or (time.process_time if cpu_time else time.perf_counter)
 
     def clear(self) -> None:
         """Forget every mark (call at the start of a step)."""
@@ -42,7 +43,7 @@ class Stopwatch:
     def seconds(self, start: str, end: str) -> float:
         """Seconds from mark ``start`` to mark ``end`` (waits for the CUDA event ``end``)."""
         first, last = self._marks[start], self._marks[end]
-        if isinstance(first, float) and isinstance(last, float):
-            return last - first
+        if not isinstance(last, torch.cuda.Event):
+            return float(last - first)
         last.synchronize()
         return first.elapsed_time(last) / 1000.0

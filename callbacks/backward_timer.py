@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,15 +39,16 @@ class BackwardTimer(Callback):
       (the paper's overhead of BPPSA over plain back-propagation; 0 under autograd);
     - ``step``: the whole step, optimizer and hooks included.
 
-    On a CUDA device the intervals come from CUDA events (one synchronisation per step, at its end).
+    On a CUDA device the intervals come from CUDA events (one synchronisation per step, at its end); on
+    CPU from ``clock`` (``time.perf_counter``; tests inject one).
 
     Example:
         >>> trainer = pl.Trainer(callbacks=[BackwardTimer()], log_every_n_steps=1)
     """
 
-    def __init__(self, prefix: str = "time/") -> None:
+    def __init__(self, prefix: str = "time/", clock: Callable[[], float] | None = None) -> None:
         self.prefix = prefix
-        self._watch = Stopwatch()
+        self._watch = Stopwatch(clock=clock)
         self._backward_calls = 0
 
     @override

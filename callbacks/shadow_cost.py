@@ -12,6 +12,7 @@ import os
 import resource
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -88,13 +89,19 @@ class ShadowCostMonitor(Callback):
         min_batches: no verdict before this many batches after warm-up.
         cpu_time: on CPU, time backward in process CPU seconds instead of wall-clock seconds, so that
             other processes sharing the cores do not read as growth.
+        clock: on CPU, the clock read before and after each backward instead (tests inject one).
 
     Example:
         >>> trainer = pl.Trainer(strategy="bppsa", callbacks=[ShadowCostMonitor(max_growth=1.3)])
     """
 
     def __init__(
-        self, max_growth: float = 1.3, warmup: int = 20, min_batches: int = 40, cpu_time: bool = False
+        self,
+        max_growth: float = 1.3,
+        warmup: int = 20,
+        min_batches: int = 40,
+        cpu_time: bool = False,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.max_growth = max_growth
         self.warmup = warmup
@@ -105,7 +112,7 @@ class ShadowCostMonitor(Callback):
         self.signatures: list[str] = []
         self.epoch_backward_s: list[float] = []
         self.warned: dict[str, bool] = {"time": False, "memory": False}
-        self._watch = Stopwatch(cpu_time=cpu_time)
+        self._watch = Stopwatch(cpu_time=cpu_time, clock=clock)
         self._epoch_start = 0
 
     @override

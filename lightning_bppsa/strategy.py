@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,26 +31,55 @@ from lightning_bppsa.nn import ConversionRecord, convert
 from lightning_bppsa.nn.convert import is_converted
 from lightning_bppsa.scan import ALGORITHMS
 
-__all__ = ["BPPSADDPStrategy", "BPPSAStrategy", "format_conversion_table"]
+__all__ = ["BPPSADDPStrategy", "BPPSAStrategy", "format_conversion_table", "module_plan"]
 
 log = logging.getLogger(__name__)
 
 # the report of the model's first conversion, kept on the model itself so that a later connect (validate /
-# test / predict after fit, by this strategy or a new Trainer's) re-logs it instead of "already converted"
+# test / predict after fit, by this strategy or a new Trainer's) reports it instead of "already converted"
 _REPORT_ATTR = "_bppsa_conversion_report"
+# (algorithm, rows) of the table last logged for the model: the same table is not logged twice (fit, validate)
+_LOGGED_ATTR = "_bppsa_logged_table"
 
 
-def format_conversion_table(records: Sequence[ConversionRecord], algorithm: str | None = None) -> str:
-    """The conversion report as a fixed-width table (module, type, backward path, reason).
+def module_plan(module: torch.nn.Module) -> str | None:
+    """What a converted module ran in its last backward, e.g. ``"scan linear"`` or ``"autograd (reason)"``.
 
-    ``algorithm``, when given, is the scan algorithm the strategy set on every converted module.
+    Read from ``module.last_stats``: its ``"plan"`` when the module reports one, else its ``"path"`` and
+    the algorithm the scan resolved (``"scan_algorithm"``, or the module's ``"algorithm"``); ``None``
+    before the module's first call.
+    """
+    stats = getattr(module, "last_stats", None)
+    if not isinstance(stats, dict) or "path" not in stats and "plan" not in stats:
+        return None
+    if stats.get("plan"):
+        return str(stats["plan"])
+    if stats["path"] != "scan":
+        return str(stats["path"])
+    return f"scan {stats.get('scan_algorithm') or stats.get('algorithm') or ''}".strip()
+
+
+def format_conversion_table(
+    records: Sequence[ConversionRecord], algorithm: str | None = None, plans: Mapping[str, str] | None = None
+) -> str:
+    """The conversion report as a fixed-width table (module, type, backward path, [plan,] reason).
+
+    ``algorithm``, when given, is the scan algorithm the strategy set on every converted module;
+    ``plans`` (module path -> :func:`module_plan`), when given, adds what each module ran in its first
+    backward (what ``"auto"`` resolved to).
     """
     if not records:
         return "BPPSA: no supported module found; every backward stays on autograd."
-    rows = [("module", "type", "backward", "why")]
-    rows += [(r.path, r.module_type, "scan" if r.scanned else "autograd", r.reason) for r in records]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows]
+    header = ("module", "type", "backward", *(("ran",) if plans is not None else ()), "why")
+    rows = [header]
+    for r in records:
+        plan = (plans.get(r.path) or "-",) if plans is not None else ()
+        rows.append((r.path, r.module_type, "scan" if r.scanned else "autograd", *plan, r.reason))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     title = "BPPSA conversion" + ("" if algorithm is None else f" (algorithm {algorithm!r})")
     return title + ":\n" + "\n".join(lines)
@@ -95,6 +124,7 @@ class _BPPSAMixin:
         self.last_gradient_difference: float | None = None
         self._backward_calls = 0
         self._warned_backward_override = False
+        self._table_pending = False
 
     def connect(self, model: pl.LightningModule) -> None:
         report: list[ConversionRecord] = []
@@ -106,10 +136,24 @@ class _BPPSAMixin:
         report = _with_earlier_reasons(report, getattr(model, _REPORT_ATTR, ()))
         setattr(model, _REPORT_ATTR, report)
         self.conversion_report = report
-        rank_zero_info(format_conversion_table(report, self.algorithm))
+        # Training: log the table after the first backward, when it can say what "auto" resolved to.
+        trainer = getattr(model, "_trainer", None)
+        self._table_pending = trainer is not None and trainer.state.fn == "fit"
+        if not self._table_pending:
+            self._log_table(model, plans=None)
         super().connect(model)
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def _log_table(self, model: torch.nn.Module, plans: Mapping[str, str] | None) -> None:
+        """Log the conversion table unless the same one (algorithm and rows) was logged for ``model``."""
+        key = (self.algorithm, [(r.path, r.scanned, r.reason) for r in self.conversion_report])
+        if getattr(model, _LOGGED_ATTR, None) == key:
+            return
+        object.__setattr__(model, _LOGGED_ATTR, key)  # a plain attribute, never a submodule or buffer
+        rank_zero_info(format_conversion_table(self.conversion_report, self.algorithm, plans))
+
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         """``Strategy.backward`` with the same hooks in the same order; the scan runs inside autograd."""
         module = self.lightning_module
         assert module is not None
@@ -120,6 +164,10 @@ class _BPPSAMixin:
         if self.check_every and self._backward_calls % self.check_every == 0:
             self._check_gradients(closure_loss, module)
         closure_loss.backward(*args, **kwargs)
+        if self._table_pending:
+            self._table_pending = False
+            plans = {r.path: module_plan(module.get_submodule(r.path)) for r in self.conversion_report}
+            self._log_table(module, {path: plan for path, plan in plans.items() if plan is not None})
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_bppsa.recipes._errors import MissingDataError, RecipeConfigError
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -38,14 +39,6 @@ SPLIT_KEYS = ("train_x", "train_y", "val_x", "val_y")
 
 def _is_split(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(value.get(key), Tensor) for key in SPLIT_KEYS)
-
-
-class RecipeConfigError(ValueError):
-    """A recipe's configuration cannot work (impossible shapes, bad values); the CLI prints it in one line."""
-
-
-class MissingDataError(RecipeConfigError, FileNotFoundError):
-    """A recipe's ``data_dir`` is missing or lacks the expected layout (which the message shows)."""
 
 
 def announce_stand_in(recipe: str, what: str) -> None:
@@ -166,8 +159,16 @@ class TensorDataModule(pl.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         assert self.tensors is not None, "call prepare_data() and setup() first"
         dataset = TensorDataset(self.tensors[f"{split}_x"], self.tensors[f"{split}_y"])
+        # the shuffle draws from its own generator, not torch's global one: two runs that take turns in one
+        # process (`lightning-bppsa compare`) then see the same batches in the same order
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
         return DataLoader(
-            dataset, self.batch_size, shuffle=shuffle, num_workers=self.num_workers, drop_last=shuffle
+            dataset,
+            self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            drop_last=shuffle,
+            generator=generator,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -27,6 +27,37 @@ def test_import_does_not_load_cupy_or_initialise_cuda():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
+def test_the_core_and_the_cli_help_never_import_lightning_yet_the_strategy_names_work():
+    code = (
+        "import sys, lightning_bppsa, lightning_bppsa.nn, lightning_bppsa.scan\n"
+        "from lightning_bppsa.cli import main\n"
+        "main(['--help']); main(['--version']); main(['recipes'])\n"
+        "assert not [m for m in sys.modules if m.startswith(('lightning.', 'pytorch_lightning'))], 'Lightning imported'\n"
+        "import lightning.pytorch as pl\n"
+        "for name in ('bppsa', 'bppsa_ddp'):\n"
+        "    trainer = pl.Trainer(strategy=name, accelerator='cpu', devices=1, logger=False)\n"
+        "    assert type(trainer.strategy).__name__ in ('BPPSAStrategy', 'BPPSADDPStrategy'), name\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'bppsa_model_parallel' in StrategyRegistry\n"
+        "assert lightning_bppsa.BPPSAStrategy is StrategyRegistry.get('bppsa').__class__\n"
+        "assert type(pl.__spec__.loader).__name__ == 'SourceFileLoader'  # the hook left no trace\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "lightning-bppsa 0.1.0" in result.stdout and "rnn_bitstream_paper" in result.stdout
+
+
+@pytest.mark.slow
+def test_lightning_imported_first_then_the_package_registers_at_once():
+    code = (
+        "import lightning.pytorch as pl, lightning_bppsa\n"
+        "assert type(pl.Trainer(strategy='bppsa', logger=False).strategy).__name__ == 'BPPSAStrategy'\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+
+
 def test_strategy_registered_and_reimport_never_raises():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -42,7 +73,9 @@ def test_strategy_registered_and_reimport_never_raises():
 def test_mapped_packages_import_only_under_their_namespace(name):
     module = importlib.import_module(f"lightning_bppsa.{name}")
     assert Path(module.__file__).resolve().parent == ROOT / name
-    result = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode != 0 and f"import lightning_bppsa.{name}" in result.stderr
 
 
@@ -55,11 +88,16 @@ def test_every_source_folder_is_shipped():
     for folder in folders:
         rel = folder.relative_to(ROOT)
         top = rel.parts[0]
-        dotted = ".".join(rel.parts) if top == "lightning_bppsa" else ".".join(("lightning_bppsa", *rel.parts))
+        dotted = (
+            ".".join(rel.parts) if top == "lightning_bppsa" else ".".join(("lightning_bppsa", *rel.parts))
+        )
         assert dotted in shipped, f"{rel} is not listed in [tool.setuptools] packages"
     for pattern_owner in config["package-data"]:
         assert pattern_owner in shipped
-    assert list((ROOT / "recipes").glob("*.yaml")) == [] or "*.yaml" in config["package-data"]["lightning_bppsa.recipes"]
+    assert (
+        list((ROOT / "recipes").glob("*.yaml")) == []
+        or "*.yaml" in config["package-data"]["lightning_bppsa.recipes"]
+    )
 
 
 def test_public_api_declared():

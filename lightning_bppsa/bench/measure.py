@@ -7,12 +7,21 @@ import gc
 import os
 import platform
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 from torch.utils import benchmark
 
-__all__ = ["machine_description", "median_seconds", "peak_memory_bytes"]
+__all__ = [
+    "default_threads",
+    "interleaved_medians",
+    "load_average",
+    "machine_description",
+    "median_seconds",
+    "peak_memory_bytes",
+    "set_threads",
+]
 
 #: glibc's mmap threshold while ``peak_memory_bytes`` measures: every allocation of 64 KiB or more is
 #: mmap'ed and unmapped on free, so the resident high-water mark follows torch's CPU allocations.
@@ -23,10 +32,78 @@ MEASURE_THRESHOLD = 64 * 2**10
 TIMING_THRESHOLD = 32 * 2**20
 
 
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (``os.sched_getaffinity``; all of them where that is missing)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def default_threads(cpus: set[int] | None = None, topology: str = "/sys/devices/system/cpu") -> int:
+    """One thread per physical core among ``cpus`` (default :func:`usable_cpus`), never more than ``len(cpus)``.
+
+    Hyper-threads of one core count once (Linux sysfs ``topology/{physical_package_id,core_id}``); where
+    the topology cannot be read, every CPU counts as a core.
+    """
+    cpus = usable_cpus() if cpus is None else cpus
+    cores = set()
+    for cpu in cpus:
+        try:
+            ids = [
+                Path(topology, f"cpu{cpu}", "topology", name).read_text().strip()
+                for name in ("physical_package_id", "core_id")
+            ]
+        except OSError:
+            ids = ["cpu", str(cpu)]
+        cores.add(tuple(ids))
+    return max(1, min(len(cores), len(cpus)))
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads to ``threads`` (default :func:`default_threads`); returns the count.
+
+    OpenMP threads spin at barriers: on cores shared with other work, more threads than free cores make
+    every parallel op wait for a descheduled thread (a 2-core machine ran a recipe at 0.4 it/s with 2
+    threads under load, 33 it/s with 1).
+    """
+    if threads is None:
+        threads = default_threads()
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1; got {threads}")
+    torch.set_num_threads(threads)
+    return threads
+
+
+def load_average() -> tuple[float, float, float]:
+    """``os.getloadavg()``: runnable processes averaged over 1, 5 and 15 minutes (zeros where unknown)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (0.0, 0.0, 0.0)
+
+
 def median_seconds(fn: Callable[[], object], min_run_time: float = 0.2) -> float:
     """Median wall time of ``fn()`` (one warm-up call excluded) measured by ``torch.utils.benchmark``."""
     fn()  # warm-up
     return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+
+
+def interleaved_medians(
+    fns: Mapping[str, Callable[[], object]], rounds: int, min_run_time: float
+) -> dict[str, list[float]]:
+    """:func:`median_seconds` of every function in ``fns``, ``rounds`` times in turn (A/B/A/B...).
+
+    Returns ``name -> [median of round 1, ...]``. Timing the methods in alternation, not one after the
+    other, lets a change of machine load hit all of them alike; the spread over rounds shows it.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1; got {rounds}")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(median_seconds(fn, min_run_time))
+    return times
 
 
 def _mmap_threshold(nbytes: int) -> None:
@@ -78,6 +155,7 @@ def machine_description() -> str:
     except (OSError, subprocess.CalledProcessError, StopIteration):
         pass
     return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"Python {platform.python_version()}"
+        f"{cpu}, {os.cpu_count()} CPUs ({len(usable_cpus())} usable, {default_threads()} physical cores), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, Python {platform.python_version()}, "
+        "load average {:.2f} {:.2f} {:.2f}".format(*load_average())
     )

@@ -9,6 +9,7 @@ during one forward + backward (:func:`lightning_bppsa.bench.measure.peak_memory_
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_bppsa import nn as bnn
-from lightning_bppsa.bench.measure import median_seconds, peak_memory_bytes
+from lightning_bppsa.bench.measure import interleaved_medians, peak_memory_bytes
 
 __all__ = ["BENCH_INPUTS", "GRID_BATCHES", "GRID_LENGTHS", "HIDDEN", "bench_rows", "measure"]
 
@@ -53,26 +54,35 @@ def _backward(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
 
 
 def measure(
-    cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float
+    cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float, rounds: int = 1
 ) -> dict[str, Any]:
     """One grid point of ``cell`` (``"RNN"``, ``"GRU"``, ``"LSTM"``) on ``x: (batch, length, inputs)``.
 
     Returns seconds (``forward``, ``forward_bppsa``, ``autograd`` and ``bppsa``: a whole forward +
-    backward, ``bwd_autograd``, ``bwd_bppsa``), peak bytes (``mem_autograd``, ``mem_bppsa``) and what the
-    BPPSA module ran (``path``: ``"scan"`` or ``"autograd"``, ``scan_algorithm``).
+    backward, ``bwd_autograd``, ``bwd_bppsa``; each the median over ``rounds`` rounds that time all of them
+    in turn), ``bwd_speedups`` (autograd / BPPSA backward of every round), peak bytes (``mem_autograd``,
+    ``mem_bppsa``) and what the BPPSA module ran (``path``: ``"scan"`` or ``"autograd"``, ``scan_algorithm``).
     """
     torch.manual_seed(0)
     ours, ref = _pair(cell, inputs, algorithm)
     x = torch.randn(batch, length, inputs)
     x = (x > 0.5).float() if inputs == 1 else x  # the bitstream task of Sec. 4.1 for the RNN rows
     memory = peak_memory_bytes(_step(ref, x)), peak_memory_bytes(_step(ours, x))
+    times = interleaved_medians(
+        {
+            "forward": lambda: ref(x),
+            "forward_bppsa": lambda: ours(x),  # includes the Jacobian preparation
+            "autograd": _step(ref, x),
+            "bppsa": _step(ours, x),
+            "bwd_autograd": _backward(ref, x),
+            "bwd_bppsa": _backward(ours, x),
+        },
+        rounds,
+        min_run_time,
+    )
     return {
-        "forward": median_seconds(lambda: ref(x), min_run_time),
-        "forward_bppsa": median_seconds(lambda: ours(x), min_run_time),  # includes the Jacobian preparation
-        "autograd": median_seconds(_step(ref, x), min_run_time),
-        "bppsa": median_seconds(_step(ours, x), min_run_time),
-        "bwd_autograd": median_seconds(_backward(ref, x), min_run_time),
-        "bwd_bppsa": median_seconds(_backward(ours, x), min_run_time),
+        **{name: statistics.median(values) for name, values in times.items()},
+        "bwd_speedups": [a / b for a, b in zip(times["bwd_autograd"], times["bwd_bppsa"], strict=True)],
         "mem_autograd": memory[0],
         "mem_bppsa": memory[1],
         "path": ours.last_stats["path"],
@@ -89,12 +99,14 @@ def bench_rows(
     inputs: int | None = None,
     algorithm: str = "auto",
     min_run_time: float | None = None,
+    rounds: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Rows for ``lightning-bppsa bench rnn|gru`` (contract: :data:`lightning_bppsa.cli.bench.BENCHMARKS`).
 
     One :func:`measure` per grid point ``(T, B)`` and two rows from it, ``method`` ``"autograd"`` and
     ``"bppsa"``, each with ``backward_s``, ``forward_s``, ``step_s`` (forward + backward) in seconds,
-    ``peak_bytes``, and ``cell``, ``input``, ``algorithm``, ``path`` (what the BPPSA module ran).
+    ``peak_bytes``, and ``cell``, ``input``, ``algorithm``, ``path`` (what the BPPSA module ran); the
+    BPPSA row also ``speedup_min`` / ``speedup_max``, the range of the backward speedup over the rounds.
 
     Args:
         quick: the small grid ``(8, 24) x (1, 4)`` with short timings.
@@ -103,6 +115,7 @@ def bench_rows(
         inputs: input features (default :data:`BENCH_INPUTS` of the cell).
         algorithm: the BPPSA module's ``algorithm``.
         min_run_time: seconds per timing (default 0.1, quick 0.01).
+        rounds: rounds timing autograd and BPPSA in turn (default 3, quick 2).
     """
     name = cell.upper()
     if name not in BENCH_INPUTS:
@@ -111,9 +124,10 @@ def bench_rows(
     batches = batches or (QUICK_BATCHES if quick else GRID_BATCHES)
     inputs = inputs or BENCH_INPUTS[name]
     min_run_time = min_run_time if min_run_time is not None else (0.01 if quick else 0.1)
+    rounds = rounds or (2 if quick else 3)
     for length in lengths:
         for batch in batches:
-            r = measure(name, batch, length, inputs, algorithm, min_run_time)
+            r = measure(name, batch, length, inputs, algorithm, min_run_time, rounds)
             point = {"T": length, "B": batch, "cell": name, "input": inputs, "algorithm": algorithm}
             yield {
                 "method": "autograd", **point, "path": "autograd", "backward_s": r["bwd_autograd"],
@@ -122,4 +136,5 @@ def bench_rows(
             yield {
                 "method": "bppsa", **point, "path": r["path"], "backward_s": r["bwd_bppsa"],
                 "forward_s": r["forward_bppsa"], "step_s": r["bppsa"], "peak_bytes": r["mem_bppsa"],
+                "speedup_min": min(r["bwd_speedups"]), "speedup_max": max(r["bwd_speedups"]),
             }  # fmt: skip

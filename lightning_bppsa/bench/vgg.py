@@ -8,13 +8,14 @@ the pruned weights leave the Jacobians' patterns, as in the paper's retraining e
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import statistics
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_bppsa.bench.measure import median_seconds, peak_memory_bytes
+from lightning_bppsa.bench.measure import interleaved_medians, median_seconds, peak_memory_bytes
 from lightning_bppsa.jacobians import linearize
 from lightning_bppsa.nn import SparseChain
 from lightning_bppsa.recipes.vgg11_pruned import vgg11_features
@@ -75,15 +76,24 @@ def build_case(
     return model, x, grad
 
 
-def time_backward(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, min_run_time: float) -> float:
-    """Median seconds of ``model(x).backward(grad)`` (forward + backward)."""
+def _step(
+    model: nn.Module, x: torch.Tensor, grad: torch.Tensor, algorithm: str | None = None
+) -> Callable[[], None]:
+    """``model(x).backward(grad)`` (forward + backward), run with the chain's ``algorithm`` when given."""
 
     def step() -> None:
+        if algorithm is not None:
+            model.algorithm = algorithm
         x.grad = None
         model.zero_grad(set_to_none=True)
         model(x).backward(grad)
 
-    return median_seconds(step, min_run_time=min_run_time)
+    return step
+
+
+def time_backward(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, min_run_time: float) -> float:
+    """Median seconds of ``model(x).backward(grad)`` (forward + backward)."""
+    return median_seconds(_step(model, x, grad), min_run_time=min_run_time)
 
 
 def time_scan(
@@ -109,18 +119,24 @@ def measure(
     min_run_time: float,
     algorithms: Sequence[str] = ("linear", "auto"),
     scan_alone: bool = True,
-) -> dict[str, float]:
-    """Medians of forward + backward (ms) and peak memory (MiB): autograd, then ``chain`` per algorithm.
+    rounds: int = 1,
+) -> dict[str, Any]:
+    """Medians of forward + backward (ms) and peak memory (MiB): autograd and ``chain`` per algorithm.
 
     Keys: ``autograd_ms``, ``autograd_mib``, ``chain_<algorithm>_ms`` (and ``scan_<algorithm>_ms``, the
-    scan alone on given Jacobians, when ``scan_alone``), ``chain_<last algorithm>_mib``.
+    scan alone on given Jacobians, when ``scan_alone``), ``chain_<last algorithm>_mib``; the step times
+    are medians over ``rounds`` rounds timing all of them in turn, ``step_speedups`` (autograd / chain with
+    the last algorithm) one per round.
     """
-    row = {"autograd_ms": time_backward(model, x, grad, min_run_time) * 1e3}
+    steps = {"autograd": _step(model, x, grad)}
+    steps.update({f"chain_{algorithm}": _step(chain, x, grad, algorithm) for algorithm in algorithms})
+    times = interleaved_medians(steps, rounds, min_run_time)
+    row: dict[str, Any] = {f"{name}_ms": statistics.median(values) * 1e3 for name, values in times.items()}
+    last = f"chain_{algorithms[-1]}"
+    row["step_speedups"] = [a / b for a, b in zip(times["autograd"], times[last], strict=True)]
     row["autograd_mib"] = peak_memory_bytes(lambda: model(x).backward(grad)) / 2**20
-    for algorithm in algorithms:
-        chain.algorithm = algorithm
-        row[f"chain_{algorithm}_ms"] = time_backward(chain, x, grad, min_run_time) * 1e3
-        if scan_alone:
+    if scan_alone:
+        for algorithm in algorithms:
             row[f"scan_{algorithm}_ms"] = time_scan(model, x, grad, algorithm, min_run_time) * 1e3
     row[f"chain_{chain.algorithm}_mib"] = peak_memory_bytes(lambda: chain(x).backward(grad)) / 2**20
     return row
@@ -135,6 +151,7 @@ def bench_rows(
     size: int | None = None,
     algorithm: str = "auto",
     min_run_time: float | None = None,
+    rounds: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Rows for ``lightning-bppsa bench vgg`` (contract: :data:`lightning_bppsa.cli.bench.BENCHMARKS`).
 
@@ -150,15 +167,20 @@ def bench_rows(
         size: input height and width (a multiple of 32: five 2x2 pools).
         algorithm: the chain's scan algorithm.
         min_run_time: seconds per timing (default 0.5, quick 0.01).
+        rounds: rounds timing autograd and BPPSA in turn (default 3, quick 2); the BPPSA row's
+            ``speedup_min`` / ``speedup_max`` give the range of the step speedup over them.
     """
     batches = batches or ((1, 2) if quick else (1, 4, 16))
     width = width or (16 if quick else 1)
     size = size or 32
     min_run_time = min_run_time if min_run_time is not None else (0.01 if quick else 0.5)
+    rounds = rounds or (2 if quick else 3)
     for batch in batches:
         model, x, grad = build_case(weights, batch, width, size)
         chain = SparseChain.from_sequential(model, algorithm=algorithm)
-        r = measure(model, chain, x, grad, min_run_time, algorithms=(algorithm,), scan_alone=False)
+        r = measure(
+            model, chain, x, grad, min_run_time, algorithms=(algorithm,), scan_alone=False, rounds=rounds
+        )
         point = {"T": len(model), "B": batch, "weights": weights, "width": width, "size": size}
         for method, module, step_ms, mib in (
             ("autograd", model, r["autograd_ms"], r["autograd_mib"]),
@@ -170,4 +192,6 @@ def bench_rows(
                 "method": method, **point, "algorithm": algorithm if method == "bppsa" else "",
                 "backward_s": max(step_ms / 1e3 - forward, 1e-9), "forward_s": forward,
                 "step_s": step_ms / 1e3, "peak_bytes": int(mib * 2**20),
+                **({"path": chain.last_stats["path"], "speedup_min": min(r["step_speedups"]),
+                    "speedup_max": max(r["step_speedups"])} if method == "bppsa" else {"path": "autograd"}),
             }  # fmt: skip

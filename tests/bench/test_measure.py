@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_bppsa.bench.measure import median_seconds, peak_memory_bytes
+from lightning_bppsa.bench import measure
+from lightning_bppsa.bench.measure import (
+    default_threads,
+    interleaved_medians,
+    median_seconds,
+    peak_memory_bytes,
+    set_threads,
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -20,6 +28,46 @@ def test_peak_memory_sees_a_temporary_tensor() -> None:
 
 def test_median_seconds_is_positive() -> None:
     assert median_seconds(lambda: torch.ones(10).sum(), min_run_time=0.01) > 0
+
+
+def _topology(root: Path, cores: dict[int, tuple[int, int]]) -> str:
+    """A fake sysfs: CPU -> (package, core)."""
+    for cpu, (package, core) in cores.items():
+        folder = root / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "physical_package_id").write_text(f"{package}\n")
+        (folder / "core_id").write_text(f"{core}\n")
+    return str(root)
+
+
+def test_default_threads_count_physical_cores_the_process_may_use(tmp_path: Path) -> None:
+    # 4 CPUs = 2 cores x 2 hyper-threads
+    sysfs = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)})
+    assert default_threads({0, 1, 2, 3}, sysfs) == 2
+    assert default_threads({0, 2}, sysfs) == 1  # both hyper-threads of one core
+    assert default_threads({1, 2}, sysfs) == 2
+    assert default_threads({5}, sysfs) == 1  # no topology: a CPU counts as a core
+
+
+def test_set_threads_sets_torch_and_refuses_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(measure, "default_threads", lambda: 1)
+        assert set_threads(None) == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="threads must be >= 1; got 0"):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_interleaved_medians_alternate_the_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(measure, "median_seconds", lambda fn, min_run_time: calls.append(fn()) or len(calls))
+    times = interleaved_medians({"a": lambda: "a", "b": lambda: "b"}, rounds=3, min_run_time=0)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert times == {"a": [1, 3, 5], "b": [2, 4, 6]}
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        interleaved_medians({}, rounds=0, min_run_time=0)
 
 
 @pytest.mark.slow

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_bppsa.callbacks import GradientCheck
-from lightning_bppsa.callbacks.gradient_check import DEFAULT_KEY
+from lightning_bppsa.callbacks.gradient_check import DEFAULT_KEY, SECONDS_KEY
 
 from lightning_bppsa.cli.report import read_scalars
 
@@ -17,6 +19,13 @@ def test_logs_a_small_error_on_the_checked_steps(fit) -> None:
     assert check.last is not None and check.worst < 1e-5
     assert DEFAULT_KEY in trainer.callback_metrics
     assert check.state_dict() == {"worst": check.worst, "last": check.last}
+
+
+def test_each_check_logs_the_seconds_it_took(fit, tmp_path) -> None:
+    check = GradientCheck(every_n_steps=2, clock=itertools.count(step=0.25).__next__)
+    fit([check], max_steps=4, logger=TensorBoardLogger(tmp_path, "s"))
+    logged = read_scalars(str(tmp_path / "s" / "version_0"))[SECONDS_KEY]
+    assert [(step, value) for _, step, value in logged] == [(0, 0.25), (2, 0.25)]
 
 
 def test_warns_above_the_threshold(fit) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import itertools
 import warnings
 
 import pytest
@@ -31,37 +31,48 @@ def one_thread():  # noqa: ANN201
     torch.set_num_threads(threads)
 
 
-def _busy_wait(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+class GrowingBackward:
+    """A clock read twice per backward (before, after): the k-th backward lasts 1 ms * (1 + k / 40)."""
+
+    def __init__(self) -> None:
+        self.now, self.readings = 0.0, 0
+
+    def __call__(self) -> float:
+        backward = self.readings // 2
+        self.now += 1e-3 * (1 + backward / 40) if self.readings % 2 else 1.0  # 1 s between backward passes
+        self.readings += 1
+        return self.now
 
 
-def test_warns_when_backward_time_grows(fit, tiny_chain, one_thread) -> None:
-    class LeakyChain(tiny_chain):
-        """Backward gets slower with every batch, like a graph that drags more and more along."""
-
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            loss = super().training_step(batch, batch_idx)
-            loss.register_hook(lambda grad: _busy_wait(1e-4 * (batch_idx + 1)) or grad)
-            return loss
-
-    monitor = ShadowCostMonitor(warmup=10, min_batches=40)
+def test_warns_when_backward_time_grows(fit) -> None:
+    monitor = ShadowCostMonitor(warmup=10, min_batches=40, clock=GrowingBackward())
     with pytest.warns(UserWarning, match="backward time grew"):
-        fit([monitor], model=LeakyChain(samples=8 * 120), max_steps=120)
-    assert monitor.verdict()["time_growth"] > 1.3
-    assert monitor.state_dict()["backward_s"] == monitor.backward_s and len(monitor.backward_s) == 120
+        fit([monitor], max_steps=120, limit_train_batches=8, max_epochs=-1)
+    assert monitor.backward_s == pytest.approx([1e-3 * (1 + k / 40) for k in range(120)])
+    assert monitor.verdict()["time_growth"] == pytest.approx(growth(monitor.backward_s[10:]))
+    assert monitor.verdict()["time_growth"] > 1.3 and monitor.warned == {"time": True, "memory": False}
+    assert monitor.state_dict()["backward_s"] == monitor.backward_s
 
 
-@pytest.mark.slow
-def test_no_shadow_cost_over_2000_bppsa_steps(fit, tiny_chain, one_thread) -> None:
-    monitor = ShadowCostMonitor(cpu_time=True)
+def test_flat_backward_time_gives_no_warning(fit) -> None:
+    monitor = ShadowCostMonitor(warmup=10, min_batches=40, clock=itertools.count().__next__)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*(does not have many workers|isinstance.treespec).*")
+        fit([monitor], max_steps=60, limit_train_batches=8, max_epochs=-1)
+    assert monitor.backward_s == [1.0] * 60 and monitor.verdict()["time_growth"] == 1.0
+
+
+@pytest.mark.slow
+def test_no_memory_shadow_cost_over_2000_bppsa_steps(fit, tiny_chain, one_thread) -> None:
+    # Memory only: real backward times depend on the machine's load, which no test may assert on (the
+    # time detection is tested above with an injected clock); the time verdict is still computed.
+    monitor = ShadowCostMonitor(cpu_time=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ShadowCostMonitor: backward memory grew")
+        warnings.filterwarnings("ignore", message="ShadowCostMonitor: backward time grew")
         trainer = fit([monitor], model=tiny_chain(samples=8 * 2000), max_steps=2000)
     assert any(record.scanned for record in trainer.strategy.conversion_report)
     verdict = monitor.verdict()
-    assert len(monitor.backward_s) == 2000
-    assert verdict["time_growth"] < monitor.max_growth and verdict["memory_growth"] < monitor.max_growth
-    assert not any(monitor.warned.values())
+    assert len(monitor.backward_s) == 2000 and "time_growth" in verdict
+    assert verdict["memory_growth"] < monitor.max_growth and not monitor.warned["memory"]

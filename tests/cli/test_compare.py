@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import signal
+import _thread
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from lightning_bppsa.callbacks import BackwardTimer
 
-from lightning_bppsa.cli.compare import INCOMPLETE, compare
+from lightning_bppsa.cli.compare import INCOMPLETE, Interrupted, Turns, compare
 from lightning_bppsa.cli.config import CLIError
-from lightning_bppsa.cli.report import read_scalars
+from lightning_bppsa.cli.report import CHECK_SECONDS, read_scalars
 
 
 @pytest.mark.slow
 def test_compare_writes_both_runs_the_table_the_plot_and_the_scalars(
     workdir: Path, tiny: list[str], capsys: pytest.CaptureFixture
 ) -> None:
-    autograd, bppsa = compare("rnn_bitstream", max_steps=6, check_every=3, save_dir="runs", overrides=tiny)
+    autograd, bppsa = compare(
+        "rnn_bitstream", max_steps=6, check_every=3, threads=1, block_steps=2, save_dir="runs", overrides=tiny
+    )
     out = workdir / "runs" / "rnn_bitstream" / "compare" / "version_0"
     for label in ("autograd", "bppsa"):
         assert list((out / label).glob("events.out.tfevents.*")), label
@@ -31,19 +35,30 @@ def test_compare_writes_both_runs_the_table_the_plot_and_the_scalars(
     assert autograd.loss_curve[0][2] == pytest.approx(bppsa.loss_curve[0][2], rel=1e-5)  # same seed
     assert {"val/loss", "val/acc", "train/loss"} <= set(bppsa.final)
     # the plot's clock is the running sum of the step times whose median the table reports
-    step_times = [value for _, _, value in read_scalars(bppsa.log_dir)["time/step"]]
-    assert [seconds for _, seconds, _ in bppsa.loss_curve] == pytest.approx(
+    # ... less the seconds of the gradient checks (steps 0 and 3)
+    logged = read_scalars(bppsa.log_dir)
+    checks = {step: value for _, step, value in logged[CHECK_SECONDS]}
+    step_times = [value - checks.get(step, 0.0) for _, step, value in logged["time/step"]]
+    assert sorted(checks) == [0, 3] and [seconds for _, seconds, _ in bppsa.loss_curve] == pytest.approx(
         [sum(step_times[: i + 1]) for i in range(6)]
     )
     table = (out / "compare.md").read_text()
     for row in ("forward ms/step", "backward ms/step", "total ms/step", "final val/acc"):
         assert row in table
-    assert "max gradient rel. diff vs autograd (2 checks)" in table
+    assert "max gradient rel. diff vs autograd (2 checks, " in table
     assert [step for step, _ in bppsa.grad_rel_diff] == [0, 3] and max(
         v for _, v in bppsa.grad_rel_diff
     ) < 1e-4
-    assert "backward ms/step" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "backward ms/step" in out_text and "training in turns of 2 steps, 1 torch thread(s)" in out_text
+    assert "autograd: step 2/6" in out_text and "bppsa: step 4/6" in out_text
+    assert out_text.count("BPPSA conversion") <= 1  # fit then validate: the table once (it is logged)
     assert (out / "loss_vs_time.png").read_bytes().startswith(b"\x89PNG")
+    # the runs took turns every 2 steps; the checked steps (0, 3) are not among the medians' steps
+    assert sorted(bppsa.per_step["step"]) == [1, 2, 4, 5] and bppsa.check_seconds > 0
+    assert "| first step with a train-loss gap > 0.0001 |  | none |  |" in table
+    assert "per block of 2 steps: median (range of 3)" in table and "| torch threads | 1 | 1 |  |" in table
+    assert "| load average (1, 5, 15 min) at start; at end |" in table
     scalars = read_scalars(bppsa.log_dir)
     for key in ("backward", "step"):
         (logged,) = scalars[f"compare/{key}_speedup"]
@@ -60,15 +75,11 @@ def test_an_interrupted_comparison_stays_marked_and_the_next_one_gets_its_own_fo
     def ctrl_c_in_the_bppsa_run(self, trainer, pl_module, *args) -> None:
         timer_end(self, trainer, pl_module, *args)
         if trainer.strategy.strategy_name == "bppsa" and trainer.global_step == 2:
-            raise KeyboardInterrupt
+            _thread.interrupt_main()  # Ctrl-C: a KeyboardInterrupt in the main thread
 
     monkeypatch.setattr(BackwardTimer, "on_train_batch_end", ctrl_c_in_the_bppsa_run)
-    handler = signal.getsignal(signal.SIGINT)
-    try:
-        with pytest.raises(SystemExit):  # Lightning answers Ctrl-C with sys.exit(1)
-            compare("rnn_bitstream", max_steps=5, check_every=0, save_dir="runs", overrides=tiny)
-    finally:
-        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after a Ctrl-C
+    with pytest.raises(SystemExit):  # compare answers Ctrl-C as Lightning does, with sys.exit(1)
+        compare("rnn_bitstream", max_steps=5, check_every=0, block_steps=1, save_dir="runs", overrides=tiny)
     root = workdir / "runs" / "rnn_bitstream" / "compare"
     assert (root / "version_0" / INCOMPLETE).exists()
     assert "version_0 stays marked INCOMPLETE" in capsys.readouterr().err
@@ -110,8 +121,44 @@ def test_compare_needs_a_budget(workdir: Path) -> None:
         compare("rnn_bitstream", max_steps=0)
 
 
-@pytest.mark.parametrize("budget", [{"max_epochs": -1}, {"max_steps": -5}, {"max_epochs": 0, "max_steps": 10}])
+@pytest.mark.parametrize(
+    "budget", [{"max_epochs": -1}, {"max_steps": -5}, {"max_epochs": 0, "max_steps": 10}]
+)
 def test_a_negative_or_zero_budget_is_refused_not_read_as_unlimited(workdir: Path, budget: dict) -> None:
     with pytest.raises(CLIError, match=">= 1"):
         compare("rnn_bitstream", **budget)
     assert not (workdir / "runs").exists()
+
+
+def test_runs_take_turns_block_by_block_and_stop_together() -> None:
+    turns, order = Turns(2), []
+
+    def run(index: int, blocks: int) -> None:
+        turns.wait(index)
+        for block in range(blocks):
+            order.append((index, block))
+            time.sleep(0.001)  # a chance for the other thread to run, were the turns not kept
+            turns.hand_on(index, finished=block == blocks - 1)
+            if block < blocks - 1:
+                turns.wait(index)
+
+    threads = [threading.Thread(target=run, args=(i, n)) for i, n in ((0, 3), (1, 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]  # A/B/A/B, then A alone
+
+    stopped = Turns(2)
+    stopped.abort()
+    with pytest.raises(Interrupted):
+        stopped.wait(1)
+    with pytest.raises(Interrupted):
+        stopped.check()
+
+
+def test_compare_refuses_bad_threads_and_blocks(workdir: Path) -> None:
+    with pytest.raises(CLIError, match="--threads must be >= 1; got 0"):
+        compare("rnn_bitstream", max_steps=2, threads=0)
+    with pytest.raises(CLIError, match="--block-steps must be >= 1; got 0"):
+        compare("rnn_bitstream", max_steps=2, block_steps=0)

@@ -55,7 +55,10 @@ def test_missing_batches_print_the_expected_layout(tmp_path: Path) -> None:
     [
         (b"\x00\x01 not a pickle at all", "UnpicklingError"),
         (pickle.dumps([1, 2, 3]), "TypeError"),
-        (pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}), "b'data' of shape (2, 100)"),
+        (
+            pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}),
+            "b'data' of shape (2, 100)",
+        ),
     ],
 )
 def test_a_garbage_batch_file_is_named_with_what_it_should_hold(

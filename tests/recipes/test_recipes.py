@@ -7,16 +7,14 @@ from pathlib import Path
 import pytest
 
 from lightning_bppsa import cli
+from lightning_bppsa.cli.fit import BPPSACLI
 from lightning_bppsa.cli.report import read_scalars
 
+BITSTREAM = ["--data.seq_len=30", "--data.num_samples=32", "--data.val_samples=8", "--data.batch_size=8"]
 # Tiny sizes per recipe: a recipe shipped without an entry here fails test_every_recipe_has_a_smoke_config.
 SMOKE = {
-    "rnn_bitstream": [
-        "--data.seq_len=30",
-        "--data.num_samples=32",
-        "--data.val_samples=8",
-        "--data.batch_size=8",
-    ],
+    "rnn_bitstream": BITSTREAM,
+    "rnn_bitstream_paper": BITSTREAM,  # the same recipe module with the paper's lr
     "gru_irmas": ["--model.size=L", "--data.size=L", "--data.stand_in_clips=40", "--data.batch_size=8"],
     "vgg11_pruned": [
         "--model.width=0.0625",
@@ -80,7 +78,7 @@ def test_shared_datamodule_arguments_reach_every_recipe_through_the_cli(
     """``batch_size`` / ``seed`` / ``cache_dir`` live in TensorDataModule; the recipes forward ``**common``."""
     monkeypatch.chdir(tmp_path)
     args = ["--config", str(cli.find_recipe(recipe)), "--data.seed=7", "--data.batch_size=3"]
-    data = cli.BPPSACLI(args=[*args, f"--data.cache_dir={tmp_path}"], run=False).datamodule
+    data = BPPSACLI(args=[*args, f"--data.cache_dir={tmp_path}"], run=False).datamodule
     assert (data.seed, data.batch_size, data.cache_dir) == (7, 3, tmp_path)
     assert "seed7" in data.cache_name()
 

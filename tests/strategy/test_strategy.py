@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bppsa
 from lightning_bppsa import BPPSADDPStrategy, BPPSAStrategy
-from lightning_bppsa.strategy import format_conversion_table
+from lightning_bppsa.nn import ConversionRecord
+from lightning_bppsa.strategy import format_conversion_table, module_plan
 
 CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 
@@ -23,7 +24,9 @@ CELLS = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 class SeqModel(pl.LightningModule):
     """Embedding -> recurrent layer -> linear head; loss on the last step or on every step."""
 
-    def __init__(self, cell="rnn", every_step=False, manual=False, lr=0.05, two_optimizers=False, compile_rnn=False):
+    def __init__(
+        self, cell="rnn", every_step=False, manual=False, lr=0.05, two_optimizers=False, compile_rnn=False
+    ):
         super().__init__()
         self.embed = nn.Embedding(7, 5)
         self.rnn = CELLS[cell](5, 6, batch_first=True)
@@ -74,8 +77,14 @@ def loader(length=13, samples=16, batch=4, seed=0):
 
 def trainer(strategy, **kwargs):
     defaults = dict(
-        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, precision="64-true", num_sanity_val_steps=0,
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="64-true",
+        num_sanity_val_steps=0,
     )
     return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
 
@@ -123,7 +132,9 @@ def test_bppsa_ddp_resolves_devices_and_nodes():
     assert strategy.root_device == torch.device("cpu") and strategy._get_process_group_backend() == "gloo"
     custom = BPPSADDPStrategy("chunked", modules=["rnn"], check_every=5, find_unused_parameters=True)
     assert (custom.algorithm, custom.modules, custom.check_every) == ("chunked", ["rnn"], 5)
-    assert custom._ddp_kwargs == {"find_unused_parameters": True}  # the rest goes on to DistributedDataParallel
+    assert custom._ddp_kwargs == {
+        "find_unused_parameters": True
+    }  # the rest goes on to DistributedDataParallel
 
 
 def test_every_strategy_name_is_registered():
@@ -149,27 +160,40 @@ def test_automatic_optimization_matches_autograd_float64(cell, every_step):
 @pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.01)])
 def test_accumulation_and_clipping_match_autograd(clip):
     kwargs = dict(
-        model_kwargs=dict(cell="gru"), accumulate_grad_batches=2, max_steps=2,
-        gradient_clip_algorithm=clip[0], gradient_clip_val=clip[1],
+        model_kwargs=dict(cell="gru"),
+        accumulate_grad_batches=2,
+        max_steps=2,
+        gradient_clip_algorithm=clip[0],
+        gradient_clip_val=clip[1],
     )
-    assert_same_weights(train(BPPSAStrategy(algorithm="blelloch"), **kwargs), train("auto", **kwargs), rtol=1e-9)
+    assert_same_weights(
+        train(BPPSAStrategy(algorithm="blelloch"), **kwargs), train("auto", **kwargs), rtol=1e-9
+    )
 
 
 @pytest.mark.parametrize("two_optimizers", [False, True])
 def test_manual_optimization_matches_autograd(two_optimizers):
     kwargs = dict(model_kwargs=dict(cell="rnn", manual=True, two_optimizers=two_optimizers))
-    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
+    assert_same_weights(
+        train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9
+    )
 
 
 @pytest.mark.slow
 def test_float32_matches_autograd():
-    kwargs = dict(model_kwargs=dict(cell="gru", every_step=True), precision="32-true", data=loader(length=200))
-    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-4)
+    kwargs = dict(
+        model_kwargs=dict(cell="gru", every_step=True), precision="32-true", data=loader(length=200)
+    )
+    assert_same_weights(
+        train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-4
+    )
 
 
 def test_bf16_mixed_trains_close_to_autograd():
     kwargs = dict(model_kwargs=dict(cell="rnn"), precision="bf16-mixed")
-    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=2e-2)
+    assert_same_weights(
+        train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=2e-2
+    )
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
@@ -188,7 +212,9 @@ def test_mixed_precision_on_cpu_keeps_the_accelerator_and_the_plugin(precision):
     assert isinstance(t.strategy, BPPSAStrategy) and t.strategy.root_device == torch.device("cpu")
     assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu" and plugin.precision == "bf16-mixed"
     t.fit(model, loader())
-    assert t.global_step == 2 and [(r.path, r.scanned) for r in t.strategy.conversion_report] == [("rnn", True)]
+    assert t.global_step == 2 and [(r.path, r.scanned) for r in t.strategy.conversion_report] == [
+        ("rnn", True)
+    ]
     for (name, p), q in zip(model.named_parameters(), before.parameters(), strict=True):
         assert p.dtype == torch.float32 and torch.isfinite(p).all() and not torch.equal(p, q), name
 
@@ -236,7 +262,9 @@ def test_unsupported_configuration_stays_on_autograd_with_a_reason():
 @pytest.mark.slow
 def test_compiled_submodule_is_converted_and_matches():
     kwargs = dict(model_kwargs=dict(cell="rnn", compile_rnn=True))
-    assert_same_weights(train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9)
+    assert_same_weights(
+        train(BPPSAStrategy(algorithm="chunked"), **kwargs), train("auto", **kwargs), rtol=1e-9
+    )
 
 
 def test_hooks_run_once_per_backward_in_order():
@@ -308,7 +336,9 @@ def test_validation_and_predict_loops_run():
 def logged_tables(monkeypatch):
     """The conversion tables the strategy logs, in order."""
     tables = []
-    monkeypatch.setattr(lightning_bppsa.strategy, "rank_zero_info", lambda message, *a, **k: tables.append(message))
+    monkeypatch.setattr(
+        lightning_bppsa.strategy, "rank_zero_info", lambda message, *a, **k: tables.append(message)
+    )
     return tables
 
 
@@ -328,12 +358,34 @@ def test_validate_after_fit_keeps_the_conversion_report(monkeypatch, same_traine
     assert model.rnn is fitted and model.rnn.algorithm == t.strategy.algorithm
     assert t.strategy.conversion_report == report == [report[0]]
     assert (report[0].path, report[0].scanned, report[0].already_converted) == ("rnn", True, False)
-    # the same rows; the title names the algorithm of the strategy that logged it
-    assert len(tables) == 2 and tables[0].splitlines()[1:] == tables[1].splitlines()[1:]
-    assert f"(algorithm {t.strategy.algorithm!r})" in tables[1].splitlines()[0]
-    assert "no supported module" not in tables[1]
-    row = next(line for line in tables[1].splitlines() if line.startswith("rnn "))
-    assert row.split()[:3] == ["rnn", "GRU", "scan"]
+    # fit logs the table once, after its first backward, saying what each module ran; a validate under the
+    # same strategy does not repeat it, one under a strategy with another algorithm logs its own
+    assert len(tables) == (1 if same_trainer else 2)
+    header, _, row = tables[0].splitlines()[1:4]
+    assert header.split() == ["module", "type", "backward", "ran", "why"]
+    assert row.split()[:4] == ["rnn", "GRU", "scan", "scan"] and row.split()[4].startswith("chunked")
+    if not same_trainer:
+        assert f"(algorithm {t.strategy.algorithm!r})" in tables[1].splitlines()[0]
+        assert "no supported module" not in tables[1]
+        row = next(line for line in tables[1].splitlines() if line.startswith("rnn "))
+        assert row.split()[:3] == ["rnn", "GRU", "scan"]
+
+
+def test_the_table_says_what_auto_resolved_to_or_why_a_module_ran_autograd():
+    rnn = lightning_bppsa.nn.RNN(1, 3)
+    assert module_plan(rnn) is None  # not run yet
+    rnn.last_stats = {"path": "scan", "algorithm": "auto", "scan_algorithm": "linear"}
+    assert module_plan(rnn) == "scan linear"
+    rnn.last_stats = {"path": "autograd", "algorithm": "auto"}
+    assert module_plan(rnn) == "autograd"
+    rnn.last_stats = {"path": "autograd", "plan": "autograd (B >= 256: the scan does not pay)"}
+    assert module_plan(rnn) == "autograd (B >= 256: the scan does not pay)"
+    record = ConversionRecord("rnn", "RNN", True, "RNN: backward through the scan")
+    table = format_conversion_table([record], "auto", {"rnn": module_plan(rnn)})
+    header, _, row = table.splitlines()[1:]
+    assert header.split() == ["module", "type", "backward", "ran", "why"]
+    assert row.split()[:3] == ["rnn", "RNN", "scan"]
+    assert row.index("autograd (B >= 256") == header.index("ran")  # the column lines up
 
 
 def test_model_built_from_bppsa_modules_is_reported_as_scanned(monkeypatch):
@@ -368,7 +420,11 @@ def test_nothing_recorded_outlives_its_step():
     t.fit(model, data)
     assert live_tensor_count() <= after_two + 8  # optimizer state etc. may differ by a handful, not per step
     for module in model.modules():
-        leftovers = [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in ("_parameters", "_buffers")]
+        leftovers = [
+            k
+            for k, v in vars(module).items()
+            if isinstance(v, torch.Tensor) and k not in ("_parameters", "_buffers")
+        ]
         assert not leftovers, f"{type(module).__name__} keeps tensors {leftovers} between steps"
 
 

@@ -1,0 +1,70 @@
+"""Register the BPPSA strategy names with Lightning once Lightning is imported, without importing it.
+
+``import lightning_bppsa`` (and so ``import lightning_bppsa.nn`` / ``.scan``) must stay free of Lightning
+(~6 s of CPU to import), yet ``Trainer(strategy="bppsa")`` must work after it. Lightning's strategy registry
+is only consulted once ``lightning.pytorch`` is imported, so the names are registered right then: when
+``lightning.pytorch`` is already loaded, at once; otherwise by a one-shot import hook that runs the
+registration as soon as ``lightning.pytorch`` has finished executing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+
+__all__ = ["LIGHTNING", "register_strategies", "register_when_lightning_loads"]
+
+LIGHTNING = "lightning.pytorch"
+
+
+def register_strategies() -> None:
+    """Register ``"bppsa"``, ``"bppsa_ddp"`` and ``"bppsa_model_parallel"`` (imports Lightning)."""
+    from lightning_bppsa.model_parallel import BPPSAModelParallelStrategy
+    from lightning_bppsa.strategy import BPPSADDPStrategy, BPPSAStrategy
+
+    for strategy in (BPPSAStrategy, BPPSADDPStrategy, BPPSAModelParallelStrategy):
+        strategy.register_strategies()
+
+
+class _RegisterAfter(importlib.abc.Loader):
+    """Runs the real loader of ``lightning.pytorch``, then :func:`register_strategies`."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the module looks as if this wrapper never existed (resources, reloads use the real loader)
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        register_strategies()
+
+
+class _LightningImportHook(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that answers only for ``lightning.pytorch``, once, and then leaves."""
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != LIGHTNING:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from coming back here
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RegisterAfter(spec.loader)
+        return spec
+
+
+def register_when_lightning_loads() -> None:
+    """Register now if ``lightning.pytorch`` is loaded, else install the import hook (at most one)."""
+    if LIGHTNING in sys.modules:
+        register_strategies()
+    elif not any(isinstance(finder, _LightningImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _LightningImportHook())
