@@ -17,19 +17,6 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<why>[^)]+)\)\s*-->\s*$")
 
-#: Blocks in README sections owned by others that fail today, and the fix handed to their owner (the
-#: test fails as soon as one of them runs: then remove its entry).
-KNOWN_BROKEN = {
-    "In a Lightning project": "`model` is never defined: build one first (e.g. a recipe's BitstreamRNN) and "
-    "use accelerator='cpu', max_steps=1",
-    "On several processes": "`pl` is not imported and it asks for 8 GPUs on 2 nodes: add the import and a "
-    "readme-test skip marker (needs GPUs / processes), or construct the strategies only",
-    "On several processes #2": "`pl` is not imported: add `import lightning.pytorch as pl`",
-    "In plain PyTorch": "`torch.nn.Sequential(...)` passes an Ellipsis: write a real model, e.g. "
-    "`torch.nn.Sequential(torch.nn.RNN(1, 20, batch_first=True))`",
-}
-
-
 def python_blocks(text: str) -> list[tuple[str, str, str | None]]:
     """``(name, code, why skipped or None)`` of every ```python block; the name is its section heading
     (with ``#k`` for the k-th block of a section)."""
@@ -60,7 +47,6 @@ def test_blocks_are_found_and_every_skip_says_why() -> None:
     assert python_blocks("# A\n<!-- readme-test: skip (needs a GPU) -->\n```python\nx = 1\n```\n") == [
         ("A", "x = 1\n", "needs a GPU")
     ]
-    assert set(KNOWN_BROKEN) <= {name for name, _, _ in BLOCKS}
 
 
 @pytest.mark.slow
@@ -72,7 +58,4 @@ def test_readme_block_runs(name: str, code: str, why: str | None, tmp_path: Path
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
-    if name in KNOWN_BROKEN:  # strict: reported as xfailed while it fails, an error once it runs
-        assert result.returncode != 0, f"README block {name!r} runs now: remove it from KNOWN_BROKEN"
-        pytest.xfail(f"known broken ({result.stderr.strip().splitlines()[-1]}); fix: {KNOWN_BROKEN[name]}")
     assert result.returncode == 0, f"README block {name!r} failed:\n{result.stderr[-3000:]}"
