@@ -17,6 +17,7 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<why>[^)]+)\)\s*-->\s*$")
 
+
 def python_blocks(text: str) -> list[tuple[str, str, str | None]]:
     """``(name, code, why skipped or None)`` of every ```python block; the name is its section heading
     (with ``#k`` for the k-th block of a section)."""
