@@ -233,10 +233,11 @@ class RecurrentCell:
             start = self._input_gate_differs_from * hidden
             input_side = input_side.clone()
             input_side[start:] = (flat[:, : inputs + ones].T @ d_gi[..., start:].reshape(-1, d_gi.shape[-1] - start)).T
-        grads = [input_side[:, :inputs].contiguous(), product[:, inputs + ones :].contiguous()]
+        # copies, not views: an op's outputs may not share storage (they are tiny)
+        grads = [input_side[:, :inputs].clone(), product[:, inputs + ones :].clone()]
         if bias:
-            grads += [input_side[:, inputs].contiguous(), product[:, inputs].contiguous()]
-        return grads
+            grads += [input_side[:, inputs].clone(), product[:, inputs].clone()]
+        return [g.contiguous() for g in grads]
 
 
 def _native_ok(x: Tensor) -> bool:
@@ -532,7 +533,7 @@ def recurrent_backward(
 ) -> list[Tensor]:
     """Every input gradient of one layer (see :meth:`RecurrentCell.backward`)."""
     grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x)
-    return [g.clone() if g._base is not None else g for g in grads]  # outputs must not alias each other
+    return [g.clone() if g._is_view() else g for g in grads]  # outputs must not alias each other
 
 
 @recurrent_backward.register_fake

@@ -542,3 +542,30 @@ def test_relu_rnn_matches_torch_where_nans_reach_the_forward_or_the_gradient(alg
         results.append([out, leaf.grad, *(p.grad for p in module.parameters())])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the torch ops dispatched while active (issue #20: a backward with few ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
+def test_one_layer_backward_is_one_op_whatever_the_length(cell):
+    """The whole backward of a layer is the op ``bppsa::recurrent_backward`` plus autograd's bookkeeping
+    (a constant few ops), never ops per time step; torch's own autograd dispatches several per step."""
+    counts = {}
+    for steps in (10, 200):
+        ours = getattr(bnn, cell)(3, 8, batch_first=True, algorithm="linear")
+        loss = ours(torch.randn(4, steps, 3))[0][:, -1].pow(2).sum()
+        with _OpCounter() as counter:
+            loss.backward()
+        counts[steps] = counter.ops
+    assert counts[10] == counts[200]
+    assert counts[200].count("bppsa.recurrent_backward") == 1 and len(counts[200]) <= 15, counts[200]
