@@ -50,6 +50,8 @@ import torch
 from lightning_bppsa.kernels._build import kernel_path
 from torch import Tensor
 
+from lightning_bppsa.algorithms import compute_dtype
+
 __all__ = [
     "KernelUsage",
     "Launch",
@@ -206,7 +208,7 @@ def run(
     in ``grad``'s dtype. ``shared_limit``: see :func:`launch_config`. Shared by the CUDA path and the host
     emulation.
     """
-    compute = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    compute = compute_dtype(grad.dtype)
     factored = scales is not None
 
     def prepared(t: Tensor | None) -> Tensor | None:

@@ -9,6 +9,7 @@ registration as soon as ``lightning.pytorch`` has finished executing.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -20,13 +21,17 @@ __all__ = ["LIGHTNING", "register_strategies", "register_when_lightning_loads"]
 LIGHTNING = "lightning.pytorch"
 
 
-def register_strategies() -> None:
-    """Register ``"bppsa"``, ``"bppsa_ddp"`` and ``"bppsa_model_parallel"`` (imports Lightning)."""
-    from lightning_bppsa.model_parallel import BPPSAModelParallelStrategy
-    from lightning_bppsa.strategy import BPPSADDPStrategy, BPPSAStrategy
+#: the modules whose import registers ``"bppsa"``, ``"bppsa_ddp"`` and ``"bppsa_model_parallel"``
+STRATEGY_MODULES = ("lightning_bppsa.strategy", "lightning_bppsa.model_parallel")
 
-    for strategy in (BPPSAStrategy, BPPSADDPStrategy, BPPSAModelParallelStrategy):
-        strategy.register_strategies()
+
+def register_strategies() -> None:
+    """Register the strategy names (imports Lightning): each strategy module registers its classes at the
+    end of its own import. A module being imported right now (its import is what loaded Lightning) is
+    left to finish: it registers itself then."""
+    for name in STRATEGY_MODULES:
+        if name not in sys.modules:
+            importlib.import_module(name)
 
 
 class _RegisterAfter(importlib.abc.Loader):

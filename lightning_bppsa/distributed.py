@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_bppsa._chains import flush_denormals, time_major_chain
+from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.scan import backprop_scan as _local_scan
 
@@ -218,7 +219,7 @@ def distributed_backprop_scan(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return _local_scan(jacobians_t_local, direct[:, n] if state_only else direct, algorithm=algorithm)
-    compute = torch.float32 if direct.dtype in (torch.float16, torch.bfloat16) else direct.dtype
+    compute = compute_dtype(direct.dtype)
     direct_c = direct.to(compute)
     summary = segment_summary(_cast(jacobians_t_local, compute), direct_c) if rank > 0 else None
     incoming = _exclusive_scan(summary, direct_c, group).to(direct.dtype)

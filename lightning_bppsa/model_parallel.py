@@ -191,3 +191,6 @@ class BPPSAModelParallelStrategy(DDPStrategy):
             override=True,
         )
 
+
+# the name exists as soon as the class does (see lightning_bppsa._registration)
+BPPSAModelParallelStrategy.register_strategies()

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from lightning_bppsa._chains import flush_denormals
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
+from lightning_bppsa.plan import ALGORITHMS, check_algorithm
 
 __all__ = [
     "ALGORITHMS",
@@ -69,7 +70,6 @@ __all__ = [
 SparseJacobian = BatchedCSR | Tensor
 
 #: the schedules :func:`sparse_backprop_scan` runs
-ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
 #: products whose symbolic phase would pair more entries than this stay out of the up-sweep (memory)
 MAX_PAIRS = 50_000_000
 #: operations of one scan step that run concurrently in this implementation (one after another)
@@ -340,8 +340,7 @@ def plan_schedule(
             other algorithm; a forced schedule needs a step pairing more than ``max_pairs`` entries.
     """
     n = len(patterns)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    check_algorithm(algorithm)
     if up_levels is not None:
         if algorithm == "chunked":
             raise ValueError("up_levels forces a tree schedule; algorithm='chunked' takes chunk=")

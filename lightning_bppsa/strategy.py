@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_bppsa.gradcheck import gradient_difference
 from lightning_bppsa.nn import ConversionRecord, convert
 from lightning_bppsa.nn.convert import is_converted
-from lightning_bppsa.scan import ALGORITHMS
+from lightning_bppsa.plan import check_algorithm
 
 __all__ = ["BPPSADDPStrategy", "BPPSAStrategy", "format_conversion_table", "module_plan"]
 
@@ -111,8 +111,7 @@ class _BPPSAMixin:
         check_threshold: float = 1e-4,
         **kwargs: Any,
     ) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+        check_algorithm(algorithm)
         if not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an int >= 0; got {check_every!r}")
         super().__init__(**kwargs)
@@ -300,3 +299,8 @@ class BPPSADDPStrategy(_BPPSAMixin, DDPStrategy):
 
     strategy_name = "bppsa_ddp"
     strategy_description = "Data-parallel (DDP) training with back-propagation as a parallel prefix scan"
+
+
+# the names exist as soon as the classes do (see lightning_bppsa._registration)
+BPPSAStrategy.register_strategies()
+BPPSADDPStrategy.register_strategies()

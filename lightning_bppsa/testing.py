@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_bppsa.algorithms import compute_dtype
+
 __all__ = ["assert_derived_close", "relative_error"]
 
 
@@ -49,7 +51,7 @@ def assert_derived_close(
     allowed = floor + (factor * relative_error(baseline, reference) if baseline is not None else 0.0)
     error = relative_error(actual, reference)
     # half precision is computed (and flushed) in float32
-    compute = torch.float32 if actual.dtype in (torch.float16, torch.bfloat16) else actual.dtype
+    compute = compute_dtype(actual.dtype)
     flushed = torch.finfo(compute).tiny * actual.numel() ** 0.5 if actual.is_floating_point() else 0.0
     if not error <= allowed and not (actual.double() - reference.double()).norm().item() <= flushed:  # NaN fails
         raise AssertionError(f"{name}: relative error {error:.3e} exceeds allowed {allowed:.3e}")

@@ -58,6 +58,24 @@ def test_lightning_imported_first_then_the_package_registers_at_once():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "first",
+    ["import lightning_bppsa.strategy", "from lightning_bppsa import BPPSAStrategy",
+     "import lightning_bppsa.model_parallel", "import lightning_bppsa.callbacks"],
+)
+def test_a_strategy_module_imported_first_registers_every_name(first):
+    """Importing a strategy module first loads Lightning from inside that module's own import: the import
+    hook must not import it again half-initialised."""
+    code = (
+        f"{first}\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert {'bppsa', 'bppsa_ddp', 'bppsa_model_parallel'} <= set(StrategyRegistry), list(StrategyRegistry)\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+
+
 def test_strategy_registered_and_reimport_never_raises():
     from lightning.pytorch.strategies import StrategyRegistry
 

@@ -61,8 +61,8 @@ from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, line
 from lightning_bppsa.nn._clock import clock
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
+from lightning_bppsa.plan import check_algorithm
 from lightning_bppsa.sparse_scan import (
-    ALGORITHMS,
     ScanStepFlops,
     scan_dtype,
     scan_flop_report,
@@ -97,8 +97,7 @@ class SparseChain(nn.Sequential):
     """
 
     def __init__(self, *args: nn.Module, algorithm: str = "auto") -> None:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+        check_algorithm(algorithm)
         super().__init__(*args)
         self.algorithm = algorithm
         self._last_patterns: list[CSRPattern] | None = None

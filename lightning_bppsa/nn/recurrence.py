@@ -65,7 +65,8 @@ from torch import Tensor, nn
 
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
-from lightning_bppsa.scan import ALGORITHMS, backprop_scan
+from lightning_bppsa.plan import check_algorithm
+from lightning_bppsa.scan import backprop_scan
 
 __all__ = ["Recurrence"]
 
@@ -194,8 +195,7 @@ class Recurrence(nn.Module):
         super().__init__()
         if not isinstance(cell, nn.Module):
             raise TypeError(f"cell must be an nn.Module with cell(x_t, state) -> state; got {type(cell).__name__}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+        check_algorithm(algorithm)
         if memory_budget < 0:
             raise ValueError(f"memory_budget must be >= 0 bytes; got {memory_budget}")
         self.cell, self.batch_first, self.algorithm = cell, batch_first, algorithm
