@@ -50,7 +50,8 @@ def _launcher(resident: int | None, timeout: float):
         words = (ctypes.c_uint64 * len(config.args))(*config.args)
         entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
         blocks = config.grid if resident is None else resident
-        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout)
+        # blocks in a seeded order, no release jitter: these kernels have no inter-block communication
+        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout, 1, 0.0)
         if status == _TIMEOUT:
             raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
         if status == _ERROR:

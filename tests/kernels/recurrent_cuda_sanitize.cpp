@@ -33,7 +33,7 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
         (uint64_t)factors[0], (uint64_t)factors[1], (uint64_t)factors[2], (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
     const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;  // as recurrent_cuda.py
     const size_t shared = (registers ? 2 : gh + 2) * padded * sizeof(T);
-    const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0);
+    const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
 }
