@@ -11,7 +11,10 @@ registers them for ``"cuda"``):
 The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``g_t = g_{t+1} J_t + δ_t``
 (row gradients; ``δ`` only for a per-step ``grad`` of shape ``(B, n + 1, d)``). ``algorithm`` picks the kernel:
 
-- ``"linear"``: ``bppsa_sweep_*``, one block per batch row runs the ``n`` steps in order.
+- ``"linear"``: ``bppsa_warpsweep_*`` for ``d <= 32``: one warp per batch row runs the ``n`` steps in order,
+  the state in registers (one value per lane, broadcast by ``__shfl_sync``), a factored ``W`` loaded once
+  into shared memory, each step's operand loaded one step ahead (``k <= 5`` weight tiles, ``m = k d``);
+  otherwise ``bppsa_sweep_*``, one block per batch row, every step through shared memory.
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
   every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
@@ -71,12 +74,14 @@ __all__ = [
 SHARED_BYTES = 48 * 1024  # shared memory per block (static + dynamic) without the opt-in attribute
 #: static shared memory of each kernel family (ptxas / NVRTC report it: the compile gate and the CuPy
 #: loader check these figures); a launch's dynamic part gets the limit minus this
-STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16}
+STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16, "warpsweep": 0}
 MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of a chunk-product step
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
+WARP = 32  # lanes of a warp: the warp-resident sweep's block, and its widest state
+MAX_TILES = 5  # kMaxTiles in scan.cu: the warp sweep's factored weight has m = k d rows, k <= 5
 KERNELS = tuple(
     f"bppsa_{schedule}_{chain}_{suffix}"
-    for schedule in ("sweep", "chunked")
+    for schedule in ("sweep", "chunked", "warpsweep")
     for chain in ("dense", "factored")
     for suffix in ("f32", "f64")
 )
@@ -91,7 +96,7 @@ class Launch:
     block: int  # threads per block (a multiple of 32)
     shared_bytes: int  # dynamic shared memory per block
     static_bytes: int  # the kernel's static shared memory (STATIC_SHARED_BYTES)
-    tile_rows: int  # operand rows streamed through shared memory at once
+    tile_rows: int  # operand rows streamed through shared memory at once (warp sweep: W's rows, resident)
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
     sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
@@ -148,6 +153,23 @@ def launch_config(
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
+        )
+    weight_bytes = m * d * element_bytes if factored else 0  # the warp sweep's resident W
+    if (
+        d <= WARP
+        and (not factored or (m % d == 0 and m // d <= MAX_TILES))
+        and weight_bytes <= shared_limit - STATIC_SHARED_BYTES["warpsweep"]
+    ):
+        return Launch(
+            kernel=f"bppsa_warpsweep_{chain}_{suffix}",
+            grid=batch,
+            block=WARP,
+            shared_bytes=weight_bytes,
+            static_bytes=STATIC_SHARED_BYTES["warpsweep"],
+            tile_rows=operand_rows if factored else 0,
+            chunk=n,
+            work_elements=0,
+            sync_words=0,
         )
     sweep_budget = shared_limit - STATIC_SHARED_BYTES["sweep"]
     if vectors + row_bytes > sweep_budget:

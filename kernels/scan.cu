@@ -268,6 +268,91 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
     sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
 }
 
+// ---- The warp-resident sweep (d <= 32): one warp per batch row, the state in registers --------------
+//
+// Lane c owns g[c] (lanes >= d hold 0); a step is y[c] = delta[c] + u[c] g[c] + sum_j a_j A[j][c], the
+// a_j broadcast from the lane that holds them by __shfl_sync: no barrier, no shared-memory round trip
+// of the state. The step's own operand (scales / diagonal / delta, or a Jacobian column) is loaded into
+// registers one step ahead, so its global latency overlaps the step before it. Factored: W (m x d,
+// m = k d) is loaded ONCE into shared memory, lane c reads its column c (consecutive lanes, consecutive
+// words: no bank conflict). Dense: lane c loads column c of J_t (= row c of jacobians_t), padded to 32.
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+constexpr int kMaxTiles = 5;  // factored weight rows m = k d with k <= 5 (LSTM: 5 tiles of [h; c])
+
+template <class T, bool Factored>
+struct WarpOperand;
+
+template <class T>
+struct WarpOperand<T, true> {  // s_t (k values: lane l holds s_t[i d + l]), u_t[l], delta_t[l]
+    T s[kMaxTiles], u, delta;
+    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, bool live) {
+        const i64 step = b * p.n + t;
+        const T* scales = p.scales + step * p.m + lane;
+        const int tiles = p.m / p.d;  // once per step, not per operand row
+#pragma unroll
+        for (int i = 0; i < kMaxTiles; ++i) s[i] = live && i < tiles ? scales[i * p.d] : T(0);
+        u = live && p.diagonal ? p.diagonal[step * p.d + lane] : T(0);
+        const T* direct = p.direct(b, t);
+        delta = live && direct ? direct[lane] : T(0);
+    }
+    // y[c] = delta[c] + u[c] g[c] + sum_i sum_l (g[l] s[i d + l]) W[i d + l][c]; w = W's column c
+    __device__ T apply(T g, const T* w, int d, int tiles) const {
+        T acc = delta + u * g;
+#pragma unroll
+        for (int i = 0; i < kMaxTiles; ++i) {
+            if (i == tiles) break;  // uniform: the whole warp leaves together
+            const T a = g * s[i];
+            const T* column = w + i * d * d;
+            for (int l = 0; l < d; ++l) acc += __shfl_sync(kFullMask, a, l) * column[l * d];
+        }
+        return acc;
+    }
+};
+
+template <class T>
+struct WarpOperand<T, false> {  // column c of J_t (J_t[i][c] = jacobians_t[c][i]) and delta_t[c]
+    T column[kWarp], delta;
+    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, bool live) {
+        const T* jt = p.mat + ((b * p.n + t) * p.d + lane) * p.d;
+#pragma unroll
+        for (int i = 0; i < kWarp; ++i) column[i] = live && i < p.d ? jt[i] : T(0);
+        const T* direct = p.direct(b, t);
+        delta = live && direct ? direct[lane] : T(0);
+    }
+    // y[c] = delta[c] + sum_i g[i] J_t[i][c]: 32 broadcasts (padding: lanes >= d hold g = 0)
+    __device__ T apply(T g, const T*, int, int) const {
+        T acc = delta;
+#pragma unroll
+        for (int i = 0; i < kWarp; ++i) acc += __shfl_sync(kFullMask, g, i) * column[i];
+        return acc;
+    }
+};
+
+template <class T, bool Factored>
+__device__ void warp_sweep_kernel(const Problem<T>& p) {
+    BPPSA_DYNAMIC_SHARED(smem);
+    const int lane = threadIdx.x, d = p.d, tiles = Factored ? p.m / p.d : 1;
+    const bool live = lane < d;
+    const i64 b = blockIdx.x;
+    T* w = reinterpret_cast<T*>(smem);
+    if (Factored) {  // W once per block; lane c later reads only column c (a dead lane reads column 0)
+        for (int e = lane; e < p.m * d; e += kWarp) w[e] = p.mat[e];
+        __syncwarp(kFullMask);
+    }
+    const T* w_column = w + (live ? lane : 0);
+    T g = live ? p.last(b)[lane] : T(0);
+    if (live) p.out_row(b, p.n)[lane] = g;
+    WarpOperand<T, Factored> current, next;
+    current.load(p, b, p.n - 1, lane, live);
+    for (i64 t = p.n - 1; t >= 0; --t) {
+        if (t > 0) next.load(p, b, t - 1, lane, live);  // in flight while this step computes
+        g = current.apply(g, w_column, d, tiles);
+        if (live) p.out_row(b, t)[lane] = g;
+        current = next;
+    }
+}
+
 // Raise a chunk's flag. Called right after the product that stored what it announces (st.cg): that
 // product's closing barrier orders every thread's stores before thread 0's release store, which is
 // cumulative (one release by one thread instead of a fence in every thread).
@@ -393,5 +478,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     BPPSA_ENTRY(bppsa_chunked_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                       \
     BPPSA_ENTRY(bppsa_chunked_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
 
+// One warp per block: the block is the row's warp (launch_config: block = 32, grid = B).
+#define BPPSA_WARP_KERNELS(T, SUFFIX)                                                                   \
+    extern "C" __global__ void __launch_bounds__(kWarp) bppsa_warpsweep_dense_##SUFFIX BPPSA_PARAMS(T) {  \
+        warp_sweep_kernel<T, false>(BPPSA_PROBLEM(T));                                                  \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kWarp) bppsa_warpsweep_factored_##SUFFIX BPPSA_PARAMS(T) { \
+        warp_sweep_kernel<T, true>(BPPSA_PROBLEM(T));                                                   \
+    }                                                                                                   \
+    BPPSA_ENTRY(bppsa_warpsweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                     \
+    BPPSA_ENTRY(bppsa_warpsweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
+
 BPPSA_KERNELS(float, f32)
 BPPSA_KERNELS(double, f64)
+BPPSA_WARP_KERNELS(float, f32)
+BPPSA_WARP_KERNELS(double, f64)
