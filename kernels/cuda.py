@@ -79,6 +79,7 @@ MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of 
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
 WARP = 32  # lanes of a warp: the warp-resident sweep's block, and its widest state
 MAX_TILES = 5  # kMaxTiles in scan.cu: the warp sweep's factored weight has m = k d rows, k <= 5
+GROUP = 4  # kGroup in scan.cu: the warp sweep's operand rows go in groups of 4 (W gets 3 zero rows after it)
 KERNELS = tuple(
     f"bppsa_{schedule}_{chain}_{suffix}"
     for schedule in ("sweep", "chunked", "warpsweep")
@@ -154,7 +155,7 @@ def launch_config(
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
         )
-    weight_bytes = m * d * element_bytes if factored else 0  # the warp sweep's resident W
+    weight_bytes = (m + GROUP - 1) * WARP * element_bytes if factored else 0  # the warp sweep's resident W
     if (
         d <= WARP
         and (not factored or (m % d == 0 and m // d <= MAX_TILES))

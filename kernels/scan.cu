@@ -270,41 +270,54 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
 
 // ---- The warp-resident sweep (d <= 32): one warp per batch row, the state in registers --------------
 //
-// Lane c owns g[c] (lanes >= d hold 0); a step is y[c] = delta[c] + u[c] g[c] + sum_j a_j A[j][c], the
-// a_j broadcast from the lane that holds them by __shfl_sync: no barrier, no shared-memory round trip
-// of the state. The step's own operand (scales / diagonal / delta, or a Jacobian column) is loaded into
-// registers one step ahead, so its global latency overlaps the step before it. Factored: W (m x d,
-// m = k d) is loaded ONCE into shared memory, lane c reads its column c (consecutive lanes, consecutive
-// words: no bank conflict). Dense: lane c loads column c of J_t (= row c of jacobians_t), padded to 32.
+// Lane c owns g[c] (lanes >= d hold 0, kept so: the padding below multiplies their g); a step is
+// y[c] = delta[c] + u[c] g[c] + sum_j a_j A[j][c], the a_j broadcast from the lane that holds them by
+// __shfl_sync: no barrier and no shared-memory round trip of the state. The operand of the next step
+// (scales / diagonal / delta, or a Jacobian column) is loaded into registers while this one computes.
+// Factored: W (m x d, m = k d) is loaded ONCE per block into shared memory with a row stride of 32
+// words (lane c reads W[j][c] at j * 32 + c: a compile-time offset per row, consecutive lanes on
+// consecutive banks). Dense: lane c loads column c of J_t (row c of jacobians_t: strided across lanes,
+// every element index clamped to d - 1). Loops over operand rows run in groups of kGroup rows (lanes l0 .. l0 + 3, an
+// immediate shuffle source and shared offset each) and leave at the first group past d (uniform): rows
+// d .. group end read padding that a dead lane's g = 0 cancels, and no integer division is executed.
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
+constexpr int kGroup = 4;
 constexpr int kMaxTiles = 5;  // factored weight rows m = k d with k <= 5 (LSTM: 5 tiles of [h; c])
 
 template <class T, bool Factored>
 struct WarpOperand;
 
 template <class T>
-struct WarpOperand<T, true> {  // s_t (k values: lane l holds s_t[i d + l]), u_t[l], delta_t[l]
+struct WarpOperand<T, true> {  // s_t (lane l holds s_t[i d + l] of tile i), u_t[l], delta_t[l]
     T s[kMaxTiles], u, delta;
-    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, bool live) {
+    // `lane` is clamped to d - 1 on dead lanes (valid addresses; their result is dropped)
+    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, int tiles) {
         const i64 step = b * p.n + t;
         const T* scales = p.scales + step * p.m + lane;
-        const int tiles = p.m / p.d;  // once per step, not per operand row
 #pragma unroll
-        for (int i = 0; i < kMaxTiles; ++i) s[i] = live && i < tiles ? scales[i * p.d] : T(0);
-        u = live && p.diagonal ? p.diagonal[step * p.d + lane] : T(0);
+        for (int i = 0; i < kMaxTiles; ++i) {
+            if (i == tiles) break;
+            s[i] = scales[i * p.d];
+        }
+        u = p.diagonal ? p.diagonal[step * p.d + lane] : T(0);
         const T* direct = p.direct(b, t);
-        delta = live && direct ? direct[lane] : T(0);
+        delta = direct ? direct[lane] : T(0);
     }
-    // y[c] = delta[c] + u[c] g[c] + sum_i sum_l (g[l] s[i d + l]) W[i d + l][c]; w = W's column c
+    // y[c] = delta[c] + u[c] g[c] + sum_i sum_l (g[l] s[i d + l]) W[i d + l][c]; w: column c of W, stride 32
     __device__ T apply(T g, const T* w, int d, int tiles) const {
         T acc = delta + u * g;
 #pragma unroll
         for (int i = 0; i < kMaxTiles; ++i) {
             if (i == tiles) break;  // uniform: the whole warp leaves together
             const T a = g * s[i];
-            const T* column = w + i * d * d;
-            for (int l = 0; l < d; ++l) acc += __shfl_sync(kFullMask, a, l) * column[l * d];
+            const T* rows = w + i * d * kWarp;
+#pragma unroll
+            for (int l0 = 0; l0 < kWarp; l0 += kGroup) {
+                if (l0 >= d) break;
+#pragma unroll
+                for (int l = l0; l < l0 + kGroup; ++l) acc += __shfl_sync(kFullMask, a, l) * rows[l * kWarp];
+            }
         }
         return acc;
     }
@@ -313,18 +326,27 @@ struct WarpOperand<T, true> {  // s_t (k values: lane l holds s_t[i d + l]), u_t
 template <class T>
 struct WarpOperand<T, false> {  // column c of J_t (J_t[i][c] = jacobians_t[c][i]) and delta_t[c]
     T column[kWarp], delta;
-    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, bool live) {
+    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, int) {
         const T* jt = p.mat + ((b * p.n + t) * p.d + lane) * p.d;
+        const int last = p.d - 1;
 #pragma unroll
-        for (int i = 0; i < kWarp; ++i) column[i] = live && i < p.d ? jt[i] : T(0);
+        for (int i0 = 0; i0 < kWarp; i0 += kGroup) {
+            if (i0 > last) break;
+#pragma unroll
+            for (int i = i0; i < i0 + kGroup; ++i) column[i] = jt[i < last ? i : last];  // padding: finite
+        }
         const T* direct = p.direct(b, t);
-        delta = live && direct ? direct[lane] : T(0);
+        delta = direct ? direct[lane] : T(0);
     }
-    // y[c] = delta[c] + sum_i g[i] J_t[i][c]: 32 broadcasts (padding: lanes >= d hold g = 0)
-    __device__ T apply(T g, const T*, int, int) const {
+    // y[c] = delta[c] + sum_i g[i] J_t[i][c]
+    __device__ T apply(T g, const T*, int d, int) const {
         T acc = delta;
 #pragma unroll
-        for (int i = 0; i < kWarp; ++i) acc += __shfl_sync(kFullMask, g, i) * column[i];
+        for (int i0 = 0; i0 < kWarp; i0 += kGroup) {
+            if (i0 >= d) break;
+#pragma unroll
+            for (int i = i0; i < i0 + kGroup; ++i) acc += __shfl_sync(kFullMask, g, i) * column[i];
+        }
         return acc;
     }
 };
@@ -332,24 +354,32 @@ struct WarpOperand<T, false> {  // column c of J_t (J_t[i][c] = jacobians_t[c][i
 template <class T, bool Factored>
 __device__ void warp_sweep_kernel(const Problem<T>& p) {
     BPPSA_DYNAMIC_SHARED(smem);
-    const int lane = threadIdx.x, d = p.d, tiles = Factored ? p.m / p.d : 1;
-    const bool live = lane < d;
+    const int d = p.d, tiles = Factored ? p.m / p.d : 1;  // once per launch
+    const bool live = (int)threadIdx.x < d;
+    const int lane = live ? (int)threadIdx.x : d - 1;  // a dead lane loads lane d - 1's operand, drops its result
     const i64 b = blockIdx.x;
     T* w = reinterpret_cast<T*>(smem);
-    if (Factored) {  // W once per block; lane c later reads only column c (a dead lane reads column 0)
-        for (int e = lane; e < p.m * d; e += kWarp) w[e] = p.mat[e];
+    if (Factored) {  // W once per block: rows padded to 32 words, kGroup - 1 zero rows after the last
+        for (int j = 0; j < p.m + kGroup - 1; ++j)
+            w[j * kWarp + threadIdx.x] = live && j < p.m ? p.mat[(i64)j * d + threadIdx.x] : T(0);
         __syncwarp(kFullMask);
     }
-    const T* w_column = w + (live ? lane : 0);
+    const T* w_column = w + threadIdx.x;
     T g = live ? p.last(b)[lane] : T(0);
     if (live) p.out_row(b, p.n)[lane] = g;
-    WarpOperand<T, Factored> current, next;
-    current.load(p, b, p.n - 1, lane, live);
-    for (i64 t = p.n - 1; t >= 0; --t) {
-        if (t > 0) next.load(p, b, t - 1, lane, live);  // in flight while this step computes
-        g = current.apply(g, w_column, d, tiles);
+    // Two operand buffers used in turn (no register copies): a step computes from one while the next
+    // step's operand loads into the other.
+    WarpOperand<T, Factored> even, odd;
+    even.load(p, b, p.n - 1, lane, tiles);
+    auto step = [&](const WarpOperand<T, Factored>& current, WarpOperand<T, Factored>& next, i64 t) {
+        if (t > 0) next.load(p, b, t - 1, lane, tiles);
+        const T y = current.apply(g, w_column, d, tiles);
+        g = live ? y : T(0);
         if (live) p.out_row(b, t)[lane] = g;
-        current = next;
+    };
+    for (i64 t = p.n - 1; t >= 0; t -= 2) {
+        step(even, odd, t);
+        if (t >= 1) step(odd, even, t - 1);
     }
 }
 
