@@ -39,6 +39,7 @@ grid, block, shared memory, buffers, argument words); the host emulation in
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -56,6 +57,7 @@ from torch import Tensor
 __all__ = [
     "KernelUsage",
     "Launch",
+    "WarpStep",
     "available",
     "device_shared_limit",
     "fits",
@@ -65,6 +67,7 @@ __all__ = [
     "ptx",
     "ptxas_usage",
     "sass_loops",
+    "warp_step_counts",
     "source_path",
     "run",
     "scan_dense",
@@ -462,6 +465,7 @@ class SassLoop:
 
     instructions: int  # issued per iteration, per warp
     kinds: dict[str, int]  # opcode (before the first dot) -> count per iteration
+    opcodes: tuple[str, ...] = ()  # the iteration's opcodes (before the first dot), in code order
 
 
 def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, list[SassLoop]]:
@@ -500,14 +504,40 @@ def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, l
         found = []
         for lo, hi in sorted(innermost):
             body = [text for address, text in code if lo <= address <= hi]
+            opcodes = tuple((words[1] if words[0].startswith("@") else words[0]).split(".")[0] for words in map(str.split, body))
             kinds: dict[str, int] = {}
-            for text in body:
-                words = text.split()
-                op = words[1] if words[0].startswith("@") else words[0]
-                kinds[op.split(".")[0]] = kinds.get(op.split(".")[0], 0) + 1
-            found.append(SassLoop(len(body), kinds))
+            for op in opcodes:
+                kinds[op] = kinds.get(op, 0) + 1
+            found.append(SassLoop(len(body), kinds, opcodes))
         loops[name] = found
     return loops
+
+
+@dataclass(frozen=True)
+class WarpStep:
+    """What one step of a warp-resident sweep issues, per warp (from its SASS: :func:`warp_step_counts`)."""
+
+    group: int  # one group of GROUP operand rows (shuffles, operand reads, FMAs, the uniform exit test)
+    overhead: int  # the rest of a step (next operand's loads, output store, loop control)
+
+
+def warp_step_counts(loop: SassLoop, element_bytes: int) -> WarpStep:
+    """Split the main loop of a ``bppsa_warpsweep_*`` kernel (two steps, every group unrolled) into the
+    instructions of one group of operand rows and the rest of a step.
+
+    A group is what lies between the first shuffles of two consecutive groups (``GROUP`` shuffles each,
+    two per float64 value): the median of those distances; the rest is half the loop minus its groups.
+    Raises ``ValueError`` if the loop holds no whole number of shuffle groups.
+    """
+    per_group = GROUP * (element_bytes // 4)
+    shuffles = [i for i, op in enumerate(loop.opcodes) if op == "SHFL"]
+    if not shuffles or len(shuffles) % (2 * per_group):
+        raise ValueError(f"{len(shuffles)} shuffles in the loop: not two steps of {per_group}-shuffle groups")
+    starts = shuffles[::per_group]
+    distances = sorted(b - a for a, b in itertools.pairwise(starts))
+    group = distances[len(distances) // 2]
+    groups_per_step = len(starts) // 2
+    return WarpStep(group=group, overhead=loop.instructions // 2 - groups_per_step * group)
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:
