@@ -17,7 +17,7 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
   otherwise ``bppsa_sweep_*``, one block per batch row, every step through shared memory.
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
-  every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
+  every chunk (see the header of ``scan.cu``; for ``d <= 32`` by warp 0 with the warp-resident step). Its shared memory holds two ``(d + 1) x d`` matrices:
   the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
   227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
   wider states, or a single chunk, use the sweep. Deterministic: a chunk's carry is recomputed by the
@@ -67,7 +67,9 @@ __all__ = [
     "ptx",
     "ptxas_usage",
     "sass_loops",
+    "warp_resident",
     "warp_step_counts",
+    "warp_weight_bytes",
     "source_path",
     "run",
     "scan_dense",
@@ -104,6 +106,18 @@ class Launch:
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
     sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
+
+
+def warp_resident(*, factored: bool, d: int, m: int) -> bool:
+    """Whether a chain runs its sweeps with the warp-resident step (``warp_resident`` in scan.cu: ``d <= 32``
+    and, factored, ``m = k d`` with ``k <= MAX_TILES``): the ``"linear"`` kernel and the chunked kernel's
+    chunk sweeps. Its staged ``W`` (at most 163 rows of 32 float64: 41.7 KiB) fits every device's 48 KiB."""
+    return d <= WARP and (not factored or (m % d == 0 and m // d <= MAX_TILES))
+
+
+def warp_weight_bytes(*, factored: bool, m: int, element_bytes: int) -> int:
+    """Shared memory of the staged ``W`` of the warp-resident step (rows of 32 words, ``GROUP - 1`` zero rows after)."""
+    return (m + GROUP - 1) * WARP * element_bytes if factored else 0
 
 
 def _threads(work_items: int) -> int:
@@ -145,25 +159,23 @@ def launch_config(
     row_bytes = d * element_bytes
     chunked_budget = shared_limit - STATIC_SHARED_BYTES["chunked"]
     chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= chunked_budget
+    warp = warp_resident(factored=factored, d=d, m=m)
+    weight_bytes = warp_weight_bytes(factored=factored, m=m, element_bytes=element_bytes) if warp else 0
     if chunked:
         tile_rows = min(operand_rows, (chunked_budget - matrices - vectors) // row_bytes)
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
             block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
-            shared_bytes=matrices + vectors + tile_rows * row_bytes,
+            # the chunk sweep's staged W reuses the same memory (max, not sum)
+            shared_bytes=max(matrices + vectors + tile_rows * row_bytes, weight_bytes),
             static_bytes=STATIC_SHARED_BYTES["chunked"],
             tile_rows=tile_rows,
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
         )
-    weight_bytes = (m + GROUP - 1) * WARP * element_bytes if factored else 0  # the warp sweep's resident W
-    if (
-        d <= WARP
-        and (not factored or (m % d == 0 and m // d <= MAX_TILES))
-        and weight_bytes <= shared_limit - STATIC_SHARED_BYTES["warpsweep"]
-    ):
+    if warp:
         return Launch(
             kernel=f"bppsa_warpsweep_{chain}_{suffix}",
             grid=batch,

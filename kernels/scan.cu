@@ -351,36 +351,58 @@ struct WarpOperand<T, false> {  // column c of J_t (J_t[i][c] = jacobians_t[c][i
     }
 };
 
+// Whether the warp-resident sweep takes this chain (kernels/cuda.py:warp_resident decides the same).
+template <bool Factored>
+__device__ bool warp_resident(int d, int m) {
+    return d <= kWarp && (!Factored || (m % d == 0 && m / d <= kMaxTiles));
+}
+
+// Warp 0 of the block stages W in shared memory `w` (factored): rows padded to 32 words, kGroup - 1 zero
+// rows after the last (the padding of the last group).
 template <class T, bool Factored>
-__device__ void warp_sweep_kernel(const Problem<T>& p) {
-    BPPSA_DYNAMIC_SHARED(smem);
-    const int d = p.d, tiles = Factored ? p.m / p.d : 1;  // once per launch
+__device__ void stage_warp_weight(const Problem<T>& p, T* w) {
+    if (!Factored) return;
+    const bool live = (int)threadIdx.x < p.d;
+    for (int j = 0; j < p.m + kGroup - 1; ++j)
+        w[j * kWarp + threadIdx.x] = live && j < p.m ? p.mat[(i64)j * p.d + threadIdx.x] : T(0);
+    __syncwarp(kFullMask);
+}
+
+// Steps hi .. lo of row b by warp 0, from the carry g_{hi+1} (lane c holds its element `g`), writing
+// out[b, t]; w: the staged W (factored).
+template <class T, bool Factored>
+__device__ void warp_sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T g, const T* w) {
+    const int d = p.d, tiles = Factored ? p.m / p.d : 1;  // once per call
     const bool live = (int)threadIdx.x < d;
     const int lane = live ? (int)threadIdx.x : d - 1;  // a dead lane loads lane d - 1's operand, drops its result
-    const i64 b = blockIdx.x;
-    T* w = reinterpret_cast<T*>(smem);
-    if (Factored) {  // W once per block: rows padded to 32 words, kGroup - 1 zero rows after the last
-        for (int j = 0; j < p.m + kGroup - 1; ++j)
-            w[j * kWarp + threadIdx.x] = live && j < p.m ? p.mat[(i64)j * d + threadIdx.x] : T(0);
-        __syncwarp(kFullMask);
-    }
     const T* w_column = w + threadIdx.x;
-    T g = live ? p.last(b)[lane] : T(0);
-    if (live) p.out_row(b, p.n)[lane] = g;
+    g = live ? g : T(0);
     // Two operand buffers used in turn (no register copies): a step computes from one while the next
     // step's operand loads into the other.
     WarpOperand<T, Factored> even, odd;
-    even.load(p, b, p.n - 1, lane, tiles);
+    even.load(p, b, hi, lane, tiles);
     auto step = [&](const WarpOperand<T, Factored>& current, WarpOperand<T, Factored>& next, i64 t) {
-        if (t > 0) next.load(p, b, t - 1, lane, tiles);
+        if (t > lo) next.load(p, b, t - 1, lane, tiles);
         const T y = current.apply(g, w_column, d, tiles);
         g = live ? y : T(0);
         if (live) p.out_row(b, t)[lane] = g;
     };
-    for (i64 t = p.n - 1; t >= 0; t -= 2) {
+    for (i64 t = hi; t >= lo; t -= 2) {
         step(even, odd, t);
-        if (t >= 1) step(odd, even, t - 1);
+        if (t > lo) step(odd, even, t - 1);
     }
+}
+
+template <class T, bool Factored>
+__device__ void warp_sweep_kernel(const Problem<T>& p) {
+    BPPSA_DYNAMIC_SHARED(smem);
+    T* w = reinterpret_cast<T*>(smem);
+    stage_warp_weight<T, Factored>(p, w);
+    const i64 b = blockIdx.x;
+    const bool live = (int)threadIdx.x < p.d;
+    const T g = live ? p.last(b)[threadIdx.x] : T(0);
+    if (live) p.out_row(b, p.n)[threadIdx.x] = g;
+    warp_sweep<T, Factored>(p, b, 0, p.n - 1, g, w);
 }
 
 // Raise a chunk's flag. Called right after the product that stored what it announces (st.cg): that
@@ -471,7 +493,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     }
     if (q + 1 < chunks) publish(&flags[q * p.batch + b], kInclusive);
 
-    // 4. The per-step gradients of the chunk.
+    // 4. The per-step gradients of the chunk: by warp 0 alone where the warp-resident step applies (the
+    //    carry x is complete: the last product or copy above ended with a barrier; then W, staged over
+    //    the matrices, is all the shared memory still in use), else by the whole block.
+    if (warp_resident<Factored>(d, p.m)) {
+        if (threadIdx.x >= kWarp) return;
+        const T carry = (int)threadIdx.x < d ? x[threadIdx.x] : T(0);
+        __syncwarp(kFullMask);  // every lane has its carry before W overwrites it
+        T* w = reinterpret_cast<T*>(smem);
+        stage_warp_weight<T, Factored>(p, w);
+        warp_sweep<T, Factored>(p, b, lo, hi, carry, w);
+        return;
+    }
     sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
 }
 

@@ -35,9 +35,9 @@ class StepInstructions:
     # the warp-resident sweep (d <= 32), by :func:`lightning_bppsa.kernels.cuda.warp_step_counts`: a step
     # issues overhead + groups x group, groups = ceil(d / 4) per weight tile (4 operand rows each)
     warp_group_factored: int = 14  # 4 SHFL, 4 LDS (W column, immediate offsets), 4 FFMA, ISETP, BRA
-    warp_overhead_factored: int = 82  # next step's operand loads, per-tile FMUL and exits, store, loop
+    warp_overhead_factored: int = 79  # next step's operand loads, per-tile FMUL and exits, store, loop
     warp_group_dense: int = 10  # 4 SHFL, 4 FFMA, ISETP, BRA
-    warp_overhead_dense: int = 218  # counts the loads of all 8 column groups (an upper bound for d < 29)
+    warp_overhead_dense: int = 225  # counts the loads of all 8 column groups (an upper bound for d < 29)
 
 
 SASS_COUNTS = StepInstructions()
@@ -117,7 +117,8 @@ def cuda_kernel_band(
     - sweep: ``n`` dependent vector steps per block, ``B`` blocks side by side (in waves).
     - chunked: ``c`` matrix steps (every chunk's aggregate, bounded below by the grid's issue rate: all
       blocks' instructions over all schedulers), then ``p = ceil(n / c)`` dependent carries (each a flag
-      poll and one vector step with its operand from L2), then ``c`` vector steps of the chunk's sweep.
+      poll and one vector step with its operand from L2), then ``c`` vector steps of the chunk's sweep
+      (warp steps for ``d <= 32``).
     """
     if n < 1:
         return model.launch_seconds, model.launch_seconds
@@ -129,14 +130,17 @@ def cuda_kernel_band(
     operand = width or d
     operand_tile = counts.tile_factored if factored else counts.tile_dense
     common = dict(d=d, threads=launch.block, tile_rows=launch.tile_rows, model=model, counts=counts)
-    if launch.kernel.startswith("bppsa_warpsweep_"):
-        step = _warp_step_cycles(
-            d=d, tiles=(width or d) // d, factored=factored, batch=batch, model=model, counts=counts
+    if cuda_kernel.warp_resident(factored=factored, d=d, m=operand):  # the sweeps take the warp step
+        vector_low, vector_high = _warp_step_cycles(
+            d=d, tiles=operand // d, factored=factored, batch=batch, model=model, counts=counts
         )  # fmt: skip
-        return tuple(model.launch_seconds + n * x / model.clock_hz for x in step)
-    vector_low, vector_high, _ = _step_cycles(
-        rows=1, operand_rows=operand, block=1, tile_instructions=operand_tile, tile_latency=model.l1_cycles, **common
-    )
+    else:
+        vector_low, vector_high, _ = _step_cycles(
+            rows=1, operand_rows=operand, block=1, tile_instructions=operand_tile, tile_latency=model.l1_cycles,
+            **common,
+        )  # fmt: skip
+    if launch.kernel.startswith("bppsa_warpsweep_"):
+        return tuple(model.launch_seconds + n * x / model.clock_hz for x in (vector_low, vector_high))
     if launch.kernel.startswith("bppsa_sweep_"):
         waves = math.ceil(batch / (model.sms * model.blocks_per_sm))
         cycles = (waves * n * vector_low, waves * n * vector_high)
