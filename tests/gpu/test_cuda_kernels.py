@@ -63,6 +63,14 @@ def test_warp_sweep_any_number_of_weight_tiles(gpu, tiles, diagonal, d, dtype):
     CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_warp_sweeps_with_five_tiles(gpu, dtype):
+    gen = torch.Generator().manual_seed(32)
+    weight, scales, diag, grad = CASES.make_factored(2, 23, 32, 5, True, True, gen)
+    out = kernels.scan_factored(*(t.to(gpu, dtype) for t in (weight, scales, diag, grad)), "chunked", 5)
+    CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
 def test_warp_sweep_long_rows_many_blocks(gpu):
     """B = 160 rows (more one-warp blocks than an H100 has SMs) of 301 steps, d = 20, GRU tiles."""
     gen = torch.Generator().manual_seed(7)

@@ -188,3 +188,13 @@ def test_availability_is_not_probed_while_torch_compile_traces(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert cuda.available() == (False, "not checked yet (first asked while torch.compile traces)")
     assert cuda._AVAILABLE == {}  # nothing cached: the first eager call still checks
+
+
+@pytest.mark.parametrize("element_bytes", [4, 8])
+@pytest.mark.parametrize(("d", "tiles"), [(1, 1), (20, 3), (32, 5)])
+def test_chunked_launch_holds_the_warp_step_weight(d, tiles, element_bytes):
+    """For d <= 32 the chunk sweeps stage W (padded) over the chunk matrices: the launch gives the larger."""
+    launch = config(d=d, m=tiles * d, element_bytes=element_bytes, affine=True)
+    assert launch.kernel.startswith("bppsa_chunked_") and cuda.warp_resident(factored=True, d=d, m=tiles * d)
+    assert launch.shared_bytes >= cuda.warp_weight_bytes(factored=True, m=tiles * d, element_bytes=element_bytes)
+    assert not cuda.warp_resident(factored=True, d=33, m=33) and not cuda.warp_resident(factored=True, d=20, m=120)

@@ -128,6 +128,16 @@ def test_chunked_factored(batch, n, d, chunk, resident, per_step):
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_warp_sweeps_with_five_tiles(dtype):
+    """d = 32, 5 weight tiles: the staged W (163 padded rows) is larger than the chunk matrices it reuses."""
+    gen = torch.Generator().manual_seed(32)
+    weight, scales, diag, grad = make_factored(2, 23, 32, 5, True, True, gen)
+    args = [t.to(dtype) for t in (weight, scales, diag, grad)]
+    out = emulated.scan_factored(*args, "chunked", 5, resident=3)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
 @pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES[:2] + CHUNKED_CASES[3:])
 def test_chunked_dense_float32(batch, n, d, chunk, resident, per_step):
     gen = torch.Generator().manual_seed(n + d + 7)
