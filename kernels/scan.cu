@@ -1,8 +1,10 @@
 // The BPPSA scan on CUDA: g_t = g_{t+1} J_t + δ_t for t = n-1 .. 0 (row gradients), per batch row.
 //
-// Two kernels per chain kind (dense, factored) and dtype (f32, f64):
+// Three kernels per chain kind (dense, factored) and dtype (f32, f64):
 //
-//   bppsa_sweep_*    one block per batch row runs the n steps in order (small n).
+//   bppsa_warpsweep_*  d <= 32 (factored: k <= 5 weight tiles): one warp per batch row runs the n steps
+//                    in order, the state in registers (see "The warp-resident sweep" below).
+//   bppsa_sweep_*    wider states: one block per batch row runs the n steps in order, through shared memory.
 //   bppsa_chunked_*  ONE launch of B * p blocks, p = ceil(n / c): a block takes a ticket (atomicAdd),
 //                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps. It
 //                    1. reduces its c steps to an aggregate X = [C; b] (g_lo = g_{hi+1} C + b),
@@ -11,7 +13,8 @@
 //                       the nearest one whose flag is INCLUSIVE, and pushes that chunk's left-boundary
 //                       gradient through the aggregates in between: its carry g_{hi+1};
 //                    3. publishes its own inclusive g_lo = carry C + b (flag INCLUSIVE), then
-//                    4. sweeps its c steps from the carry, writing out[b, t].
+//                    4. sweeps its c steps from the carry, writing out[b, t] (d <= 32: warp 0 alone,
+//                       with the warp-resident step).
 //                    A block waits only on chunks with smaller tickets, i.e. blocks that already
 //                    started: no forward-progress deadlock whatever the scheduler does.
 //
