@@ -11,10 +11,13 @@ registers them for ``"cuda"``):
 The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``g_t = g_{t+1} J_t + δ_t``
 (row gradients; ``δ`` only for a per-step ``grad`` of shape ``(B, n + 1, d)``). ``algorithm`` picks the kernel:
 
-- ``"linear"``: ``bppsa_sweep_*``, one block per batch row runs the ``n`` steps in order.
+- ``"linear"``: ``bppsa_warpsweep_*`` for ``d <= 32``: one warp per batch row runs the ``n`` steps in order,
+  the state in registers (one value per lane, broadcast by ``__shfl_sync``), a factored ``W`` loaded once
+  into shared memory, each step's operand loaded one step ahead (``k <= 5`` weight tiles, ``m = k d``);
+  otherwise ``bppsa_sweep_*``, one block per batch row, every step through shared memory.
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
-  every chunk (see the header of ``scan.cu``). Its shared memory holds two ``(d + 1) x d`` matrices:
+  every chunk (see the header of ``scan.cu``; for ``d <= 32`` by warp 0 with the warp-resident step). Its shared memory holds two ``(d + 1) x d`` matrices:
   the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
   227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
   wider states, or a single chunk, use the sweep. Deterministic: a chunk's carry is recomputed by the
@@ -36,6 +39,7 @@ grid, block, shared memory, buffers, argument words); the host emulation in
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -55,6 +59,7 @@ from lightning_bppsa.algorithms import compute_dtype
 __all__ = [
     "KernelUsage",
     "Launch",
+    "WarpStep",
     "available",
     "device_shared_limit",
     "fits",
@@ -64,6 +69,9 @@ __all__ = [
     "ptx",
     "ptxas_usage",
     "sass_loops",
+    "warp_resident",
+    "warp_step_counts",
+    "warp_weight_bytes",
     "source_path",
     "run",
     "scan_dense",
@@ -73,12 +81,15 @@ __all__ = [
 SHARED_BYTES = 48 * 1024  # shared memory per block (static + dynamic) without the opt-in attribute
 #: static shared memory of each kernel family (ptxas / NVRTC report it: the compile gate and the CuPy
 #: loader check these figures); a launch's dynamic part gets the limit minus this
-STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16}
+STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16, "warpsweep": 0}
 MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of a chunk-product step
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
+WARP = 32  # lanes of a warp: the warp-resident sweep's block, and its widest state
+MAX_TILES = 5  # kMaxTiles in scan.cu: the warp sweep's factored weight has m = k d rows, k <= 5
+GROUP = 4  # kGroup in scan.cu: the warp sweep's operand rows go in groups of 4 (W gets 3 zero rows after it)
 KERNELS = tuple(
     f"bppsa_{schedule}_{chain}_{suffix}"
-    for schedule in ("sweep", "chunked")
+    for schedule in ("sweep", "chunked", "warpsweep")
     for chain in ("dense", "factored")
     for suffix in ("f32", "f64")
 )
@@ -93,10 +104,22 @@ class Launch:
     block: int  # threads per block (a multiple of 32)
     shared_bytes: int  # dynamic shared memory per block
     static_bytes: int  # the kernel's static shared memory (STATIC_SHARED_BYTES)
-    tile_rows: int  # operand rows streamed through shared memory at once
+    tile_rows: int  # operand rows streamed through shared memory at once (warp sweep: W's rows, resident)
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
     sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
+
+
+def warp_resident(*, factored: bool, d: int, m: int) -> bool:
+    """Whether a chain runs its sweeps with the warp-resident step (``warp_resident`` in scan.cu: ``d <= 32``
+    and, factored, ``m = k d`` with ``k <= MAX_TILES``): the ``"linear"`` kernel and the chunked kernel's
+    chunk sweeps. Its staged ``W`` (at most 163 rows of 32 float64: 41.7 KiB) fits every device's 48 KiB."""
+    return d <= WARP and (not factored or (m % d == 0 and m // d <= MAX_TILES))
+
+
+def warp_weight_bytes(*, factored: bool, m: int, element_bytes: int) -> int:
+    """Shared memory of the staged ``W`` of the warp-resident step (rows of 32 words, ``GROUP - 1`` zero rows after)."""
+    return (m + GROUP - 1) * WARP * element_bytes if factored else 0
 
 
 def _threads(work_items: int) -> int:
@@ -138,18 +161,33 @@ def launch_config(
     row_bytes = d * element_bytes
     chunked_budget = shared_limit - STATIC_SHARED_BYTES["chunked"]
     chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= chunked_budget
+    warp = warp_resident(factored=factored, d=d, m=m)
+    weight_bytes = warp_weight_bytes(factored=factored, m=m, element_bytes=element_bytes) if warp else 0
     if chunked:
         tile_rows = min(operand_rows, (chunked_budget - matrices - vectors) // row_bytes)
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
             block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
-            shared_bytes=matrices + vectors + tile_rows * row_bytes,
+            # the chunk sweep's staged W reuses the same memory (max, not sum)
+            shared_bytes=max(matrices + vectors + tile_rows * row_bytes, weight_bytes),
             static_bytes=STATIC_SHARED_BYTES["chunked"],
             tile_rows=tile_rows,
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
+        )
+    if warp:
+        return Launch(
+            kernel=f"bppsa_warpsweep_{chain}_{suffix}",
+            grid=batch,
+            block=WARP,
+            shared_bytes=weight_bytes,
+            static_bytes=STATIC_SHARED_BYTES["warpsweep"],
+            tile_rows=operand_rows if factored else 0,
+            chunk=n,
+            work_elements=0,
+            sync_words=0,
         )
     sweep_budget = shared_limit - STATIC_SHARED_BYTES["sweep"]
     if vectors + row_bytes > sweep_budget:
@@ -441,6 +479,7 @@ class SassLoop:
 
     instructions: int  # issued per iteration, per warp
     kinds: dict[str, int]  # opcode (before the first dot) -> count per iteration
+    opcodes: tuple[str, ...] = ()  # the iteration's opcodes (before the first dot), in code order
 
 
 def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, list[SassLoop]]:
@@ -479,14 +518,40 @@ def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, l
         found = []
         for lo, hi in sorted(innermost):
             body = [text for address, text in code if lo <= address <= hi]
+            opcodes = tuple((words[1] if words[0].startswith("@") else words[0]).split(".")[0] for words in map(str.split, body))
             kinds: dict[str, int] = {}
-            for text in body:
-                words = text.split()
-                op = words[1] if words[0].startswith("@") else words[0]
-                kinds[op.split(".")[0]] = kinds.get(op.split(".")[0], 0) + 1
-            found.append(SassLoop(len(body), kinds))
+            for op in opcodes:
+                kinds[op] = kinds.get(op, 0) + 1
+            found.append(SassLoop(len(body), kinds, opcodes))
         loops[name] = found
     return loops
+
+
+@dataclass(frozen=True)
+class WarpStep:
+    """What one step of a warp-resident sweep issues, per warp (from its SASS: :func:`warp_step_counts`)."""
+
+    group: int  # one group of GROUP operand rows (shuffles, operand reads, FMAs, the uniform exit test)
+    overhead: int  # the rest of a step (next operand's loads, output store, loop control)
+
+
+def warp_step_counts(loop: SassLoop, element_bytes: int) -> WarpStep:
+    """Split the main loop of a ``bppsa_warpsweep_*`` kernel (two steps, every group unrolled) into the
+    instructions of one group of operand rows and the rest of a step.
+
+    A group is what lies between the first shuffles of two consecutive groups (``GROUP`` shuffles each,
+    two per float64 value): the median of those distances; the rest is half the loop minus its groups.
+    Raises ``ValueError`` if the loop holds no whole number of shuffle groups.
+    """
+    per_group = GROUP * (element_bytes // 4)
+    shuffles = [i for i, op in enumerate(loop.opcodes) if op == "SHFL"]
+    if not shuffles or len(shuffles) % (2 * per_group):
+        raise ValueError(f"{len(shuffles)} shuffles in the loop: not two steps of {per_group}-shuffle groups")
+    starts = shuffles[::per_group]
+    distances = sorted(b - a for a, b in itertools.pairwise(starts))
+    group = distances[len(distances) // 2]
+    groups_per_step = len(starts) // 2
+    return WarpStep(group=group, overhead=loop.instructions // 2 - groups_per_step * group)
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:

@@ -4,9 +4,10 @@
 //   g++ -std=c++20 -pthread -x c++ scan.cu -shared -fPIC      (one OS thread per CUDA thread)
 //
 // Emulated: grid and block indices, per-block shared memory (dynamic, and static through
-// BPPSA_SHARED), __syncthreads as a futex barrier, the warp vote the kernels use (__ballot_sync, its
-// mask honoured: a calling lane outside the mask is an error, lanes outside it vote nothing) through a
-// per-warp exchange buffer and barrier, the ticket atomic and the flags (bppsa::take_ticket /
+// BPPSA_SHARED), __syncthreads as a futex barrier, the warp collectives the kernels use (__ballot_sync,
+// __shfl_sync, __syncwarp; masks honoured: a calling lane outside the mask is an error, lanes outside
+// it vote nothing, a shuffle from a lane outside it is an error) through a per-warp exchange buffer
+// and barrier, the ticket atomic and the flags (bppsa::take_ticket /
 // load_relaxed / fence_acq_rel / store_release) through std::atomic_ref, and a bound on the blocks
 // resident at once, which is what a kernel with inter-block waits needs for forward progress.
 // Blocks are dispatched in a seeded random order (a GPU promises no order: a kernel that assumes
@@ -14,8 +15,7 @@
 // seeded random time after it (jitter), which opens the windows between a block's announcements.
 // Not emulated: lock-step warps (every lane of a warp must reach a warp collective), the GPU memory
 // model's weaker orderings (x86 is stronger: PTX cache operators are checked statically instead),
-// bank conflicts, occupancy, FMA contraction. Only what scan.cu uses is here (no shuffles: add one
-// the same way, through the exchange buffer, with a kernel that needs it). Build with
+// bank conflicts, occupancy, FMA contraction. Only what scan.cu uses is here. Build with
 // -fsanitize=thread to look for races (there a relaxed flag poll is an acquire: ThreadSanitizer does
 // not model fences).
 //
@@ -65,6 +65,7 @@ template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstring>
 #include <memory>
 #include <latch>
 #include <mutex>
@@ -167,6 +168,36 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
     for (unsigned l = 0; l < 32; ++l) votes |= unsigned(warp.exchange[l]) << l;
     warp.barrier.wait();
     return votes & mask;
+}
+
+// A lane's value, read by every lane: the calling lane and the source lane must both be in `mask` (the
+// source outside it is undefined on a GPU: an error here, like a caller outside it). srcLane is taken
+// modulo width, as on a GPU (width = 32 only: the kernels shuffle over the whole warp).
+template <class T>
+inline T __shfl_sync(unsigned mask, T var, int srcLane, int width = 32) {
+    static_assert(sizeof(T) <= sizeof(uint64_t), "__shfl_sync: 4- or 8-byte values");
+    const unsigned lane = threadIdx.x % 32, source = static_cast<unsigned>(srcLane) % 32;
+    if (width != 32) throw std::logic_error("__shfl_sync: only width 32 is emulated");
+    if (!(mask >> lane & 1u)) throw std::logic_error("__shfl_sync: the calling lane is not in the mask");
+    if (!(mask >> source & 1u)) throw std::logic_error("__shfl_sync: the source lane is not in the mask");
+    auto& warp = bppsa_emu_warp();
+    uint64_t bits = 0;
+    std::memcpy(&bits, &var, sizeof(T));
+    warp.exchange[lane] = bits;
+    warp.barrier.wait();
+    T value;
+    bits = warp.exchange[source];
+    std::memcpy(&value, &bits, sizeof(T));
+    warp.barrier.wait();  // every lane has read before the buffer is reused
+    return value;
+}
+
+// A warp barrier; the calling lane must be in `mask` (every lane of the warp must call: lock step is not
+// emulated, so a mask of part of the warp is refused rather than half-honoured).
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    if (!(mask >> (threadIdx.x % 32) & 1u)) throw std::logic_error("__syncwarp: the calling lane is not in the mask");
+    if (mask != 0xffffffffu) throw std::logic_error("__syncwarp: only the full mask is emulated");
+    bppsa_emu_warp().barrier.wait();
 }
 
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }

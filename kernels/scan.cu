@@ -1,8 +1,10 @@
 // The BPPSA scan on CUDA: g_t = g_{t+1} J_t + δ_t for t = n-1 .. 0 (row gradients), per batch row.
 //
-// Two kernels per chain kind (dense, factored) and dtype (f32, f64):
+// Three kernels per chain kind (dense, factored) and dtype (f32, f64):
 //
-//   bppsa_sweep_*    one block per batch row runs the n steps in order (small n).
+//   bppsa_warpsweep_*  d <= 32 (factored: k <= 5 weight tiles): one warp per batch row runs the n steps
+//                    in order, the state in registers (see "The warp-resident sweep" below).
+//   bppsa_sweep_*    wider states: one block per batch row runs the n steps in order, through shared memory.
 //   bppsa_chunked_*  ONE launch of B * p blocks, p = ceil(n / c): a block takes a ticket (atomicAdd),
 //                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps. It
 //                    1. reduces its c steps to an aggregate X = [C; b] (g_lo = g_{hi+1} C + b),
@@ -11,7 +13,8 @@
 //                       the nearest one whose flag is INCLUSIVE, and pushes that chunk's left-boundary
 //                       gradient through the aggregates in between: its carry g_{hi+1};
 //                    3. publishes its own inclusive g_lo = carry C + b (flag INCLUSIVE), then
-//                    4. sweeps its c steps from the carry, writing out[b, t].
+//                    4. sweeps its c steps from the carry, writing out[b, t] (d <= 32: warp 0 alone,
+//                       with the warp-resident step).
 //                    A block waits only on chunks with smaller tickets, i.e. blocks that already
 //                    started: no forward-progress deadlock whatever the scheduler does.
 //
@@ -268,6 +271,143 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
     sweep<T, Factored>(p, b, 0, p.n - 1, x, y, tile, tile_rows);
 }
 
+// ---- The warp-resident sweep (d <= 32): one warp per batch row, the state in registers --------------
+//
+// Lane c owns g[c] (lanes >= d hold 0, kept so: the padding below multiplies their g); a step is
+// y[c] = delta[c] + u[c] g[c] + sum_j a_j A[j][c], the a_j broadcast from the lane that holds them by
+// __shfl_sync: no barrier and no shared-memory round trip of the state. The operand of the next step
+// (scales / diagonal / delta, or a Jacobian column) is loaded into registers while this one computes.
+// Factored: W (m x d, m = k d) is loaded ONCE per block into shared memory with a row stride of 32
+// words (lane c reads W[j][c] at j * 32 + c: a compile-time offset per row, consecutive lanes on
+// consecutive banks). Dense: lane c loads column c of J_t (row c of jacobians_t: strided across lanes,
+// every element index clamped to d - 1). Loops over operand rows run in groups of kGroup rows (lanes l0 .. l0 + 3, an
+// immediate shuffle source and shared offset each) and leave at the first group past d (uniform): rows
+// d .. group end read padding that a dead lane's g = 0 cancels, and no integer division is executed.
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+constexpr int kGroup = 4;
+constexpr int kMaxTiles = 5;  // factored weight rows m = k d with k <= 5 (LSTM: 5 tiles of [h; c])
+
+template <class T, bool Factored>
+struct WarpOperand;
+
+template <class T>
+struct WarpOperand<T, true> {  // s_t (lane l holds s_t[i d + l] of tile i), u_t[l], delta_t[l]
+    T s[kMaxTiles], u, delta;
+    // `lane` is clamped to d - 1 on dead lanes (valid addresses; their result is dropped)
+    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, int tiles) {
+        const i64 step = b * p.n + t;
+        const T* scales = p.scales + step * p.m + lane;
+#pragma unroll
+        for (int i = 0; i < kMaxTiles; ++i) {
+            if (i == tiles) break;
+            s[i] = scales[i * p.d];
+        }
+        u = p.diagonal ? p.diagonal[step * p.d + lane] : T(0);
+        const T* direct = p.direct(b, t);
+        delta = direct ? direct[lane] : T(0);
+    }
+    // y[c] = delta[c] + u[c] g[c] + sum_i sum_l (g[l] s[i d + l]) W[i d + l][c]; w: column c of W, stride 32
+    __device__ T apply(T g, const T* w, int d, int tiles) const {
+        T acc = delta + u * g;
+#pragma unroll
+        for (int i = 0; i < kMaxTiles; ++i) {
+            if (i == tiles) break;  // uniform: the whole warp leaves together
+            const T a = g * s[i];
+            const T* rows = w + i * d * kWarp;
+#pragma unroll
+            for (int l0 = 0; l0 < kWarp; l0 += kGroup) {
+                if (l0 >= d) break;
+#pragma unroll
+                for (int l = l0; l < l0 + kGroup; ++l) acc += __shfl_sync(kFullMask, a, l) * rows[l * kWarp];
+            }
+        }
+        return acc;
+    }
+};
+
+template <class T>
+struct WarpOperand<T, false> {  // column c of J_t (J_t[i][c] = jacobians_t[c][i]) and delta_t[c]
+    T column[kWarp], delta;
+    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, int) {
+        const T* jt = p.mat + ((b * p.n + t) * p.d + lane) * p.d;
+        const int last = p.d - 1;
+#pragma unroll
+        for (int i0 = 0; i0 < kWarp; i0 += kGroup) {
+            if (i0 > last) break;
+#pragma unroll
+            for (int i = i0; i < i0 + kGroup; ++i) column[i] = jt[i < last ? i : last];  // padding: finite
+        }
+        const T* direct = p.direct(b, t);
+        delta = direct ? direct[lane] : T(0);
+    }
+    // y[c] = delta[c] + sum_i g[i] J_t[i][c]
+    __device__ T apply(T g, const T*, int d, int) const {
+        T acc = delta;
+#pragma unroll
+        for (int i0 = 0; i0 < kWarp; i0 += kGroup) {
+            if (i0 >= d) break;
+#pragma unroll
+            for (int i = i0; i < i0 + kGroup; ++i) acc += __shfl_sync(kFullMask, g, i) * column[i];
+        }
+        return acc;
+    }
+};
+
+// Whether the warp-resident sweep takes this chain (kernels/cuda.py:warp_resident decides the same).
+template <bool Factored>
+__device__ bool warp_resident(int d, int m) {
+    return d <= kWarp && (!Factored || (m % d == 0 && m / d <= kMaxTiles));
+}
+
+// Warp 0 of the block stages W in shared memory `w` (factored): rows padded to 32 words, kGroup - 1 zero
+// rows after the last (the padding of the last group).
+template <class T, bool Factored>
+__device__ void stage_warp_weight(const Problem<T>& p, T* w) {
+    if (!Factored) return;
+    const bool live = (int)threadIdx.x < p.d;
+    for (int j = 0; j < p.m + kGroup - 1; ++j)
+        w[j * kWarp + threadIdx.x] = live && j < p.m ? p.mat[(i64)j * p.d + threadIdx.x] : T(0);
+    __syncwarp(kFullMask);
+}
+
+// Steps hi .. lo of row b by warp 0, from the carry g_{hi+1} (lane c holds its element `g`), writing
+// out[b, t]; w: the staged W (factored).
+template <class T, bool Factored>
+__device__ void warp_sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T g, const T* w) {
+    const int d = p.d, tiles = Factored ? p.m / p.d : 1;  // once per call
+    const bool live = (int)threadIdx.x < d;
+    const int lane = live ? (int)threadIdx.x : d - 1;  // a dead lane loads lane d - 1's operand, drops its result
+    const T* w_column = w + threadIdx.x;
+    g = live ? g : T(0);
+    // Two operand buffers used in turn (no register copies): a step computes from one while the next
+    // step's operand loads into the other.
+    WarpOperand<T, Factored> even, odd;
+    even.load(p, b, hi, lane, tiles);
+    auto step = [&](const WarpOperand<T, Factored>& current, WarpOperand<T, Factored>& next, i64 t) {
+        if (t > lo) next.load(p, b, t - 1, lane, tiles);
+        const T y = current.apply(g, w_column, d, tiles);
+        g = live ? y : T(0);
+        if (live) p.out_row(b, t)[lane] = g;
+    };
+    for (i64 t = hi; t >= lo; t -= 2) {
+        step(even, odd, t);
+        if (t > lo) step(odd, even, t - 1);
+    }
+}
+
+template <class T, bool Factored>
+__device__ void warp_sweep_kernel(const Problem<T>& p) {
+    BPPSA_DYNAMIC_SHARED(smem);
+    T* w = reinterpret_cast<T*>(smem);
+    stage_warp_weight<T, Factored>(p, w);
+    const i64 b = blockIdx.x;
+    const bool live = (int)threadIdx.x < p.d;
+    const T g = live ? p.last(b)[threadIdx.x] : T(0);
+    if (live) p.out_row(b, p.n)[threadIdx.x] = g;
+    warp_sweep<T, Factored>(p, b, 0, p.n - 1, g, w);
+}
+
 // Raise a chunk's flag. Called right after the product that stored what it announces (st.cg): that
 // product's closing barrier orders every thread's stores before thread 0's release store, which is
 // cumulative (one release by one thread instead of a fence in every thread).
@@ -356,7 +496,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     }
     if (q + 1 < chunks) publish(&flags[q * p.batch + b], kInclusive);
 
-    // 4. The per-step gradients of the chunk.
+    // 4. The per-step gradients of the chunk: by warp 0 alone where the warp-resident step applies (the
+    //    carry x is complete: the last product or copy above ended with a barrier; then W, staged over
+    //    the matrices, is all the shared memory still in use), else by the whole block.
+    if (warp_resident<Factored>(d, p.m)) {
+        if (threadIdx.x >= kWarp) return;
+        const T carry = (int)threadIdx.x < d ? x[threadIdx.x] : T(0);
+        __syncwarp(kFullMask);  // every lane has its carry before W overwrites it
+        T* w = reinterpret_cast<T*>(smem);
+        stage_warp_weight<T, Factored>(p, w);
+        warp_sweep<T, Factored>(p, b, lo, hi, carry, w);
+        return;
+    }
     sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
 }
 
@@ -393,5 +544,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     BPPSA_ENTRY(bppsa_chunked_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                       \
     BPPSA_ENTRY(bppsa_chunked_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
 
+// One warp per block: the block is the row's warp (launch_config: block = 32, grid = B).
+#define BPPSA_WARP_KERNELS(T, SUFFIX)                                                                   \
+    extern "C" __global__ void __launch_bounds__(kWarp) bppsa_warpsweep_dense_##SUFFIX BPPSA_PARAMS(T) {  \
+        warp_sweep_kernel<T, false>(BPPSA_PROBLEM(T));                                                  \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kWarp) bppsa_warpsweep_factored_##SUFFIX BPPSA_PARAMS(T) { \
+        warp_sweep_kernel<T, true>(BPPSA_PROBLEM(T));                                                   \
+    }                                                                                                   \
+    BPPSA_ENTRY(bppsa_warpsweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                     \
+    BPPSA_ENTRY(bppsa_warpsweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
+
 BPPSA_KERNELS(float, f32)
 BPPSA_KERNELS(double, f64)
+BPPSA_WARP_KERNELS(float, f32)
+BPPSA_WARP_KERNELS(double, f64)

@@ -32,6 +32,12 @@ class StepInstructions:
     fma_vector: int = 24  # two operand rows of a vector step (4 LDS, 2 FFMA: the index bookkeeping dominates)
     fma_matrix: int = 44  # two operand rows of a 2 x 2-outputs-per-thread matrix step (8 LDS, 8 FFMA)
     step_overhead: int = 150  # outside the loops (prefetch, epilogue, indexing): estimated from the SASS, +-50
+    # the warp-resident sweep (d <= 32), by :func:`lightning_bppsa.kernels.cuda.warp_step_counts`: a step
+    # issues overhead + groups x group, groups = ceil(d / 4) per weight tile (4 operand rows each)
+    warp_group_factored: int = 14  # 4 SHFL, 4 LDS (W column, immediate offsets), 4 FFMA, ISETP, BRA
+    warp_overhead_factored: int = 79  # next step's operand loads, per-tile FMUL and exits, store, loop
+    warp_group_dense: int = 10  # 4 SHFL, 4 FFMA, ISETP, BRA
+    warp_overhead_dense: int = 225  # counts the loads of all 8 column groups (an upper bound for d < 29)
 
 
 SASS_COUNTS = StepInstructions()
@@ -50,6 +56,8 @@ class CudaModel:
     l1_cycles: float = 35  # L1 hit: a step's prefetched operand
     l2_cycles: float = 270  # L2 hit: published chunk aggregates and carries, a flag poll
     smem_cycles: float = 30  # a shared-memory load
+    fma_cycles: float = 4  # dependent FFMA to FFMA
+    shfl_cycles: float = 25  # a shuffle's result
     blocks_per_sm: int = 8  # resident blocks per SM (registers ~50-75 x <= 256 threads)
     shared_limit: int = 232448  # shared memory per block with the opt-in (what kernels.cuda launches with)
 
@@ -77,6 +85,26 @@ def _step_cycles(
     return low, high, issued * threads / 32
 
 
+def _warp_step_cycles(
+    *, d: int, tiles: int, factored: bool, batch: int, model: CudaModel, counts: StepInstructions
+) -> tuple[float, float]:
+    """(low, high) cycles of one step of the warp-resident sweep (``bppsa_warpsweep_*``, one warp per row).
+
+    A step issues ``overhead + groups x group`` instructions and its FMAs form one dependent chain (the
+    accumulator) that starts after a shuffle. Low: the larger of the two (the operand, loaded a step
+    ahead, has arrived; warps sharing a scheduler take turns). High: both in sequence, or the L2 latency
+    of the operand (loaded one step ahead) if that is longer, plus a shared-memory load."""
+    groups = tiles * math.ceil(d / cuda_kernel.GROUP)
+    group, overhead = (
+        (counts.warp_group_factored, counts.warp_overhead_factored) if factored
+        else (counts.warp_group_dense, counts.warp_overhead_dense)
+    )  # fmt: skip
+    warps_per_scheduler = math.ceil(math.ceil(batch / model.sms) / model.schedulers_per_sm)
+    issued = (overhead + groups * group) * warps_per_scheduler
+    chain = groups * cuda_kernel.GROUP * model.fma_cycles + model.shfl_cycles
+    return max(issued, chain), max(issued + chain, model.l2_cycles) + model.smem_cycles
+
+
 def cuda_kernel_band(
     algorithm: str, *, n: int, d: int, batch: int, width: int | None, chunk_size: int,
     affine: bool = False, element_bytes: int = 4, model: CudaModel = CUDA_MODEL,
@@ -85,10 +113,12 @@ def cuda_kernel_band(
     """Predicted (low, high) seconds of one CUDA scan launch (``"linear"``: the sweep kernel; ``"chunked"``
     / ``"blelloch"``: the one-launch chunked kernel), from the launch that ``launch_config`` computes.
 
+    - warp sweep (``d <= 32``): ``n`` dependent steps of one warp per row (:func:`_warp_step_cycles`).
     - sweep: ``n`` dependent vector steps per block, ``B`` blocks side by side (in waves).
     - chunked: ``c`` matrix steps (every chunk's aggregate, bounded below by the grid's issue rate: all
       blocks' instructions over all schedulers), then ``p = ceil(n / c)`` dependent carries (each a flag
-      poll and one vector step with its operand from L2), then ``c`` vector steps of the chunk's sweep.
+      poll and one vector step with its operand from L2), then ``c`` vector steps of the chunk's sweep
+      (warp steps for ``d <= 32``).
     """
     if n < 1:
         return model.launch_seconds, model.launch_seconds
@@ -100,9 +130,17 @@ def cuda_kernel_band(
     operand = width or d
     operand_tile = counts.tile_factored if factored else counts.tile_dense
     common = dict(d=d, threads=launch.block, tile_rows=launch.tile_rows, model=model, counts=counts)
-    vector_low, vector_high, _ = _step_cycles(
-        rows=1, operand_rows=operand, block=1, tile_instructions=operand_tile, tile_latency=model.l1_cycles, **common
-    )
+    if cuda_kernel.warp_resident(factored=factored, d=d, m=operand):  # the sweeps take the warp step
+        vector_low, vector_high = _warp_step_cycles(
+            d=d, tiles=operand // d, factored=factored, batch=batch, model=model, counts=counts
+        )  # fmt: skip
+    else:
+        vector_low, vector_high, _ = _step_cycles(
+            rows=1, operand_rows=operand, block=1, tile_instructions=operand_tile, tile_latency=model.l1_cycles,
+            **common,
+        )  # fmt: skip
+    if launch.kernel.startswith("bppsa_warpsweep_"):
+        return tuple(model.launch_seconds + n * x / model.clock_hz for x in (vector_low, vector_high))
     if launch.kernel.startswith("bppsa_sweep_"):
         waves = math.ceil(batch / (model.sms * model.blocks_per_sm))
         cycles = (waves * n * vector_low, waves * n * vector_high)

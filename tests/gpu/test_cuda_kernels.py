@@ -53,6 +53,33 @@ def test_sweep_dense(gpu, batch, n, d, per_step, dtype):
     CASES.check(kernels.scan_dense(jt.to(gpu, dtype), grad.to(gpu, dtype), "linear", 1).cpu(), jt, grad, dtype)
 
 
+@pytest.mark.parametrize(("tiles", "diagonal", "d"), [(1, False, 20), (1, True, 7), (2, False, 13), (5, True, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_warp_sweep_any_number_of_weight_tiles(gpu, tiles, diagonal, d, dtype):
+    gen = torch.Generator().manual_seed(tiles * 100 + d)
+    weight, scales, diag, grad = CASES.make_factored(2, 15, d, tiles, diagonal, True, gen)
+    args = [None if t is None else t.to(gpu, dtype) for t in (weight, scales, diag, grad)]
+    out = kernels.scan_factored(*args, "linear", 1)
+    CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_warp_sweeps_with_five_tiles(gpu, dtype):
+    gen = torch.Generator().manual_seed(32)
+    weight, scales, diag, grad = CASES.make_factored(2, 23, 32, 5, True, True, gen)
+    out = kernels.scan_factored(*(t.to(gpu, dtype) for t in (weight, scales, diag, grad)), "chunked", 5)
+    CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
+def test_warp_sweep_long_rows_many_blocks(gpu):
+    """B = 160 rows (more one-warp blocks than an H100 has SMs) of 301 steps, d = 20, GRU tiles."""
+    gen = torch.Generator().manual_seed(7)
+    weight, scales, diag, grad = CASES.make_factored(160, 301, 20, 3, True, False, gen)
+    out = kernels.scan_factored(*(t.to(gpu) for t in (weight, scales, diag, grad)), "linear", 1)
+    reference = CASES.plain_loop(FactoredJacobians(weight, scales, diag).dense(), grad)
+    CASES.check(out.cpu(), reference, grad, torch.float64)
+
+
 @pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CASES.CHUNKED_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_chunked(gpu, batch, n, d, chunk, resident, per_step, dtype):

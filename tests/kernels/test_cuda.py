@@ -31,12 +31,33 @@ def test_parallel_algorithms_use_the_one_launch_kernel(algorithm):
 
 
 def test_linear_uses_one_block_per_row():
-    launch = config(algorithm="linear", element_bytes=8, affine=True, factored=False)
+    launch = config(algorithm="linear", element_bytes=8, affine=True, factored=False, d=40)
     assert (launch.kernel, launch.grid, launch.chunk, launch.sync_words) == ("bppsa_sweep_dense_f64", 16, 1000, 0)
 
 
+@pytest.mark.parametrize("element_bytes", [4, 8])
+@pytest.mark.parametrize(("d", "tiles"), [(1, 1), (7, 3), (20, 1), (20, 3), (32, 5)])
+def test_linear_with_d_up_to_32_uses_one_warp_per_row(d, tiles, element_bytes):
+    """The warp-resident sweep: a block is one warp, the factored W (padded to rows of 32 words, GROUP - 1
+    zero rows after it) is its only shared memory."""
+    launch = config(algorithm="linear", d=d, m=tiles * d, element_bytes=element_bytes)
+    suffix = {4: "f32", 8: "f64"}[element_bytes]
+    assert (launch.kernel, launch.grid, launch.block) == (f"bppsa_warpsweep_factored_{suffix}", 16, 32)
+    assert launch.shared_bytes == (tiles * d + cuda.GROUP - 1) * 32 * element_bytes
+    assert (launch.work_elements, launch.sync_words, launch.static_bytes) == (0, 0, 0)
+    dense = config(algorithm="linear", d=d, m=d, factored=False, element_bytes=element_bytes)
+    assert (dense.kernel, dense.block, dense.shared_bytes) == (f"bppsa_warpsweep_dense_{suffix}", 32, 0)
+
+
+def test_warp_sweep_limits_fall_back_to_the_block_sweep():
+    assert config(algorithm="linear", d=33, m=33).kernel == "bppsa_sweep_factored_f32"  # wider than a warp
+    assert config(algorithm="linear", d=20, m=120).kernel == "bppsa_sweep_factored_f32"  # 6 > MAX_TILES tiles
+    assert config(algorithm="linear", d=20, m=30).kernel == "bppsa_sweep_factored_f32"  # m not k d
+
+
 def test_single_chunk_and_wide_states_fall_back_to_the_sweep():
-    assert config(chunk_size=5000).kernel.startswith("bppsa_sweep_")  # one chunk: nothing to look back on
+    assert config(chunk_size=5000).kernel.startswith("bppsa_warpsweep_")  # one chunk: nothing to look back on
+    assert config(chunk_size=5000, d=40, m=40).kernel.startswith("bppsa_sweep_")
     assert config(d=200, m=600).kernel.startswith("bppsa_sweep_")  # two (d+1) x d matrices exceed 48 KiB
     wide = config(d=1000, m=3000, element_bytes=8)
     assert wide.kernel == "bppsa_sweep_factored_f64" and wide.tile_rows < 3000  # W streamed in tiles
@@ -167,3 +188,13 @@ def test_availability_is_not_probed_while_torch_compile_traces(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert cuda.available() == (False, "not checked yet (first asked while torch.compile traces)")
     assert cuda._AVAILABLE == {}  # nothing cached: the first eager call still checks
+
+
+@pytest.mark.parametrize("element_bytes", [4, 8])
+@pytest.mark.parametrize(("d", "tiles"), [(1, 1), (20, 3), (32, 5)])
+def test_chunked_launch_holds_the_warp_step_weight(d, tiles, element_bytes):
+    """For d <= 32 the chunk sweeps stage W (padded) over the chunk matrices: the launch gives the larger."""
+    launch = config(d=d, m=tiles * d, element_bytes=element_bytes, affine=True)
+    assert launch.kernel.startswith("bppsa_chunked_") and cuda.warp_resident(factored=True, d=d, m=tiles * d)
+    assert launch.shared_bytes >= cuda.warp_weight_bytes(factored=True, m=tiles * d, element_bytes=element_bytes)
+    assert not cuda.warp_resident(factored=True, d=33, m=33) and not cuda.warp_resident(factored=True, d=20, m=120)

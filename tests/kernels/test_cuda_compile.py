@@ -75,7 +75,7 @@ def test_look_back_ptx_uses_l2_loads_relaxed_polls_and_one_fence():
             if expected is not None:
                 assert found == expected, f"{name}: {found} x /{pattern}/, expected {expected}"
     for name in cuda.KERNELS:  # the sweeps publish nothing: no flags, no fences
-        if "_sweep_" in name:
+        if "sweep_" in name:
             assert not re.search(r"fence|\.release|\.acquire|\.relaxed", bodies[name]), name
 
 
@@ -101,3 +101,25 @@ def test_cost_model_instruction_counts_are_the_sass():
     assert SASS_COUNTS.fma_vector in sizes("bppsa_sweep_factored_f32", ffma=2)
     assert SASS_COUNTS.fma_matrix in sizes("bppsa_chunked_factored_f32", ffma=8)
     assert SASS_COUNTS.tile_aggregate in sizes("bppsa_chunked_dense_f32", has=("LDG", "STS"), lacks=("STG", "FMUL"))
+    for chain in ("factored", "dense"):
+        kernel = f"bppsa_warpsweep_{chain}_f32"
+        steps = cuda.warp_step_counts(max(loops[kernel], key=lambda loop: loop.instructions), 4)
+        assert (steps.group, steps.overhead) == (
+            getattr(SASS_COUNTS, f"warp_group_{chain}"), getattr(SASS_COUNTS, f"warp_overhead_{chain}")
+        ), kernel
+        print(f"\n{kernel}: {steps}")
+
+
+@pytest.mark.slow  # ~5 s of nvcc + cuobjdump
+def test_warp_sweep_step_is_register_resident():
+    """What makes the warp sweep fast, read from its SASS (sm_90): per step, no barrier and no integer
+    division; shuffles read immediate source lanes; the factored W is read with immediate offsets."""
+    try:
+        loops = cuda.sass_loops("sm_90")
+    except FileNotFoundError as err:
+        pytest.skip(f"needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): {err}")
+    for name in (k for k in cuda.KERNELS if "_warpsweep_" in k):
+        step = max(loops[name], key=lambda loop: loop.instructions)  # two steps, every group unrolled
+        assert step.kinds.get("SHFL", 0) >= 2 * 32, name  # two steps of up to 32 operand rows
+        assert not {"BAR", "IDIV", "MUFU", "I2F", "F2I"} & set(step.kinds), f"{name}: {step.kinds}"
+        assert step.kinds.get("LDS", 0) == (2 * 5 * 32 if "factored" in name else 0), name  # no W reload

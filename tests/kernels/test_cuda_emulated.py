@@ -62,12 +62,17 @@ def check(actual, jt64, grad64, dtype):
     assert_derived_close(actual, reference, baseline, floor=1e-12 if dtype == torch.float64 else 1e-5)
 
 
-SWEEP_CASES = [  # (batch, n, d, per_step)
+SWEEP_CASES = [  # (batch, n, d, per_step): d <= 32 runs the warp-resident sweep, wider the block sweep
     (1, 1, 1, True),
     (3, 130, 1, False),
     (2, 41, 20, True),
     (4, 17, 20, False),
+    (1, 23, 7, True),
+    (2, 13, 7, False),
+    (2, 19, 32, True),
+    (1, 11, 32, False),
     (2, 23, 33, True),
+    (3, 9, 40, False),
 ]
 
 
@@ -89,6 +94,22 @@ def test_sweep_dense(batch, n, d, per_step, dtype):
     check(emulated.scan_dense(jt.to(dtype), grad.to(dtype), "linear", 1), jt, grad, dtype)
 
 
+@pytest.mark.parametrize(("tiles", "diagonal", "d"), [(1, False, 20), (1, True, 7), (2, False, 13), (5, True, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_warp_sweep_any_number_of_weight_tiles(tiles, diagonal, d, dtype):
+    """The warp sweep keeps k <= 5 weight tiles (RNN 1, GRU 3, LSTM 5) resident; with or without u_t."""
+    gen = torch.Generator().manual_seed(tiles * 100 + d)
+    weight, scales, diag, grad = make_factored(2, 15, d, tiles, diagonal, True, gen)
+    launch = cuda.launch_config(
+        factored=True, element_bytes=dtype.itemsize, n=15, batch=2, d=d, m=tiles * d, affine=True,
+        algorithm="linear", chunk_size=1,
+    )  # fmt: skip
+    assert launch.kernel.startswith("bppsa_warpsweep_factored_") and launch.block == 32
+    args = [None if t is None else t.to(dtype) for t in (weight, scales, diag, grad)]
+    out = emulated.scan_factored(*args, "linear", 1)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
 CHUNKED_CASES = [  # (batch, n, d, chunk, resident, per_step); chunk counts odd where possible
     (3, 130, 1, 10, None, True),  # 13 chunks, all resident: the look-back sees aggregates
     (2, 61, 20, 12, None, False),  # 6 chunks, one of them partial
@@ -105,6 +126,16 @@ def test_chunked_factored(batch, n, d, chunk, resident, per_step):
     weight, scales, diag, grad = make_factored(batch, n, d, tiles, diagonal, per_step, gen)
     out = emulated.scan_factored(weight, scales, diag, grad, "chunked", chunk, resident=resident)
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_warp_sweeps_with_five_tiles(dtype):
+    """d = 32, 5 weight tiles: the staged W (163 padded rows) is larger than the chunk matrices it reuses."""
+    gen = torch.Generator().manual_seed(32)
+    weight, scales, diag, grad = make_factored(2, 23, 32, 5, True, True, gen)
+    args = [t.to(dtype) for t in (weight, scales, diag, grad)]
+    out = emulated.scan_factored(*args, "chunked", 5, resident=3)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
 
 
 @pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES[:2] + CHUNKED_CASES[3:])
@@ -296,3 +327,65 @@ def test_empty_batch_and_empty_state():
     assert out.shape == (0, 6, 3)
     grad = torch.empty(2, 6, 0)
     assert emulated.scan_factored(torch.empty(0, 0), torch.empty(2, 5, 0), None, grad, "linear", 1).shape == (2, 6, 0)
+
+
+#: Warp collectives of the emulator, on their own: lane l reads lane (l + shift) mod 32; or a shuffle /
+#: warp barrier called with a partial mask (which the emulator refuses instead of guessing lock step).
+_WARP_PROBE = r"""
+#include "cuda_host_emulation.h"
+extern "C" __global__ void probe(const double* in, double* out, float* out32, long long mode) {
+    const int lane = threadIdx.x;
+    if (mode == 0) {  // full mask: values of both widths cross lanes (srcLane taken mod 32)
+        out[lane] = __shfl_sync(0xffffffffu, in[lane], lane + 3);
+        out32[lane] = __shfl_sync(0xffffffffu, float(in[lane]), 31 - lane);
+        __syncwarp(0xffffffffu);
+    } else if (mode == 1) {  // every lane calls, the mask names lanes 0-15 only: lanes 16-31 are outside
+        out[lane] = __shfl_sync(0x0000ffffu, in[lane], 0);
+    } else if (mode == 2) {  // lanes 0-15 call with their own mask but read lane 20, outside it
+        if (lane < 16) out[lane] = __shfl_sync(0x0000ffffu, in[lane], 20);
+    } else {
+        __syncwarp(0x0000ffffu);
+    }
+}
+extern "C" void probe_host(const uint64_t* a) {
+    probe((const double*)a[0], (double*)a[1], (float*)a[2], (long long)a[3]);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def warp_probe(tmp_path_factory):
+    from lightning_bppsa.kernels._build import load_library
+
+    folder = tmp_path_factory.mktemp("warp_probe")
+    (folder / "probe.cu").write_text(_WARP_PROBE)
+    shutil.copy(cuda.source_path("cuda_host_emulation.h"), folder / "cuda_host_emulation.h")
+    lib = load_library(
+        "bppsa_warp_probe", [str(folder / "probe.cu")], ["g++", "-std=c++20", "-pthread", "-x", "c++"],
+        flag_sets=[["-O1"]], depends=[str(folder / "cuda_host_emulation.h")], symbols=["probe_host", "bppsa_emu_launch"],
+    )  # fmt: skip
+    lib.bppsa_emu_launch.restype = ctypes.c_int
+    lib.bppsa_emu_launch.argtypes = emulated.LAUNCH_ARGTYPES
+
+    def launch(mode: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        values = torch.arange(32, dtype=torch.float64) * 1.5 + 0.25
+        out, out32 = torch.full((32,), float("nan"), dtype=torch.float64), torch.full((32,), float("nan"))
+        words = (ctypes.c_uint64 * 4)(values.data_ptr(), out.data_ptr(), out32.data_ptr(), mode)
+        entry = ctypes.cast(lib.probe_host, ctypes.c_void_p)
+        return lib.bppsa_emu_launch(entry, words, 1, 32, 0, 1, 20.0, 0, 0.0), values, (out, out32)
+
+    return launch
+
+
+def test_emulated_shuffle_moves_values_between_lanes(warp_probe):
+    status, values, (out, out32) = warp_probe(0)
+    lanes = torch.arange(32)
+    assert status == 0
+    assert torch.equal(out, values[(lanes + 3) % 32])
+    assert torch.equal(out32, values[31 - lanes].float())
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3], ids=["caller-outside-mask", "source-outside-mask", "syncwarp-partial"])
+def test_emulated_warp_collectives_refuse_a_bad_mask(warp_probe, mode):
+    status, _, _ = warp_probe(mode)
+    assert status == 2  # BPPSA_EMU_ERROR: the kernel's thread threw
