@@ -201,6 +201,7 @@ def _work(kernel: str, batch: int, n: int, d: int, k: int, chunk: int) -> tuple[
 
 def plan() -> str:
     from lightning_bppsa.kernels import cuda as kernels
+    from lightning_bppsa.kernels import cuda_inspect
 
     from lightning_bppsa import cuda_cost_model
 
@@ -235,7 +236,7 @@ def plan() -> str:
         "",
     ]
     if shutil.which("nvcc"):
-        usage = kernels.ptxas_usage(("sm_80", "sm_90"))
+        usage = cuda_inspect.ptxas_usage(("sm_80", "sm_90"))
         out += ["| kernel | sm_80 | sm_90 |", "| --- | --- | --- |"]
         out += [f"| {k} | {usage['sm_80'][k].registers} | {usage['sm_90'][k].registers} |" for k in kernels.KERNELS]
     else:

@@ -24,7 +24,7 @@ __all__ = ["CUDA_MODEL", "SASS_COUNTS", "CudaModel", "StepInstructions", "cuda_c
 class StepInstructions:
     """Issued instructions per warp and iteration of the innermost loops of a scan step: counted in the
     SASS of ``scan.cu`` (sm_90, nvcc 13.0, float32; float64 within 3) by
-    :func:`lightning_bppsa.kernels.cuda.sass_loops`, checked by ``tests/kernels/test_cuda_compile.py``."""
+    :func:`lightning_bppsa.kernels.cuda_inspect.sass_loops`, checked by ``tests/kernels/test_cuda_compile.py``."""
 
     tile_factored: int = 31  # one scaled weight element into the shared tile (2 LDG, FMUL, STS)
     tile_dense: int = 23  # one Jacobian element (LDG, STS)
@@ -32,7 +32,7 @@ class StepInstructions:
     fma_vector: int = 24  # two operand rows of a vector step (4 LDS, 2 FFMA: the index bookkeeping dominates)
     fma_matrix: int = 44  # two operand rows of a 2 x 2-outputs-per-thread matrix step (8 LDS, 8 FFMA)
     step_overhead: int = 150  # outside the loops (prefetch, epilogue, indexing): estimated from the SASS, +-50
-    # the warp-resident sweep (d <= 32), by :func:`lightning_bppsa.kernels.cuda.warp_step_counts`: a step
+    # the warp-resident sweep (d <= 32), by :func:`lightning_bppsa.kernels.cuda_inspect.warp_step_counts`: a step
     # issues overhead + groups x group, groups = ceil(d / 4) per weight tile (4 operand rows each)
     warp_group_factored: int = 14  # 4 SHFL, 4 LDS (W column, immediate offsets), 4 FFMA, ISETP, BRA
     warp_overhead_factored: int = 79  # next step's operand loads, per-tile FMUL and exits, store, loop

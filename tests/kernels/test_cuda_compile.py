@@ -8,16 +8,16 @@ import re
 import shutil
 
 import pytest
-from lightning_bppsa.kernels import cuda
+from lightning_bppsa.kernels import cuda, cuda_inspect
 
 ARCHS = ("sm_80", "sm_90")
 
 
 @pytest.fixture(scope="module")
-def usage() -> dict[str, dict[str, cuda.KernelUsage]]:
+def usage() -> dict[str, dict[str, cuda_inspect.KernelUsage]]:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the CUDA compile gate needs the CUDA toolkit (no GPU needed)")
-    return cuda.ptxas_usage(ARCHS)  # one nvcc call for both archs, with -Xptxas -warn-spills -Werror
+    return cuda_inspect.ptxas_usage(ARCHS)  # one nvcc call for both archs, with -Xptxas -warn-spills -Werror
 
 
 @pytest.mark.slow  # ~10-20 s of nvcc
@@ -66,7 +66,7 @@ LOOK_BACK_PTX = {
 def test_look_back_ptx_uses_l2_loads_relaxed_polls_and_one_fence():
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the PTX check needs the CUDA toolkit (no GPU needed)")
-    bodies = cuda.ptx("compute_90")
+    bodies = cuda_inspect.ptx("compute_90")
     chunked = [k for k in cuda.KERNELS if "_chunked_" in k]
     assert sorted(k for k in bodies if "_chunked_" in k) == sorted(chunked)
     for name in chunked:
@@ -85,7 +85,7 @@ def test_cost_model_instruction_counts_are_the_sass():
     from lightning_bppsa.cuda_cost_model import SASS_COUNTS
 
     try:
-        loops = cuda.sass_loops("sm_90")
+        loops = cuda_inspect.sass_loops("sm_90")
     except FileNotFoundError as err:
         pytest.skip(f"needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): {err}")
 
@@ -103,7 +103,7 @@ def test_cost_model_instruction_counts_are_the_sass():
     assert SASS_COUNTS.tile_aggregate in sizes("bppsa_chunked_dense_f32", has=("LDG", "STS"), lacks=("STG", "FMUL"))
     for chain in ("factored", "dense"):
         kernel = f"bppsa_warpsweep_{chain}_f32"
-        steps = cuda.warp_step_counts(max(loops[kernel], key=lambda loop: loop.instructions), 4)
+        steps = cuda_inspect.warp_step_counts(max(loops[kernel], key=lambda loop: loop.instructions), 4)
         assert (steps.group, steps.overhead) == (
             getattr(SASS_COUNTS, f"warp_group_{chain}"), getattr(SASS_COUNTS, f"warp_overhead_{chain}")
         ), kernel
@@ -115,7 +115,7 @@ def test_warp_sweep_step_is_register_resident():
     """What makes the warp sweep fast, read from its SASS (sm_90): per step, no barrier and no integer
     division; shuffles read immediate source lanes; the factored W is read with immediate offsets."""
     try:
-        loops = cuda.sass_loops("sm_90")
+        loops = cuda_inspect.sass_loops("sm_90")
     except FileNotFoundError as err:
         pytest.skip(f"needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): {err}")
     for name in (k for k in cuda.KERNELS if "_warpsweep_" in k):

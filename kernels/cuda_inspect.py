@@ -1,0 +1,174 @@
+"""Dev-only inspection of the CUDA scan kernels without a GPU: ptxas's resource report, the PTX, and the SASS
+innermost loops with their per-step instruction counts (nvcc / cuobjdump needed).
+
+Used by the compile-gate tests (``tests/kernels/test_cuda_compile.py``), ``benchmarks/gpu.py`` and to pin the
+counts behind :mod:`lightning_bppsa.cuda_cost_model`; the runtime path (:mod:`lightning_bppsa.kernels.cuda`)
+never imports it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_bppsa.kernels.cuda import GROUP, source_path
+
+__all__ = ["KernelUsage", "SassLoop", "WarpStep", "ptx", "ptxas_usage", "sass_loops", "warp_step_counts"]
+
+
+@dataclass(frozen=True)
+class KernelUsage:
+    """What ptxas reports for one kernel."""
+
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    static_shared_bytes: int
+
+
+def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = None) -> dict[str, dict[str, KernelUsage]]:
+    """Compile ``scan.cu`` with nvcc for ``archs`` (one front-end pass) and return ptxas's report per arch and kernel.
+
+    ptxas runs with ``-warn-spills -Werror``: a spill fails the compilation (``RuntimeError`` with the
+    command and its output). Needs only nvcc, no GPU or driver. Raises ``FileNotFoundError`` without nvcc.
+    """
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH")
+    gencodes = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            nvcc, "-fatbin", "-std=c++17", *gencodes, "-Xptxas", "-v", "-Xptxas", "-warn-spills",
+            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(source_path("scan.cu")),
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-3000:]}")
+    usage: dict[str, dict[str, KernelUsage]] = {arch: {} for arch in archs}
+    for entry in re.split(r"Compiling entry function ", result.stderr)[1:]:
+        name, arch = re.match(r"'(\w+)' for '(\w+)'", entry).groups()
+        stack, stores, loads = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", entry
+        ).groups()
+        registers = re.search(r"Used (\d+) registers", entry).group(1)
+        smem = re.search(r"(\d+) bytes smem", entry)
+        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads), int(smem.group(1)) if smem else 0)
+    return usage
+
+
+def ptx(arch: str = "compute_90", nvcc: str | None = None) -> dict[str, str]:
+    """``scan.cu`` compiled to PTX by nvcc (no GPU needed): ``{kernel name: its PTX body}``.
+
+    For static checks of what the emulator cannot see, e.g. the cache operators of the look-back's loads.
+    Raises ``FileNotFoundError`` without nvcc, ``RuntimeError`` (with nvcc's output) if it fails.
+    """
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-ptx", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.ptx", str(source_path("scan.cu"))]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-3000:]}")
+        text = Path(f"{tmp}/scan.ptx").read_text()
+    bodies = re.split(r"^\.visible \.entry ", text, flags=re.M)[1:]
+    return {body[: body.index("(")]: body for body in bodies}
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One innermost loop of a kernel's SASS (a backward branch with no other loop inside)."""
+
+    instructions: int  # issued per iteration, per warp
+    kinds: dict[str, int]  # opcode (before the first dot) -> count per iteration
+    opcodes: tuple[str, ...] = ()  # the iteration's opcodes (before the first dot), in code order
+
+
+def _wheel_tool(name: str) -> str | None:
+    """``name`` from NVIDIA's pip wheels (``nvidia/cu*/bin``), or ``None``."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    found = sorted(p for root in nvidia.__path__ for p in Path(root).glob(f"cu*/bin/{name}"))
+    return str(found[-1]) if found else None
+
+
+def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, list[SassLoop]]:
+    """The innermost loops of every kernel's SASS (nvcc -cubin, then ``cuobjdump -sass``; no GPU needed),
+    in code order: what the cost model's per-step instruction counts come from.
+
+    Needs ``cuobjdump`` and ``nvdisasm`` (the ``[dev]`` extra installs NVIDIA's wheels of them; found on
+    ``PATH``, else in those wheels; ``nvdisasm`` beside ``cuobjdump``); raises ``FileNotFoundError``
+    without them or without nvcc.
+    """
+    nvcc = shutil.which("nvcc")
+    cuobjdump = cuobjdump or shutil.which("cuobjdump") or _wheel_tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        raise FileNotFoundError("sass_loops needs nvcc and cuobjdump on PATH")
+    env = {**os.environ, "NVDISASM_PATH": os.environ.get("NVDISASM_PATH", str(Path(cuobjdump).parent))}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.cubin", str(source_path("scan.cu"))]
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/scan.cubin"], capture_output=True, text=True, env=env)
+    if sass.returncode != 0 or "Function :" not in sass.stdout:
+        raise FileNotFoundError(f"cuobjdump -sass failed (nvdisasm missing?): {sass.stderr.strip()[-300:]}")
+    loops: dict[str, list[SassLoop]] = {}
+    for chunk in sass.stdout.split("Function : ")[1:]:
+        name = chunk.split()[0]
+        code = [
+            (int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", chunk)
+        ]
+        back = []  # (target, branch address) of every backward branch
+        for address, text in code:
+            target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+            if target and int(target.group(1), 16) <= address:
+                back.append((int(target.group(1), 16), address))
+        innermost = [
+            (lo, hi) for lo, hi in back if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b in back)
+        ]
+        found = []
+        for lo, hi in sorted(innermost):
+            body = [text for address, text in code if lo <= address <= hi]
+            opcodes = tuple((words[1] if words[0].startswith("@") else words[0]).split(".")[0] for words in map(str.split, body))
+            kinds: dict[str, int] = {}
+            for op in opcodes:
+                kinds[op] = kinds.get(op, 0) + 1
+            found.append(SassLoop(len(body), kinds, opcodes))
+        loops[name] = found
+    return loops
+
+
+@dataclass(frozen=True)
+class WarpStep:
+    """What one step of a warp-resident sweep issues, per warp (from its SASS: :func:`warp_step_counts`)."""
+
+    group: int  # one group of GROUP operand rows (shuffles, operand reads, FMAs, the uniform exit test)
+    overhead: int  # the rest of a step (next operand's loads, output store, loop control)
+
+
+def warp_step_counts(loop: SassLoop, element_bytes: int) -> WarpStep:
+    """Split the main loop of a ``bppsa_warpsweep_*`` kernel (two steps, every group unrolled) into the
+    instructions of one group of operand rows and the rest of a step.
+
+    A group is what lies between the first shuffles of two consecutive groups (``GROUP`` shuffles each,
+    two per float64 value): the median of those distances; the rest is half the loop minus its groups.
+    Raises ``ValueError`` if the loop holds no whole number of shuffle groups.
+    """
+    per_group = GROUP * (element_bytes // 4)
+    shuffles = [i for i, op in enumerate(loop.opcodes) if op == "SHFL"]
+    if not shuffles or len(shuffles) % (2 * per_group):
+        raise ValueError(f"{len(shuffles)} shuffles in the loop: not two steps of {per_group}-shuffle groups")
+    starts = shuffles[::per_group]
+    distances = sorted(b - a for a, b in itertools.pairwise(starts))
+    group = distances[len(distances) // 2]
+    groups_per_step = len(starts) // 2
+    return WarpStep(group=group, overhead=loop.instructions // 2 - groups_per_step * group)
