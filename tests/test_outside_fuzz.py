@@ -290,3 +290,39 @@ def test_scan_mixed_dtypes_and_scan_ref(algorithm):
     out = lightning_bppsa.backprop_scan(jac.float(), grad, algorithm=algorithm)
     ref = lightning_bppsa.scan_ref(jac.float().double(), grad, algorithm=algorithm)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- low precision and non-finite inputs
+
+
+def _outputs_and_grads(module, x):
+    x = x.clone().requires_grad_()
+    out, h_n = module(x)
+    loss = out.sin().sum() + sum(s.sum() for s in (h_n if isinstance(h_n, tuple) else (h_n,)))
+    return [out, *torch.autograd.grad(loss, [x, *module.parameters()])]
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_TYPES))
+def test_bfloat16_as_close_to_float64_as_torchs_bfloat16(kind):
+    from lightning_bppsa.testing import assert_derived_close
+
+    ref64, _ = _pair(kind, "linear", 5, input_size=4, hidden_size=6)
+    x = torch.randn(30, 2, 4, dtype=torch.float64)
+    ours = convert(copy.deepcopy(ref64).bfloat16())
+    ours.algorithm = "linear"
+    actual = _outputs_and_grads(ours, x.bfloat16())
+    assert ours.last_stats["path"] == "scan", ours.last_stats
+    baseline = _outputs_and_grads(copy.deepcopy(ref64).bfloat16(), x.bfloat16())
+    for i, (a, r, b) in enumerate(zip(actual, _outputs_and_grads(ref64, x), baseline, strict=True)):
+        assert_derived_close(a, r, b, name=f"{kind}[{i}]")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", sorted(TORCH_TYPES))
+def test_non_finite_input_same_nan_pattern_as_torch(kind, value):
+    ref, ours = _pair(kind, "blelloch", 2, input_size=4, hidden_size=6)
+    x = torch.randn(5, 2, 4, dtype=torch.float64)
+    x[2, 1, 0] = value
+    for i, (a, r) in enumerate(zip(_outputs_and_grads(ours, x), _outputs_and_grads(ref, x), strict=True)):
+        assert torch.equal(a.isnan(), r.isnan()), f"{kind}[{i}]: NaNs in other places than torch's"
+        torch.testing.assert_close(a.nan_to_num(), r.nan_to_num(), rtol=1e-10, atol=1e-10)
