@@ -4,6 +4,7 @@ bad inputs to the modules and to ``backprop_scan``. Written by someone who did n
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -132,6 +133,9 @@ def _module_db_entries():
     pytest.importorskip("expecttest", reason="torch's module_db needs expecttest (pip install expecttest)")
     from torch.testing._internal.common_modules import module_db
 
+    # importing torch's test helpers calls torch.backends.disable_global_flags(): every later test in this
+    # process that sets a cudnn flag (Lightning's deterministic=True) would raise. Undo that side effect.
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
     return [info for info in module_db if info.module_cls in TORCH_TYPES.values()]
 
 
@@ -326,3 +330,65 @@ def test_non_finite_input_same_nan_pattern_as_torch(kind, value):
     for i, (a, r) in enumerate(zip(_outputs_and_grads(ours, x), _outputs_and_grads(ref, x), strict=True)):
         assert torch.equal(a.isnan(), r.isnan()), f"{kind}[{i}]: NaNs in other places than torch's"
         torch.testing.assert_close(a.nan_to_num(), r.nan_to_num(), rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- nn.Recurrence with torch's own cells
+
+
+class _DropCell(nn.Module):
+    """torch's GRUCell with dropout on its input: random numbers drawn inside the cell."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell, self.drop = nn.GRUCell(3, 5), nn.Dropout(0.3)
+
+    def forward(self, x, h):
+        return self.cell(self.drop(x), h)
+
+
+CELLS = {
+    "RNNCell": lambda: nn.RNNCell(3, 5),
+    "GRUCell": lambda: nn.GRUCell(3, 5),
+    "LSTMCell": lambda: nn.LSTMCell(3, 5),
+    "dropout GRUCell": _DropCell,
+}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("name", sorted(CELLS))
+def test_recurrence_of_torch_cells_equals_a_plain_loop(name, algorithm):
+    from lightning_bppsa.nn import Recurrence
+
+    torch.manual_seed(4)
+    cell = CELLS[name]().double().train()
+    x = torch.randn(1, 11, 3, dtype=torch.float64)  # B=1, batch first
+    state0 = torch.randn(1, 5, dtype=torch.float64)
+    state0 = (state0, state0.cos()) if name == "LSTMCell" else state0
+    weights = torch.randn(1, 11, 5, dtype=torch.float64)
+
+    def grads(run):
+        xs = x.clone().requires_grad_()
+        s0 = tuple(s.clone().requires_grad_() for s in state0) if isinstance(state0, tuple) else \
+            state0.clone().requires_grad_()
+        cell.zero_grad(set_to_none=True)
+        torch.manual_seed(9)
+        out = run(xs, s0)
+        (out * weights).sum().backward()
+        return [out, xs.grad, *(s.grad for s in (s0 if isinstance(s0, tuple) else (s0,)))] + [
+            p.grad for p in cell.parameters()]
+
+    def loop(xs, s0):
+        outs, state = [], s0
+        for t in range(xs.shape[1]):
+            state = cell(xs[:, t], state)
+            outs.append(state[0] if isinstance(state, tuple) else state)
+        return torch.stack(outs, 1)
+
+    rec = Recurrence(cell, batch_first=True, algorithm=algorithm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a fallback warns; its result is what is checked here
+        ours = grads(lambda xs, s0: rec(xs, s0)[0])
+    if algorithm != "auto" and "dropout" not in name:
+        assert rec.last_stats["path"] == "scan", rec.last_stats
+    for i, (a, r) in enumerate(zip(ours, grads(loop), strict=True)):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10, msg=lambda m, i=i: f"{name}[{i}]: {m}")
