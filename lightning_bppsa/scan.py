@@ -102,10 +102,10 @@ def backprop_scan(jacobians_t: Jacobians, grad: Tensor, *, algorithm: str = "aut
 
     Args:
         jacobians_t: ``(B, n, d, d)`` tensor with ``jacobians_t[:, i-1] = (∂x_i/∂x_{i-1})ᵀ`` for
-            ``i = 1..n`` (natural order), or a :class:`~lightning_bppsa.jacobians.FactoredJacobians`,
-            or a list of sparse CSR transposed Jacobians of layers of different widths (a layer chain;
-            forwarded to :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`, which returns the
-            list ``[g_0, ..., g_n]`` instead of one tensor).
+            ``i = 1..n`` (natural order), or a :class:`~lightning_bppsa.jacobians.FactoredJacobians`.
+            (Sparse layer Jacobians of different widths have their own entry point,
+            :func:`~lightning_bppsa.sparse_scan.sparse_backprop_scan`; a list here raises a TypeError
+            that names it.)
         grad: ``(B, d)``, the gradient of the loss w.r.t. the last state ``x_n``; or ``(B, n + 1, d)``,
             the direct gradient ``δ_i`` w.r.t. every state ``x_0..x_n`` (per-step losses:
             ``g_i = δ_i + J_{i+1}ᵀ g_{i+1}``).
