@@ -13,7 +13,7 @@ import logging
 import os
 import shlex
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from lightning_bppsa.kernels import _build
@@ -91,3 +91,30 @@ def threads(batch: int) -> int:
     """OpenMP threads for a kernel over ``batch`` independent rows: never more than torch's thread count,
     the CPUs this process may run on, or the rows (so a kernel never oversubscribes)."""
     return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)), batch))
+
+
+class LazyLibrary:
+    """A compiled library built and loaded on first use by ``load`` (``None`` when it cannot be).
+
+    :meth:`available` answers without building while ``torch.compile`` traces: it reports what an earlier
+    eager call found (a plain bool the tracer can read), so tracing never touches the compiler or the disk.
+    """
+
+    def __init__(self, load: Callable[[], ctypes.CDLL | None]) -> None:
+        self._load = load
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the library: the next use builds (or fails) again."""
+        self._state: dict[str, object] = {}
+
+    def get(self) -> ctypes.CDLL | None:
+        if "lib" not in self._state:
+            self._state["lib"] = self._load()
+            self._state["ok"] = self._state["lib"] is not None
+        return self._state["lib"]  # type: ignore[return-value]
+
+    def available(self) -> bool:
+        if torch.compiler.is_compiling():
+            return bool(self._state.get("ok", False))
+        return self.get() is not None

@@ -32,21 +32,13 @@ _SIGNATURES = {
     **{f"bppsa_linear_dense_{s}": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _INT] for s in _SUFFIX.values()},
 }
 
-#: the loaded library (or ``None``) once looked for, and whether it loaded: a plain bool that
-#: ``torch.compile`` can read while tracing
-_STATE: dict[str, object] = {}
-
-
-def _library() -> ctypes.CDLL | None:
-    if "lib" not in _STATE:
-        _STATE["lib"] = _load()
-        _STATE["ok"] = _STATE["lib"] is not None
-    return _STATE["lib"]
-
-
 def _load() -> ctypes.CDLL | None:
     fallback = "The linear scan runs its torch loop"
     return _native.load("bppsa_linear", "linear_scan.c", _SIGNATURES, logger=log, fallback=fallback)
+
+
+_LIBRARY = _native.LazyLibrary(_load)
+_library = _LIBRARY.get
 
 
 def available() -> bool:
@@ -55,9 +47,7 @@ def available() -> bool:
     While ``torch.compile`` traces (the cost model asks this from inside ``backprop_scan``), it only
     reports what an earlier eager call found, so tracing never touches the compiler or the disk.
     """
-    if torch.compiler.is_compiling():
-        return bool(_STATE.get("ok", False))
-    return _library() is not None
+    return _LIBRARY.available()
 
 
 def _usable(out: Tensor) -> ctypes.CDLL | None:

@@ -62,17 +62,6 @@ _SIGNATURES = {
     **{f"bppsa_{name}_f32": [_I64, _PTR, _PTR] for name in ("tanh", "sigmoid")},
 }
 
-#: the loaded library (or ``None``) once looked for, and whether it loaded (a bool torch.compile can read)
-_STATE: dict[str, object] = {}
-
-
-def _library() -> ctypes.CDLL | None:
-    if "lib" not in _STATE:
-        _STATE["lib"] = _load()
-        _STATE["ok"] = _STATE["lib"] is not None
-    return _STATE["lib"]
-
-
 def _load() -> ctypes.CDLL | None:
     return _native.load(
         "bppsa_recurrent",
@@ -85,14 +74,16 @@ def _load() -> ctypes.CDLL | None:
     )
 
 
+_LIBRARY = _native.LazyLibrary(_load)
+_library = _LIBRARY.get
+
+
 def available() -> bool:
     """Whether the compiled kernels can be used (compiles them on the first call).
 
     While ``torch.compile`` traces it only reports what an earlier eager call found.
     """
-    if torch.compiler.is_compiling():
-        return bool(_STATE.get("ok", False))
-    return _library() is not None
+    return _LIBRARY.available()
 
 
 def _check(name: str, tensor: Tensor | None, shape: Sequence[int]) -> None:

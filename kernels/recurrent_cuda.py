@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from lightning_bppsa.kernels import cuda
 from lightning_bppsa.kernels._build import kernel_path
 from torch import Tensor
 
@@ -212,12 +213,9 @@ def available() -> tuple[bool, str]:
 
 
 def _check_available() -> tuple[bool, str]:
-    try:
-        import cupy  # noqa: F401
-    except ImportError as err:
-        return False, f"CuPy is not installed ({err}); install cupy-cuda12x or cupy-cuda13x"
-    if not torch.cuda.is_available():
-        return False, "torch sees no CUDA device"
+    ok, reason = cuda.available()  # CuPy >= 14, a device, NVRTC: what the scan's kernels need too
+    if not ok:
+        return ok, reason
     try:
         _module(torch.cuda.current_device())
     except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)

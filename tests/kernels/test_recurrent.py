@@ -298,9 +298,10 @@ def test_float32_sigmoid_error_is_a_few_ulp():
 
 @pytest.fixture
 def fresh_state(monkeypatch, tmp_path):
-    monkeypatch.setattr(recurrent, "_STATE", {})
     monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
-    return tmp_path
+    recurrent._LIBRARY.reset()
+    yield tmp_path
+    recurrent._LIBRARY.reset()
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, fresh_state, caplog):
