@@ -97,6 +97,7 @@ def test_compiled_arms_are_timed_and_checked(peers) -> None:
         assert arms[key]["backward_ops"] is None  # a compiled backward is not counted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", ["smoke-rnn", "smoke-gru", "smoke-lstm"])
 def test_jax_computes_torchs_loss_and_gradients(peers, row: str) -> None:
     jax = pytest.importorskip("jax", reason="the JAX arm needs the [bench] extra")

@@ -76,6 +76,7 @@ SWEEP_CASES = [  # (batch, n, d, per_step): d <= 32 runs the warp-resident sweep
 ]
 
 
+@pytest.mark.slow  # the emulated grid: CI runs it, the quick loop does not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("batch", "n", "d", "per_step"), SWEEP_CASES)
 def test_sweep_factored_gru_tiles(batch, n, d, per_step, dtype):
@@ -86,6 +87,7 @@ def test_sweep_factored_gru_tiles(batch, n, d, per_step, dtype):
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
 
 
+@pytest.mark.slow  # the emulated grid: CI runs it, the quick loop does not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("batch", "n", "d", "per_step"), SWEEP_CASES)
 def test_sweep_dense(batch, n, d, per_step, dtype):
@@ -119,6 +121,7 @@ CHUNKED_CASES = [  # (batch, n, d, chunk, resident, per_step); chunk counts odd 
 ]
 
 
+@pytest.mark.slow  # the emulated grid: CI runs it, the quick loop does not
 @pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES)
 def test_chunked_factored(batch, n, d, chunk, resident, per_step):
     gen = torch.Generator().manual_seed(n + d)
@@ -128,6 +131,7 @@ def test_chunked_factored(batch, n, d, chunk, resident, per_step):
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
 
 
+@pytest.mark.slow  # the emulated grid: CI runs it, the quick loop does not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_chunked_warp_sweeps_with_five_tiles(dtype):
     """d = 32, 5 weight tiles: the staged W (163 padded rows) is larger than the chunk matrices it reuses."""

@@ -233,7 +233,8 @@ def test_available_is_false_without_cuda_here():
     assert recurrent_cuda.gru_forward(torch.zeros(1, 2, 3), torch.zeros(3, 1), None, torch.zeros(1, 1)) is None
 
 
-def test_compile_gate_sm80_sm90_no_spill():  # ~2 s of nvcc: not slow
+@pytest.mark.slow
+def test_compile_gate_sm80_sm90_no_spill():  # ~3 s of nvcc
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the CUDA compile gate needs the CUDA toolkit (no GPU needed)")
     usage = _nvcc.ptxas_report("recurrent.cu", ("sm_80", "sm_90"))  # -warn-spills -Werror: a spill raises

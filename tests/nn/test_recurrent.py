@@ -505,6 +505,7 @@ def test_compile_fullgraph_runs_the_scan_and_equals_torch(cell, monkeypatch):
         assert_derived_close(a, b, floor=1e-9)
 
 
+@pytest.mark.slow
 def test_compiled_module_takes_a_new_batch_size_without_planning_in_the_trace():
     """Issue #19 item 4: a smaller last batch under torch.compile(fullgraph=True) (dynamic shapes)."""
     import torch._dynamo
