@@ -73,12 +73,10 @@ static inline uint32_t float_bits(float f) {
     return u;
 }
 
-/* exp(x), x clamped to [-87, 88] so that 2^k stays a normal number. x = k ln2 + r with |r| <= ln2/2
+/* exp(x) for x in [-87, 88] (2^k stays a normal number) or NaN. x = k ln2 + r with |r| <= ln2/2
    (Cody-Waite: ln2 split in a 9-bit head, exact times k, and a tail); exp(r) by its Taylor polynomial of
    degree 7 (truncation error < 6e-9 relative); 2^k built in the exponent bits. */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
+static inline float exp_core_f32(float x) {
     /* adding 1.5 * 2^23 rounds x log2(e) to an integer held in the low mantissa bits of t */
     const float shifter = 12582912.0f;
     const float t = x * 1.44269504f + shifter;
@@ -98,6 +96,13 @@ static inline float exp_f32(float x) {
     return p * bits_as_float(scale);
 }
 
+/* exp(x) for any x: clamped to [-87, 88] first (NaN passes the comparisons). */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    return exp_core_f32(x);
+}
+
 /* tanh(x): |x| < 0.625 by x + x^3 P(x^2) (P fitted for relative error, 1e-8 with float32 coefficients),
    otherwise 1 - 2 / (exp(2|x|) + 1) (no cancellation there: the result is > 0.55); |x| > 10 gives 1
    (float32 tanh rounds to 1 from |x| = 9.02 on). */
@@ -111,7 +116,7 @@ static inline float tanh_f32(float x) {
     p = p * u + 0.13331443f;
     p = p * u + -0.3333328f;
     const float small = a + a * u * p;
-    const float large = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
+    const float large = 1.0f - 2.0f / (exp_core_f32(2.0f * a) + 1.0f); /* 2a <= 20: no clamp needed */
     return copysignf(a < 0.625f ? small : large, x);
 }
 

@@ -25,10 +25,6 @@
         for (int r = 0; r < ROWS; ++r)                                                               \
             for (int c = 0; c < NB * LANES; ++c) y[r][c] = acc[r][c];                                \
     }
-BPPSA_PRODUCT(1, 1)
-BPPSA_PRODUCT(1, 2)
-BPPSA_PRODUCT(1, 3)
-BPPSA_PRODUCT(1, 4)
 BPPSA_PRODUCT(2, 1)
 BPPSA_PRODUCT(2, 2)
 BPPSA_PRODUCT(2, 3)
@@ -36,22 +32,21 @@ BPPSA_PRODUCT(2, 4)
 #undef BPPSA_PRODUCT
 
 /* y[r][0 .. m) = x[r][0 .. k) @ w for rows = 1 or 2; m <= ld, both multiples of LANES. Column blocks of
-   at most 4 vectors (8 accumulators for two rows, within the 16 vector registers of AVX2). */
-static inline void F(product)(int rows, const REAL* const* x, int64_t k, const REAL* w, int64_t ld,
-                              int64_t m, REAL* const* y) {
+   at most 4 vectors (8 accumulators for two rows, within the 16 vector registers of AVX2). A single row
+   runs as a pair with itself into a scratch row: each row then takes the same code path (and rounding)
+   however the rows were paired, so results do not depend on the thread count. */
+static void F(product)(int rows, const REAL* const* x, int64_t k, const REAL* w, int64_t ld, int64_t m,
+                       REAL* const* y, REAL* scratch) {
+    const REAL* const xs[2] = {x[0], rows == 2 ? x[1] : x[0]};
     for (int64_t c0 = 0; c0 < m; c0 += 4 * LANES) {
         const int64_t vectors = (m - c0) / LANES;
-        REAL* const yc[2] = {y[0] + c0, rows == 2 ? y[1] + c0 : NULL};
+        REAL* const yc[2] = {y[0] + c0, rows == 2 ? y[1] + c0 : scratch};
         const REAL* wc = w + c0;
-        switch ((rows == 2 ? 4 : 0) + (vectors < 4 ? vectors : 4)) {
-            case 1: F(product_1_1)(x, k, wc, ld, yc); break;
-            case 2: F(product_1_2)(x, k, wc, ld, yc); break;
-            case 3: F(product_1_3)(x, k, wc, ld, yc); break;
-            case 4: F(product_1_4)(x, k, wc, ld, yc); break;
-            case 5: F(product_2_1)(x, k, wc, ld, yc); break;
-            case 6: F(product_2_2)(x, k, wc, ld, yc); break;
-            case 7: F(product_2_3)(x, k, wc, ld, yc); break;
-            default: F(product_2_4)(x, k, wc, ld, yc); break;
+        switch (vectors < 4 ? vectors : 4) {
+            case 1: F(product_2_1)(xs, k, wc, ld, yc); break;
+            case 2: F(product_2_2)(xs, k, wc, ld, yc); break;
+            case 3: F(product_2_3)(xs, k, wc, ld, yc); break;
+            default: F(product_2_4)(xs, k, wc, ld, yc); break;
         }
     }
 }
@@ -82,7 +77,7 @@ static REAL* F(padded)(const REAL* w, int64_t rows, int64_t cols, int64_t ld) {
 typedef struct {
     int64_t steps, hidden, ld;
     const REAL *gi, *weight, *bias, *h0, *c0, *grad_out, *scales, *z, *dn, *gates;
-    REAL *out, *second, *third, *fourth, *g, *gc, *tmp;
+    REAL *out, *second, *third, *fourth, *g, *gc, *tmp, *scratch; /* per-row buffers, ld apart */
     int relu;
     int streams, written; /* the streams: read ones first, then `written` ones the step writes */
     const REAL* stream[6];
@@ -194,7 +189,7 @@ static inline void F(rnn_forward_step)(const F(args)* a, int64_t t, int64_t b, i
         x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         y[r] = a->tmp + (b + r) * a->ld;
     }
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
         F(rnn_activate)(H, a->relu, a->gi + AT(b + r, t, H), y[r], a->bias, a->out + AT(b + r, t, H),
                         a->second + AT(b + r, t, H));
@@ -211,7 +206,7 @@ static inline void F(rnn_backward_step)(const F(args)* a, int64_t t, int64_t b, 
         F(rnn_gate_grad)(H, a->relu, y[r], a->scales + AT(b + r, t, H), d);
         x[r] = d;
     }
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     if (t > 0)
         for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
 }
@@ -269,7 +264,7 @@ static inline void F(gru_forward_step)(const F(args)* a, int64_t t, int64_t b, i
         x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         y[r] = a->tmp + (b + r) * a->ld;
     }
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
         F(gru_activate)(H, a->gi + AT(b + r, t, 3 * H), y[r], a->bias, x[r], a->out + AT(b + r, t, H),
                         a->second + AT(b + r, t, 3 * H), a->third + AT(b + r, t, H), a->fourth + AT(b + r, t, H));
@@ -287,7 +282,7 @@ static inline void F(gru_backward_step)(const F(args)* a, int64_t t, int64_t b, 
         x[r] = d_gh;
         y[r] = a->tmp + (b + r) * a->ld;
     }
-    F(product)(rows, x, 3 * H, a->weight, a->ld, a->ld, y);
+    F(product)(rows, x, 3 * H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
         F(gru_state_grad)(H, a->g + (b + r) * a->ld, a->z + AT(b + r, t, H), y[r],
                           t > 0 ? a->grad_out + AT(b + r, t - 1, H) : NULL);
@@ -340,7 +335,7 @@ static inline void F(lstm_forward_step)(const F(args)* a, int64_t t, int64_t b, 
         x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         y[r] = a->tmp + (b + r) * a->ld;
     }
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y);
+    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
         F(lstm_activate)(H, a->gi + AT(b + r, t, 4 * H), y[r],
                          t ? a->second + AT(b + r, t - 1, H) : a->c0 + (b + r) * H, a->out + AT(b + r, t, H),
@@ -361,7 +356,7 @@ static inline void F(lstm_backward_step)(const F(args)* a, int64_t t, int64_t b,
                           a->gc + (b + r) * a->ld, d);
         x[r] = d;
     }
-    F(product)(rows, x, 4 * H, a->weight, a->ld, a->ld, y);
+    F(product)(rows, x, 4 * H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     if (t > 0 && a->grad_out)
         for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
 }
@@ -373,11 +368,11 @@ static inline void F(lstm_backward_step)(const F(args)* a, int64_t t, int64_t b,
 
 /* The per-row state buffers (B x ld, zeroed) and the padded weight/bias; 1 if any allocation failed. */
 static int F(allocate)(F(args)* a, int64_t batch, REAL** weight, REAL** bias, REAL** tmp, REAL** g, REAL** gc) {
-    *tmp = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
+    *tmp = (REAL*)calloc((size_t)(2 * batch * a->ld) + 1, sizeof(REAL)); /* tmp, then scratch */
     *g = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
     *gc = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
     *bias = (REAL*)calloc((size_t)a->ld + 1, sizeof(REAL));
-    a->tmp = *tmp, a->g = *g, a->gc = *gc, a->bias = *bias, a->weight = *weight;
+    a->tmp = *tmp, a->scratch = *tmp + batch * a->ld, a->g = *g, a->gc = *gc, a->bias = *bias, a->weight = *weight;
     return !(*weight && *bias && *tmp && *g && *gc);
 }
 

@@ -201,14 +201,26 @@ def test_relu_nan_semantics_match_torch():
 
 
 @needs_kernel
-def test_two_threads_give_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_threads_give_the_same_bits(monkeypatch, kind):
     """Rows split over threads (3 rows on 2 threads: uneven) compute exactly what one thread does."""
-    t = random_layer("gru", 3, 20, 9, torch.float32)
-    grad_out, _ = random_grads("gru", 3, 20, 9, torch.float32, False)
-    one = kernel_layer("gru", t, grad_out, None)
+    t = random_layer(kind, 3, 20, 9, torch.float32)
+    grad_out, grad_cn = random_grads(kind, 3, 20, 9, torch.float32, False)
+    one = kernel_layer(kind, t, grad_out, grad_cn)
     monkeypatch.setattr(_native, "threads", lambda batch: 2)
-    two = kernel_layer("gru", t, grad_out, None)
+    two = kernel_layer(kind, t, grad_out, grad_cn)
     assert torch.equal(one[0], two[0]) and all(torch.equal(one[1][k], two[1][k]) for k in one[1])
+
+
+@needs_kernel
+def test_non_contiguous_inputs():
+    t = random_layer("gru", 3, 6, 4, torch.float64)
+    gi = (t["x"] @ t["w_ih"].T + t["b_ih"]).transpose(0, 1).contiguous().transpose(0, 1)
+    w_hh = t["w_hh"].T.contiguous().T
+    assert not gi.is_contiguous() and not w_hh.is_contiguous()
+    expected = recurrent.gru_forward(gi.contiguous(), w_hh.contiguous(), t["b_hh"], t["h0"])
+    for got, want in zip(recurrent.gru_forward(gi, w_hh, t["b_hh"], t["h0"]), expected, strict=True):
+        assert torch.equal(got, want)
 
 
 @needs_kernel
