@@ -32,6 +32,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_bppsa.kernels import cpu as cpu_kernel
+from lightning_bppsa.kernels import recurrent as cell_kernels
+
 __all__ = ["spawn_gloo"]
 
 
@@ -90,6 +93,11 @@ def spawn_gloo(
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1; got {world!r}")
     path, name = inspect.getfile(target), target.__name__
+    # Build the compiled CPU kernels here, once, before the children start: children that build them
+    # themselves (a cold cache) were seen to abort at exit ("terminate called without an active
+    # exception") after finishing their work; loading a cached library does not.
+    cpu_kernel.available()
+    cell_kernels.available()
     context = mp.spawn(
         _entry, args=(world, _free_port(), timeout_s, path, name, args), nprocs=world, join=False
     )
