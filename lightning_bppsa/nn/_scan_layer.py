@@ -46,7 +46,10 @@ class LayerFunction(torch.autograd.Function):
         ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, low
         ctx.save_for_backward(x, h0, c0, results[0], *weights, *results[outputs:])
         ctx.weights = len(weights)
-        return tuple(results[:outputs]) if outputs > 1 else results[0]
+        # the caller gets a copy of out: the saved one must not change if the caller modifies its output in
+        # place (torch's RNN / GRU allow that)
+        visible = results[0].clone()
+        return (visible, *results[1:outputs]) if outputs > 1 else visible
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_cn: Tensor | None = None):

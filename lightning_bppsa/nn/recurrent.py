@@ -153,14 +153,19 @@ class _ScanRecurrent:
                 h_n.append(out[:, -1])
                 if is_lstm:
                     c_n.append(result[1])
-                outs.append((out if direction == 0 else out.flip(1)).transpose(0, 1))
-            # time major (n, B, dirs H) and contiguous, as torch's stack lays it out: dropout then draws
-            # its mask in torch's order, so the same seed gives the same mask
-            seq_out = torch.cat(outs, -1) if dirs == 2 else outs[0].contiguous()
-            if layer < self.num_layers - 1 and self.dropout > 0 and self.training:
-                seq_out = F.dropout(seq_out, self.dropout, True)
-            x = seq_out.transpose(0, 1)
-        output = seq_out.transpose(0, 1) if self.batch_first else seq_out
+                outs.append(out if direction == 0 else out.flip(1))
+            last = layer == self.num_layers - 1
+            dropout = not last and self.dropout > 0 and self.training
+            if dropout or (last and not self.batch_first):
+                # time major (n, B, dirs H) and contiguous, as torch's stack lays it out: dropout then draws
+                # its mask in torch's order, so the same seed gives the same mask
+                seq_out = torch.cat([o.transpose(0, 1) for o in outs], -1) if dirs == 2 else outs[0].transpose(0, 1).contiguous()
+                if dropout:
+                    seq_out = F.dropout(seq_out, self.dropout, True)
+                x = seq_out.transpose(0, 1)
+            else:  # batch first already: no copy (torch's batch-first output is a transposed view anyway)
+                x = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        output = x if self.batch_first else x.transpose(0, 1)
         h_n_t = torch.stack(h_n, 0)
         c_n_t = torch.stack(c_n, 0) if is_lstm else None
         if unbatched:

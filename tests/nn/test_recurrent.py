@@ -570,3 +570,22 @@ def test_one_layer_backward_is_one_op_whatever_the_length(cell):
         counts[steps] = counter.ops
     assert counts[10] == counts[200]
     assert counts[200].count("bppsa.recurrent_backward") == 1 and len(counts[200]) <= 15, counts[200]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("cell", ["RNN", "GRU"])
+def test_output_modified_in_place_still_backpropagates_like_torch(cell, batch_first):
+    # torch's RNN / GRU let the caller modify the output in place before backward; the scan's saved
+    # states must not be that tensor
+    ours = PAIRS[cell][0](3, 4, batch_first=batch_first, algorithm="linear", dtype=torch.float64)
+    ref = PAIRS[cell][1](3, 4, batch_first=batch_first, dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 6, 3, dtype=torch.float64)
+    grads = []
+    for module in (ours, ref):
+        out, _ = module(x)
+        out.mul_(2.0)
+        (out**2).sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
