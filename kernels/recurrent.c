@@ -44,15 +44,19 @@ static void restore_denormals(unsigned saved) {
 #endif
 }
 
-/* The batch rows [*lo, *hi) of the calling thread (static, contiguous split). */
+/* The batch rows [*lo, *hi) of the calling thread: a static, contiguous split in whole pairs of rows, so
+   rows are paired (0, 1), (2, 3), ... whatever the thread count (the parameter gradients' partial sums are
+   per pair: the same sums in the same order for any thread count). */
 static void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
 #ifdef _OPENMP
     const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
 #else
     const int64_t id = 0, count = 1;
 #endif
-    *lo = batch * id / count;
-    *hi = batch * (id + 1) / count;
+    const int64_t pairs = (batch + 1) / 2;
+    *lo = 2 * (pairs * id / count);
+    *hi = 2 * (pairs * (id + 1) / count);
+    *hi = *hi < batch ? *hi : batch;
 }
 
 /* ---- float32 activations ---------------------------------------------------------------------

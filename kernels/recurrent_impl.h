@@ -79,9 +79,15 @@ typedef struct {
     const REAL *gi, *weight, *bias, *h0, *c0, *grad_out, *scales, *z, *dn, *gates;
     REAL *out, *second, *third, *fourth, *g, *gc, *tmp, *scratch; /* per-row buffers, ld apart */
     int relu;
+    /* a backward that also sums the parameter gradients (Eq. 2; partial != NULL): the inputs x (B, T, I),
+       the states h_1..h_T (B, T, H) and h_0, the gate gradients of each row in dh / di (ldg apart, zero
+       padded: d of h W_hhᵀ and of x W_ihᵀ, di == dh where they are equal), the partial sums per pair of rows */
+    int64_t inputs, ldg;
+    const REAL *x, *states;
+    REAL *dh, *di, *partial;
     int streams, written; /* the streams: read ones first, then `written` ones the step writes */
-    const REAL* stream[6];
-    int64_t stream_width[6];
+    const REAL* stream[8];
+    int64_t stream_width[8];
 } F(args);
 
 /* Adds a (B, T, width) tensor that every step reads one row-slice of (NULL: skipped). */
@@ -94,8 +100,10 @@ static void F(add_stream)(F(args)* a, const REAL* tensor, int64_t width) {
 
 /* Adds a (B, T, width) tensor that every step writes one row-slice of (after all read ones). */
 static void F(add_output)(F(args)* a, const REAL* tensor, int64_t width) {
-    F(add_stream)(a, tensor, width);
-    a->written++;
+    if (tensor) {
+        F(add_stream)(a, tensor, width);
+        a->written++;
+    }
 }
 
 /* Batch-major tensors give each row its own stream per tensor (B x 6 streams), more than the hardware
@@ -150,6 +158,47 @@ static inline void F(add_into)(int64_t H, REAL* restrict g, const REAL* restrict
     for (int64_t c = 0; c < H; ++c) g[c] += direct[c];
 }
 
+/* y += u0 d0 (+ u1 d1): one row of a partial sum, n a multiple of LANES. */
+static inline void F(axpy)(int64_t n, int rows, REAL u0, const REAL* restrict d0, REAL u1, const REAL* restrict d1,
+                           REAL* restrict y) {
+    if (rows == 2)
+        for (int64_t c = 0; c < n; ++c) y[c] += u0 * d0[c] + u1 * d1[c];
+    else
+        for (int64_t c = 0; c < n; ++c) y[c] += u0 * d0[c];
+}
+
+/* Eq. 2 inside the sweep: this pair's step terms of every parameter gradient, added to the pair's partial
+   sums, (H + I + 2) rows of ldg: h_prev ⊗ d_gh (W_hhᵀ), x ⊗ d_gi (W_ihᵀ), d_gi (b_ih), d_gh (b_hh). Kept in
+   the sweep, the gate gradients never go to memory and need no GEMM over all steps afterwards. */
+static inline void F(accumulate)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden, I = a->inputs, n = a->ldg;
+    REAL* acc = a->partial + (b / 2) * (H + I + 2) * n;
+    const REAL *dh[2], *di[2], *hp[2], *xs[2];
+    for (int r = 0; r < 2; ++r) {
+        const int64_t row = b + (r < rows ? r : 0);
+        dh[r] = a->dh + row * n, di[r] = a->di + row * n;
+        hp[r] = t ? a->states + AT(row, t - 1, H) : a->h0 + row * H;
+        xs[r] = a->x + AT(row, t, I);
+    }
+    for (int64_t j = 0; j < H; ++j) F(axpy)(n, rows, hp[0][j], dh[0], hp[1][j], dh[1], acc + j * n);
+    for (int64_t i = 0; i < I; ++i) F(axpy)(n, rows, xs[0][i], di[0], xs[1][i], di[1], acc + (H + i) * n);
+    F(axpy)(n, rows, 1, di[0], 1, di[1], acc + (H + I) * n);
+    F(axpy)(n, rows, 1, dh[0], 1, dh[1], acc + (H + I + 1) * n);
+}
+
+/* Where a backward step puts row r's gate gradients: its scratch row (summed into the partials, copied to
+   `tensor` when one is wanted) or straight into `tensor` (width w). */
+static inline REAL* F(gate_row)(const F(args)* a, REAL* scratch, REAL* tensor, int64_t b, int64_t t, int64_t w) {
+    return a->partial ? scratch + b * a->ldg : tensor + AT(b, t, w);
+}
+
+/* Copies the scratch gate gradients of the rows to `tensor` (width w) when the caller wants them too. */
+static inline void F(keep_rows)(const F(args)* a, const REAL* scratch, REAL* tensor, int64_t b, int64_t t, int rows,
+                                int64_t w) {
+    if (a->partial && tensor)
+        for (int r = 0; r < rows; ++r) memcpy(tensor + AT(b + r, t, w), scratch + (b + r) * a->ldg, sizeof(REAL) * (size_t)w);
+}
+
 /* ---- Elman RNN --------------------------------------------------------------------------------- */
 
 /* h = f(gi + gh + b_hh); slope = 1 - h² for tanh; for relu the mask of threshold_backward: 0 where
@@ -201,11 +250,13 @@ static inline void F(rnn_backward_step)(const F(args)* a, int64_t t, int64_t b, 
     const REAL* x[2] = {NULL, NULL};
     REAL* y[2] = {NULL, NULL};
     for (int r = 0; r < rows; ++r) {
-        REAL* d = a->out + AT(b + r, t, H);
+        REAL* d = F(gate_row)(a, a->dh, a->out, b + r, t, H);
         y[r] = a->g + (b + r) * a->ld;
         F(rnn_gate_grad)(H, a->relu, y[r], a->scales + AT(b + r, t, H), d);
         x[r] = d;
     }
+    F(keep_rows)(a, a->dh, a->out, b, t, rows, H);
+    if (a->partial) F(accumulate)(a, t, b, rows);
     F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     if (t > 0)
         for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
@@ -276,12 +327,15 @@ static inline void F(gru_backward_step)(const F(args)* a, int64_t t, int64_t b, 
     const REAL* x[2] = {NULL, NULL};
     REAL* y[2] = {NULL, NULL};
     for (int r = 0; r < rows; ++r) {
-        REAL* d_gh = a->out + AT(b + r, t, 3 * H);
+        REAL* d_gh = F(gate_row)(a, a->dh, a->out, b + r, t, 3 * H);
         F(gru_gate_grad)(H, a->g + (b + r) * a->ld, a->scales + AT(b + r, t, 3 * H), a->dn + AT(b + r, t, H),
-                         d_gh, a->second + AT(b + r, t, 3 * H));
+                         d_gh, F(gate_row)(a, a->di, a->second, b + r, t, 3 * H));
         x[r] = d_gh;
         y[r] = a->tmp + (b + r) * a->ld;
     }
+    F(keep_rows)(a, a->dh, a->out, b, t, rows, 3 * H);
+    F(keep_rows)(a, a->di, a->second, b, t, rows, 3 * H);
+    if (a->partial) F(accumulate)(a, t, b, rows);
     F(product)(rows, x, 3 * H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
         F(gru_state_grad)(H, a->g + (b + r) * a->ld, a->z + AT(b + r, t, H), y[r],
@@ -349,13 +403,15 @@ static inline void F(lstm_backward_step)(const F(args)* a, int64_t t, int64_t b,
     const REAL* x[2] = {NULL, NULL};
     REAL* y[2] = {NULL, NULL};
     for (int r = 0; r < rows; ++r) {
-        REAL* d = a->out + AT(b + r, t, 4 * H);
+        REAL* d = F(gate_row)(a, a->dh, a->out, b + r, t, 4 * H);
         y[r] = a->g + (b + r) * a->ld;
         F(lstm_gate_grad)(H, a->gates + AT(b + r, t, 4 * H), a->scales + AT(b + r, t, H),
                           t ? a->scales + AT(b + r, t - 1, H) : a->c0 + (b + r) * H, y[r],
                           a->gc + (b + r) * a->ld, d);
         x[r] = d;
     }
+    F(keep_rows)(a, a->dh, a->out, b, t, rows, 4 * H);
+    if (a->partial) F(accumulate)(a, t, b, rows);
     F(product)(rows, x, 4 * H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     if (t > 0 && a->grad_out)
         for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
@@ -396,15 +452,59 @@ static int F(forward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_hh
     return 0;
 }
 
+/* What a backward needs to sum the parameter gradients in its sweep (grad_w_hh == NULL: it does not):
+   x (B, T, I), the forward's out (B, T, H) and h0, and where the sums go, laid out as torch's parameters
+   ((G H, I), (G H, H), (G H), (G H); the biases may be NULL). */
+typedef struct {
+    int64_t inputs;
+    const REAL *x, *out, *h0;
+    REAL *grad_w_ih, *grad_w_hh, *grad_b_ih, *grad_b_hh;
+} F(eq2);
+
+/* The sums of the pairs' partials (in pair order: the same result for any thread count), transposed into
+   torch's layout. */
+static void F(reduce_partials)(const F(args)* a, const F(eq2)* e, int64_t batch, int64_t gh) {
+    const int64_t H = a->hidden, I = a->inputs, n = a->ldg, block = (H + I + 2) * n, pairs = (batch + 1) / 2;
+    for (int64_t j = 0; j < H + I + 2; ++j)
+        for (int64_t c = 0; c < gh; ++c) {
+            REAL sum = 0;
+            for (int64_t p = 0; p < pairs; ++p) sum += a->partial[p * block + j * n + c];
+            if (j < H) e->grad_w_hh[c * H + j] = sum;
+            else if (j < H + I) e->grad_w_ih[c * I + (j - H)] = sum;
+            else if (j == H + I && e->grad_b_ih) e->grad_b_ih[c] = sum;
+            else if (j == H + I + 1 && e->grad_b_hh) e->grad_b_hh[c] = sum;
+        }
+}
+
 /* Runs a backward: W_hh (G H x H) padded to (G H x ld); g starts as grad_out[:, T-1] (or grad_last when
-   given, or 0), gc as grad_c (or 0); on return g0 / gc0 (either may be NULL) hold the gradients of h_0 / c_0. */
+   given, or 0), gc as grad_c (or 0); on return g0 / gc0 (either may be NULL) hold the gradients of h_0 / c_0,
+   and with e->grad_w_hh the parameter gradients are in e. */
 static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_hh, const REAL* grad_c,
-                       REAL* g0, REAL* gc0, F(step_fn) step, int threads) {
+                       REAL* g0, REAL* gc0, const F(eq2)* e, int separate_input_grads, F(step_fn) step,
+                       int threads) {
     const int64_t H = a->hidden;
     a->ld = F(padded_width)(H);
-    REAL *weight = F(padded)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc;
-    if (F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc)) {
+    REAL *weight = F(padded)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc, *dh = NULL, *di = NULL;
+    REAL* partial = NULL;
+    if (e->grad_w_hh) {
+        a->inputs = e->inputs, a->x = e->x, a->states = e->out;
+        a->ldg = F(padded_width)(gates * H);
+        dh = (REAL*)calloc((size_t)(batch * a->ldg) + 1, sizeof(REAL));
+        di = separate_input_grads ? (REAL*)calloc((size_t)(batch * a->ldg) + 1, sizeof(REAL)) : dh;
+        partial = (REAL*)calloc((size_t)((batch + 1) / 2 * (H + e->inputs + 2) * a->ldg) + 1, sizeof(REAL));
+        a->dh = dh, a->di = di, a->partial = partial;
+        /* read streams go before the written ones in the prefetch list */
+        for (int s = a->streams; s > a->streams - a->written; --s)
+            a->stream[s + 1] = a->stream[s - 1], a->stream_width[s + 1] = a->stream_width[s - 1];
+        a->stream[a->streams - a->written] = e->x, a->stream_width[a->streams - a->written] = e->inputs;
+        a->stream[a->streams - a->written + 1] = e->out, a->stream_width[a->streams - a->written + 1] = H;
+        a->streams += 2;
+    }
+    const int failed = F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc) || (e->grad_w_hh && !(dh && di && partial));
+    if (failed) {
         F(release)(weight, bias, tmp, g, gc);
+        free(partial), free(dh);
+        if (di != dh) free(di);
         return 1;
     }
     for (int64_t b = 0; b < batch; ++b) {
@@ -417,7 +517,10 @@ static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_h
         if (g0) memcpy(g0 + b * H, g + b * a->ld, sizeof(REAL) * (size_t)H);
         if (gc0) memcpy(gc0 + b * H, gc + b * a->ld, sizeof(REAL) * (size_t)H);
     }
+    if (partial) F(reduce_partials)(a, e, batch, gates * H);
     F(release)(weight, bias, tmp, g, gc);
+    free(partial), free(dh);
+    if (di != dh) free(di);
     return 0;
 }
 
@@ -429,12 +532,21 @@ int F(bppsa_rnn_forward)(int64_t batch, int64_t steps, int64_t hidden, const REA
     return F(forward)(&a, batch, 1, w_hh, b_hh, F(rnn_forward_step), threads);
 }
 
+/* The backwards' common tail of arguments: the eq2 fields (grad_w_hh NULL: no parameter gradients). */
+#define BPPSA_EQ2_ARGS                                                                                     \
+    int64_t inputs, const REAL *x, const REAL *out, const REAL *h0, REAL *grad_w_ih, REAL *grad_w_hh,      \
+        REAL *grad_b_ih, REAL *grad_b_hh
+#define BPPSA_EQ2 {inputs, x, out, h0, grad_w_ih, grad_w_hh, grad_b_ih, grad_b_hh}
+
+/* d_a (NULL: not wanted, with the parameter gradients) */
 int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* slope, const REAL* w_hh,
-                          const REAL* grad_out, int relu, REAL* d_a, REAL* g0, int threads) {
+                          const REAL* grad_out, int relu, REAL* d_a, REAL* g0, BPPSA_EQ2_ARGS, int threads) {
     F(args) a = {0};
+    const F(eq2) e = BPPSA_EQ2;
     a.steps = steps, a.hidden = hidden, a.scales = slope, a.grad_out = grad_out, a.relu = relu, a.out = d_a;
+    a.h0 = h0;
     F(add_stream)(&a, slope, hidden), F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
-    return F(backward)(&a, batch, 1, w_hh, NULL, g0, NULL, F(rnn_backward_step), threads);
+    return F(backward)(&a, batch, 1, w_hh, NULL, g0, NULL, &e, 0, F(rnn_backward_step), threads);
 }
 
 int F(bppsa_gru_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
@@ -448,15 +560,17 @@ int F(bppsa_gru_forward)(int64_t batch, int64_t steps, int64_t hidden, const REA
     return F(forward)(&a, batch, 3, w_hh, b_hh, F(gru_forward_step), threads);
 }
 
+/* d_gh, d_gi (either NULL: not wanted, with the parameter gradients) */
 int F(bppsa_gru_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* scales, const REAL* z,
                           const REAL* dn, const REAL* w_hh, const REAL* grad_out, REAL* d_gh, REAL* d_gi,
-                          REAL* g0, int threads) {
+                          REAL* g0, BPPSA_EQ2_ARGS, int threads) {
     F(args) a = {0};
+    const F(eq2) e = BPPSA_EQ2;
     a.steps = steps, a.hidden = hidden, a.scales = scales, a.z = z, a.dn = dn, a.grad_out = grad_out;
-    a.out = d_gh, a.second = d_gi;
+    a.out = d_gh, a.second = d_gi, a.h0 = h0;
     F(add_stream)(&a, scales, 3 * hidden), F(add_stream)(&a, z, hidden), F(add_stream)(&a, dn, hidden);
     F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_gh, 3 * hidden), F(add_output)(&a, d_gi, 3 * hidden);
-    return F(backward)(&a, batch, 3, w_hh, NULL, g0, NULL, F(gru_backward_step), threads);
+    return F(backward)(&a, batch, 3, w_hh, NULL, g0, NULL, &e, 1, F(gru_backward_step), threads);
 }
 
 int F(bppsa_lstm_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
@@ -469,15 +583,20 @@ int F(bppsa_lstm_forward)(int64_t batch, int64_t steps, int64_t hidden, const RE
     return F(forward)(&a, batch, 4, w_hh, NULL, F(lstm_forward_step), threads);
 }
 
+/* d_gates (NULL: not wanted, with the parameter gradients) */
 int F(bppsa_lstm_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gates, const REAL* cells,
                            const REAL* c0, const REAL* w_hh, const REAL* grad_out, const REAL* grad_cn,
-                           REAL* d_gates, REAL* gh0, REAL* gc0, int threads) {
+                           REAL* d_gates, REAL* gh0, REAL* gc0, BPPSA_EQ2_ARGS, int threads) {
     F(args) a = {0};
+    const F(eq2) e = BPPSA_EQ2;
     a.steps = steps, a.hidden = hidden, a.gates = gates, a.scales = cells, a.c0 = c0, a.grad_out = grad_out;
-    a.out = d_gates;
+    a.out = d_gates, a.h0 = h0;
     F(add_stream)(&a, gates, 4 * hidden), F(add_stream)(&a, cells, hidden), F(add_stream)(&a, grad_out, hidden);
     F(add_output)(&a, d_gates, 4 * hidden);
-    return F(backward)(&a, batch, 4, w_hh, grad_cn, gh0, gc0, F(lstm_backward_step), threads);
+    return F(backward)(&a, batch, 4, w_hh, grad_cn, gh0, gc0, &e, 0, F(lstm_backward_step), threads);
 }
+
+#undef BPPSA_EQ2_ARGS
+#undef BPPSA_EQ2
 
 #undef F

@@ -153,23 +153,31 @@ class RecurrentCell:
         grad_cn = None if grad_cn is None else grad_cn.to(dtype)
         batch, n, hidden = out.shape
         chosen = self.plan(algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type, dtype=dtype)
-        fused = None
+        fused, bias = None, len(weights) == 4
         if self.fused_backward(chosen, out_):
-            fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_cn)
+            sums = native.ParameterSums(x_, out_, h0_, bias) if native.sums_parameters(
+                hidden, x.shape[-1], self.gates, dtype) else None  # fmt: skip
+            fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_cn, sums, need_x)
         if fused is None and self._needs_torch_semantics(out_, grad_out):
             fused = self._select_sweep(factors, weights[1], self.direct_gradients(grad_out, grad_cn, out_))
         if fused is None:
             jac = self.jacobians(out_, factors, weights[1])
             g = ops.execute_factored(chosen, jac, self.direct_gradients(grad_out, grad_cn, out_))
             d_gi, d_gh = self.gate_gradients(g[:, 1:], factors)
-            starts = list(g[:, 0].split(hidden, -1))
-        else:
-            d_gi, d_gh, *starts = fused
+            fused = d_gi, d_gh, g[:, 0].split(hidden, -1), None
+        d_gi, d_gh, starts, param_grads = fused
         grad_x = (d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape).to(x.dtype) if need_x else x.new_empty(0)
         states = [starts[0].to(h0.dtype)] + ([starts[1].to(c0.dtype)] if c0 is not None else [])
-        return [grad_x, *states, *self._parameter_gradients(d_gi, d_gh, x_, h0_, out_, len(weights) == 4)]
+        if param_grads is None:
+            param_grads = self._parameter_gradients(d_gi, d_gh, x_, h0_, out_, bias)
+        return [grad_x, *states, *param_grads]
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn) -> tuple | None:
+    def _native_backward(
+        self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums: native.ParameterSums | None, need_x: bool
+    ) -> tuple | None:
+        """``(d_gi, d_gh, [∇h_0(, ∇c_0)], parameter gradients or None)`` from the compiled backward (which
+        sums the parameter gradients itself with ``sums``; ``d_gi`` / ``d_gh`` may then be ``None`` where
+        not needed), or ``None`` where it cannot run."""
         raise NotImplementedError
 
     def _needs_torch_semantics(self, out: Tensor, grad_out: Tensor | None) -> bool:
@@ -178,6 +186,7 @@ class RecurrentCell:
         return False
 
     def _select_sweep(self, factors: Sequence[Tensor], w_hh: Tensor, direct: Tensor) -> tuple:
+        """Like :meth:`_native_backward`, by a step-by-step sweep with torch's semantics."""
         raise NotImplementedError
 
     def autograd_gradients(
@@ -315,20 +324,20 @@ class RNNCell(RecurrentCell):
         return not (bool(torch.isfinite(out).all()) and (grad_out is None or bool(torch.isfinite(grad_out).all())))
 
     def _select_sweep(self, factors, w_hh, direct):
-        """``(d_a, d_a, g_0)`` by torch's sequential ReLU backward, ``d_a = where(mask, g, 0)``."""
+        """``d_a`` by torch's sequential ReLU backward, ``d_a = where(mask, g, 0)``."""
         mask, n = factors[0] != 0, direct.shape[1] - 1
         d_a = torch.empty_like(factors[0])
         g = direct[:, n]
         for t in range(n - 1, -1, -1):
             d_a[:, t] = torch.where(mask[:, t], g, 0.0)
             g = d_a[:, t] @ w_hh + direct[:, t]
-        return d_a, d_a, g
+        return d_a, d_a, [g], None
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums, need_x):
         if grad_out is None:
             return None
-        result = native.rnn_backward(factors[0], w_hh, grad_out.contiguous(), self.relu)
-        return None if result is None else (result[0], result[0], result[1])
+        result = native.rnn_backward(factors[0], w_hh, grad_out.contiguous(), self.relu, sums, need_x)
+        return None if result is None else (result[0], result[0], [result[1]], result[2] if sums else None)
 
 
 class GRUCell(RecurrentCell):
@@ -373,10 +382,11 @@ class GRUCell(RecurrentCell):
         torch.mul(g, dn, out=d_gi[..., 2 * hidden :])
         return d_gi, d_gh
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums, need_x):
         if grad_out is None:
             return None
-        return native.gru_backward(*factors, w_hh, grad_out.contiguous())
+        result = native.gru_backward(*factors, w_hh, grad_out.contiguous(), sums, need_x)
+        return None if result is None else (result[0], result[1], [result[2]], result[3] if sums else None)
 
 
 class LSTMCell(RecurrentCell):
@@ -466,11 +476,11 @@ class LSTMCell(RecurrentCell):
         d_gates = torch.cat([gh] * 4, -1) * local_h + torch.cat([gc] * 4, -1) * local_c
         return d_gates, d_gates
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn):
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums, need_x):
         cells, gates, _ = factors
-        result = native.lstm_backward(gates, cells, c0, w_hh, _contiguous(grad_out),
-                                      _contiguous(grad_cn))  # fmt: skip
-        return None if result is None else (result[0], *result)
+        result = native.lstm_backward(gates, cells, c0, w_hh, _contiguous(grad_out), _contiguous(grad_cn), sums,
+                                      need_x)  # fmt: skip
+        return None if result is None else (result[0], result[0], list(result[1:3]), result[3] if sums else None)
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:

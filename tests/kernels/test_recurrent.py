@@ -74,8 +74,9 @@ def torch_layer(kind, t, grad_out, grad_cn):
     return out.detach(), dict(zip(leaves, grads, strict=True))
 
 
-def kernel_layer(kind, t, grad_out, grad_cn):
-    """The kernels plus their caller's GEMMs: ``(out, {name: gradient})``; ``None`` if a kernel declined."""
+def kernel_layer(kind, t, grad_out, grad_cn, sums=False):
+    """The kernels plus their caller's GEMMs (with ``sums``: the parameter gradients the backward summed
+    itself): ``(out, {name: gradient})``; ``None`` if a kernel declined."""
     x, h0, c0, w_ih, w_hh, b_ih, b_hh = (t[k] for k in NAMES)
     gi = x @ w_ih.T + b_ih
     if kind == "gru":
@@ -83,24 +84,29 @@ def kernel_layer(kind, t, grad_out, grad_cn):
         if forward is None:
             return None
         out, scales, z, dn = forward
-        d_gi, d_gh, g0 = recurrent.gru_backward(scales, z, dn, w_hh, grad_out)
+        sums = recurrent.ParameterSums(x, out, h0, True) if sums else None
+        d_gi, d_gh, g0, *summed = recurrent.gru_backward(scales, z, dn, w_hh, grad_out, sums)
     elif kind == "lstm":
         out, cells, gates = recurrent.lstm_forward(gi + b_hh, w_hh, h0, c0)
-        d_gi, g0, gc0 = recurrent.lstm_backward(gates, cells, c0, w_hh, grad_out, grad_cn)
+        sums = recurrent.ParameterSums(x, out, h0, True) if sums else None
+        d_gi, g0, gc0, *summed = recurrent.lstm_backward(gates, cells, c0, w_hh, grad_out, grad_cn, sums)
         d_gh = d_gi
     else:
         out, slope = recurrent.rnn_forward(gi + b_hh, w_hh, None, h0, kind == "relu")
-        d_gi, g0 = recurrent.rnn_backward(slope, w_hh, grad_out, kind == "relu")
+        sums = recurrent.ParameterSums(x, out, h0, True) if sums else None
+        d_gi, g0, *summed = recurrent.rnn_backward(slope, w_hh, grad_out, kind == "relu", sums)
         d_gh = d_gi
-    h_prev = torch.cat([h0[:, None], out[:, :-1]], 1)
-    grads = {
-        "x": d_gi @ w_ih,
-        "h0": g0,
-        "w_ih": torch.einsum("btg,bti->gi", d_gi, x),
-        "w_hh": torch.einsum("btg,bth->gh", d_gh, h_prev),
-        "b_ih": d_gi.sum((0, 1)),
-        "b_hh": d_gh.sum((0, 1)),
-    }
+    grads = {"x": d_gi @ w_ih, "h0": g0}
+    if summed:
+        grads.update(zip(("w_ih", "w_hh", "b_ih", "b_hh"), summed[0], strict=True))
+    else:
+        h_prev = torch.cat([h0[:, None], out[:, :-1]], 1)
+        grads.update({
+            "w_ih": torch.einsum("btg,bti->gi", d_gi, x),
+            "w_hh": torch.einsum("btg,bth->gh", d_gh, h_prev),
+            "b_ih": d_gi.sum((0, 1)),
+            "b_hh": d_gh.sum((0, 1)),
+        })  # fmt: skip
     if kind == "lstm":
         grads["c0"] = gc0
     return out, grads
@@ -116,30 +122,32 @@ def assert_layer_close(kind, actual, reference, baseline=None):
 
 
 @needs_kernel
+@pytest.mark.parametrize("sums", [False, True], ids=["gemm", "summed"])
 @pytest.mark.parametrize("last_only", [False, True], ids=["per-step", "last-step"])
 @pytest.mark.parametrize("steps", [1, 2, 37])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("hidden", [1, 3, 20, 33])
 @pytest.mark.parametrize("kind", KINDS)
-def test_float64_matches_torch_autograd(kind, hidden, batch, steps, last_only):
+def test_float64_matches_torch_autograd(kind, hidden, batch, steps, last_only, sums):
     t = random_layer(kind, batch, steps, hidden, torch.float64)
     grad_out, grad_cn = random_grads(kind, batch, steps, hidden, torch.float64, last_only)
     reference = torch_layer(kind, t, grad_out, grad_cn)
-    assert_layer_close(kind, kernel_layer(kind, t, grad_out, grad_cn), reference)
+    assert_layer_close(kind, kernel_layer(kind, t, grad_out, grad_cn, sums), reference)
 
 
 @needs_kernel
 @pytest.mark.parametrize("last_only", [False, True], ids=["per-step", "last-step"])
 @pytest.mark.parametrize(("batch", "steps", "hidden"), [(1, 1, 1), (3, 2, 3), (3, 37, 20), (1, 37, 33)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_float32_within_the_error_of_torch_float32(kind, batch, steps, hidden, last_only):
+@pytest.mark.parametrize("sums", [False, True], ids=["gemm", "summed"])
+def test_float32_within_the_error_of_torch_float32(kind, batch, steps, hidden, last_only, sums):
     t = random_layer(kind, batch, steps, hidden, torch.float64)
     grad_out, grad_cn = random_grads(kind, batch, steps, hidden, torch.float64, last_only)
     truth = torch_layer(kind, t, grad_out, grad_cn)
     t32 = {k: None if v is None else v.float() for k, v in t.items()}
     grad_out32, grad_cn32 = grad_out.float(), None if grad_cn is None else grad_cn.float()
     baseline = torch_layer(kind, t32, grad_out32, grad_cn32)
-    assert_layer_close(kind, kernel_layer(kind, t32, grad_out32, grad_cn32), truth, baseline)
+    assert_layer_close(kind, kernel_layer(kind, t32, grad_out32, grad_cn32, sums), truth, baseline)
 
 
 @needs_kernel
@@ -202,13 +210,15 @@ def test_relu_nan_semantics_match_torch():
 
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
-def test_two_threads_give_the_same_bits(monkeypatch, kind):
-    """Rows split over threads (3 rows on 2 threads: uneven) compute exactly what one thread does."""
-    t = random_layer(kind, 3, 20, 9, torch.float32)
-    grad_out, grad_cn = random_grads(kind, 3, 20, 9, torch.float32, False)
-    one = kernel_layer(kind, t, grad_out, grad_cn)
+@pytest.mark.parametrize("batch", [3, 6])
+def test_two_threads_give_the_same_bits(monkeypatch, kind, batch):
+    """Rows split over threads (3 rows on 2 threads: uneven; 6: three pairs) compute exactly what one
+    thread does, the parameter gradients summed in the sweep included."""
+    t = random_layer(kind, batch, 20, 9, torch.float32)
+    grad_out, grad_cn = random_grads(kind, batch, 20, 9, torch.float32, False)
+    one = kernel_layer(kind, t, grad_out, grad_cn, sums=True)
     monkeypatch.setattr(_native, "threads", lambda batch: 2)
-    two = kernel_layer(kind, t, grad_out, grad_cn)
+    two = kernel_layer(kind, t, grad_out, grad_cn, sums=True)
     assert torch.equal(one[0], two[0]) and all(torch.equal(one[1][k], two[1][k]) for k in one[1])
 
 
