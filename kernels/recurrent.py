@@ -35,6 +35,7 @@ from torch import Tensor
 
 __all__ = [
     "ParameterSums",
+    "Projection",
     "available",
     "fast_sigmoid",
     "fast_tanh",
@@ -43,6 +44,7 @@ __all__ = [
     "lstm_backward",
     "lstm_forward",
     "rnn_backward",
+    "projects_inputs",
     "rnn_forward",
     "sums_parameters",
 ]
@@ -53,13 +55,15 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 #: a backward's parameter-gradient tail: inputs, x, out, h0, grad_w_ih, grad_w_hh, grad_b_ih, grad_b_hh
 _SUMS = [_I64] + [_PTR] * 7
+#: a forward's input-projection tail: inputs, x, w_ih, b_in
+_PROJECTION = [_I64] + [_PTR] * 3
 # (batch, steps, hidden) then pointers (with the relu flag where it applies), then the thread count
 _ARGTYPES = {
-    "rnn_forward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + [_INT],
+    "rnn_forward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + _PROJECTION + [_INT],
     "rnn_backward": [_I64] * 3 + [_PTR] * 3 + [_INT] + [_PTR] * 2 + _SUMS + [_INT],
-    "gru_forward": [_I64] * 3 + [_PTR] * 8 + [_INT],
+    "gru_forward": [_I64] * 3 + [_PTR] * 8 + _PROJECTION + [_INT],
     "gru_backward": [_I64] * 3 + [_PTR] * 8 + _SUMS + [_INT],
-    "lstm_forward": [_I64] * 3 + [_PTR] * 7 + [_INT],
+    "lstm_forward": [_I64] * 3 + [_PTR] * 7 + _PROJECTION + [_INT],
     "lstm_backward": [_I64] * 3 + [_PTR] * 9 + _SUMS + [_INT],
 }
 _SIGNATURES = {
@@ -135,6 +139,42 @@ def _sums_args(sums: ParameterSums | None, gates: int, hidden: int, like: Tensor
     return args, [g for g in grads if g is not None]
 
 
+class Projection(NamedTuple):
+    """In place of a forward's ``gi``: the input projection ``x W_ihᵀ + bias`` for the kernel to compute
+    row by row (``x`` ``(B, T, I)``, ``w_ih`` ``(G H, I)``, ``bias`` ``(G H,)`` or ``None``), see
+    :func:`projects_inputs`."""
+
+    x: Tensor
+    w_ih: Tensor
+    bias: Tensor | None
+
+
+#: the widest input the forward kernels project themselves. Measured (B=16, one thread, float32, H=20):
+#: GRU input 12 (T=1034) / 24 (T=517) / 38 (T=259): the projection in the kernel vs a GEMM and the
+#: (B, T, 3H) gi tensor: see benchmarks/results/peers-cpu.md's history in the commit log
+_PROJECTION_INPUTS = 16
+
+
+def projects_inputs(inputs: int) -> bool:
+    """Whether a forward kernel should compute the input projection itself (a :class:`Projection`): for
+    narrow inputs a few FMAs per gate beat writing ``gi`` ``(B, T, G H)`` out and reading it back."""
+    return inputs <= _PROJECTION_INPUTS
+
+
+def _input(gi: Tensor | Projection, gates: int) -> tuple[tuple[int, int, int], Tensor, Tensor | None, list]:
+    """``((B, T, H), a tensor to allocate like, gi or None, the projection's tail of kernel arguments)``."""
+    if isinstance(gi, Projection):
+        x, w_ih, bias = gi
+        if x.dim() != 3 or w_ih.dim() != 2 or w_ih.shape[0] % gates or w_ih.shape[0] == 0:
+            raise ValueError(f"projection: x must be (B, T, I) and w_ih ({gates} H, I); got {tuple(x.shape)}, "
+                             f"{tuple(w_ih.shape)}")  # fmt: skip
+        batch, steps, inputs = x.shape
+        _check("w_ih", w_ih, (w_ih.shape[0], inputs))
+        _check("bias", bias, (w_ih.shape[0],))
+        return (batch, steps, w_ih.shape[0] // gates), x, None, [inputs, _dense(x), _dense(w_ih), _dense(bias)]
+    return _sizes("gi", gi, gates), gi, _dense(gi), [0, None, None, None]
+
+
 def _check(name: str, tensor: Tensor | None, shape: Sequence[int]) -> None:
     if tensor is not None and tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
@@ -178,24 +218,25 @@ def _sizes(name: str, tensor: Tensor, width_per_hidden: int) -> tuple[int, int, 
 
 
 def rnn_forward(
-    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
+    gi: Tensor | Projection, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
 ) -> tuple[Tensor, Tensor] | None:
     """Elman RNN forward ``h_t = f(gi_t + h_{t-1} W_hhᵀ [+ b_hh])``, ``f = relu if relu else tanh``.
 
-    Args: ``gi`` ``(B, T, H)``, ``w_hh`` ``(H, H)``, ``b_hh`` ``(H,)`` or ``None``, ``h0`` ``(B, H)``.
+    Args: ``gi`` ``(B, T, H)`` (or a :class:`Projection` of the inputs), ``w_hh`` ``(H, H)``, ``b_hh``
+    ``(H,)`` or ``None``, ``h0`` ``(B, H)``.
 
     Returns ``(out, slope)``, both ``(B, T, H)``: ``out[:, t] = h_{t+1}`` and ``slope = f'``: ``1 - h²``
     for tanh; for relu torch's ``threshold_backward`` mask (1 where NOT ``out <= 0``, so NaN passes).
     """
-    batch, steps, hidden = _sizes("gi", gi, 1)
+    (batch, steps, hidden), like, gi, tail = _input(gi, 1)
     _check("w_hh", w_hh, (hidden, hidden))
     _check("b_hh", b_hh, (hidden,))
     _check("h0", h0, (batch, hidden))
-    fn = _kernel("rnn_forward", gi, w_hh, b_hh, h0)
+    fn = _kernel("rnn_forward", like, gi, w_hh, b_hh, h0, *tail[2:])
     if fn is None:
         return None
-    out, slope = gi.new_empty(batch, steps, hidden), gi.new_empty(batch, steps, hidden)
-    _run(fn, batch, steps, hidden, _dense(gi), _dense(w_hh), _dense(b_hh), _dense(h0), int(relu), out, slope)
+    out, slope = like.new_empty(batch, steps, hidden), like.new_empty(batch, steps, hidden)
+    _run(fn, batch, steps, hidden, gi, _dense(w_hh), _dense(b_hh), _dense(h0), int(relu), out, slope, *tail)
     return out, slope
 
 
@@ -225,29 +266,29 @@ def rnn_backward(
 
 
 def gru_forward(
-    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor
+    gi: Tensor | Projection, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """GRU forward (torch's gate order ``r, z, n``)::
 
         gh = h W_hhᵀ + b_hh,  r = σ(gi_r + gh_r),  z = σ(gi_z + gh_z),  n = tanh(gi_n + r ⊙ gh_n)
         h = (1 - z) ⊙ n + z ⊙ h_prev,  dn = (1 - z)(1 - n²)
 
-    Args: ``gi`` ``(B, T, 3H)``, ``w_hh`` ``(3H, H)``, ``b_hh`` ``(3H,)`` or ``None``, ``h0`` ``(B, H)``.
+    Args: ``gi`` ``(B, T, 3H)`` (or a :class:`Projection`), ``w_hh`` ``(3H, H)``, ``b_hh`` ``(3H,)`` or ``None``, ``h0`` ``(B, H)``.
 
     Returns ``(out (B, T, H), scales (B, T, 3H), z (B, T, H), dn (B, T, H))`` with
     ``scales = [dn gh_n r(1-r), (h_prev - n) z(1-z), dn r]``: ``FactoredJacobians(w_hh, scales, z)`` is the
     chain of :func:`lightning_bppsa.jacobians.recurrent.gru_jacobians`.
     """
-    batch, steps, hidden = _sizes("gi", gi, 3)
+    (batch, steps, hidden), like, gi, tail = _input(gi, 3)
     _check("w_hh", w_hh, (3 * hidden, hidden))
     _check("b_hh", b_hh, (3 * hidden,))
     _check("h0", h0, (batch, hidden))
-    fn = _kernel("gru_forward", gi, w_hh, b_hh, h0)
+    fn = _kernel("gru_forward", like, gi, w_hh, b_hh, h0, *tail[2:])
     if fn is None:
         return None
-    out, z, dn = (gi.new_empty(batch, steps, hidden) for _ in range(3))
-    scales = gi.new_empty(batch, steps, 3 * hidden)
-    _run(fn, batch, steps, hidden, _dense(gi), _dense(w_hh), _dense(b_hh), _dense(h0), out, scales, z, dn)
+    out, z, dn = (like.new_empty(batch, steps, hidden) for _ in range(3))
+    scales = like.new_empty(batch, steps, 3 * hidden)
+    _run(fn, batch, steps, hidden, gi, _dense(w_hh), _dense(b_hh), _dense(h0), out, scales, z, dn, *tail)
     return out, scales, z, dn
 
 
@@ -279,24 +320,24 @@ def gru_backward(
     return (d_gi, d_gh, g0, grads) if sums else (d_gi, d_gh, g0)
 
 
-def lstm_forward(gi: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+def lstm_forward(gi: Tensor | Projection, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """LSTM forward (gate order ``i, f, g, o``; ``gi`` holds both biases)::
 
         [i, f, g, o] = [σ, σ, tanh, σ](gi + h W_hhᵀ),  c = f ⊙ c_prev + i ⊙ g,  h = o ⊙ tanh(c)
 
-    Args: ``gi`` ``(B, T, 4H)``, ``w_hh`` ``(4H, H)``, ``h0`` and ``c0`` ``(B, H)``.
+    Args: ``gi`` ``(B, T, 4H)`` (or a :class:`Projection`), ``w_hh`` ``(4H, H)``, ``h0`` and ``c0`` ``(B, H)``.
     Returns ``(out (B, T, H), cells (B, T, H) = c_1..c_T, gates (B, T, 4H) = activated i, f, g, o)``.
     """
-    batch, steps, hidden = _sizes("gi", gi, 4)
+    (batch, steps, hidden), like, gi, tail = _input(gi, 4)
     _check("w_hh", w_hh, (4 * hidden, hidden))
     _check("h0", h0, (batch, hidden))
     _check("c0", c0, (batch, hidden))
-    fn = _kernel("lstm_forward", gi, w_hh, h0, c0)
+    fn = _kernel("lstm_forward", like, gi, w_hh, h0, c0, *tail[2:])
     if fn is None:
         return None
-    out, cells = gi.new_empty(batch, steps, hidden), gi.new_empty(batch, steps, hidden)
-    gates = gi.new_empty(batch, steps, 4 * hidden)
-    _run(fn, batch, steps, hidden, *map(_dense, (gi, w_hh, h0, c0)), out, cells, gates)
+    out, cells = like.new_empty(batch, steps, hidden), like.new_empty(batch, steps, hidden)
+    gates = like.new_empty(batch, steps, 4 * hidden)
+    _run(fn, batch, steps, hidden, gi, *map(_dense, (w_hh, h0, c0)), out, cells, gates, *tail)
     return out, cells, gates
 
 

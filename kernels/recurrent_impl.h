@@ -85,6 +85,10 @@ typedef struct {
     int64_t inputs, ldg;
     const REAL *x, *states;
     REAL *dh, *di, *partial;
+    /* a forward that projects the inputs itself (x != NULL, gi == NULL): gi_t = x_t W_ihᵀ + b_in per row,
+       from w_in = W_ihᵀ (I x ld) and b_in (ld), into the per-row buffers gbuf */
+    const REAL *w_in, *b_in;
+    REAL* gbuf;
     int streams, written; /* the streams: read ones first, then `written` ones the step writes */
     const REAL* stream[8];
     int64_t stream_width[8];
@@ -199,6 +203,22 @@ static inline void F(keep_rows)(const F(args)* a, const REAL* scratch, REAL* ten
         for (int r = 0; r < rows; ++r) memcpy(tensor + AT(b + r, t, w), scratch + (b + r) * a->ldg, sizeof(REAL) * (size_t)w);
 }
 
+/* The input projections gi_t of the rows: rows of the given gi, or computed here from x_t (see F(args)). */
+static inline void F(input_rows)(const F(args)* a, int64_t t, int64_t b, int rows, int64_t width, const REAL** gi) {
+    if (!a->x) {
+        for (int r = 0; r < rows; ++r) gi[r] = a->gi + AT(b + r, t, width);
+        return;
+    }
+    const REAL* xs[2] = {NULL, NULL};
+    REAL* ys[2] = {NULL, NULL};
+    for (int r = 0; r < rows; ++r) xs[r] = a->x + AT(b + r, t, a->inputs), ys[r] = a->gbuf + (b + r) * a->ld;
+    F(product)(rows, xs, a->inputs, a->w_in, a->ld, a->ld, ys, a->scratch + b * a->ld);
+    for (int r = 0; r < rows; ++r) {
+        F(add_into)(width, ys[r], a->b_in);
+        gi[r] = ys[r];
+    }
+}
+
 /* ---- Elman RNN --------------------------------------------------------------------------------- */
 
 /* h = f(gi + gh + b_hh); slope = 1 - h² for tanh; for relu the mask of threshold_backward: 0 where
@@ -238,10 +258,11 @@ static inline void F(rnn_forward_step)(const F(args)* a, int64_t t, int64_t b, i
         x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         y[r] = a->tmp + (b + r) * a->ld;
     }
+    const REAL* gi[2] = {NULL, NULL};
+    F(input_rows)(a, t, b, rows, H, gi);
     F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
-        F(rnn_activate)(H, a->relu, a->gi + AT(b + r, t, H), y[r], a->bias, a->out + AT(b + r, t, H),
-                        a->second + AT(b + r, t, H));
+        F(rnn_activate)(H, a->relu, gi[r], y[r], a->bias, a->out + AT(b + r, t, H), a->second + AT(b + r, t, H));
 }
 
 /* d_a_t = g_t ⊙ slope_t (out), g_{t-1} = d_a_t W_hh + grad_out[t - 1]; g holds g_t per row (ld apart). */
@@ -315,9 +336,11 @@ static inline void F(gru_forward_step)(const F(args)* a, int64_t t, int64_t b, i
         x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         y[r] = a->tmp + (b + r) * a->ld;
     }
+    const REAL* gi[2] = {NULL, NULL};
+    F(input_rows)(a, t, b, rows, 3 * H, gi);
     F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
-        F(gru_activate)(H, a->gi + AT(b + r, t, 3 * H), y[r], a->bias, x[r], a->out + AT(b + r, t, H),
+        F(gru_activate)(H, gi[r], y[r], a->bias, x[r], a->out + AT(b + r, t, H),
                         a->second + AT(b + r, t, 3 * H), a->third + AT(b + r, t, H), a->fourth + AT(b + r, t, H));
 }
 
@@ -389,9 +412,11 @@ static inline void F(lstm_forward_step)(const F(args)* a, int64_t t, int64_t b, 
         x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         y[r] = a->tmp + (b + r) * a->ld;
     }
+    const REAL* gi[2] = {NULL, NULL};
+    F(input_rows)(a, t, b, rows, 4 * H, gi);
     F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
-        F(lstm_activate)(H, a->gi + AT(b + r, t, 4 * H), y[r],
+        F(lstm_activate)(H, gi[r], y[r],
                          t ? a->second + AT(b + r, t - 1, H) : a->c0 + (b + r) * H, a->out + AT(b + r, t, H),
                          a->second + AT(b + r, t, H), a->third + AT(b + r, t, 4 * H));
 }
@@ -436,19 +461,32 @@ static void F(release)(REAL* weight, REAL* bias, REAL* tmp, REAL* g, REAL* gc) {
     free(weight), free(bias), free(tmp), free(g), free(gc);
 }
 
-/* Runs a forward: W_hh (G H x H) transposed into an (H x ld) weight, b_hh (G H or NULL) padded. */
+/* Runs a forward: W_hh (G H x H) transposed into an (H x ld) weight, b_hh (G H or NULL) padded; with
+   x != NULL the input projection from w_ih (G H x I) and b_in (G H or NULL). */
 static int F(forward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_hh, const REAL* b_hh,
-                      F(step_fn) step, int threads) {
+                      int64_t inputs, const REAL* x, const REAL* w_ih, const REAL* b_in, F(step_fn) step,
+                      int threads) {
     const int64_t H = a->hidden;
     a->ld = F(padded_width)(gates * H);
-    REAL *weight = F(transposed)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc;
-    if (F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc)) {
+    REAL *weight = F(transposed)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc, *w_in = NULL, *bias_in = NULL;
+    REAL* gbuf = NULL;
+    if (x) {
+        a->x = x, a->inputs = inputs;
+        w_in = F(transposed)(w_ih, gates * H, inputs, a->ld);
+        bias_in = (REAL*)calloc((size_t)a->ld, sizeof(REAL));
+        gbuf = (REAL*)calloc((size_t)(batch * a->ld) + 1, sizeof(REAL));
+        a->w_in = w_in, a->b_in = bias_in, a->gbuf = gbuf;
+        if (bias_in && b_in) memcpy(bias_in, b_in, sizeof(REAL) * (size_t)(gates * H));
+    }
+    if (F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc) || (x && !(w_in && bias_in && gbuf))) {
         F(release)(weight, bias, tmp, g, gc);
+        free(w_in), free(bias_in), free(gbuf);
         return 1;
     }
     if (b_hh) memcpy(bias, b_hh, sizeof(REAL) * (size_t)(gates * H));
     F(sweep)(a, batch, 0, step, threads);
     F(release)(weight, bias, tmp, g, gc);
+    free(w_in), free(bias_in), free(gbuf);
     return 0;
 }
 
@@ -524,12 +562,18 @@ static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_h
     return 0;
 }
 
+/* The forwards' common tail of arguments: x (B, T, I) with w_ih and b_in (see F(forward)), or x = NULL
+   and the given gi. */
+#define BPPSA_PROJECTION_ARGS int64_t inputs, const REAL *x, const REAL *w_ih, const REAL *b_in
+#define BPPSA_INPUT_STREAM(width) (x ? F(add_stream)(&a, x, inputs) : F(add_stream)(&a, gi, width))
+
 int F(bppsa_rnn_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
-                         const REAL* b_hh, const REAL* h0, int relu, REAL* out, REAL* slope, int threads) {
+                         const REAL* b_hh, const REAL* h0, int relu, REAL* out, REAL* slope,
+                         BPPSA_PROJECTION_ARGS, int threads) {
     F(args) a = {0};
     a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0, a.relu = relu, a.out = out, a.second = slope;
-    F(add_stream)(&a, gi, hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, slope, hidden);
-    return F(forward)(&a, batch, 1, w_hh, b_hh, F(rnn_forward_step), threads);
+    BPPSA_INPUT_STREAM(hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, slope, hidden);
+    return F(forward)(&a, batch, 1, w_hh, b_hh, inputs, x, w_ih, b_in, F(rnn_forward_step), threads);
 }
 
 /* The backwards' common tail of arguments: the eq2 fields (grad_w_hh NULL: no parameter gradients). */
@@ -551,13 +595,13 @@ int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const RE
 
 int F(bppsa_gru_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
                          const REAL* b_hh, const REAL* h0, REAL* out, REAL* scales, REAL* z, REAL* dn,
-                         int threads) {
+                         BPPSA_PROJECTION_ARGS, int threads) {
     F(args) a = {0};
     a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0;
     a.out = out, a.second = scales, a.third = z, a.fourth = dn;
-    F(add_stream)(&a, gi, 3 * hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, scales, 3 * hidden);
+    BPPSA_INPUT_STREAM(3 * hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, scales, 3 * hidden);
     F(add_output)(&a, z, hidden), F(add_output)(&a, dn, hidden);
-    return F(forward)(&a, batch, 3, w_hh, b_hh, F(gru_forward_step), threads);
+    return F(forward)(&a, batch, 3, w_hh, b_hh, inputs, x, w_ih, b_in, F(gru_forward_step), threads);
 }
 
 /* d_gh, d_gi (either NULL: not wanted, with the parameter gradients) */
@@ -574,14 +618,18 @@ int F(bppsa_gru_backward)(int64_t batch, int64_t steps, int64_t hidden, const RE
 }
 
 int F(bppsa_lstm_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
-                          const REAL* h0, const REAL* c0, REAL* out, REAL* cells, REAL* gates, int threads) {
+                          const REAL* h0, const REAL* c0, REAL* out, REAL* cells, REAL* gates,
+                          BPPSA_PROJECTION_ARGS, int threads) {
     F(args) a = {0};
     a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0, a.c0 = c0;
     a.out = out, a.second = cells, a.third = gates;
-    F(add_stream)(&a, gi, 4 * hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, cells, hidden);
+    BPPSA_INPUT_STREAM(4 * hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, cells, hidden);
     F(add_output)(&a, gates, 4 * hidden);
-    return F(forward)(&a, batch, 4, w_hh, NULL, F(lstm_forward_step), threads);
+    return F(forward)(&a, batch, 4, w_hh, NULL, inputs, x, w_ih, b_in, F(lstm_forward_step), threads);
 }
+
+#undef BPPSA_PROJECTION_ARGS
+#undef BPPSA_INPUT_STREAM
 
 /* d_gates (NULL: not wanted, with the parameter gradients) */
 int F(bppsa_lstm_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gates, const REAL* cells,

@@ -63,21 +63,27 @@ class RecurrentCell:
 
     def forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> list[Tensor]:
         """``[out, (c_n,) *factors]``: the compiled kernel where it runs, else torch plus the factors."""
-        gi = self._input_projection(x, weights)
         kernels = _forward_kernels(x)
-        result = None if kernels is None else self._native_forward(kernels, gi, h0, c0, weights)
+        result = None
+        if kernels is not None:
+            result = self._native_forward(kernels, self._input_projection(x, weights, kernels), h0, c0, weights)
         if result is None:
             result = self._torch_forward_with_factors(x, h0, c0, weights)
         return list(result)
 
-    def _input_projection(self, x: Tensor, weights: Sequence[Tensor]) -> Tensor:
-        """``x W_ihᵀ + b_ih`` (``+ b_hh`` where it sits outside the nonlinearity's gating): one GEMM."""
+    def _input_projection(self, x: Tensor, weights: Sequence[Tensor], kernels) -> Tensor | native.Projection:
+        """``x W_ihᵀ + b_ih`` (``+ b_hh`` where it sits outside the nonlinearity's gating): one GEMM, or
+        for a narrow input on the CPU a :class:`~lightning_bppsa.kernels.recurrent.Projection` that the
+        forward kernel computes row by row."""
         w_ih = weights[0]
-        flat = x.reshape(-1, x.shape[-1])
+        bias = None
         if len(weights) == 4:
             bias = weights[2] + weights[3] if self._folds_hidden_bias else weights[2]
-            return torch.addmm(bias, flat, w_ih.T).view(*x.shape[:2], -1)
-        return (flat @ w_ih.T).view(*x.shape[:2], -1)
+        if kernels is native and native.projects_inputs(x.shape[-1]):
+            return native.Projection(x, w_ih, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        gi = flat @ w_ih.T if bias is None else torch.addmm(bias, flat, w_ih.T)
+        return gi.view(*x.shape[:2], -1)
 
     _folds_hidden_bias = True
 

@@ -344,3 +344,31 @@ def test_disabled_by_environment(monkeypatch, fresh_state, caplog):
     with caplog.at_level(logging.INFO, logger="lightning_bppsa.kernels.recurrent"):
         assert recurrent.gru_forward(torch.zeros(1, 2, 6), torch.zeros(6, 2), None, torch.zeros(1, 2)) is None
     assert "BPPSA_NATIVE=0" in caplog.text
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_projecting_its_inputs_equals_the_given_projection(kind, bias):
+    """A forward given x and W_ih (a Projection) computes what it computes from gi = x W_ihᵀ + b."""
+    t = random_layer(kind, 3, 9, 6, torch.float64, inputs=4)
+    b_in = (t["b_ih"] + (0 if kind == "gru" else t["b_hh"])) if bias else None
+    gi = t["x"] @ t["w_ih"].T + (0 if b_in is None else b_in)
+    projection = recurrent.Projection(t["x"], t["w_ih"], b_in)
+    if kind == "gru":
+        pairs = [recurrent.gru_forward(g, t["w_hh"], t["b_hh"], t["h0"]) for g in (gi, projection)]
+    elif kind == "lstm":
+        pairs = [recurrent.lstm_forward(g, t["w_hh"], t["h0"], t["c0"]) for g in (gi, projection)]
+    else:
+        pairs = [recurrent.rnn_forward(g, t["w_hh"], None, t["h0"], kind == "relu") for g in (gi, projection)]
+    for given, projected in zip(*pairs, strict=True):
+        torch.testing.assert_close(projected, given, rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+def test_projection_with_mismatched_shapes_names_the_argument():
+    x, w_hh, h0 = torch.zeros(2, 3, 4), torch.zeros(5, 5), torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="w_ih"):
+        recurrent.rnn_forward(recurrent.Projection(x, torch.zeros(5, 3), None), w_hh, None, h0, False)
+    with pytest.raises(ValueError, match="bias"):
+        recurrent.rnn_forward(recurrent.Projection(x, torch.zeros(5, 4), torch.zeros(4)), w_hh, None, h0, False)
