@@ -149,10 +149,10 @@ class Projection(NamedTuple):
     bias: Tensor | None
 
 
-#: the widest input the forward kernels project themselves. Measured (B=16, one thread, float32, H=20):
-#: GRU input 12 (T=1034) / 24 (T=517) / 38 (T=259): the projection in the kernel vs a GEMM and the
-#: (B, T, 3H) gi tensor: see benchmarks/results/peers-cpu.md's history in the commit log
-_PROJECTION_INPUTS = 16
+#: the widest input the forward kernels project themselves. Measured (cell forward, B=16, H=20, one thread,
+#: float32, AMD EPYC, load 1.25), projected vs GEMM: GRU input 12 (T=1034) 3.7 vs 4.3 ms, 38 (T=259) 1.08 vs
+#: 1.16, 64 (T=259) 1.21 vs 1.34; LSTM input 12 4.6 vs 5.5, 38: 1.40 vs 1.40, 64: 1.61 vs 1.56; RNN: equal
+_PROJECTION_INPUTS = 40
 
 
 def projects_inputs(inputs: int) -> bool:
