@@ -153,6 +153,8 @@ void bppsa_sigmoid_f32(int64_t n, const float* x, float* y) {
 
 /* how many steps ahead the sweeps prefetch their rows' data (one step of all rows outlasts a miss) */
 #define BPPSA_PREFETCH_STEPS 2
+/* steps of gate gradients a pair buffers before adding them to its parameter-gradient sums (recurrent_impl.h) */
+#define BPPSA_SLOTS 8
 
 #define BPPSA_CAT_(a, b) a##_##b
 #define BPPSA_CAT(a, b) BPPSA_CAT_(a, b)

@@ -80,8 +80,9 @@ typedef struct {
     REAL *out, *second, *third, *fourth, *g, *gc, *tmp, *scratch; /* per-row buffers, ld apart */
     int relu;
     /* a backward that also sums the parameter gradients (Eq. 2; partial != NULL): the inputs x (B, T, I),
-       the states h_1..h_T (B, T, H) and h_0, the gate gradients of each row in dh / di (ldg apart, zero
-       padded: d of h W_hhᵀ and of x W_ihᵀ, di == dh where they are equal), the partial sums per pair of rows */
+       the states h_1..h_T (B, T, H) and h_0; the gate gradients of each pair's last BPPSA_SLOTS steps in
+       dh / di (rows ldg apart, zero padded: d of h W_hhᵀ and of x W_ihᵀ; di == dh where they are equal);
+       the partial sums per pair of rows */
     int64_t inputs, ldg;
     const REAL *x, *states;
     REAL *dh, *di, *partial;
@@ -162,45 +163,99 @@ static inline void F(add_into)(int64_t H, REAL* restrict g, const REAL* restrict
     for (int64_t c = 0; c < H; ++c) g[c] += direct[c];
 }
 
-/* y += u0 d0 (+ u1 d1): one row of a partial sum, n a multiple of LANES. */
-static inline void F(axpy)(int64_t n, int rows, REAL u0, const REAL* restrict d0, REAL u1, const REAL* restrict d1,
-                           REAL* restrict y) {
-    if (rows == 2)
-        for (int64_t c = 0; c < n; ++c) y[c] += u0 * d0[c] + u1 * d1[c];
-    else
-        for (int64_t c = 0; c < n; ++c) y[c] += u0 * d0[c];
+/* The buffer row of `row`'s gate gradients at step t: each pair keeps its last BPPSA_SLOTS steps, slot s
+   of row r at row 2 s + r of the pair's (2 BPPSA_SLOTS x ldg) block (steps counted from the sweep's start). */
+static inline REAL* F(slot_row)(const F(args)* a, REAL* buffer, int64_t row, int64_t t) {
+    const int64_t slot = (a->steps - 1 - t) % BPPSA_SLOTS;
+    return buffer + ((row / 2) * 2 * BPPSA_SLOTS + 2 * slot + (row & 1)) * a->ldg;
 }
 
-/* Eq. 2 inside the sweep: this pair's step terms of every parameter gradient, added to the pair's partial
-   sums, (H + I + 2) rows of ldg: h_prev ⊗ d_gh (W_hhᵀ), x ⊗ d_gi (W_ihᵀ), d_gi (b_ih), d_gh (b_hh). Kept in
-   the sweep, the gate gradients never go to memory and need no GEMM over all steps afterwards. */
-static inline void F(accumulate)(const F(args)* a, int64_t t, int64_t b, int rows) {
-    const int64_t H = a->hidden, I = a->inputs, n = a->ldg;
-    REAL* acc = a->partial + (b / 2) * (H + I + 2) * n;
-    const REAL *dh[2], *di[2], *hp[2], *xs[2];
-    for (int r = 0; r < 2; ++r) {
-        const int64_t row = b + (r < rows ? r : 0);
-        dh[r] = a->dh + row * n, di[r] = a->di + row * n;
-        hp[r] = t ? a->states + AT(row, t - 1, H) : a->h0 + row * H;
-        xs[r] = a->x + AT(row, t, I);
+/* acc[j][0 .. NB LANES) += Σ_q u[q][j] d[q][0 .. NB LANES) for JB rows j from j0: the JB x NB accumulators
+   stay in registers over all q (12 independent FMA chains for 4 x 3: enough to hide the FMA latency). */
+#define BPPSA_TERMS(JB, NB)                                                                                  \
+    static inline void F(terms_##JB##_##NB)(int m, const REAL* const* u, int64_t j0, const REAL* const* d,   \
+                                            int64_t c0, REAL* acc, int64_t ld) {                             \
+        REAL s[JB][NB * LANES];                                                                              \
+        for (int r = 0; r < JB; ++r)                                                                         \
+            for (int c = 0; c < NB * LANES; ++c) s[r][c] = acc[(j0 + r) * ld + c0 + c];                      \
+        for (int q = 0; q < m; ++q) {                                                                        \
+            const REAL* restrict dq = d[q] + c0;                                                             \
+            for (int r = 0; r < JB; ++r) {                                                                   \
+                const REAL v = u[q][j0 + r];                                                                 \
+                for (int c = 0; c < NB * LANES; ++c) s[r][c] += v * dq[c];                                   \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < JB; ++r)                                                                         \
+            for (int c = 0; c < NB * LANES; ++c) acc[(j0 + r) * ld + c0 + c] = s[r][c];                      \
     }
-    for (int64_t j = 0; j < H; ++j) F(axpy)(n, rows, hp[0][j], dh[0], hp[1][j], dh[1], acc + j * n);
-    for (int64_t i = 0; i < I; ++i) F(axpy)(n, rows, xs[0][i], di[0], xs[1][i], di[1], acc + (H + i) * n);
-    F(axpy)(n, rows, 1, di[0], 1, di[1], acc + (H + I) * n);
-    F(axpy)(n, rows, 1, dh[0], 1, dh[1], acc + (H + I + 1) * n);
+BPPSA_TERMS(4, 1)
+BPPSA_TERMS(4, 2)
+BPPSA_TERMS(4, 3)
+BPPSA_TERMS(1, 1)
+BPPSA_TERMS(1, 2)
+BPPSA_TERMS(1, 3)
+#undef BPPSA_TERMS
+
+/* acc[j] += Σ_q u_q[j] D[q] for j < count and bias += Σ_q D[q], over the buffered rows q < m that are
+   present (u_q NULL: a missing row, whose D row is zero). */
+static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, int m, const REAL* d, REAL* acc,
+                         REAL* bias) {
+    const int64_t n = a->ldg;
+    const REAL *us[2 * BPPSA_SLOTS], *ds[2 * BPPSA_SLOTS];
+    int k = 0;
+    for (int q = 0; q < m; ++q)
+        if (u[q]) us[k] = u[q], ds[k++] = d + q * n;
+    for (int64_t c0 = 0; c0 < n; c0 += 3 * LANES) {
+        const int64_t vectors = (n - c0) / LANES, nb = vectors < 3 ? vectors : 3;
+        int64_t j = 0;
+        for (; j + 4 <= count; j += 4) {
+            if (nb == 1) F(terms_4_1)(k, us, j, ds, c0, acc, n);
+            else if (nb == 2) F(terms_4_2)(k, us, j, ds, c0, acc, n);
+            else F(terms_4_3)(k, us, j, ds, c0, acc, n);
+        }
+        for (; j < count; ++j) {
+            if (nb == 1) F(terms_1_1)(k, us, j, ds, c0, acc, n);
+            else if (nb == 2) F(terms_1_2)(k, us, j, ds, c0, acc, n);
+            else F(terms_1_3)(k, us, j, ds, c0, acc, n);
+        }
+    }
+    for (int q = 0; q < k; ++q) F(add_into)(n, bias, ds[q]);
 }
 
-/* Where a backward step puts row r's gate gradients: its scratch row (summed into the partials, copied to
+/* Eq. 2 inside the sweep: every BPPSA_SLOTS steps (and at the last), the pair's buffered step terms of every
+   parameter gradient go into the pair's partial sums, (H + I + 2) rows of ldg: h_prev ⊗ d_gh (W_hhᵀ),
+   x ⊗ d_gi (W_ihᵀ), d_gi (b_ih), d_gh (b_hh). Kept in the sweep, the gate gradients never go to memory;
+   buffered, each partial sum is read and written once per BPPSA_SLOTS steps, not every step. */
+static inline void F(accumulate)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    const int64_t H = a->hidden, I = a->inputs, n = a->ldg, slot = (a->steps - 1 - t) % BPPSA_SLOTS;
+    if (slot != BPPSA_SLOTS - 1 && t != 0) return;
+    const int m = 2 * (int)(slot + 1);
+    const REAL *hp[2 * BPPSA_SLOTS], *xs[2 * BPPSA_SLOTS];
+    for (int q = 0; q < m; ++q) {
+        const int64_t row = b + (q & 1), step = t + slot - q / 2; /* slot s holds step t + slot - s */
+        const int present = (q & 1) < rows;
+        hp[q] = !present ? NULL : step ? a->states + AT(row, step - 1, H) : a->h0 + row * H;
+        xs[q] = present ? a->x + AT(row, step, I) : NULL;
+    }
+    const int64_t p = b / 2;
+    REAL* acc = a->partial + p * (H + I + 2) * n;
+    const int64_t block = p * 2 * BPPSA_SLOTS * n;
+    F(add_terms)(a, H, hp, m, a->dh + block, acc, acc + (H + I + 1) * n);
+    F(add_terms)(a, I, xs, m, a->di + block, acc + H * n, acc + (H + I) * n);
+}
+
+/* Where a backward step puts row r's gate gradients: its buffer slot (summed into the partials, copied to
    `tensor` when one is wanted) or straight into `tensor` (width w). */
-static inline REAL* F(gate_row)(const F(args)* a, REAL* scratch, REAL* tensor, int64_t b, int64_t t, int64_t w) {
-    return a->partial ? scratch + b * a->ldg : tensor + AT(b, t, w);
+static inline REAL* F(gate_row)(const F(args)* a, REAL* buffer, REAL* tensor, int64_t b, int64_t t, int64_t w) {
+    return a->partial ? F(slot_row)(a, buffer, b, t) : tensor + AT(b, t, w);
 }
 
-/* Copies the scratch gate gradients of the rows to `tensor` (width w) when the caller wants them too. */
-static inline void F(keep_rows)(const F(args)* a, const REAL* scratch, REAL* tensor, int64_t b, int64_t t, int rows,
+/* Copies the buffered gate gradients of the rows to `tensor` (width w) when the caller wants them too. */
+static inline void F(keep_rows)(const F(args)* a, REAL* buffer, REAL* tensor, int64_t b, int64_t t, int rows,
                                 int64_t w) {
     if (a->partial && tensor)
-        for (int r = 0; r < rows; ++r) memcpy(tensor + AT(b + r, t, w), scratch + (b + r) * a->ldg, sizeof(REAL) * (size_t)w);
+        for (int r = 0; r < rows; ++r)
+            memcpy(tensor + AT(b + r, t, w), F(slot_row)(a, buffer, b + r, t), sizeof(REAL) * (size_t)w);
 }
 
 /* The input projections gi_t of the rows: rows of the given gi, or computed here from x_t (see F(args)). */
@@ -525,11 +580,13 @@ static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_h
     REAL *weight = F(padded)(w_hh, gates * H, H, a->ld), *bias, *tmp, *g, *gc, *dh = NULL, *di = NULL;
     REAL* partial = NULL;
     if (e->grad_w_hh) {
-        a->inputs = e->inputs, a->x = e->x, a->states = e->out;
+        const int64_t pairs = (batch + 1) / 2, I = e->inputs;
+        a->inputs = I, a->x = e->x, a->states = e->out;
         a->ldg = F(padded_width)(gates * H);
-        dh = (REAL*)calloc((size_t)(batch * a->ldg) + 1, sizeof(REAL));
-        di = separate_input_grads ? (REAL*)calloc((size_t)(batch * a->ldg) + 1, sizeof(REAL)) : dh;
-        partial = (REAL*)calloc((size_t)((batch + 1) / 2 * (H + e->inputs + 2) * a->ldg) + 1, sizeof(REAL));
+        const size_t buffers = (size_t)(pairs * 2 * BPPSA_SLOTS * a->ldg) + 1;
+        dh = (REAL*)calloc(buffers, sizeof(REAL));
+        di = separate_input_grads ? (REAL*)calloc(buffers, sizeof(REAL)) : dh;
+        partial = (REAL*)calloc((size_t)(pairs * (H + I + 2) * a->ldg) + 1, sizeof(REAL));
         a->dh = dh, a->di = di, a->partial = partial;
         /* read streams go before the written ones in the prefetch list */
         for (int s = a->streams; s > a->streams - a->written; --s)
@@ -538,7 +595,8 @@ static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_h
         a->stream[a->streams - a->written + 1] = e->out, a->stream_width[a->streams - a->written + 1] = H;
         a->streams += 2;
     }
-    const int failed = F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc) || (e->grad_w_hh && !(dh && di && partial));
+    const int failed =
+        F(allocate)(a, batch, &weight, &bias, &tmp, &g, &gc) || (e->grad_w_hh && !(dh && di && partial));
     if (failed) {
         F(release)(weight, bias, tmp, g, gc);
         free(partial), free(dh);
