@@ -4,10 +4,11 @@ Arms, with the same weights, timed in interleaved rounds in one process (A B C D
 a change of machine load hits every arm alike):
 
 - ``autograd``: ``torch.nn.RNN`` / ``GRU`` / ``LSTM`` forward + ``loss.backward()``;
-- ``torch.compile``: the same torch module under ``torch.compile`` (``torch._dynamo.config.allow_rnn``,
-  so the recurrence is traced rather than left to eager torch);
+- ``torch.compile``: the same torch module under ``torch.compile`` (``torch._dynamo.config.allow_rnn`` for
+  its calls, so the recurrence is traced rather than left to eager torch);
 - ``lightning_bppsa``: ``lightning_bppsa.nn.convert`` of the torch module, eager, ``algorithm="auto"``;
-- ``lightning_bppsa + compile``: ``torch.compile`` of the converted module;
+- ``lightning_bppsa + compile``: ``torch.compile`` of the converted module (default settings: no
+  ``allow_rnn``);
 - ``JAX``: ``jax.jit(jax.value_and_grad(loss))`` over ``jax.lax.scan`` of the same cell written in
   ``jax.numpy`` (torch's gate order and both biases, the torch weights copied), float32.
 
@@ -285,9 +286,15 @@ def _build_arms(workload: Workload, module: nn.Module, x: Tensor, backend: str, 
     compiled = copy.deepcopy(module)
     ours = bnn.convert(copy.deepcopy(module))
     ours_compiled = bnn.convert(copy.deepcopy(module))
+    torch_compiled = torch.compile(compiled, backend=backend)
+
+    def with_allow_rnn(inputs: Tensor) -> Any:  # dynamo reads the flag when it traces (the first calls)
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return torch_compiled(inputs)
+
     arms = {
         "autograd": _torch_arm("autograd", module, x),
-        "compile": _torch_arm("compile", compiled, x, torch.compile(compiled, backend=backend)),
+        "compile": _torch_arm("compile", compiled, x, with_allow_rnn),
         "ours": _torch_arm("ours", ours, x),
         "ours_compile": _torch_arm(
             "ours_compile", ours_compiled, x, torch.compile(ours_compiled, backend=backend)
@@ -414,22 +421,21 @@ def measure_workload(
     module, x = _inputs(workload)
     status: dict[str, str] = {}
     compile_seconds: dict[str, float] = {}
-    with torch._dynamo.config.patch(allow_rnn=True):
-        arms = _build_arms(workload, module, x, backend, jax)
-        for key, arm in list(arms.items()):
-            failure = _warm_up(
-                key, arm, workload, compile_budget, backend, over_budget, clock, compile_seconds
-            )
-            if failure is not None:
-                status[key] = failure
-                del arms[key]
-        autograd = arms["autograd"].gradients()
-        reference = _reference(module, x)
-        accuracy = {key: _accuracy(arm.gradients(), autograd, reference) for key, arm in arms.items()}
-        ops = {key: arm.backward_ops() for key, arm in arms.items() if arm.backward_ops is not None}
-        peaks = {key: peak_memory_bytes(arm.step) for key, arm in arms.items()}
-        forward = _interleaved({key: arm.forward for key, arm in arms.items()}, rounds, clock, cpu_clock)
-        steps = _interleaved({key: arm.step for key, arm in arms.items()}, rounds, clock, cpu_clock)
+    arms = _build_arms(workload, module, x, backend, jax)
+    for key, arm in list(arms.items()):
+        failure = _warm_up(
+            key, arm, workload, compile_budget, backend, over_budget, clock, compile_seconds
+        )
+        if failure is not None:
+            status[key] = failure
+            del arms[key]
+    autograd = arms["autograd"].gradients()
+    reference = _reference(module, x)
+    accuracy = {key: _accuracy(arm.gradients(), autograd, reference) for key, arm in arms.items()}
+    ops = {key: arm.backward_ops() for key, arm in arms.items() if arm.backward_ops is not None}
+    peaks = {key: peak_memory_bytes(arm.step) for key, arm in arms.items()}
+    forward = _interleaved({key: arm.forward for key, arm in arms.items()}, rounds, clock, cpu_clock)
+    steps = _interleaved({key: arm.step for key, arm in arms.items()}, rounds, clock, cpu_clock)
     rows = []
     for key, label in ARMS.items():
         row: dict[str, Any] = {"key": key, "label": label, "status": status.get(key, "ok")}
@@ -532,7 +538,8 @@ def _header(
         "`torch.set_num_threads(n)`, `OMP_NUM_THREADS=n`; for 1 thread "
         f"`XLA_FLAGS='{ONE_THREAD_XLA_FLAGS}'`, for more XLA's default pool (all cores). Cores used = CPU "
         "time / wall time over the step rounds. torch.compile: backend "
-        f"`{args.compile_backend}`, `allow_rnn=True` (the recurrence unrolled over T), budget "
+        f"`{args.compile_backend}`, torch's module with `allow_rnn=True` (the recurrence unrolled over T), the "
+        "converted one with default settings; budget "
         f"{args.compile_budget:g} s for the first calls (once an arm ran over it, rows at that T or longer skip "
         "it, rows run shortest T first); compile s = the warm-up (one forward, two steps) "
         "less those calls' steady time. Peak = resident-set growth during one step (JAX's allocator may keep "

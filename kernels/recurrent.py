@@ -60,11 +60,11 @@ _PROJECTION = [_I64] + [_PTR] * 3
 # (batch, steps, hidden) then pointers (with the relu flag where it applies), then the thread count
 _ARGTYPES = {
     "rnn_forward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + _PROJECTION + [_INT],
-    "rnn_backward": [_I64] * 3 + [_PTR] * 3 + [_INT] + [_PTR] * 2 + _SUMS + [_INT],
+    "rnn_backward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + _SUMS + [_INT],
     "gru_forward": [_I64] * 3 + [_PTR] * 8 + _PROJECTION + [_INT],
-    "gru_backward": [_I64] * 3 + [_PTR] * 8 + _SUMS + [_INT],
+    "gru_backward": [_I64] * 3 + [_PTR] * 9 + _SUMS + [_INT],
     "lstm_forward": [_I64] * 3 + [_PTR] * 7 + _PROJECTION + [_INT],
-    "lstm_backward": [_I64] * 3 + [_PTR] * 9 + _SUMS + [_INT],
+    "lstm_backward": [_I64] * 3 + [_PTR] * 10 + _SUMS + [_INT],
 }
 _SIGNATURES = {
     **{f"bppsa_{name}_{s}": args for name, args in _ARGTYPES.items() for s in _SUFFIX.values()},
@@ -241,27 +241,31 @@ def rnn_forward(
 
 
 def rnn_backward(
-    slope: Tensor, w_hh: Tensor, grad_out: Tensor, relu: bool, sums: ParameterSums | None = None,
-    keep_gate_grads: bool = True,
+    slope: Tensor, w_hh: Tensor, grad_out: Tensor | None, relu: bool, sums: ParameterSums | None = None,
+    keep_gate_grads: bool = True, grad_h: Tensor | None = None,
 ) -> tuple | None:
-    """Elman RNN backward: ``g_T = grad_out[:, T-1]``, ``d_a_t = g_t ⊙ slope_t``,
+    """Elman RNN backward: ``g_T = grad_out[:, T-1] + grad_h``, ``d_a_t = g_t ⊙ slope_t``,
     ``g_{t-1} = d_a_t W_hh + grad_out[:, t-2]`` (none for ``h_0``).
 
     For relu ``d_a`` selects like torch (0 where the mask is 0, even for a NaN ``g``).
-    Args: ``slope``, ``grad_out`` ``(B, T, H)``; ``w_hh`` ``(H, H)``; ``sums``: see :class:`ParameterSums`.
+    Args: ``slope``, ``grad_out`` ``(B, T, H)`` or ``None`` (zero); ``w_hh`` ``(H, H)``; ``sums``: see
+    :class:`ParameterSums`; ``grad_h`` ``(B, H)`` or ``None``: a gradient of the last state besides
+    ``grad_out``'s (e.g. of a separate ``h_n`` output).
     Returns ``(d_a (B, T, H), g0 (B, H) = ∇h_0)`` (``d_a`` ``None`` unless ``keep_gate_grads``), then with
     ``sums`` the parameter gradients.
     """
     batch, steps, hidden = _sizes("slope", slope, 1)
     _check("w_hh", w_hh, (hidden, hidden))
     _check("grad_out", grad_out, (batch, steps, hidden))
-    fn = _kernel("rnn_backward", slope, w_hh, grad_out, *(sums[:3] if sums else ()))
+    _check("grad_h", grad_h, (batch, hidden))
+    fn = _kernel("rnn_backward", slope, w_hh, grad_out, grad_h, *(sums[:3] if sums else ()))
     if fn is None:
         return None
     tail, grads = _sums_args(sums, 1, hidden, slope)
     d_a = slope.new_empty(batch, steps, hidden) if keep_gate_grads or sums is None else None
     g0 = slope.new_empty(batch, hidden)
-    _run(fn, batch, steps, hidden, _dense(slope), _dense(w_hh), _dense(grad_out), int(relu), d_a, g0, *tail)
+    dense = map(_dense, (slope, w_hh, grad_out, grad_h))
+    _run(fn, batch, steps, hidden, *dense, int(relu), d_a, g0, *tail)
     return (d_a, g0, grads) if sums else (d_a, g0)
 
 
@@ -293,8 +297,8 @@ def gru_forward(
 
 
 def gru_backward(
-    scales: Tensor, z: Tensor, dn: Tensor, w_hh: Tensor, grad_out: Tensor, sums: ParameterSums | None = None,
-    keep_gate_grads: bool = True,
+    scales: Tensor, z: Tensor, dn: Tensor, w_hh: Tensor, grad_out: Tensor | None, sums: ParameterSums | None = None,
+    keep_gate_grads: bool = True, grad_h: Tensor | None = None,
 ) -> tuple | None:
     """GRU backward: ``g_{t-1} = g_t ⊙ z_t + (tile(g_t, 3) ⊙ scales_t) W_hh + grad_out[:, t-2]``.
 
@@ -303,20 +307,22 @@ def gru_backward(
     Returns ``(d_gi, d_gh, g0)``: ``d_gh_t = tile(g_t, 3) ⊙ scales_t`` ``(B, T, 3H)`` (the gradient of
     ``h W_hhᵀ + b_hh``), ``d_gi`` the same except the n block, ``g_t ⊙ dn_t`` (the gradient of ``gi``),
     and ``g0 = ∇h_0`` ``(B, H)``. With ``sums`` (:class:`ParameterSums`): ``d_gh`` is ``None`` and ``d_gi``
-    too unless ``keep_gate_grads``, then the parameter gradients last.
+    too unless ``keep_gate_grads``, then the parameter gradients last. ``grad_out`` / ``grad_h``: as
+    :func:`rnn_backward`'s.
     """
     batch, steps, hidden = _sizes("scales", scales, 3)
     for name, tensor in (("z", z), ("dn", dn), ("grad_out", grad_out)):
         _check(name, tensor, (batch, steps, hidden))
     _check("w_hh", w_hh, (3 * hidden, hidden))
-    fn = _kernel("gru_backward", scales, z, dn, w_hh, grad_out, *(sums[:3] if sums else ()))
+    _check("grad_h", grad_h, (batch, hidden))
+    fn = _kernel("gru_backward", scales, z, dn, w_hh, grad_out, grad_h, *(sums[:3] if sums else ()))
     if fn is None:
         return None
     tail, grads = _sums_args(sums, 3, hidden, scales)
     d_gh = scales.new_empty(batch, steps, 3 * hidden) if sums is None else None
     d_gi = scales.new_empty(batch, steps, 3 * hidden) if keep_gate_grads or sums is None else None
     g0 = scales.new_empty(batch, hidden)
-    _run(fn, batch, steps, hidden, *map(_dense, (scales, z, dn, w_hh, grad_out)), d_gh, d_gi, g0, *tail)
+    _run(fn, batch, steps, hidden, *map(_dense, (scales, z, dn, w_hh, grad_out, grad_h)), d_gh, d_gi, g0, *tail)
     return (d_gi, d_gh, g0, grads) if sums else (d_gi, d_gh, g0)
 
 
@@ -343,7 +349,7 @@ def lstm_forward(gi: Tensor | Projection, w_hh: Tensor, h0: Tensor, c0: Tensor) 
 
 def lstm_backward(
     gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_cn: Tensor | None,
-    sums: ParameterSums | None = None, keep_gate_grads: bool = True,
+    sums: ParameterSums | None = None, keep_gate_grads: bool = True, grad_h: Tensor | None = None,
 ) -> tuple | None:
     """LSTM backward: the structured recursion over ``(h, c)``, from ``gh_T = grad_out[:, T-1]``,
     ``gc_T = grad_cn``::
@@ -356,7 +362,8 @@ def lstm_backward(
     ``w_hh`` ``(4H, H)``; ``grad_out`` ``(B, T, H)`` or ``None`` (no gradient on the outputs);
     ``grad_cn`` ``(B, H)`` or ``None`` (none on ``c_T``).
     Returns ``(d_gates (B, T, 4H), gh0 (B, H), gc0 (B, H))``; with ``sums`` (:class:`ParameterSums`)
-    ``d_gates`` is ``None`` unless ``keep_gate_grads``, and the parameter gradients come last.
+    ``d_gates`` is ``None`` unless ``keep_gate_grads``, and the parameter gradients come last; ``grad_h``:
+    as :func:`rnn_backward`'s.
     """
     batch, steps, hidden = _sizes("gates", gates, 4)
     _check("cells", cells, (batch, steps, hidden))
@@ -364,14 +371,15 @@ def lstm_backward(
     _check("w_hh", w_hh, (4 * hidden, hidden))
     _check("grad_out", grad_out, (batch, steps, hidden))
     _check("grad_cn", grad_cn, (batch, hidden))
-    fn = _kernel("lstm_backward", gates, cells, c0, w_hh, grad_out, grad_cn, *(sums[:3] if sums else ()))
+    _check("grad_h", grad_h, (batch, hidden))
+    fn = _kernel("lstm_backward", gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, *(sums[:3] if sums else ()))
     if fn is None:
         return None
     tail, grads = _sums_args(sums, 4, hidden, gates)
     d_gates = gates.new_empty(batch, steps, 4 * hidden) if keep_gate_grads or sums is None else None
     gh0, gc0 = gates.new_empty(batch, hidden), gates.new_empty(batch, hidden)
     _run(
-        fn, batch, steps, hidden, *map(_dense, (gates, cells, c0, w_hh, grad_out, grad_cn)), d_gates, gh0, gc0,
+        fn, batch, steps, hidden, *map(_dense, (gates, cells, c0, w_hh, grad_out, grad_h, grad_cn)), d_gates, gh0, gc0,
         *tail,
     )
     return (d_gates, gh0, gc0, grads) if sums else (d_gates, gh0, gc0)

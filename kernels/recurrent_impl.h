@@ -76,7 +76,7 @@ static REAL* F(padded)(const REAL* w, int64_t rows, int64_t cols, int64_t ld) {
    the (B, T, width) tensors it streams through, for the prefetch. */
 typedef struct {
     int64_t steps, hidden, ld;
-    const REAL *gi, *weight, *bias, *h0, *c0, *grad_out, *scales, *z, *dn, *gates;
+    const REAL *gi, *weight, *bias, *h0, *c0, *grad_out, *grad_h, *scales, *z, *dn, *gates;
     REAL *out, *second, *third, *fourth, *g, *gc, *tmp, *scratch; /* per-row buffers, ld apart */
     int relu;
     /* a backward that also sums the parameter gradients (Eq. 2; partial != NULL): the inputs x (B, T, I),
@@ -334,7 +334,7 @@ static inline void F(rnn_backward_step)(const F(args)* a, int64_t t, int64_t b, 
     F(keep_rows)(a, a->dh, a->out, b, t, rows, H);
     if (a->partial) F(accumulate)(a, t, b, rows);
     F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
-    if (t > 0)
+    if (t > 0 && a->grad_out)
         for (int r = 0; r < rows; ++r) F(add_into)(H, y[r], a->grad_out + AT(b + r, t - 1, H));
 }
 
@@ -417,7 +417,7 @@ static inline void F(gru_backward_step)(const F(args)* a, int64_t t, int64_t b, 
     F(product)(rows, x, 3 * H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r)
         F(gru_state_grad)(H, a->g + (b + r) * a->ld, a->z + AT(b + r, t, H), y[r],
-                          t > 0 ? a->grad_out + AT(b + r, t - 1, H) : NULL);
+                          t > 0 && a->grad_out ? a->grad_out + AT(b + r, t - 1, H) : NULL);
 }
 
 /* ---- LSTM -------------------------------------------------------------------------------------- */
@@ -569,8 +569,8 @@ static void F(reduce_partials)(const F(args)* a, const F(eq2)* e, int64_t batch,
         }
 }
 
-/* Runs a backward: W_hh (G H x H) padded to (G H x ld); g starts as grad_out[:, T-1] (or grad_last when
-   given, or 0), gc as grad_c (or 0); on return g0 / gc0 (either may be NULL) hold the gradients of h_0 / c_0,
+/* Runs a backward: W_hh (G H x H) padded to (G H x ld); g starts as grad_out[:, T-1] + grad_h (either may
+   be NULL), gc as grad_c (or 0); on return g0 / gc0 (either may be NULL) hold the gradients of h_0 / c_0,
    and with e->grad_w_hh the parameter gradients are in e. */
 static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_hh, const REAL* grad_c,
                        REAL* g0, REAL* gc0, const F(eq2)* e, int separate_input_grads, F(step_fn) step,
@@ -606,6 +606,7 @@ static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_h
     for (int64_t b = 0; b < batch; ++b) {
         if (a->grad_out && a->steps > 0)
             memcpy(g + b * a->ld, a->grad_out + (b * a->steps + a->steps - 1) * H, sizeof(REAL) * (size_t)H);
+        if (a->grad_h) F(add_into)(H, g + b * a->ld, a->grad_h + b * H);
         if (grad_c) memcpy(gc + b * a->ld, grad_c + b * H, sizeof(REAL) * (size_t)H);
     }
     F(sweep)(a, batch, 1, step, threads);
@@ -642,10 +643,12 @@ int F(bppsa_rnn_forward)(int64_t batch, int64_t steps, int64_t hidden, const REA
 
 /* d_a (NULL: not wanted, with the parameter gradients) */
 int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* slope, const REAL* w_hh,
-                          const REAL* grad_out, int relu, REAL* d_a, REAL* g0, BPPSA_EQ2_ARGS, int threads) {
+                          const REAL* grad_out, const REAL* grad_h, int relu, REAL* d_a, REAL* g0, BPPSA_EQ2_ARGS,
+                          int threads) {
     F(args) a = {0};
     const F(eq2) e = BPPSA_EQ2;
     a.steps = steps, a.hidden = hidden, a.scales = slope, a.grad_out = grad_out, a.relu = relu, a.out = d_a;
+    a.grad_h = grad_h;
     a.h0 = h0;
     F(add_stream)(&a, slope, hidden), F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
     return F(backward)(&a, batch, 1, w_hh, NULL, g0, NULL, &e, 0, F(rnn_backward_step), threads);
@@ -664,11 +667,12 @@ int F(bppsa_gru_forward)(int64_t batch, int64_t steps, int64_t hidden, const REA
 
 /* d_gh, d_gi (either NULL: not wanted, with the parameter gradients) */
 int F(bppsa_gru_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* scales, const REAL* z,
-                          const REAL* dn, const REAL* w_hh, const REAL* grad_out, REAL* d_gh, REAL* d_gi,
-                          REAL* g0, BPPSA_EQ2_ARGS, int threads) {
+                          const REAL* dn, const REAL* w_hh, const REAL* grad_out, const REAL* grad_h, REAL* d_gh,
+                          REAL* d_gi, REAL* g0, BPPSA_EQ2_ARGS, int threads) {
     F(args) a = {0};
     const F(eq2) e = BPPSA_EQ2;
     a.steps = steps, a.hidden = hidden, a.scales = scales, a.z = z, a.dn = dn, a.grad_out = grad_out;
+    a.grad_h = grad_h;
     a.out = d_gh, a.second = d_gi, a.h0 = h0;
     F(add_stream)(&a, scales, 3 * hidden), F(add_stream)(&a, z, hidden), F(add_stream)(&a, dn, hidden);
     F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_gh, 3 * hidden), F(add_output)(&a, d_gi, 3 * hidden);
@@ -691,11 +695,12 @@ int F(bppsa_lstm_forward)(int64_t batch, int64_t steps, int64_t hidden, const RE
 
 /* d_gates (NULL: not wanted, with the parameter gradients) */
 int F(bppsa_lstm_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gates, const REAL* cells,
-                           const REAL* c0, const REAL* w_hh, const REAL* grad_out, const REAL* grad_cn,
-                           REAL* d_gates, REAL* gh0, REAL* gc0, BPPSA_EQ2_ARGS, int threads) {
+                           const REAL* c0, const REAL* w_hh, const REAL* grad_out, const REAL* grad_h,
+                           const REAL* grad_cn, REAL* d_gates, REAL* gh0, REAL* gc0, BPPSA_EQ2_ARGS, int threads) {
     F(args) a = {0};
     const F(eq2) e = BPPSA_EQ2;
     a.steps = steps, a.hidden = hidden, a.gates = gates, a.scales = cells, a.c0 = c0, a.grad_out = grad_out;
+    a.grad_h = grad_h;
     a.out = d_gates, a.h0 = h0;
     F(add_stream)(&a, gates, 4 * hidden), F(add_stream)(&a, cells, hidden), F(add_stream)(&a, grad_out, hidden);
     F(add_output)(&a, d_gates, 4 * hidden);

@@ -14,7 +14,7 @@ A :class:`RecurrentCell` owns, for one layer in one direction over a batch-first
 The layer runs as two ``torch.library`` ops, opaque to ``torch.compile`` (one node each, nothing unrolled):
 
 - ``bppsa::recurrent_forward(cell, x, h0, c0, weights) -> [out, (c_n,) *factors]``
-- ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x)
+- ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
   -> [grad_x (empty unless need_x), grad_h0, (grad_c0,) *grad_weights]``
 
 ``cell`` names an entry of :data:`CELLS`. The backward's plan is decided inside the op, at run time
@@ -109,12 +109,16 @@ class RecurrentCell:
         state gradients ``g`` ``(B, n, d)`` of ``x_1..x_n``."""
         raise NotImplementedError
 
-    def direct_gradients(self, grad_out: Tensor | None, grad_cn: Tensor | None, like: Tensor) -> Tensor:
+    def direct_gradients(
+        self, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None, like: Tensor
+    ) -> Tensor:
         """``(B, n + 1, d)`` direct gradients of the scan states ``x_0..x_n`` (zero at ``x_0``)."""
         batch, n, hidden = like.shape
         direct = like.new_zeros(batch, n + 1, self.state_factor * hidden)
         if grad_out is not None:
             direct[:, 1:, :hidden] = grad_out
+        if grad_hn is not None:
+            direct[:, n, :hidden] += grad_hn
         if grad_cn is not None:
             direct[:, n, hidden:] = grad_cn
         return direct
@@ -143,11 +147,13 @@ class RecurrentCell:
         out: Tensor,
         factors: Sequence[Tensor],
         grad_out: Tensor | None,
+        grad_hn: Tensor | None,
         grad_cn: Tensor | None,
         need_x: bool = True,
     ) -> list[Tensor]:
         """Every input gradient: ``[grad_x, grad_h0, (grad_c0,) grad_W_ih, grad_W_hh, (grad_b_ih, grad_b_hh)]``
-        (``grad_x`` empty when not ``need_x``: a first layer's input seldom needs one).
+        (``grad_x`` empty when not ``need_x``: a first layer's input seldom needs one), from the gradients of
+        ``out``, of the last state ``h_n`` (besides ``out``'s last step) and of ``c_n`` (each may be ``None``).
 
         Runs in the parameters' dtype (under autocast the forward ran in half precision).
         """
@@ -155,20 +161,20 @@ class RecurrentCell:
         x_, out_, h0_ = x.to(dtype), out.to(dtype), h0.to(dtype)
         c0_ = None if c0 is None else c0.to(dtype)
         factors = [f.to(dtype) for f in factors]
-        grad_out = None if grad_out is None else grad_out.to(dtype)
-        grad_cn = None if grad_cn is None else grad_cn.to(dtype)
+        grad_out, grad_hn, grad_cn = (None if g is None else g.to(dtype) for g in (grad_out, grad_hn, grad_cn))
         batch, n, hidden = out.shape
         chosen = self.plan(algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type, dtype=dtype)
         fused, bias = None, len(weights) == 4
         if self.fused_backward(chosen, out_):
             sums = native.ParameterSums(x_, out_, h0_, bias) if native.sums_parameters(
                 hidden, x.shape[-1], self.gates, dtype) else None  # fmt: skip
-            fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_cn, sums, need_x)
-        if fused is None and self._needs_torch_semantics(out_, grad_out):
-            fused = self._select_sweep(factors, weights[1], self.direct_gradients(grad_out, grad_cn, out_))
+            fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_hn, grad_cn, sums,
+                                          need_x)  # fmt: skip
+        if fused is None and self._needs_torch_semantics(out_, grad_out, grad_hn):
+            fused = self._select_sweep(factors, weights[1], self.direct_gradients(grad_out, grad_hn, grad_cn, out_))
         if fused is None:
             jac = self.jacobians(out_, factors, weights[1])
-            g = ops.execute_factored(chosen, jac, self.direct_gradients(grad_out, grad_cn, out_))
+            g = ops.execute_factored(chosen, jac, self.direct_gradients(grad_out, grad_hn, grad_cn, out_))
             d_gi, d_gh = self.gate_gradients(g[:, 1:], factors)
             fused = d_gi, d_gh, g[:, 0].split(hidden, -1), None
         d_gi, d_gh, starts, param_grads = fused
@@ -179,14 +185,15 @@ class RecurrentCell:
         return [grad_x, *states, *param_grads]
 
     def _native_backward(
-        self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums: native.ParameterSums | None, need_x: bool
+        self, out, h0, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums: native.ParameterSums | None,
+        need_x: bool,
     ) -> tuple | None:
         """``(d_gi, d_gh, [∇h_0(, ∇c_0)], parameter gradients or None)`` from the compiled backward (which
         sums the parameter gradients itself with ``sums``; ``d_gi`` / ``d_gh`` may then be ``None`` where
         not needed), or ``None`` where it cannot run."""
         raise NotImplementedError
 
-    def _needs_torch_semantics(self, out: Tensor, grad_out: Tensor | None) -> bool:
+    def _needs_torch_semantics(self, out: Tensor, grad_out: Tensor | None, grad_hn: Tensor | None) -> bool:
         """Whether only a step-by-step backward gives torch's result (the ReLU RNN with non-finite values:
         torch's backward selects, ``0 * nan`` in a scan's product would not)."""
         return False
@@ -323,11 +330,11 @@ class RNNCell(RecurrentCell):
         d_a = torch.where(slope != 0, g * slope, 0.0) if self.relu else g * slope
         return d_a, d_a
 
-    def _needs_torch_semantics(self, out, grad_out):
+    def _needs_torch_semantics(self, out, grad_out, grad_hn):
         # values are read on CPU only (on CUDA it would be a sync; there a NaN may spread further than torch's)
         if not self.relu or out.device.type != "cpu":
             return False
-        return not (bool(torch.isfinite(out).all()) and (grad_out is None or bool(torch.isfinite(grad_out).all())))
+        return not all(bool(torch.isfinite(t).all()) for t in (out, grad_out, grad_hn) if t is not None)
 
     def _select_sweep(self, factors, w_hh, direct):
         """``d_a`` by torch's sequential ReLU backward, ``d_a = where(mask, g, 0)``."""
@@ -339,10 +346,9 @@ class RNNCell(RecurrentCell):
             g = d_a[:, t] @ w_hh + direct[:, t]
         return d_a, d_a, [g], None
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums, need_x):
-        if grad_out is None:
-            return None
-        result = native.rnn_backward(factors[0], w_hh, grad_out.contiguous(), self.relu, sums, need_x)
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums, need_x):
+        result = native.rnn_backward(factors[0], w_hh, _contiguous(grad_out), self.relu, sums, need_x,
+                                     _contiguous(grad_hn))  # fmt: skip
         return None if result is None else (result[0], result[0], [result[1]], result[2] if sums else None)
 
 
@@ -388,10 +394,8 @@ class GRUCell(RecurrentCell):
         torch.mul(g, dn, out=d_gi[..., 2 * hidden :])
         return d_gi, d_gh
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums, need_x):
-        if grad_out is None:
-            return None
-        result = native.gru_backward(*factors, w_hh, grad_out.contiguous(), sums, need_x)
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums, need_x):
+        result = native.gru_backward(*factors, w_hh, _contiguous(grad_out), sums, need_x, _contiguous(grad_hn))
         return None if result is None else (result[0], result[1], [result[2]], result[3] if sums else None)
 
 
@@ -482,10 +486,10 @@ class LSTMCell(RecurrentCell):
         d_gates = torch.cat([gh] * 4, -1) * local_h + torch.cat([gc] * 4, -1) * local_c
         return d_gates, d_gates
 
-    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_cn, sums, need_x):
+    def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums, need_x):
         cells, gates, _ = factors
         result = native.lstm_backward(gates, cells, c0, w_hh, _contiguous(grad_out), _contiguous(grad_cn), sums,
-                                      need_x)  # fmt: skip
+                                      need_x, _contiguous(grad_hn))  # fmt: skip
         return None if result is None else (result[0], result[0], list(result[1:3]), result[3] if sums else None)
 
 
@@ -544,16 +548,17 @@ def recurrent_backward(
     out: Tensor,
     factors: list[Tensor],
     grad_out: Tensor | None,
+    grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     need_x: bool,
 ) -> list[Tensor]:
     """Every input gradient of one layer (see :meth:`RecurrentCell.backward`)."""
-    grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x)
+    grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
     return [g.clone() if g._is_view() else g for g in grads]  # outputs must not alias each other
 
 
 @recurrent_backward.register_fake
-def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_cn, need_x) -> list[Tensor]:
+def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x) -> list[Tensor]:
     states = [h0] + ([c0] if c0 is not None else [])
     grad_x = torch.empty_like(x) if need_x else x.new_empty(0)
     return [grad_x] + [torch.empty_like(s) for s in states] + [torch.empty_like(w) for w in weights]

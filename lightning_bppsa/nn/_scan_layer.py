@@ -1,7 +1,8 @@
 """One recurrent layer in one direction as an ``autograd.Function`` over the cell's two ops.
 
 :class:`LayerFunction` connects ``(x, h0[, c0], W_ih, W_hh[, b_ih, b_hh])`` to the layer's outputs
-``out`` ``(B, n, H)`` (``h_1..h_n``; ``h_n = out[:, -1]``) and, for cells with a cell state, ``c_n``:
+``out`` ``(B, n, H)`` (``h_1..h_n``), ``h_n`` ``(B, H)`` (a copy of ``out[:, -1]``: its gradient reaches the
+kernel on its own, never added into a ``(B, n, H)`` one) and, for cells with a cell state, ``c_n``:
 
 - forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass,
   :mod:`lightning_bppsa.cells`); under autocast it computes in the autocast dtype, as torch's layers do;
@@ -33,7 +34,7 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 class LayerFunction(torch.autograd.Function):
     """See the module docstring. Args: ``cell`` (a name of :data:`~lightning_bppsa.cells.CELLS`),
     ``algorithm``, ``stats`` (dict updated in place), then ``x`` ``(B, n, I)``, ``h0`` ``(B, H)``,
-    ``c0`` ``(B, H)`` or ``None``, the weights."""
+    ``c0`` ``(B, H)`` or ``None``, the weights. Returns ``(out, h_n)`` or ``(out, h_n, c_n)``."""
 
     @staticmethod
     def forward(ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
@@ -46,13 +47,14 @@ class LayerFunction(torch.autograd.Function):
         ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, low
         ctx.save_for_backward(x, h0, c0, results[0], *weights, *results[outputs:])
         ctx.weights = len(weights)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, no zeros (B, n, H)
         # the caller gets a copy of out: the saved one must not change if the caller modifies its output in
         # place (torch's RNN / GRU allow that)
-        visible = results[0].clone()
-        return (visible, *results[1:outputs]) if outputs > 1 else visible
+        out = results[0]
+        return (out.clone(), out[:, -1].clone(), *results[1:outputs])
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_cn: Tensor | None = None):
+    def backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None = None):
         x, h0, c0, out, *rest = ctx.saved_tensors
         weights, factors = rest[: ctx.weights], rest[ctx.weights :]
         needs = ctx.needs_input_grad[3:]
@@ -61,11 +63,15 @@ class LayerFunction(torch.autograd.Function):
         # penalty): the scan's result is not differentiable, autograd's through the recomputed forward is
         create_graph = torch.is_grad_enabled()
         if create_graph or reference_backward_enabled():
+            if grad_hn is not None:  # differentiably: under create_graph the gradients are functions of it
+                last = torch.cat([torch.zeros_like(out[:, :-1]), grad_hn.unsqueeze(1)], 1)
+                grad_out = last if grad_out is None else grad_out + last
             grads = cell.autograd_gradients(ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
         else:
             start = clock()
             grads = torch.ops.bppsa.recurrent_backward(
-                ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out, grad_cn, needs[0]
+                ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out, grad_hn, grad_cn,
+                needs[0],
             )
             if c0 is None:
                 grads = [*grads[:2], None, *grads[2:]]

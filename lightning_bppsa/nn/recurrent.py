@@ -139,35 +139,11 @@ class _ScanRecurrent:
         self.check_forward_args(input, hx, None)  # torch's own checks and messages (sizes, dtype)
         h0, c0 = hx if is_lstm else (hx, None)
         x = input if self.batch_first else input.transpose(0, 1)  # (B, n, I): the layers run batch first
-        cell, stats = cell_of(self.mode).name, self.last_stats
-        h_n, c_n = [], []
-        for layer in range(self.num_layers):
-            outs = []
-            for direction in range(dirs):
-                idx = layer * dirs + direction
-                weights = tuple(getattr(self, name) for name in self._all_weights[idx])
-                seq = x if direction == 0 else x.flip(1)
-                c_init = c0[idx] if is_lstm else None
-                result = LayerFunction.apply(cell, self.algorithm, stats, seq, h0[idx], c_init, *weights)
-                out = result[0] if is_lstm else result
-                h_n.append(out[:, -1])
-                if is_lstm:
-                    c_n.append(result[1])
-                outs.append(out if direction == 0 else out.flip(1))
-            last = layer == self.num_layers - 1
-            dropout = not last and self.dropout > 0 and self.training
-            if dropout or (last and not self.batch_first):
-                # time major (n, B, dirs H) and contiguous, as torch's stack lays it out: dropout then draws
-                # its mask in torch's order, so the same seed gives the same mask
-                seq_out = torch.cat([o.transpose(0, 1) for o in outs], -1) if dirs == 2 else outs[0].transpose(0, 1).contiguous()
-                if dropout:
-                    seq_out = F.dropout(seq_out, self.dropout, True)
-                x = seq_out.transpose(0, 1)
-            else:  # batch first already: no copy (torch's batch-first output is a transposed view anyway)
-                x = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        output = x if self.batch_first else x.transpose(0, 1)
-        h_n_t = torch.stack(h_n, 0)
-        c_n_t = torch.stack(c_n, 0) if is_lstm else None
+        weights = [tuple(getattr(self, name) for name in names) for names in self._all_weights]
+        dropout = self.dropout if self.training else 0.0
+        output, h_n_t, c_n_t = _run_layers(
+            cell_of(self.mode).name, self.algorithm, self.last_stats, x, h0, c0, weights, dirs, dropout, self.batch_first
+        )
         if unbatched:
             output = output.squeeze(batch_dim)
             h_n_t = h_n_t.squeeze(1)
@@ -186,6 +162,53 @@ class _ScanRecurrent:
         scripted = _rebuild(self, torch_cls)
         carry_hooks(self, scripted)
         return scripted
+
+
+def _run_layers(
+    cell: str,
+    algorithm: str,
+    stats: dict,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[tuple[Tensor, ...]],
+    dirs: int,
+    dropout: float,
+    batch_first: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Every layer and direction over batch-first ``x`` ``(B, n, I)``: ``(output, h_n, c_n)`` as torch's module
+    returns them (``c_n`` ``None`` without a cell state). ``weights``: per layer and direction, in torch's order.
+
+    A function of tensors and plain values rather than a method: ``torch.compile`` refuses to trace methods of
+    an ``nn.RNN`` subclass (unless ``torch._dynamo.config.allow_rnn``) but compiles this whole, every layer's
+    two ops and what joins them, as one graph.
+    """
+    h_n, c_n = [], []
+    layers = len(weights) // dirs
+    for layer in range(layers):
+        outs = []
+        for direction in range(dirs):
+            idx = layer * dirs + direction
+            seq = x if direction == 0 else x.flip(1)
+            c_init = None if c0 is None else c0[idx]
+            result = LayerFunction.apply(cell, algorithm, stats, seq, h0[idx], c_init, *weights[idx])
+            h_n.append(result[1])
+            if c0 is not None:
+                c_n.append(result[2])
+            outs.append(result[0] if direction == 0 else result[0].flip(1))
+        last = layer == layers - 1
+        drop = not last and dropout > 0
+        if drop or (last and not batch_first):
+            # time major (n, B, dirs H) and contiguous, as torch's stack lays it out: dropout then draws its
+            # mask in torch's order, so the same seed gives the same mask
+            seq_out = torch.cat([o.transpose(0, 1) for o in outs], -1) if dirs == 2 else outs[0].transpose(0, 1).contiguous()
+            if drop:
+                seq_out = F.dropout(seq_out, dropout, True)
+            x = seq_out.transpose(0, 1)
+        else:  # batch first already: no copy (torch's batch-first output is a transposed view anyway)
+            x = torch.cat(outs, -1) if dirs == 2 else outs[0]
+    output = x if batch_first else x.transpose(0, 1)
+    return output, torch.stack(h_n, 0), torch.stack(c_n, 0) if c0 is not None else None
 
 
 class RNN(_ScanRecurrent, nn.RNN):
