@@ -505,6 +505,32 @@ def test_compile_fullgraph_runs_the_scan_and_equals_torch(cell, monkeypatch):
         assert_derived_close(a, b, floor=1e-9)
 
 
+@pytest.mark.parametrize("cell", list(PAIRS))
+def test_compile_without_allow_rnn_traces_every_layer_into_one_graph(cell):
+    """Issue #20: dynamo refuses an nn.RNN subclass's own methods unless allow_rnn, but the layers run in a
+    free function it compiles whole: the layers' ops land in a compiled graph, and the gradients equal torch's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ours = PAIRS[cell][0](3, 4, num_layers=2, bidirectional=True, algorithm="linear", dtype=torch.float64)
+    ref = PAIRS[cell][1](3, 4, num_layers=2, bidirectional=True, dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(ours, backend=recording)
+    actual = torch.autograd.grad((compiled(x)[0] ** 2).sum(), [x, *ours.parameters()])
+    expected = torch.autograd.grad((ref(x)[0] ** 2).sum(), [x, *ref.parameters()])
+    applies = [n for gm in graphs for n in gm.graph.nodes if "autograd_function_apply" in str(n.target)]
+    assert len(applies) == 4, f"expected the 4 layer-directions in a compiled graph, found {len(applies)}"
+    for a, b in zip(actual, expected, strict=True):
+        assert_derived_close(a, b, floor=1e-9)
+
+
 @pytest.mark.slow
 def test_compiled_module_takes_a_new_batch_size_without_planning_in_the_trace():
     """Issue #19 item 4: a smaller last batch under torch.compile(fullgraph=True) (dynamic shapes)."""
