@@ -2,13 +2,17 @@
 
 A forward emits the states **and** the Jacobian factors of every step in one pass; a backward runs the
 gradient recurrence (the BPPSA linear scan over the factored step Jacobians, paper Sec. 4.1 / App. E)
-with the gate pre-activation gradients in the same pass. Parameter gradients are not computed here: the
-caller does the GEMMs of Eq. 2 over all steps with the returned ``d_*``.
+with the gate pre-activation gradients in the same pass. For small layers the backward also sums the
+parameter gradients of Eq. 2 in that pass (:class:`ParameterSums`, :func:`sums_parameters`); otherwise
+the caller runs the GEMMs over all steps with the returned ``d_*``.
 
 All tensors are batch-major ``(B, T, ·)``, float32 or float64, on the CPU; weights as torch stores them
 (``w_hh`` ``(G H, H)``, gate order ``GRU: r, z, n``; ``LSTM: i, f, g, o``). ``gi`` is the input projection
-the caller computes with one GEMM, ``x W_ihᵀ + b_ih`` (for RNN and LSTM with ``b_hh`` added in too; the
-GRU's ``b_hh`` sits inside ``r ⊙ (·)`` and is passed on its own).
+``x W_ihᵀ + b_ih`` (for RNN and LSTM with ``b_hh`` added in too; the GRU's ``b_hh`` sits inside
+``r ⊙ (·)`` and is passed on its own): a tensor the caller computed with one GEMM, or for narrow inputs a
+:class:`Projection` the forward computes row by row (:func:`projects_inputs`). Rows are split over the
+threads in whole pairs and every row takes the same code path, so results are bitwise the same for any
+thread count.
 
 Every function returns ``None`` when the kernel cannot run (no compiler or ``BPPSA_NATIVE=0``, a dtype
 other than float32 / float64, a tensor not on the CPU, mixed dtypes): the caller then runs its torch code.
