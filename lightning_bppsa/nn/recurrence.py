@@ -65,6 +65,8 @@ from torch import Tensor, nn
 
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, trace_cell
+from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.plan import check_algorithm
 from lightning_bppsa.scan import backprop_scan
 
@@ -83,6 +85,9 @@ _SCAN_OVERHEAD = 1.25
 #: the probe's clock (tests inject one)
 _timer = time.perf_counter
 
+#: steps of the batch's first rows on which a traced step is checked against the cell (once per trace)
+_CHECK_STEPS, _CHECK_ROWS = 2, 4
+
 #: errors a cell or torch raises where the batched calls cannot run the cell (vmap rules, in-place ops)
 _BATCHING_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
 
@@ -93,6 +98,20 @@ class _Unbatchable(Exception):
     def __init__(self, reason: str, rng: list[Tensor], sticky: bool) -> None:
         super().__init__(reason)
         self.reason, self.rng, self.sticky = reason, rng, sticky
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """What tracing the cell gave for one batch shape: ``structure`` (``None``: the forward calls the cell,
+    ``reason`` says why) and whether its Jacobians factor (``dense_reason``: why the backward is dense)."""
+
+    structure: CellStructure | None
+    reason: str | None
+    dense_reason: str | None
+
+    @property
+    def factored(self) -> bool:
+        return self.structure is not None and self.dense_reason is None
 
 
 @dataclass(frozen=True)
@@ -203,6 +222,7 @@ class Recurrence(nn.Module):
         self.last_stats: dict[str, Any] = {}
         self._unbatchable: str | None = None  # set once the batched calls failed for this cell
         self._choices: dict[tuple, tuple[str, str | None]] = {}  # "auto"'s measured choice per batch shape
+        self._traced: dict[tuple, _Traced] = {}  # the traced step per batch shape
         self._warned = False
 
     def extra_repr(self) -> str:
@@ -230,8 +250,9 @@ class Recurrence(nn.Module):
         params = tuple(p for p in self.cell.parameters() if p.requires_grad)
         path, reason = self._path(x, s0, spec, params)
         if path == "scan":
+            traced = self._trace(x, s0, spec)
             try:
-                states = _ScanFunction.apply(self, spec, x, s0, *params)
+                states = _ScanFunction.apply(self, spec, traced, x, s0, *params)
             except _Unbatchable as failed:
                 _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
                 path, reason = "autograd", failed.reason
@@ -239,6 +260,11 @@ class Recurrence(nn.Module):
         if path == "autograd":
             states = self._loop(x, s0, spec)
         self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
+        if path == "scan":
+            self.last_stats.update(
+                jacobians="factored" if traced.factored else "dense", dense_reason=traced.dense_reason,
+                traced_forward=traced.structure is not None, trace_reason=traced.reason,
+            )
         outputs = self._outputs(states, spec)
         final = spec.unflatten(states[:, -1])
         if unbatched:
@@ -297,6 +323,8 @@ class Recurrence(nn.Module):
         if self.algorithm == "auto":
             if steps == 1:
                 return "autograd", "auto: one step, nothing to scan"
+            if self._trace(x, s0, spec).factored:  # B T (k + 1) d factors: far cheaper than autograd's T steps
+                return "scan", None
             need = batch * steps * spec.width**2 * spec.dtype.itemsize
             if need > self.memory_budget:
                 return "autograd", f"auto: the dense Jacobians need {need} bytes > memory_budget={self.memory_budget}"
@@ -306,6 +334,36 @@ class Recurrence(nn.Module):
                 self._choices[key] = self._probe(x, s0, spec, params)
             return self._choices[key]
         return "scan", None
+
+    def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
+        """The cell's traced step for this batch shape (cached), checked on the batch's first steps.
+
+        The traced forward must reproduce the cell's own loop and the factored Jacobians the dense ones
+        (``eps ** 0.75`` relative); otherwise the forward calls the cell, or the backward stays dense.
+        """
+        batch, steps = x.shape[:2]
+        modes = tuple(m.training for m in self.cell.modules())
+        key = (batch, x.shape[2:], x.dtype, spec, x.device, modes)
+        if key in self._traced:
+            return self._traced[key]
+        rows, k = min(batch, _CHECK_ROWS), min(steps, _CHECK_STEPS)
+        x_k, s0_k = x[:rows, :k].detach(), s0[:rows].detach()
+        try:
+            structure = trace_cell(self.cell, x[:, 0].detach(), spec.tensors(spec.unflatten(s0.detach())), spec.is_tuple)
+        except NotTraceable as error:
+            traced = _Traced(None, str(error), str(error))
+        else:
+            with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                expected = self._loop(x_k, s0_k.clone(), spec)
+                ours = _traced_loop(self, structure, spec, x_k, s0_k)
+            tolerance = torch.finfo(spec.dtype).eps ** 0.75
+            if not torch.allclose(ours, expected, rtol=tolerance, atol=tolerance):
+                reason = "the traced step does not reproduce the cell's loop"
+                traced = _Traced(None, reason, reason)
+            else:
+                traced = _Traced(structure, None, structure.reason or _check_factored(self, structure, spec, x_k, expected))
+        self._traced[key] = traced
+        return traced
 
     def _probe(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
         """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
@@ -345,12 +403,17 @@ class Recurrence(nn.Module):
             f"autograd's (~{autograd * 1e3:.2f} ms)"
         )
 
-    def _loop(self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None) -> Tensor:
+    def _loop(
+        self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None, traced: _Traced | None = None
+    ) -> Tensor:
         """The states ``(B, T + 1, d)`` of the Python loop over time (recorded by autograd where grad mode is on).
 
         With ``rng`` (the scan's forward, grad mode off), raise :class:`_Unbatchable` for a cell that
-        draws random numbers or modifies its input state in place.
+        draws random numbers or modifies its input state in place; with a traced step, run that instead
+        of calling the cell (its graph has neither).
         """
+        if traced is not None and traced.structure is not None:
+            return _traced_loop(self, traced.structure, spec, x, s0)
         batch, steps = x.shape[:2]
         state, flats = spec.unflatten(s0), [s0]
         for t, x_t in enumerate(x.unbind(1)):  # one call for all steps' views: cheaper than x[:, t]
@@ -413,9 +476,11 @@ class _ScanFunction(torch.autograd.Function):
     """``(module, spec, x (B, T, I), s0 (B, d), *params) -> states (B, T + 1, d)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, module: Recurrence, spec: _StateSpec, x: Tensor, s0: Tensor, *params: Tensor) -> Tensor:
-        states = module._loop(x, s0, spec, rng=_rng_state(x.device))
-        ctx.module, ctx.spec = module, spec
+    def forward(
+        ctx, module: Recurrence, spec: _StateSpec, traced: _Traced, x: Tensor, s0: Tensor, *params: Tensor
+    ) -> Tensor:
+        states = module._loop(x, s0, spec, rng=_rng_state(x.device), traced=traced)
+        ctx.module, ctx.spec, ctx.traced = module, spec, traced
         ctx.save_for_backward(x, s0, states, *params)
         return states
 
@@ -423,18 +488,18 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, grad_states: Tensor):
         x, s0, states, *params = ctx.saved_tensors
         module, spec = ctx.module, ctx.spec
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[3:]
         # grad mode is on in a backward only under create_graph=True: the scan's result is not differentiable
         create_graph = torch.is_grad_enabled()
         grads = None
         if not create_graph and not reference_backward_enabled():
             try:
-                grads = _scan_grads(module, spec, x, states, params, needs, grad_states)
+                grads = _scan_grads(module, spec, ctx.traced, x, states, params, needs, grad_states)
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 _record_fallback(module, _failure_reason(error))
         if grads is None:
             grads = _replay_grads(module, spec, x, s0, params, needs, grad_states, create_graph)
-        return (None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+        return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
 
 
 class _RowsMixed(Exception):
@@ -456,28 +521,35 @@ def _record_fallback(module: Recurrence, reason: str) -> None:
 def _scan_grads(
     module: Recurrence,
     spec: _StateSpec,
+    traced: _Traced,
     x: Tensor,
     states: Tensor,
     params: list[Tensor],
     needs: tuple[bool, ...],
     grad_states: Tensor,
 ) -> list[Tensor | None]:
-    """Gradients of ``(x, s0, *params)``: batched Jacobians, dense scan, one VJP (module docstring, 1-3)."""
+    """Gradients of ``(x, s0, *params)``: step Jacobians, scan, one VJP (module docstring, 1-3)."""
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
     start = clock()
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
-    jacobians_t, outs = _step_jacobians(module, spec, x_flat, states)
+    if traced.factored:
+        jacobians_t: Tensor | FactoredJacobians = _factored_jacobians(module, traced.structure, spec, x_flat, states)
+        outs = [(_cell_rows(module, spec, x_flat, states, 0, rows)[0], 0, rows)]
+    else:
+        dense, outs = _step_jacobians(module, spec, x_flat, states)
+        jacobians_t = dense.view(batch, steps, d, d)
     record(module.last_stats, "jacobian_seconds", clock() - start, add=True)
     start = clock()
     # a loss on the last state only needs no affine rows
     only_last = steps == 1 or not grad_states[:, :-1].count_nonzero()
     direct = grad_states[:, -1].contiguous() if only_last else grad_states
-    g = backprop_scan(jacobians_t.view(batch, steps, d, d), direct, algorithm=module.algorithm)
+    g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
     found: tuple[Tensor | None, ...] = ()
+    outs = [(new, lo, hi) for new, lo, hi in outs if new.requires_grad]
     if wanted and outs:
         cotangent = g[:, 1:].reshape(rows, d)
         found = torch.autograd.grad(
@@ -489,32 +561,42 @@ def _scan_grads(
     return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
 
 
+def _cell_rows(
+    module: Recurrence, spec: _StateSpec, x_flat: Tensor, states: Tensor, lo: int, hi: int
+) -> tuple[Tensor, Tensor]:
+    """``(new, prev)``: the cell called on rows ``lo:hi`` of all steps at once, recorded by autograd, and the
+    state leaf it read; :class:`_RowsMixed` (``module.verify``) where it does not reproduce the forward's states."""
+    d = spec.width
+    rows = x_flat.shape[0]
+    prev = states[:, :-1].reshape(rows, d)[lo:hi].detach().requires_grad_()
+    with torch.enable_grad():
+        new = spec.flatten(spec.check(module.cell(x_flat[lo:hi], spec.unflatten(prev)), hi - lo))
+    tolerance = torch.finfo(states.dtype).eps ** 0.5
+    if module.verify and not torch.allclose(new, states[:, 1:].reshape(rows, d)[lo:hi], rtol=tolerance, atol=tolerance):
+        raise _RowsMixed(
+            "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
+            "treat batch rows independently"
+        )
+    return new, prev
+
+
 def _step_jacobians(
     module: Recurrence, spec: _StateSpec, x_flat: Tensor, states: Tensor
 ) -> tuple[Tensor, list[tuple[Tensor, int, int]]]:
-    """The transposed step Jacobians ``(B T, d, d)`` of all steps (rows ``(b, t)``), from batched cell calls.
+    """The dense transposed step Jacobians ``(B T, d, d)`` of all steps (rows ``(b, t)``), from batched cell calls.
 
     Returns them and the calls' outputs ``(new states, lo, hi)`` (graphs kept for the parameter VJP).
     Raises :class:`_RowsMixed` (``module.verify``) when the calls do not reproduce ``states``.
     """
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
-    prev_all, next_all = states[:, :-1].reshape(rows, d), states[:, 1:].reshape(rows, d)
     jacobians_t = states.new_empty(rows, d, d)
     eye = torch.eye(d, dtype=states.dtype, device=states.device)
-    tolerance = torch.finfo(states.dtype).eps ** 0.5
     chunk = _chunk_rows(d)
     outs = []
     for lo in range(0, rows, chunk):
         hi = min(lo + chunk, rows)
-        prev = prev_all[lo:hi].detach().requires_grad_()
-        with torch.enable_grad():
-            new = spec.flatten(spec.check(module.cell(x_flat[lo:hi], spec.unflatten(prev)), hi - lo))
-        if module.verify and not torch.allclose(new, next_all[lo:hi], rtol=tolerance, atol=tolerance):
-            raise _RowsMixed(
-                "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
-                "treat batch rows independently"
-            )
+        new, prev = _cell_rows(module, spec, x_flat, states, lo, hi)
         if not new.requires_grad:  # depends on nothing that needs a gradient: J = 0
             jacobians_t[lo:hi] = 0
             continue
@@ -525,6 +607,43 @@ def _step_jacobians(
         jacobians_t[lo:hi] = jac.permute(1, 2, 0)  # jac[k, r, j] = ∂s_r[k]/∂s_{r-1}[j]
         outs.append((new, lo, hi))
     return jacobians_t, outs
+
+
+def _factored_jacobians(
+    module: Recurrence, structure: CellStructure, spec: _StateSpec, x_flat: Tensor, states: Tensor
+) -> FactoredJacobians:
+    """The step Jacobians of all steps (rows ``(b, t)``) from the traced step's factors."""
+    rows = x_flat.shape[0]
+    frontier = structure.precompute(cell_tensors(module.cell), x_flat.detach())
+    prev = spec.tensors(spec.unflatten(states[:, :-1].reshape(rows, spec.width)))
+    return structure.jacobians(frontier, prev, states.shape[0])
+
+
+def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, states: Tensor) -> str | None:
+    """``None`` where the factored Jacobians of these steps equal the dense ones, else why not (once per trace)."""
+    x_flat = x.reshape(-1, *x.shape[2:])
+    try:
+        dense, _ = _step_jacobians(module, spec, x_flat, states)
+    except (*_BATCHING_ERRORS, _RowsMixed) as error:  # the dense path will meet it too and fall back
+        return f"the dense check failed: {_failure_reason(error)}"
+    factored = _factored_jacobians(module, structure, spec, x_flat, states).dense().reshape(dense.shape)
+    tolerance = torch.finfo(spec.dtype).eps ** 0.75
+    scale = max(1.0, dense.abs().max().item())
+    if not torch.allclose(factored, dense, rtol=tolerance, atol=tolerance * scale):
+        return "the factored Jacobians do not match the dense ones"
+    return None
+
+
+def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor) -> Tensor:
+    """The loop's states ``(B, T + 1, d)`` from the traced step: the input part once for all steps
+    (rows ``(t, b)``, so that a step's rows are contiguous), then only the state part per step."""
+    batch, steps = x.shape[:2]
+    frontier = structure.precompute(cell_tensors(module.cell), x.transpose(0, 1).reshape(steps * batch, *x.shape[2:]))
+    state, flats = spec.tensors(spec.unflatten(s0)), [s0]
+    for t in range(steps):
+        state = tuple(structure.step(structure.rows_of(frontier, t * batch, (t + 1) * batch), state))
+        flats.append(spec.flatten(state if spec.is_tuple else state[0]))
+    return torch.stack(flats, 1)
 
 
 def _chunk_rows(d: int) -> int:
