@@ -90,6 +90,11 @@ class CellStructure:
             self._linear = _extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear)
             self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
         self.n_states, self.width = len(states), width
+        # elements of one step's factors (scales and diagonal): what "auto"'s memory budget weighs
+        d = self.n_states * width
+        self.factor_elements = (len(self._pieces) + (self.n_states if self.n_states > 1 else 0)) * d + (
+            d if self.n_states == 1 else 0
+        )
 
     def _pieces_nodes_of(self, state_part: list[fx.Node]) -> set[fx.Node]:
         """The nodes computing the pieces (cat, mm, split, getitem, slice): the linear part."""

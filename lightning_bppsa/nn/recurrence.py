@@ -323,11 +323,13 @@ class Recurrence(nn.Module):
         if self.algorithm == "auto":
             if steps == 1:
                 return "autograd", "auto: one step, nothing to scan"
-            if self._trace(x, s0, spec).factored:  # B T (k + 1) d factors: far cheaper than autograd's T steps
-                return "scan", None
-            need = batch * steps * spec.width**2 * spec.dtype.itemsize
+            traced = self._trace(x, s0, spec)
+            form, per_step = ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
+            need = batch * steps * per_step * spec.dtype.itemsize
             if need > self.memory_budget:
-                return "autograd", f"auto: the dense Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+                return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+            if traced.factored:  # B T (k + 1) d factors: far cheaper than autograd's T steps, no need to measure
+                return "scan", None
             modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
             key = (batch, spec.width, spec.dtype, x.device, modes)
             if key not in self._choices:
