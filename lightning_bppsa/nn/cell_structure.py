@@ -21,6 +21,7 @@ gets from one reverse pass per state tensor over all rows and returns as
 from __future__ import annotations
 
 import operator
+import types
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,7 @@ class CellStructure:
                 raise NotTraceable(f"an input-only value ({node.name}) does not keep the batch rows first")
         self._frontier_is_row = [origin[n] == _INPUT for n in frontier]
         self._precompute = _extract(gm, [*self._tensor_nodes, x_node], frontier)
-        self._step = _extract(gm, [*frontier, *states], outputs)
+        self._step = _eager(_extract(gm, [*frontier, *states], outputs))
         self.reason, self._pieces = _factor(state_part, outputs, origin, states, frontier, rows, width)
         if self.reason is None:
             linear = [n for n in state_part if n in self._pieces_nodes_of(state_part)]
@@ -107,39 +108,44 @@ class CellStructure:
                 stack += node.all_input_nodes
         return needed
 
-    def precompute(self, tensors: list[Tensor], x: Tensor) -> list[Tensor]:
-        """The input part's values for all rows of ``x`` (one call)."""
-        return self._precompute.forward(*tensors, x)
+    def loop(self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int) -> list[list[Tensor]]:
+        """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
+        so that a step's rows are contiguous), then only the state part per step."""
+        batch = x.shape[0] // steps
+        frontier = self._precompute.forward(*tensors, x)
+        # each row-shaped value as T views, one per step, made in one call
+        per_step = [v.unflatten(0, (steps, batch)).unbind(0) if row else None for v, row in zip(frontier, self._frontier_is_row, strict=True)]
+        step, out = self._step.forward, []
+        for t in range(steps):
+            states = step(*[v if p is None else p[t] for v, p in zip(frontier, per_step, strict=True)], *states)
+            out.append(states)
+        return out
 
-    def rows_of(self, frontier: list[Tensor], lo: int, hi: int) -> list[Tensor]:
-        """The frontier values of rows ``lo:hi`` (parameter-only values are shared by all rows)."""
-        return [v[lo:hi] if is_row else v for v, is_row in zip(frontier, self._frontier_is_row, strict=True)]
-
-    def step(self, frontier: list[Tensor], states: tuple[Tensor, ...]) -> list[Tensor]:
-        """The new state tensors from the frontier values of the same rows."""
-        return self._step.forward(*frontier, *states)
-
-    def jacobians(self, frontier: list[Tensor], states: tuple[Tensor, ...], batch: int) -> FactoredJacobians:
-        """The step Jacobians of all rows (``(b, t)`` flattened, ``batch`` = ``B``), factored."""
+    def linearize(
+        self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], batch: int
+    ) -> tuple[FactoredJacobians, list[Tensor]]:
+        """The step Jacobians of all rows (``(b, t)`` flattened, ``batch`` = ``B``), factored, and the new
+        state tensors recorded by autograd back to ``tensors`` and ``x`` (for the parameter VJP)."""
         m, h = self.n_states, self.width
         d = m * h
         states = tuple(s.detach() for s in states)
-        with torch.no_grad():
-            pieces = self._linear.forward(*frontier, *states)
-        leaves = [t.detach().requires_grad_() for t in (*states, *pieces)]
-        with torch.enable_grad():
-            outs = self._pointwise.forward(*frontier, *leaves)
-        # one reverse pass per new state tensor p: the op is pointwise, so the gradient of Σ out_p
-        # w.r.t. each input is that input's per-coordinate partial
+        frontier = self._precompute.forward(*tensors, x)
+        pieces = [p if p.requires_grad else p.detach().requires_grad_() for p in self._linear.forward(*frontier, *states)]
+        direct = [s.requires_grad_() for s in states]  # the pointwise part's own reads of the state
+        outs = self._pointwise.forward(*frontier, *direct, *pieces)
+        leaves = [*direct, *pieces]
+        # one reverse pass per new state tensor p: the part is pointwise, so the gradient of Σ out_p
+        # w.r.t. each of its inputs is that input's per-coordinate partial
         partials = []
-        for p, out in enumerate(outs):
+        for out in outs:
             if out.requires_grad:
                 grads = torch.autograd.grad(
-                    out, leaves, torch.ones_like(out), retain_graph=p < m - 1, allow_unused=True, materialize_grads=True
+                    out, leaves, torch.ones_like(out), retain_graph=True, allow_unused=True, materialize_grads=True
                 )
             else:  # a new state that does not depend on the old one
                 grads = tuple(torch.zeros_like(t) for t in leaves)
             partials.append(grads)
+        frontier = [v.detach() for v in frontier]
         rows = states[0].shape[0]
         weights, scales = [], []
         for k, (_, piece) in enumerate(self._pieces):
@@ -161,9 +167,10 @@ class CellStructure:
         weight = torch.cat(weights, 0) if weights else states[0].new_zeros(0, d)
         scale = torch.cat(scales, -1) if scales else states[0].new_zeros(rows, 0)
         steps = rows // batch
-        return FactoredJacobians(
+        jacobians = FactoredJacobians(
             weight, scale.view(batch, steps, -1), None if diagonal is None else diagonal.reshape(batch, steps, d)
         )
+        return jacobians, outs
 
 
 def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple: bool) -> CellStructure:
@@ -241,6 +248,19 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], 
     graph.output([env[o] for o in outputs])
     graph.eliminate_dead_code()
     return fx.GraphModule(gm, graph)
+
+
+def _eager(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` calling torch's own functions where they exist instead of the aten overloads: the same kernels
+    without the overloads' boxed calls (several µs an op, most of a small step). The traced loop is checked
+    against the cell's, so an overload resolved differently is found."""
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload):
+            function = getattr(torch, node.target._schema.name.split("::")[-1], None)
+            if isinstance(function, types.BuiltinFunctionType):
+                node.target = function
+    gm.recompile()
+    return gm
 
 
 def _factor(

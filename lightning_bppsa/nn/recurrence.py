@@ -536,8 +536,8 @@ def _scan_grads(
     start = clock()
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
     if traced.factored:
-        jacobians_t: Tensor | FactoredJacobians = _factored_jacobians(module, traced.structure, spec, x_flat, states)
-        outs = [(_cell_rows(module, spec, x_flat, states, 0, rows)[0], 0, rows)]
+        jacobians_t, new = _factored_pass(module, traced.structure, spec, x_flat, states)
+        outs = [(new, 0, rows)]
     else:
         dense, outs = _step_jacobians(module, spec, x_flat, states)
         jacobians_t = dense.view(batch, steps, d, d)
@@ -573,13 +573,18 @@ def _cell_rows(
     prev = states[:, :-1].reshape(rows, d)[lo:hi].detach().requires_grad_()
     with torch.enable_grad():
         new = spec.flatten(spec.check(module.cell(x_flat[lo:hi], spec.unflatten(prev)), hi - lo))
-    tolerance = torch.finfo(states.dtype).eps ** 0.5
-    if module.verify and not torch.allclose(new, states[:, 1:].reshape(rows, d)[lo:hi], rtol=tolerance, atol=tolerance):
+    _check_rows(module, new, states[:, 1:].reshape(rows, d)[lo:hi])
+    return new, prev
+
+
+def _check_rows(module: Recurrence, new: Tensor, expected: Tensor) -> None:
+    """:class:`_RowsMixed` (``module.verify``) where the batched step does not reproduce the forward's states."""
+    tolerance = torch.finfo(new.dtype).eps ** 0.5
+    if module.verify and not torch.allclose(new, expected, rtol=tolerance, atol=tolerance):
         raise _RowsMixed(
             "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
             "treat batch rows independently"
         )
-    return new, prev
 
 
 def _step_jacobians(
@@ -611,41 +616,54 @@ def _step_jacobians(
     return jacobians_t, outs
 
 
-def _factored_jacobians(
+def _factored_pass(
     module: Recurrence, structure: CellStructure, spec: _StateSpec, x_flat: Tensor, states: Tensor
-) -> FactoredJacobians:
-    """The step Jacobians of all steps (rows ``(b, t)``) from the traced step's factors."""
+) -> tuple[FactoredJacobians, Tensor]:
+    """The step Jacobians of all steps (rows ``(b, t)``) from the traced step's factors, and the new states
+    ``(B T, d)`` recorded by autograd back to ``x_flat`` and the cell's parameters; :class:`_RowsMixed`
+    (``module.verify``) where they do not reproduce the forward's states."""
     rows = x_flat.shape[0]
-    frontier = structure.precompute(cell_tensors(module.cell), x_flat.detach())
+    tensors = [t for _, t in (*module.cell.named_parameters(), *module.cell.named_buffers())]
     prev = spec.tensors(spec.unflatten(states[:, :-1].reshape(rows, spec.width)))
-    return structure.jacobians(frontier, prev, states.shape[0])
+    with torch.enable_grad():  # the backward runs with grad mode off
+        jacobians, outs = structure.linearize(tensors, x_flat, prev, states.shape[0])
+        new = spec.flatten(tuple(outs) if spec.is_tuple else outs[0])
+    _check_rows(module, new, states[:, 1:].reshape(rows, spec.width))
+    return jacobians, new
 
 
 def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, states: Tensor) -> str | None:
-    """``None`` where the factored Jacobians of these steps equal the dense ones, else why not (once per trace)."""
-    x_flat = x.reshape(-1, *x.shape[2:])
+    """``None`` where the traced step's Jacobians and parameter VJP equal the cell's on these steps, else why
+    not (once per trace: a custom ``autograd.Function`` in the cell, for one, is not in the traced graph)."""
+    x_flat = x.reshape(-1, *x.shape[2:]).requires_grad_()
+    params = [p for p in module.cell.parameters() if p.requires_grad]
     try:
-        dense, _ = _step_jacobians(module, spec, x_flat, states)
+        dense, outs = _step_jacobians(module, spec, x_flat, states)
     except (*_BATCHING_ERRORS, _RowsMixed) as error:  # the dense path will meet it too and fall back
         return f"the dense check failed: {_failure_reason(error)}"
-    factored = _factored_jacobians(module, structure, spec, x_flat, states).dense().reshape(dense.shape)
+    factored, new = _factored_pass(module, structure, spec, x_flat, states)
     tolerance = torch.finfo(spec.dtype).eps ** 0.75
     scale = max(1.0, dense.abs().max().item())
-    if not torch.allclose(factored, dense, rtol=tolerance, atol=tolerance * scale):
+    if not torch.allclose(factored.dense().reshape(dense.shape), dense, rtol=tolerance, atol=tolerance * scale):
         return "the factored Jacobians do not match the dense ones"
+    cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype, device=new.device).view_as(new)
+    leaves = [x_flat, *params]
+    none = [None] * len(leaves)
+    theirs = torch.autograd.grad([o for o, _, _ in outs], leaves, [cotangent], allow_unused=True) if outs else none
+    ours = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else none
+    for a, b in zip(ours, theirs, strict=True):
+        if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale)):
+            return "the traced step's parameter gradients do not match the cell's"
     return None
 
 
 def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor) -> Tensor:
-    """The loop's states ``(B, T + 1, d)`` from the traced step: the input part once for all steps
-    (rows ``(t, b)``, so that a step's rows are contiguous), then only the state part per step."""
+    """The loop's states ``(B, T + 1, d)`` from the traced step (no cell calls)."""
     batch, steps = x.shape[:2]
-    frontier = structure.precompute(cell_tensors(module.cell), x.transpose(0, 1).reshape(steps * batch, *x.shape[2:]))
-    state, flats = spec.tensors(spec.unflatten(s0)), [s0]
-    for t in range(steps):
-        state = tuple(structure.step(structure.rows_of(frontier, t * batch, (t + 1) * batch), state))
-        flats.append(spec.flatten(state if spec.is_tuple else state[0]))
-    return torch.stack(flats, 1)
+    x_tb = x.transpose(0, 1).reshape(steps * batch, *x.shape[2:])
+    news = structure.loop(cell_tensors(module.cell), x_tb, spec.tensors(spec.unflatten(s0)), steps)
+    flats = [spec.flatten(tuple(new)) if spec.is_tuple else new[0] for new in news]
+    return torch.stack([s0, *flats], 1)
 
 
 def _chunk_rows(d: int) -> int:
