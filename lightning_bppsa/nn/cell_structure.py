@@ -20,6 +20,7 @@ gets from one reverse pass per state tensor over all rows and returns as
 
 from __future__ import annotations
 
+import itertools
 import operator
 import types
 from dataclasses import dataclass
@@ -113,11 +114,14 @@ class CellStructure:
         so that a step's rows are contiguous), then only the state part per step."""
         batch = x.shape[0] // steps
         frontier = self._precompute.forward(*tensors, x)
-        # each row-shaped value as T views, one per step, made in one call
-        per_step = [v.unflatten(0, (steps, batch)).unbind(0) if row else None for v, row in zip(frontier, self._frontier_is_row, strict=True)]
+        # each step's arguments as one tuple, made in C: row-shaped values as T views, the others repeated
+        columns = [
+            v.unflatten(0, (steps, batch)).unbind(0) if row else itertools.repeat(v, steps)
+            for v, row in zip(frontier, self._frontier_is_row, strict=True)
+        ]
         step, out = self._step.forward, []
-        for t in range(steps):
-            states = step(*[v if p is None else p[t] for v, p in zip(frontier, per_step, strict=True)], *states)
+        for args in zip(*columns) if columns else itertools.repeat((), steps):
+            states = step(*args, *states)
             out.append(states)
         return out
 
@@ -255,7 +259,12 @@ def _eager(gm: fx.GraphModule) -> fx.GraphModule:
     without the overloads' boxed calls (several µs an op, most of a small step). The traced loop is checked
     against the cell's, so an overload resolved differently is found."""
     for node in gm.graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload):
+        if node.target is aten.split.Tensor:
+            # torch.split is Python over the overload; split_with_sizes is direct (~2x faster, e.g. gate chunks)
+            dim = node.args[2] if len(node.args) > 2 else 0
+            node.target = torch.split_with_sizes
+            node.args = (node.args[0], [piece.shape[dim] for piece in node.meta["val"]], dim)
+        elif isinstance(node.target, torch._ops.OpOverload):
             function = getattr(torch, node.target._schema.name.split("::")[-1], None)
             if isinstance(function, types.BuiltinFunctionType):
                 node.target = function

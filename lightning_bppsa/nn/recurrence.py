@@ -580,7 +580,8 @@ def _cell_rows(
 def _check_rows(module: Recurrence, new: Tensor, expected: Tensor) -> None:
     """:class:`_RowsMixed` (``module.verify``) where the batched step does not reproduce the forward's states."""
     tolerance = torch.finfo(new.dtype).eps ** 0.5
-    if module.verify and not torch.allclose(new, expected, rtol=tolerance, atol=tolerance):
+    # normwise (max over all rows): a third of allclose's passes over B T d elements
+    if module.verify and (new - expected).abs_().amax() > tolerance * (1 + expected.abs().amax()):
         raise _RowsMixed(
             "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
             "treat batch rows independently"
