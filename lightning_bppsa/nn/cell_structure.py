@@ -184,9 +184,7 @@ def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple:
     (e.g. a ``view``) and could not run the input part on all ``B T`` rows at once.
     """
     names = [n for n, _ in (*cell.named_parameters(), *cell.named_buffers())]
-    tensors = cell_tensors(cell)
-    if len({s.shape[-1] for s in states}) != 1:
-        raise NotTraceable("the state tensors differ in width")
+    tensors = [t.detach() for t in cell_tensors(cell)]
 
     def step(*flat: Tensor) -> list[Tensor]:
         given, x_t, state = flat[: len(names)], flat[len(names)], flat[len(names) + 1 :]
@@ -212,8 +210,8 @@ def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple:
 
 
 def cell_tensors(cell: nn.Module) -> list[Tensor]:
-    """The cell's parameters and buffers, detached, in the order the traced graph takes them."""
-    return [t.detach() for _, t in (*cell.named_parameters(), *cell.named_buffers())]
+    """The cell's parameters and buffers in the order the traced graph takes them."""
+    return [t for _, t in (*cell.named_parameters(), *cell.named_buffers())]
 
 
 def _check_pure(gm: fx.GraphModule) -> None:
@@ -285,7 +283,7 @@ def _factor(
     full = (rows, width)
     shape = lambda n: tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), Tensor) else None  # noqa: E731
     if any(shape(s) != full for s in states):
-        return "the state tensors are not (rows, H)", []
+        return "the state tensors differ in width", []
     reads: dict[fx.Node, tuple[tuple[int, int], ...]] = {}  # linear operand -> (state, row offset in Wt)
     linear: dict[fx.Node, fx.Node] = {}  # mm / addmm node -> its weight node
     pieces: list[tuple[fx.Node, _Piece]] = []

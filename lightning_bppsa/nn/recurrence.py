@@ -345,8 +345,14 @@ class Recurrence(nn.Module):
         """
         batch, steps = x.shape[:2]
         modes = tuple(m.training for m in self.cell.modules())
-        key = (batch, x.shape[2:], x.dtype, spec, x.device, modes)
+        tensors = tuple((t.dtype, t.shape) for t in cell_tensors(self.cell))  # a graph takes exactly these
+        autocast = torch.is_autocast_enabled(x.device.type)
+        key = (batch, x.shape[2:], x.dtype, spec, x.device, modes, tensors, autocast)
         if key in self._traced:
+            return self._traced[key]
+        if autocast:  # the trace would bake in this autocast state's casts
+            reason = "autocast is on: the cell is called"
+            self._traced[key] = _Traced(None, reason, reason)
             return self._traced[key]
         rows, k = min(batch, _CHECK_ROWS), min(steps, _CHECK_STEPS)
         x_k, s0_k = x[:rows, :k].detach(), s0[:rows].detach()
@@ -624,7 +630,7 @@ def _factored_pass(
     ``(B T, d)`` recorded by autograd back to ``x_flat`` and the cell's parameters; :class:`_RowsMixed`
     (``module.verify``) where they do not reproduce the forward's states."""
     rows = x_flat.shape[0]
-    tensors = [t for _, t in (*module.cell.named_parameters(), *module.cell.named_buffers())]
+    tensors = cell_tensors(module.cell)
     prev = spec.tensors(spec.unflatten(states[:, :-1].reshape(rows, spec.width)))
     with torch.enable_grad():  # the backward runs with grad mode off
         jacobians, outs = structure.linearize(tensors, x_flat, prev, states.shape[0])

@@ -590,3 +590,20 @@ def test_cells_that_do_not_trace_call_the_cell_with_dense_jacobians(cell_cls, re
     stats = rec.last_stats
     assert stats["path"] == "scan" and stats["jacobians"] == "dense" and not stats["traced_forward"]
     assert re.search(reason, stats["trace_reason"]) and stats["dense_reason"] == stats["trace_reason"]
+
+
+class InputMixingCell(GatedCell):
+    """Centres its input over the batch rows: the input part run once for all steps would mix steps."""
+
+    def forward(self, x, h):
+        return super().forward(x - x.mean(0), h)
+
+
+def test_a_traced_step_that_does_not_reproduce_the_cell_is_not_used():
+    torch.manual_seed(2)
+    cell = InputMixingCell(3, 5).double()
+    rec = Recurrence(cell, algorithm="linear")
+    with pytest.warns(RuntimeWarning, match="independently"):  # the batched calls mix the rows too
+        compare(cell, torch.randn(6, 4, 3, dtype=F64, requires_grad=True), None, rec=rec)
+    (traced,) = rec._traced.values()
+    assert traced.structure is None and "does not reproduce the cell's loop" in traced.reason
