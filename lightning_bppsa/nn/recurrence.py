@@ -5,15 +5,27 @@ A *cell* is any ``nn.Module`` with ``cell(x_t, state) -> state``: ``x_t`` is ``(
 ``d = Σ d_k``. :class:`Recurrence` loops it over time like ``torch.nn.RNN`` and computes the backward as
 a scan instead of ``T`` small autograd steps:
 
-- forward: the Python loop over time *without* autograd recording; the states ``s_0..s_T`` are kept
-  as ``(B, T + 1, d)``;
-- backward: (1) the transposed step Jacobians ``J_tᵀ = (∂s_t/∂s_{t-1})ᵀ`` of all ``B T`` steps from
-  calls of the cell on all steps at once (rows ``(b, t)`` flattened, ``d`` cotangents batched with
-  ``torch.autograd.grad(..., is_grads_batched=True)``); (2) the dense scan
-  :func:`~lightning_bppsa.backprop_scan` with the per-step gradients of the states as direct
-  gradients, giving ``g_t = ∇_{s_t} l``; (3) every parameter and input gradient in one vector-Jacobian
-  product of those same cell calls with cotangents ``g_1..g_T`` (Eq. 2: no sequential dependency);
-  ``state0``'s gradient is ``g_0``.
+- forward: the loop over time *without* autograd recording; the states ``s_0..s_T`` are kept as
+  ``(B, T + 1, d)``;
+- backward: (1) the step Jacobians ``J_t = ∂s_t/∂s_{t-1}`` of all ``B T`` steps at once (rows ``(b, t)``
+  flattened); (2) the scan :func:`~lightning_bppsa.backprop_scan` with the per-step gradients of the
+  states as direct gradients, giving ``g_t = ∇_{s_t} l``; (3) every parameter and input gradient in one
+  vector-Jacobian product over all steps with cotangents ``g_1..g_T`` (Eq. 2: no sequential
+  dependency); ``state0``'s gradient is ``g_0``.
+
+**The traced step** (:mod:`~lightning_bppsa.nn.cell_structure`). Before the first scan for a batch shape
+the cell's step is traced into its aten graph (``make_fx``, fake tensors). The forward then runs the
+input-only nodes (the input projection) once for all ``B T`` rows and only the state-dependent nodes per
+step. Where the state reaches the new state only through parameter-only linear maps and pointwise ops,
+(1) is the factored ``J = diag(c) + Σ_k diag(s_k) W_k`` (:class:`~lightning_bppsa.jacobians.FactoredJacobians`,
+``k`` gate pieces of ``B T d`` scales each), from one pass of the graph over all rows that also records
+(3); otherwise (1) is dense: the transposed Jacobians from ``d`` cotangents batched over calls of the cell
+on all steps (``torch.autograd.grad(..., is_grads_batched=True)``), and (3) is the VJP of those calls.
+The trace is checked once, on the batch's first steps, against the cell: its loop's states, the dense
+Jacobians and the parameter gradients (``eps ** 0.75``); a cell that does not trace (data-dependent
+control flow, ``.item()``, in-place ops, random numbers, a row count baked into a view, autocast) or fails
+a check is called per step and gets dense Jacobians. ``last_stats`` says which: ``jacobians``
+(``"factored"`` / ``"dense"``), ``dense_reason``, ``traced_forward``, ``trace_reason``.
 
 The per-step output is ``cell.output_fn(state)`` where the cell defines it, else the first tensor of the
 state; ``output_fn`` is applied once to the states of all steps after the loop (an ordinary autograd op).
@@ -24,8 +36,9 @@ calls on ``B`` rows. With ``verify=True`` (default) the backward checks that the
 the forward's states (to ``sqrt(eps)``); a cell that mixes rows (batch norm over the batch, a
 ``.item()`` read over the whole batch that steers the computation, ...) fails that check. Gradients flow
 to ``input``, ``state0`` and the cell's own parameters; tensors the cell captures from elsewhere get none.
-The backward (and ``"auto"``'s probe) calls the cell again on batched rows: side effects of a call
-(forward hooks, counters, running statistics) happen again there. The cell must return its state in the
+The backward (and ``"auto"``'s probe, and the trace's checks) calls the cell again on batched rows: side
+effects of a call (forward hooks, counters, running statistics) happen again there; the traced forward
+does not call the cell per step, so they do not happen there. The cell must return its state in the
 state's dtype, also under autocast (cast it, e.g. ``h_new.to(h.dtype)``).
 
 **Falling back.** A cell the batched calls cannot handle never crashes training: the backward then
@@ -37,9 +50,10 @@ cells that modify their input state in place (seen in the forward). A cell that 
 through the loop for that call, re-drawn from the same RNG state, so the same seed gives the same masks
 as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected and not supported.
 
-``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the dense Jacobians
-(``B T d²`` elements) exceed ``memory_budget`` bytes (1 GiB by default; the batched gradient needs a few
-times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``, dtype, device, training
+``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the Jacobians (dense: ``B T d²``
+elements, factored: ``B T (k + 1) d``) exceed ``memory_budget`` bytes (1 GiB by default; the batched
+gradient needs a few times that at peak). It scans where the Jacobians factor. Otherwise it *measures*,
+once per batch shape (``B``, ``d``, dtype, device, training
 mode): autograd's backward through the first ``k ≤ 256`` steps of the batch against the scan's Jacobians
 of the same steps, and runs the scan where it is faster. Dense Jacobians of an opaque cell cost ``~d``
 times a batched backward of the cell, so the scan pays for small ``B d²`` (e.g. ``B = 1``) and loses to
@@ -168,7 +182,7 @@ class _StateSpec:
 
 
 class Recurrence(nn.Module):
-    """Loop a user-written recurrent ``cell`` over time; its backward runs through the dense scan.
+    """Loop a user-written recurrent ``cell`` over time; its backward runs through the scan.
 
     Args:
         cell: ``nn.Module`` with ``cell(x_t, state) -> state`` (``x_t`` ``(B, I)``, ``state`` a ``(B, d)``
@@ -177,15 +191,16 @@ class Recurrence(nn.Module):
             ``output_fn(state) -> Tensor`` (the per-step output; default: the first state tensor).
             It must treat batch rows independently (see the module docstring).
         batch_first: input and output are ``(B, T, *)`` instead of ``(T, B, *)``.
-        algorithm: ``"auto"`` (scan where it fits ``memory_budget``, ``T > 1`` and measures faster than
-            autograd; see the module docstring), ``"linear"``, ``"blelloch"`` or ``"chunked"`` (always
+        algorithm: ``"auto"`` (scan where it fits ``memory_budget``, ``T > 1`` and the Jacobians factor or
+            the scan measures faster than autograd; see the module docstring), ``"linear"``, ``"blelloch"`` or ``"chunked"`` (always
             the scan, with that algorithm of :func:`~lightning_bppsa.backprop_scan`).
-        memory_budget: bytes the dense Jacobians ``(B, T, d, d)`` may take under ``"auto"``.
+        memory_budget: bytes the Jacobians (dense ``(B, T, d, d)`` or their factors) may take under ``"auto"``.
         verify: check in the backward that the batched cell calls reproduce the forward's states.
 
     ``last_stats`` records the last forward: ``path`` (``"scan"`` / ``"autograd"``), ``reason`` (why
-    autograd, else ``None``), ``algorithm``, and after a scan backward ``jacobian_seconds`` and
-    ``scan_seconds``.
+    autograd, else ``None``), ``algorithm``; for a scan ``jacobians`` (``"factored"`` / ``"dense"``),
+    ``dense_reason``, ``traced_forward``, ``trace_reason`` (module docstring); after a scan backward
+    ``jacobian_seconds`` and ``scan_seconds``.
 
     Example:
         >>> class Cell(nn.Module):
