@@ -92,11 +92,11 @@ class CellStructure:
             self._linear = _extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear)
             self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
         self.n_states, self.width = len(states), width
+        # the states the pointwise part reads (not only through the linear maps): each is one more tile
+        inputs = [n for n in self._pointwise.graph.nodes if n.op == "placeholder"] if self.reason is None else []
+        self._direct = [q for q, node in enumerate(inputs[len(frontier) : len(frontier) + len(states)]) if node.users]
         # elements of one step's factors (scales and diagonal): what "auto"'s memory budget weighs
-        d = self.n_states * width
-        self.factor_elements = (len(self._pieces) + (self.n_states if self.n_states > 1 else 0)) * d + (
-            d if self.n_states == 1 else 0
-        )
+        self.factor_elements = (len(self._pieces) + len(self._direct)) * self.n_states * width
 
     def _pieces_nodes_of(self, state_part: list[fx.Node]) -> set[fx.Node]:
         """The nodes computing the pieces (cat, mm, split, getitem, slice): the linear part."""
@@ -161,10 +161,10 @@ class CellStructure:
             scales.append(torch.cat([partials[p][m + k] for p in range(m)], -1))
         diagonal = None
         if m == 1:
-            diagonal = partials[0][0]
-        else:  # ∂s'_p/∂s_q for all p, q: an identity at column block q, scaled per row block p
+            diagonal = partials[0][0] if self._direct else None
+        else:  # ∂s'_p/∂s_q for the states q read directly: an identity at column block q, scaled per row block p
             eye = torch.eye(h, dtype=states[0].dtype, device=states[0].device)
-            for q in range(m):
+            for q in self._direct:
                 block = [eye if j == q else eye.new_zeros(h, h) for j in range(m)]
                 weights.append(torch.cat(block, 1).repeat(m, 1))
                 scales.append(torch.cat([partials[p][q] for p in range(m)], -1))
