@@ -79,7 +79,7 @@ from torch import Tensor, nn
 
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
-from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, trace_cell
+from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, describe, trace_cell
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.plan import check_algorithm
 from lightning_bppsa.scan import backprop_scan
@@ -363,30 +363,33 @@ class Recurrence(nn.Module):
         tensors = tuple((t.dtype, t.shape) for t in cell_tensors(self.cell))  # a graph takes exactly these
         autocast = torch.is_autocast_enabled(x.device.type)
         key = (batch, x.shape[2:], x.dtype, spec, x.device, modes, tensors, autocast)
-        if key in self._traced:
-            return self._traced[key]
-        if autocast:  # the trace would bake in this autocast state's casts
-            reason = "autocast is on: the cell is called"
-            self._traced[key] = _Traced(None, reason, reason)
-            return self._traced[key]
-        rows, k = min(batch, _CHECK_ROWS), min(steps, _CHECK_STEPS)
-        x_k, s0_k = x[:rows, :k].detach(), s0[:rows].detach()
+        if key not in self._traced:
+            if autocast:  # the trace would bake in this autocast state's casts
+                reason = "autocast is on: the cell is called"
+                self._traced[key] = _Traced(None, reason, reason)
+            else:
+                self._traced[key] = self._checked_trace(x, s0, spec)
+        return self._traced[key]
+
+    def _checked_trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
+        """Trace the cell and check the trace on the first steps of the batch's first rows."""
         try:
             structure = trace_cell(self.cell, x[:, 0].detach(), spec.tensors(spec.unflatten(s0.detach())), spec.is_tuple)
         except NotTraceable as error:
-            traced = _Traced(None, str(error), str(error))
-        else:
-            with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-                expected = self._loop(x_k, s0_k.clone(), spec)
+            return _Traced(None, str(error), str(error))
+        x_k, s0_k = x[:_CHECK_ROWS, :_CHECK_STEPS].detach(), s0[:_CHECK_ROWS].detach()
+        with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            expected = self._loop(x_k, s0_k.clone(), spec)  # a cell breaking the rules raises its error here
+            try:
                 ours = _traced_loop(self, structure, spec, x_k, s0_k)
-            tolerance = torch.finfo(spec.dtype).eps ** 0.75
-            if not torch.allclose(ours, expected, rtol=tolerance, atol=tolerance):
-                reason = "the traced step does not reproduce the cell's loop"
-                traced = _Traced(None, reason, reason)
-            else:
-                traced = _Traced(structure, None, structure.reason or _check_factored(self, structure, spec, x_k, expected))
-        self._traced[key] = traced
-        return traced
+            except Exception as error:  # noqa: BLE001 - a graph that does not run keeps calling the cell
+                reason = f"the traced step failed ({describe(error)})"
+                return _Traced(None, reason, reason)
+        tolerance = torch.finfo(spec.dtype).eps ** 0.75
+        if ours.shape != expected.shape or not torch.allclose(ours, expected, rtol=tolerance, atol=tolerance):
+            reason = "the traced step does not reproduce the cell's loop"
+            return _Traced(None, reason, reason)
+        return _Traced(structure, None, structure.reason or _check_factored(self, structure, spec, x_k, expected))
 
     def _probe(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
         """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
@@ -532,7 +535,7 @@ class _RowsMixed(Exception):
 def _failure_reason(error: Exception) -> str:
     if isinstance(error, _RowsMixed):
         return str(error)
-    return f"the batched cell calls failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})"
+    return f"the batched cell calls failed ({describe(error)})"
 
 
 def _record_fallback(module: Recurrence, reason: str) -> None:
@@ -663,7 +666,10 @@ def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSp
         dense, outs = _step_jacobians(module, spec, x_flat, states)
     except (*_BATCHING_ERRORS, _RowsMixed) as error:  # the dense path will meet it too and fall back
         return f"the dense check failed: {_failure_reason(error)}"
-    factored, new = _factored_pass(module, structure, spec, x_flat, states)
+    try:
+        factored, new = _factored_pass(module, structure, spec, x_flat, states)
+    except Exception as error:  # noqa: BLE001 - the dense Jacobians then
+        return f"the factored pass failed ({describe(error)})"
     tolerance = torch.finfo(spec.dtype).eps ** 0.75
     scale = max(1.0, dense.abs().max().item())
     if not torch.allclose(factored.dense().reshape(dense.shape), dense, rtol=tolerance, atol=tolerance * scale):
