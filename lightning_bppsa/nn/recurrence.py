@@ -52,13 +52,13 @@ as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected
 
 ``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the Jacobians (dense: ``B T d²``
 elements, factored: ``B T (k + 1) d``) exceed ``memory_budget`` bytes (1 GiB by default; the batched
-gradient needs a few times that at peak). It scans where the Jacobians factor. Otherwise it *measures*,
-once per batch shape (``B``, ``d``, dtype, device, training
-mode): autograd's backward through the first ``k ≤ 256`` steps of the batch against the scan's Jacobians
-of the same steps, and runs the scan where it is faster. Dense Jacobians of an opaque cell cost ``~d``
-times a batched backward of the cell, so the scan pays for small ``B d²`` (e.g. ``B = 1``) and loses to
-autograd's per-step overhead for large ones (``benchmarks/results/cells-cpu.md``); a fixed rule would get
-it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
+gradient needs a few times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``,
+dtype, device, training mode): autograd's backward through the first ``k ≤ 256`` steps of the batch
+against the scan's whole backward over the same steps, and runs the scan where it is faster. Dense
+Jacobians cost ``~d`` times a batched backward of the cell, so the dense scan pays for small ``B d²``
+(e.g. ``B = 1``) only; the factored scan pays far more often, but its ``O(B (k + 1) d²)`` steps still lose
+to autograd for wide joint states at larger ``B`` (``benchmarks/results/cells-cpu.md``); a fixed rule would
+get it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
 or cannot be batched before the scan's forward. Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
 always run the scan with that algorithm. Autograd through the loop also runs where the scan has nothing
 to do or cannot run: gradients disabled or not needed, an empty batch or sequence, the meta device,
@@ -94,8 +94,6 @@ _JACOBIAN_ELEMENTS = 2**15
 
 #: at most this many steps of a batch are run by the ``"auto"`` probe (see ``Recurrence._probe``)
 _PROBE_STEPS = 256
-#: the scan's whole backward (Jacobians, scan, parameter VJP) over its Jacobians alone, as the probe predicts it
-_SCAN_OVERHEAD = 1.25
 #: the probe's clock (tests inject one)
 _timer = time.perf_counter
 
@@ -343,12 +341,10 @@ class Recurrence(nn.Module):
             need = batch * steps * per_step * spec.dtype.itemsize
             if need > self.memory_budget:
                 return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
-            if traced.factored:  # B T (k + 1) d factors: far cheaper than autograd's T steps, no need to measure
-                return "scan", None
             modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
             key = (batch, spec.width, spec.dtype, x.device, modes)
             if key not in self._choices:
-                self._choices[key] = self._probe(x, s0, spec, params)
+                self._choices[key] = self._probe(x, s0, spec, params, traced)
             return self._choices[key]
         return "scan", None
 
@@ -391,12 +387,15 @@ class Recurrence(nn.Module):
             return _Traced(None, reason, reason)
         return _Traced(structure, None, structure.reason or _check_factored(self, structure, spec, x_k, expected))
 
-    def _probe(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
+    def _probe(
+        self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...], traced: _Traced
+    ) -> tuple[str, str | None]:
         """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
 
-        Times autograd's backward through ``k`` steps of the loop and the scan's Jacobians of the same
-        ``B k`` rows (both grow linearly with ``T``; ``k`` fills one batched-gradient call where it can, so
-        the per-row cost is the real one); the scan runs where ``_SCAN_OVERHEAD`` times the latter is less.
+        Times autograd's backward through ``k`` steps of the loop and the scan's whole backward (Jacobians,
+        scan, parameter VJP) over the same ``B k`` rows (both grow linearly with ``T``; ``k`` fills one
+        batched-gradient call where it can, so the per-row cost is the real one); the scan runs where it is
+        faster.
         Runs under a forked RNG (the batch's own random numbers are not consumed); a cell that draws random
         numbers or cannot be batched is found here, before the scan's forward.
         """
@@ -415,13 +414,14 @@ class Recurrence(nn.Module):
             torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
             middle = _synchronized_time(x.device)
             try:
-                _step_jacobians(self, spec, x_k.reshape(batch * k, *x_k.shape[2:]), states.detach())
+                needs = (False, True, *(True for _ in params))  # what autograd's backward above computed
+                _scan_grads(self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states))
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 reason = _failure_reason(error)
                 self._fell_back(reason, sticky=True)
                 return "autograd", reason
             end = _synchronized_time(x.device)
-        autograd, scan = middle - start, _SCAN_OVERHEAD * (end - middle)
+        autograd, scan = middle - start, end - middle
         if scan < autograd:
             return "scan", None
         return "autograd", (
