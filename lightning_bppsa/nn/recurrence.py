@@ -400,7 +400,9 @@ class Recurrence(nn.Module):
         numbers or cannot be batched is found here, before the scan's forward.
         """
         batch, steps = x.shape[:2]
-        k = min(steps, _PROBE_STEPS, max(16, -(-_chunk_rows(spec.width) // batch)))
+        # factored Jacobians have no batched-gradient call to fill: as many steps as the probe allows
+        fill = _PROBE_STEPS if traced.factored else max(16, -(-_chunk_rows(spec.width) // batch))
+        k = min(steps, _PROBE_STEPS, fill)
         x_k = x[:, :k].detach()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
             rng = _rng_state(x.device)
@@ -410,16 +412,18 @@ class Recurrence(nn.Module):
                 reason = "the cell draws random numbers (e.g. dropout in training mode)"
                 self._fell_back(reason, sticky=False)
                 return "autograd", reason
-            start = _synchronized_time(x.device)
-            torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
-            middle = _synchronized_time(x.device)
+            needs = (False, True, *(True for _ in params))  # what autograd's backward below computes
+            args = (self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states))
             try:
-                needs = (False, True, *(True for _ in params))  # what autograd's backward above computed
-                _scan_grads(self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states))
+                _scan_grads(*args)  # once untimed: the first call loads the scan's compiled kernel
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 reason = _failure_reason(error)
                 self._fell_back(reason, sticky=True)
                 return "autograd", reason
+            start = _synchronized_time(x.device)
+            torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
+            middle = _synchronized_time(x.device)
+            _scan_grads(*args)
             end = _synchronized_time(x.device)
         autograd, scan = middle - start, end - middle
         if scan < autograd:
