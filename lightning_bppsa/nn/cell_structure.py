@@ -150,7 +150,10 @@ class CellStructure:
             weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
             scales.append(torch.cat([partials[p][m + k] for p in range(m)], -1))
         diagonal = None
-        if m == 1:
+        if m == 1 and self._direct and not weights:  # diagonal only: one identity tile (a chain of k = 0
+            weights.append(torch.eye(h, dtype=states[0].dtype, device=states[0].device))  # tiles plans badly)
+            scales.append(partials[0][0])
+        elif m == 1:
             diagonal = partials[0][0] if self._direct else None
         else:  # ∂s'_p/∂s_q for the states q read directly: an identity at column block q, scaled per row block p
             eye = torch.eye(h, dtype=states[0].dtype, device=states[0].device)

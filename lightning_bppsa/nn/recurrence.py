@@ -415,7 +415,8 @@ class Recurrence(nn.Module):
             needs = (False, True, *(True for _ in params))  # what autograd's backward below computes
             args = (self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states))
             try:
-                _scan_grads(*args)  # once untimed: the first call loads the scan's compiled kernel
+                with torch.no_grad():  # as in a backward
+                    _scan_grads(*args)  # once untimed: the first call loads the scan's compiled kernel
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 reason = _failure_reason(error)
                 self._fell_back(reason, sticky=True)
@@ -423,7 +424,8 @@ class Recurrence(nn.Module):
             start = _synchronized_time(x.device)
             torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
             middle = _synchronized_time(x.device)
-            _scan_grads(*args)
+            with torch.no_grad():
+                _scan_grads(*args)
             end = _synchronized_time(x.device)
         autograd, scan = middle - start, end - middle
         if scan < autograd:
