@@ -505,7 +505,7 @@ class Recurrence(nn.Module):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """``(module, spec, x (B, T, I), s0 (B, d), *params) -> states (B, T + 1, d)``; see the module docstring."""
+    """``(module, spec, traced, x (B, T, I), s0 (B, d), *params) -> states (B, T + 1, d)``; see the module docstring."""
 
     @staticmethod
     def forward(
@@ -567,7 +567,7 @@ def _scan_grads(
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
     if traced.factored:
         jacobians_t, new = _factored_pass(module, traced.structure, spec, x_flat, states)
-        outs = [(new, 0, rows)]
+        outs = [(new, 0, rows)] if new.requires_grad else []
     else:
         dense, outs = _step_jacobians(module, spec, x_flat, states)
         jacobians_t = dense.view(batch, steps, d, d)
@@ -581,7 +581,6 @@ def _scan_grads(
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
     found: tuple[Tensor | None, ...] = ()
-    outs = [(new, lo, hi) for new, lo, hi in outs if new.requires_grad]
     if wanted and outs:
         cotangent = g[:, 1:].reshape(rows, d)
         found = torch.autograd.grad(
