@@ -148,7 +148,7 @@ class CellStructure:
             for q, row in piece.reads:
                 block[q] = block[q] + w_t[row : row + h, piece.offset : piece.offset + h].T
             weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
-            scales.append(torch.cat([partials[p][m + k] for p in range(m)], -1))
+            scales.append(torch.cat([partials[p][m + k] for p in range(m)], -1) if m > 1 else partials[0][m + k])
         diagonal = None
         if m == 1 and self._direct and not weights:  # diagonal only: one identity tile (a chain of k = 0
             weights.append(torch.eye(h, dtype=states[0].dtype, device=states[0].device))  # tiles plans badly)
