@@ -110,7 +110,7 @@ class CellStructure:
             for v, row in zip(frontier, self._frontier_is_row, strict=True)
         ]
         step, out = self._step.forward, []
-        for args in zip(*columns) if columns else itertools.repeat((), steps):
+        for args in zip(*columns, strict=True) if columns else itertools.repeat((), steps):
             states = step(*args, *states)
             out.append(states)
         return out
@@ -125,7 +125,8 @@ class CellStructure:
         states = tuple(s.detach() for s in states)
         frontier = self._precompute.forward(*tensors, x)
         pieces = [p if p.requires_grad else p.detach().requires_grad_() for p in self._linear.forward(*frontier, *states)]
-        direct = [s.requires_grad_() for s in states]  # the pointwise part's own reads of the state
+        # the states as leaves only after the pieces are made: their gradients are the pointwise part's own reads
+        direct = [s.requires_grad_() for s in states]
         outs = self._pointwise.forward(*frontier, *direct, *pieces)
         leaves = [*direct, *pieces]
         # one reverse pass per new state tensor p: the part is pointwise, so the gradient of Σ out_p
@@ -346,7 +347,8 @@ def _factor(
             target is aten.slice.Tensor and args[0] in linear and _last_dim(args[1] if len(args) > 1 else 0, node)
             and (len(args) < 5 or args[4] == 1)
         ):
-            if reason := piece(node, args[0], args[2] if len(args) > 2 and args[2] is not None else 0):
+            start = args[2] if len(args) > 2 and args[2] is not None else 0
+            if reason := piece(node, args[0], start + shape(args[0])[-1] if start < 0 else start):
                 return reason, []
         elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
             stateful = [a for a in node.all_input_nodes if origin[a] == _STATE]

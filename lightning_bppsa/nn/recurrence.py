@@ -77,10 +77,10 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, describe, trace_cell
-from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.plan import check_algorithm
 from lightning_bppsa.scan import backprop_scan
 
