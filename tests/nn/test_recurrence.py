@@ -607,3 +607,45 @@ def test_a_traced_step_that_does_not_reproduce_the_cell_is_not_used():
         compare(cell, torch.randn(6, 4, 3, dtype=F64, requires_grad=True), None, rec=rec)
     (traced,) = rec._traced.values()
     assert traced.structure is None and "does not reproduce the cell's loop" in traced.reason
+
+
+class SlicedCell(nn.Module):
+    """Gates sliced (not chunked) from ``h @ W.T``, one from the end: still factored."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size, self.hidden = hidden, hidden
+        self.ih = nn.Linear(inputs, hidden)
+        self.w = nn.Parameter(torch.randn(2 * hidden, hidden) * 0.4)
+
+    def forward(self, x, h):
+        z = h @ self.w.T
+        gate = torch.sigmoid(z[:, : self.hidden])
+        return gate * h + (1 - gate) * torch.tanh(self.ih(x) + z[:, -self.hidden :])
+
+
+class _RoundThrough(torch.autograd.Function):
+    """Rounds, with the gradient of the identity (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return torch.round(t * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class StraightThroughCell(IndCell):
+    """A custom backward the traced graph does not have: the check against the cell's Jacobians finds it."""
+
+    def forward(self, x, h):
+        return super().forward(x, _RoundThrough.apply(h))
+
+
+def test_sliced_gates_factor_and_a_custom_backward_stays_dense():
+    cell, x, h0 = SlicedCell(3, 5).double(), *make("gated", 3, 6)[1:]
+    assert compare(cell, x, h0, algorithm="linear").last_stats["jacobians"] == "factored"
+    cell, x, h0 = StraightThroughCell(3, 5).double(), *make("gated", 3, 6)[1:]
+    rec = compare(cell, x, h0, algorithm="linear")
+    assert rec.last_stats["jacobians"] == "dense" and "do not match" in rec.last_stats["dense_reason"]
