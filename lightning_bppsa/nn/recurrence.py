@@ -36,9 +36,9 @@ calls on ``B`` rows. With ``verify=True`` (default) the backward checks that the
 the forward's states (to ``sqrt(eps)``); a cell that mixes rows (batch norm over the batch, a
 ``.item()`` read over the whole batch that steers the computation, ...) fails that check. Gradients flow
 to ``input``, ``state0`` and the cell's own parameters; tensors the cell captures from elsewhere get none.
-The backward (and ``"auto"``'s probe, and the trace's checks) calls the cell again on batched rows: side
-effects of a call (forward hooks, counters, running statistics) happen again there; the traced forward
-does not call the cell per step, so they do not happen there. The cell must return its state in the
+The dense backward (and ``"auto"``'s probe, and the trace's checks) calls the cell again on batched rows:
+side effects of a call (forward hooks, counters, running statistics) happen again there; the traced
+forward and the factored backward run the traced graph and do not call the cell at all. The cell must return its state in the
 state's dtype, also under autocast (cast it, e.g. ``h_new.to(h.dtype)``).
 
 **Falling back.** A cell the batched calls cannot handle never crashes training: the backward then
