@@ -6,8 +6,8 @@ cell, an LSTM variant with a tuple state), looped over time in Python. Per row, 
 interleaved in one process: forward (the loop recorded by autograd vs ``Recurrence``'s unrecorded loop),
 backward alone (``torch.autograd.grad`` on a graph recorded once, ``retain_graph=True``) and a whole step
 (forward + backward), medians of ``torch.utils.benchmark``; the Recurrence backward's split into
-Jacobians (batched cell gradients) and scan from ``last_stats``; peak = resident-set growth during one
-step. Loss on every step's output, float32, input size 8.
+Jacobians and scan from ``last_stats``, with the Jacobians' form (factored from the traced step, or dense
+from batched cell gradients); peak = resident-set growth during one step. Loss on every step's output, float32, input size 8.
 
     OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py          # the grid
     OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # headline rows
@@ -96,14 +96,17 @@ def python_loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run_time: float) -> dict:
     """Timings (seconds) and peaks (bytes) of the loop and of the forced scan for one row, and what
-    ``"auto"`` picks; the scan arm is skipped (``None``) where its Jacobians exceed ``budget`` bytes."""
+    ``"auto"`` picks; the scan arm is skipped (``None``) where its dense Jacobians exceed ``budget`` bytes
+    (the cell does not factor: two steps of the scan tell)."""
     torch.manual_seed(0)
     cell = CELLS[kind](INPUTS, hidden)
     x = torch.randn(steps, batch, INPUTS, requires_grad=True)
     leaves = [x, *cell.parameters()]
     scan = Recurrence(cell, algorithm="linear")  # on CPU "auto" resolves the scan itself to "linear"
     d = hidden * (2 if isinstance(cell.state_size, tuple) else 1)
-    fits = batch * steps * d * d * 4 <= budget
+    scan(x[:2])[0].sum().backward(inputs=[x])  # traces the cell for this batch shape
+    fits = scan.last_stats["jacobians"] == "factored" or batch * steps * d * d * 4 <= budget
+    x.grad = None
     arms = {"loop": lambda: python_loop(cell, x), "scan": lambda: scan(x)[0]} if fits else {"loop": lambda: python_loop(cell, x)}
     result: dict = {"d": d}
 
@@ -124,7 +127,8 @@ def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run
         result[f"peak_{name}"] = peak_memory_bytes(lambda forward=forward: step(forward))
     if fits:
         step(arms["scan"])  # one more for the split of its backward
-        result.update(jac=scan.last_stats["jacobian_seconds"], scan=scan.last_stats["scan_seconds"])
+        stats = scan.last_stats
+        result.update(jac=stats["jacobian_seconds"], scan=stats["scan_seconds"], form=stats["jacobians"])
     auto = Recurrence(cell, memory_budget=budget)
     step(lambda: auto(x)[0])
     result.update(auto=auto.last_stats["path"], auto_reason=auto.last_stats["reason"])
@@ -133,8 +137,8 @@ def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run
 
 HEADER = (
     "| cell | H | B | T | d | fwd ms loop | fwd ms scan | bwd ms loop | bwd ms scan | bwd speedup "
-    "| step ms loop | step ms scan | step speedup | Jacobians ms | scan ms | peak MiB loop | peak MiB scan "
-    "| auto picks |\n|" + " --- |" * 18
+    "| step ms loop | step ms scan | step speedup | Jacobians | Jacobians ms | scan ms | peak MiB loop "
+    "| peak MiB scan | auto picks |\n|" + " --- |" * 19
 )
 
 
@@ -145,13 +149,13 @@ def row(kind: str, hidden: int, batch: int, steps: int, r: dict) -> str:
     if "bwd_scan" not in r:
         return (
             head + f"| {r['fwd_loop'] * ms:.1f} | not run | {r['bwd_loop'] * ms:.1f} | not run | - "
-            f"| {r['step_loop'] * ms:.1f} | not run | - | - | - | {r['peak_loop'] * mib:.1f} | - | {auto} |"
+            f"| {r['step_loop'] * ms:.1f} | not run | - | - | - | - | {r['peak_loop'] * mib:.1f} | - | {auto} |"
         )
     return (
         head + f"| {r['fwd_loop'] * ms:.1f} | {r['fwd_scan'] * ms:.1f} "
         f"| {r['bwd_loop'] * ms:.1f} | {r['bwd_scan'] * ms:.1f} | {r['bwd_loop'] / r['bwd_scan']:.2f}x "
         f"| {r['step_loop'] * ms:.1f} | {r['step_scan'] * ms:.1f} | {r['step_loop'] / r['step_scan']:.2f}x "
-        f"| {r['jac'] * ms:.1f} | {r['scan'] * ms:.1f} | {r['peak_loop'] * mib:.1f} | {r['peak_scan'] * mib:.1f} | {auto} |"
+        f"| {r['form']} | {r['jac'] * ms:.1f} | {r['scan'] * ms:.1f} | {r['peak_loop'] * mib:.1f} | {r['peak_scan'] * mib:.1f} | {auto} |"
     )
 
 
@@ -161,7 +165,7 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=0.2)
     parser.add_argument(
         "--memory-budget", type=int, default=2**28,
-        help="Recurrence(memory_budget=...) in bytes: rows whose dense Jacobians exceed it run autograd "
+        help="Recurrence(memory_budget=...) in bytes: rows whose Jacobians (dense, or their factors) exceed it run autograd "
         "(default 256 MiB, to keep the grid under ~8 minutes; the module's default is 1 GiB)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -187,12 +191,15 @@ def main() -> None:
         "",
         "Input size 8, float32, loss = mean of the squared outputs of every step. `d` = the flat state size. "
         "loop = autograd through the Python loop; scan = `Recurrence(cell, algorithm='linear')` (the scan forced; "
-        "not run where its dense Jacobians exceed --memory-budget = "
+        "not run where the cell does not factor and its dense Jacobians exceed --memory-budget = "
         f"{args.memory_budget / 2**20:.0f} MiB). Forward, backward (alone, on a graph recorded once) and whole "
-        "step: medians of torch.utils.benchmark, both arms interleaved. Jacobians / scan: the scan backward's "
-        "two main parts (`last_stats`; the rest is the parameter VJP). Peak: resident-set growth during one step. "
+        "step: medians of torch.utils.benchmark, both arms interleaved. Jacobians: their form (factored from the "
+        "traced step, or dense from batched cell gradients); Jacobians ms / scan ms: the scan backward's two main "
+        "parts (`last_stats`; factored: one pass of the traced step over all rows, which also records the "
+        "parameter VJP; the rest is that VJP). Peak: resident-set growth during one step. "
         f"auto picks: what `Recurrence(cell, memory_budget={args.memory_budget})` (algorithm 'auto', which "
-        "measures both backwards on the batch's first steps) chose for the row.",
+        "scans where the Jacobians factor and otherwise measures both backwards on the batch's first steps) chose "
+        "for the row.",
     ]
     lines = head + lines + ["", f"Total benchmark time: {time.perf_counter() - start:.0f} s.", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ class FactoredChain:
         """``x @ J`` for the steps ``index`` and row blocks ``x`` of shape ``(*steps, B, r, d)``:
         one GEMM with the shared ``W``."""
         scales = self.scales[index].unsqueeze(-2)
-        if self.tiles > 1:  # (.., r, k, d) * (.., 1, k, d): every tile of the row scaled by its own s^k
+        if self.tiles != 1:  # (.., r, k, d) * (.., 1, k, d): every tile of the row scaled by its own s^k (k = 0 too)
             scaled = (x.unsqueeze(-2) * scales.unflatten(-1, (self.tiles, self.d))).flatten(-2)
         else:
             scaled = x * scales

@@ -51,7 +51,7 @@ def test_every_chunk_size(algorithm, chunk, n):
 
 
 @pytest.mark.parametrize("algorithm", ALGOS)
-@pytest.mark.parametrize("tiles,with_diagonal", [(1, False), (3, True), (2, False)])
+@pytest.mark.parametrize("tiles,with_diagonal", [(1, False), (3, True), (2, False), (0, True)])  # 0: diagonal only
 @pytest.mark.parametrize("n", [0, 1, 2, 17, 64])
 @pytest.mark.parametrize("per_step", [False, True])
 def test_factored_matches_reference(algorithm, tiles, with_diagonal, n, per_step):

@@ -5,15 +5,27 @@ A *cell* is any ``nn.Module`` with ``cell(x_t, state) -> state``: ``x_t`` is ``(
 ``d = Σ d_k``. :class:`Recurrence` loops it over time like ``torch.nn.RNN`` and computes the backward as
 a scan instead of ``T`` small autograd steps:
 
-- forward: the Python loop over time *without* autograd recording; the states ``s_0..s_T`` are kept
-  as ``(B, T + 1, d)``;
-- backward: (1) the transposed step Jacobians ``J_tᵀ = (∂s_t/∂s_{t-1})ᵀ`` of all ``B T`` steps from
-  calls of the cell on all steps at once (rows ``(b, t)`` flattened, ``d`` cotangents batched with
-  ``torch.autograd.grad(..., is_grads_batched=True)``); (2) the dense scan
-  :func:`~lightning_bppsa.backprop_scan` with the per-step gradients of the states as direct
-  gradients, giving ``g_t = ∇_{s_t} l``; (3) every parameter and input gradient in one vector-Jacobian
-  product of those same cell calls with cotangents ``g_1..g_T`` (Eq. 2: no sequential dependency);
-  ``state0``'s gradient is ``g_0``.
+- forward: the loop over time *without* autograd recording; the states ``s_0..s_T`` are kept as
+  ``(B, T + 1, d)``;
+- backward: (1) the step Jacobians ``J_t = ∂s_t/∂s_{t-1}`` of all ``B T`` steps at once (rows ``(b, t)``
+  flattened); (2) the scan :func:`~lightning_bppsa.backprop_scan` with the per-step gradients of the
+  states as direct gradients, giving ``g_t = ∇_{s_t} l``; (3) every parameter and input gradient in one
+  vector-Jacobian product over all steps with cotangents ``g_1..g_T`` (Eq. 2: no sequential
+  dependency); ``state0``'s gradient is ``g_0``.
+
+**The traced step** (:mod:`~lightning_bppsa.nn.cell_structure`). Before the first scan for a batch shape
+the cell's step is traced into its aten graph (``make_fx``, fake tensors). The forward then runs the
+input-only nodes (the input projection) once for all ``B T`` rows and only the state-dependent nodes per
+step. Where the state reaches the new state only through parameter-only linear maps and pointwise ops,
+(1) is the factored ``J = diag(c) + Σ_k diag(s_k) W_k`` (:class:`~lightning_bppsa.jacobians.FactoredJacobians`,
+``k`` gate pieces of ``B T d`` scales each), from one pass of the graph over all rows that also records
+(3); otherwise (1) is dense: the transposed Jacobians from ``d`` cotangents batched over calls of the cell
+on all steps (``torch.autograd.grad(..., is_grads_batched=True)``), and (3) is the VJP of those calls.
+The trace is checked once, on the batch's first steps, against the cell: its loop's states, the dense
+Jacobians and the parameter gradients (``eps ** 0.75``); a cell that does not trace (data-dependent
+control flow, ``.item()``, in-place ops, random numbers, a row count baked into a view, autocast) or fails
+a check is called per step and gets dense Jacobians. ``last_stats`` says which: ``jacobians``
+(``"factored"`` / ``"dense"``), ``dense_reason``, ``traced_forward``, ``trace_reason``.
 
 The per-step output is ``cell.output_fn(state)`` where the cell defines it, else the first tensor of the
 state; ``output_fn`` is applied once to the states of all steps after the loop (an ordinary autograd op).
@@ -24,8 +36,9 @@ calls on ``B`` rows. With ``verify=True`` (default) the backward checks that the
 the forward's states (to ``sqrt(eps)``); a cell that mixes rows (batch norm over the batch, a
 ``.item()`` read over the whole batch that steers the computation, ...) fails that check. Gradients flow
 to ``input``, ``state0`` and the cell's own parameters; tensors the cell captures from elsewhere get none.
-The backward (and ``"auto"``'s probe) calls the cell again on batched rows: side effects of a call
-(forward hooks, counters, running statistics) happen again there. The cell must return its state in the
+The dense backward (and ``"auto"``'s probe, and the trace's checks) calls the cell again on batched rows:
+side effects of a call (forward hooks, counters, running statistics) happen again there; the traced
+forward and the factored backward run the traced graph and do not call the cell at all. The cell must return its state in the
 state's dtype, also under autocast (cast it, e.g. ``h_new.to(h.dtype)``).
 
 **Falling back.** A cell the batched calls cannot handle never crashes training: the backward then
@@ -37,14 +50,15 @@ cells that modify their input state in place (seen in the forward). A cell that 
 through the loop for that call, re-drawn from the same RNG state, so the same seed gives the same masks
 as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected and not supported.
 
-``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the dense Jacobians
-(``B T d²`` elements) exceed ``memory_budget`` bytes (1 GiB by default; the batched gradient needs a few
-times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``, dtype, device, training
-mode): autograd's backward through the first ``k ≤ 256`` steps of the batch against the scan's Jacobians
-of the same steps, and runs the scan where it is faster. Dense Jacobians of an opaque cell cost ``~d``
-times a batched backward of the cell, so the scan pays for small ``B d²`` (e.g. ``B = 1``) and loses to
-autograd's per-step overhead for large ones (``benchmarks/results/cells-cpu.md``); a fixed rule would get
-it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
+``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the Jacobians (dense: ``B T d²``
+elements, factored: ``B T (k + 1) d``) exceed ``memory_budget`` bytes (1 GiB by default; the batched
+gradient needs a few times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``,
+dtype, device, training mode): autograd's backward through the first ``k ≤ 256`` steps of the batch
+against the scan's whole backward over the same steps, and runs the scan where it is faster. Dense
+Jacobians cost ``~d`` times a batched backward of the cell, so the dense scan pays for small ``B d²``
+(e.g. ``B = 1``) only; the factored scan pays far more often, but its ``O(B (k + 1) d²)`` steps still lose
+to autograd for wide joint states at larger ``B`` (``benchmarks/results/cells-cpu.md``); a fixed rule would
+get it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
 or cannot be batched before the scan's forward. Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
 always run the scan with that algorithm. Autograd through the loop also runs where the scan has nothing
 to do or cannot run: gradients disabled or not needed, an empty batch or sequence, the meta device,
@@ -63,8 +77,10 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, describe, trace_cell
 from lightning_bppsa.plan import check_algorithm
 from lightning_bppsa.scan import backprop_scan
 
@@ -78,10 +94,11 @@ _JACOBIAN_ELEMENTS = 2**15
 
 #: at most this many steps of a batch are run by the ``"auto"`` probe (see ``Recurrence._probe``)
 _PROBE_STEPS = 256
-#: the scan's whole backward (Jacobians, scan, parameter VJP) over its Jacobians alone, as the probe predicts it
-_SCAN_OVERHEAD = 1.25
 #: the probe's clock (tests inject one)
 _timer = time.perf_counter
+
+#: steps of the batch's first rows on which a traced step is checked against the cell (once per trace)
+_CHECK_STEPS, _CHECK_ROWS = 2, 4
 
 #: errors a cell or torch raises where the batched calls cannot run the cell (vmap rules, in-place ops)
 _BATCHING_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
@@ -93,6 +110,20 @@ class _Unbatchable(Exception):
     def __init__(self, reason: str, rng: list[Tensor], sticky: bool) -> None:
         super().__init__(reason)
         self.reason, self.rng, self.sticky = reason, rng, sticky
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """What tracing the cell gave for one batch shape: ``structure`` (``None``: the forward calls the cell,
+    ``reason`` says why) and whether its Jacobians factor (``dense_reason``: why the backward is dense)."""
+
+    structure: CellStructure | None
+    reason: str | None
+    dense_reason: str | None
+
+    @property
+    def factored(self) -> bool:
+        return self.structure is not None and self.dense_reason is None
 
 
 @dataclass(frozen=True)
@@ -149,7 +180,7 @@ class _StateSpec:
 
 
 class Recurrence(nn.Module):
-    """Loop a user-written recurrent ``cell`` over time; its backward runs through the dense scan.
+    """Loop a user-written recurrent ``cell`` over time; its backward runs through the scan.
 
     Args:
         cell: ``nn.Module`` with ``cell(x_t, state) -> state`` (``x_t`` ``(B, I)``, ``state`` a ``(B, d)``
@@ -158,15 +189,16 @@ class Recurrence(nn.Module):
             ``output_fn(state) -> Tensor`` (the per-step output; default: the first state tensor).
             It must treat batch rows independently (see the module docstring).
         batch_first: input and output are ``(B, T, *)`` instead of ``(T, B, *)``.
-        algorithm: ``"auto"`` (scan where it fits ``memory_budget``, ``T > 1`` and measures faster than
-            autograd; see the module docstring), ``"linear"``, ``"blelloch"`` or ``"chunked"`` (always
+        algorithm: ``"auto"`` (scan where it fits ``memory_budget``, ``T > 1`` and the Jacobians factor or
+            the scan measures faster than autograd; see the module docstring), ``"linear"``, ``"blelloch"`` or ``"chunked"`` (always
             the scan, with that algorithm of :func:`~lightning_bppsa.backprop_scan`).
-        memory_budget: bytes the dense Jacobians ``(B, T, d, d)`` may take under ``"auto"``.
+        memory_budget: bytes the Jacobians (dense ``(B, T, d, d)`` or their factors) may take under ``"auto"``.
         verify: check in the backward that the batched cell calls reproduce the forward's states.
 
     ``last_stats`` records the last forward: ``path`` (``"scan"`` / ``"autograd"``), ``reason`` (why
-    autograd, else ``None``), ``algorithm``, and after a scan backward ``jacobian_seconds`` and
-    ``scan_seconds``.
+    autograd, else ``None``), ``algorithm``; for a scan ``jacobians`` (``"factored"`` / ``"dense"``),
+    ``dense_reason``, ``traced_forward``, ``trace_reason`` (module docstring); after a scan backward
+    ``jacobian_seconds`` and ``scan_seconds``.
 
     Example:
         >>> class Cell(nn.Module):
@@ -203,6 +235,7 @@ class Recurrence(nn.Module):
         self.last_stats: dict[str, Any] = {}
         self._unbatchable: str | None = None  # set once the batched calls failed for this cell
         self._choices: dict[tuple, tuple[str, str | None]] = {}  # "auto"'s measured choice per batch shape
+        self._traced: dict[tuple, _Traced] = {}  # the traced step per batch shape
         self._warned = False
 
     def extra_repr(self) -> str:
@@ -230,8 +263,9 @@ class Recurrence(nn.Module):
         params = tuple(p for p in self.cell.parameters() if p.requires_grad)
         path, reason = self._path(x, s0, spec, params)
         if path == "scan":
+            traced = self._trace(x, s0, spec)
             try:
-                states = _ScanFunction.apply(self, spec, x, s0, *params)
+                states = _ScanFunction.apply(self, spec, traced, x, s0, *params)
             except _Unbatchable as failed:
                 _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
                 path, reason = "autograd", failed.reason
@@ -239,6 +273,11 @@ class Recurrence(nn.Module):
         if path == "autograd":
             states = self._loop(x, s0, spec)
         self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
+        if path == "scan":
+            self.last_stats.update(
+                jacobians="factored" if traced.factored else "dense", dense_reason=traced.dense_reason,
+                traced_forward=traced.structure is not None, trace_reason=traced.reason,
+            )
         outputs = self._outputs(states, spec)
         final = spec.unflatten(states[:, -1])
         if unbatched:
@@ -297,27 +336,73 @@ class Recurrence(nn.Module):
         if self.algorithm == "auto":
             if steps == 1:
                 return "autograd", "auto: one step, nothing to scan"
-            need = batch * steps * spec.width**2 * spec.dtype.itemsize
+            traced = self._trace(x, s0, spec)
+            form, per_step = ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
+            need = batch * steps * per_step * spec.dtype.itemsize
             if need > self.memory_budget:
-                return "autograd", f"auto: the dense Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+                return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
             modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
             key = (batch, spec.width, spec.dtype, x.device, modes)
             if key not in self._choices:
-                self._choices[key] = self._probe(x, s0, spec, params)
+                self._choices[key] = self._probe(x, s0, spec, params, traced)
             return self._choices[key]
         return "scan", None
 
-    def _probe(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
+    def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
+        """The cell's traced step for this batch shape (cached), checked on the batch's first steps.
+
+        The traced forward must reproduce the cell's own loop and the factored Jacobians the dense ones
+        (``eps ** 0.75`` relative); otherwise the forward calls the cell, or the backward stays dense.
+        """
+        batch, steps = x.shape[:2]
+        modes = tuple(m.training for m in self.cell.modules())
+        tensors = tuple((t.dtype, t.shape) for t in cell_tensors(self.cell))  # a graph takes exactly these
+        autocast = torch.is_autocast_enabled(x.device.type)
+        key = (batch, x.shape[2:], x.dtype, spec, x.device, modes, tensors, autocast)
+        if key not in self._traced:
+            if autocast:  # the trace would bake in this autocast state's casts
+                reason = "autocast is on: the cell is called"
+                self._traced[key] = _Traced(None, reason, reason)
+            else:
+                self._traced[key] = self._checked_trace(x, s0, spec)
+        return self._traced[key]
+
+    def _checked_trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
+        """Trace the cell and check the trace on the first steps of the batch's first rows."""
+        try:
+            structure = trace_cell(self.cell, x[:, 0].detach(), spec.tensors(spec.unflatten(s0.detach())), spec.is_tuple)
+        except NotTraceable as error:
+            return _Traced(None, str(error), str(error))
+        x_k, s0_k = x[:_CHECK_ROWS, :_CHECK_STEPS].detach(), s0[:_CHECK_ROWS].detach()
+        with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            expected = self._loop(x_k, s0_k.clone(), spec)  # a cell breaking the rules raises its error here
+            try:
+                ours = _traced_loop(self, structure, spec, x_k, s0_k)
+            except Exception as error:  # noqa: BLE001 - a graph that does not run keeps calling the cell
+                reason = f"the traced step failed ({describe(error)})"
+                return _Traced(None, reason, reason)
+        tolerance = torch.finfo(spec.dtype).eps ** 0.75
+        if ours.shape != expected.shape or not torch.allclose(ours, expected, rtol=tolerance, atol=tolerance):
+            reason = "the traced step does not reproduce the cell's loop"
+            return _Traced(None, reason, reason)
+        return _Traced(structure, None, structure.reason or _check_factored(self, structure, spec, x_k, expected))
+
+    def _probe(
+        self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...], traced: _Traced
+    ) -> tuple[str, str | None]:
         """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
 
-        Times autograd's backward through ``k`` steps of the loop and the scan's Jacobians of the same
-        ``B k`` rows (both grow linearly with ``T``; ``k`` fills one batched-gradient call where it can, so
-        the per-row cost is the real one); the scan runs where ``_SCAN_OVERHEAD`` times the latter is less.
+        Times autograd's backward through ``k`` steps of the loop and the scan's whole backward (Jacobians,
+        scan, parameter VJP) over the same ``B k`` rows (both grow linearly with ``T``; ``k`` fills one
+        batched-gradient call where it can, so the per-row cost is the real one); the scan runs where it is
+        faster.
         Runs under a forked RNG (the batch's own random numbers are not consumed); a cell that draws random
         numbers or cannot be batched is found here, before the scan's forward.
         """
         batch, steps = x.shape[:2]
-        k = min(steps, _PROBE_STEPS, max(16, -(-_chunk_rows(spec.width) // batch)))
+        # factored Jacobians have no batched-gradient call to fill: as many steps as the probe allows
+        fill = _PROBE_STEPS if traced.factored else max(16, -(-_chunk_rows(spec.width) // batch))
+        k = min(steps, _PROBE_STEPS, fill)
         x_k = x[:, :k].detach()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
             rng = _rng_state(x.device)
@@ -327,17 +412,22 @@ class Recurrence(nn.Module):
                 reason = "the cell draws random numbers (e.g. dropout in training mode)"
                 self._fell_back(reason, sticky=False)
                 return "autograd", reason
-            start = _synchronized_time(x.device)
-            torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
-            middle = _synchronized_time(x.device)
+            needs = (False, True, *(True for _ in params))  # what autograd's backward below computes
+            args = (self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states))
             try:
-                _step_jacobians(self, spec, x_k.reshape(batch * k, *x_k.shape[2:]), states.detach())
+                with torch.no_grad():  # as in a backward
+                    _scan_grads(*args)  # once untimed: the first call loads the scan's compiled kernel
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 reason = _failure_reason(error)
                 self._fell_back(reason, sticky=True)
                 return "autograd", reason
+            start = _synchronized_time(x.device)
+            torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
+            middle = _synchronized_time(x.device)
+            with torch.no_grad():
+                _scan_grads(*args)
             end = _synchronized_time(x.device)
-        autograd, scan = middle - start, _SCAN_OVERHEAD * (end - middle)
+        autograd, scan = middle - start, end - middle
         if scan < autograd:
             return "scan", None
         return "autograd", (
@@ -345,12 +435,17 @@ class Recurrence(nn.Module):
             f"autograd's (~{autograd * 1e3:.2f} ms)"
         )
 
-    def _loop(self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None) -> Tensor:
+    def _loop(
+        self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None, traced: _Traced | None = None
+    ) -> Tensor:
         """The states ``(B, T + 1, d)`` of the Python loop over time (recorded by autograd where grad mode is on).
 
         With ``rng`` (the scan's forward, grad mode off), raise :class:`_Unbatchable` for a cell that
-        draws random numbers or modifies its input state in place.
+        draws random numbers or modifies its input state in place; with a traced step, run that instead
+        of calling the cell (its graph has neither).
         """
+        if traced is not None and traced.structure is not None:
+            return _traced_loop(self, traced.structure, spec, x, s0)
         batch, steps = x.shape[:2]
         state, flats = spec.unflatten(s0), [s0]
         for t, x_t in enumerate(x.unbind(1)):  # one call for all steps' views: cheaper than x[:, t]
@@ -410,12 +505,14 @@ class Recurrence(nn.Module):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """``(module, spec, x (B, T, I), s0 (B, d), *params) -> states (B, T + 1, d)``; see the module docstring."""
+    """``(module, spec, traced, x (B, T, I), s0 (B, d), *params) -> states (B, T + 1, d)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, module: Recurrence, spec: _StateSpec, x: Tensor, s0: Tensor, *params: Tensor) -> Tensor:
-        states = module._loop(x, s0, spec, rng=_rng_state(x.device))
-        ctx.module, ctx.spec = module, spec
+    def forward(
+        ctx, module: Recurrence, spec: _StateSpec, traced: _Traced, x: Tensor, s0: Tensor, *params: Tensor
+    ) -> Tensor:
+        states = module._loop(x, s0, spec, rng=_rng_state(x.device), traced=traced)
+        ctx.module, ctx.spec, ctx.traced = module, spec, traced
         ctx.save_for_backward(x, s0, states, *params)
         return states
 
@@ -423,18 +520,18 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, grad_states: Tensor):
         x, s0, states, *params = ctx.saved_tensors
         module, spec = ctx.module, ctx.spec
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[3:]
         # grad mode is on in a backward only under create_graph=True: the scan's result is not differentiable
         create_graph = torch.is_grad_enabled()
         grads = None
         if not create_graph and not reference_backward_enabled():
             try:
-                grads = _scan_grads(module, spec, x, states, params, needs, grad_states)
+                grads = _scan_grads(module, spec, ctx.traced, x, states, params, needs, grad_states)
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 _record_fallback(module, _failure_reason(error))
         if grads is None:
             grads = _replay_grads(module, spec, x, s0, params, needs, grad_states, create_graph)
-        return (None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+        return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
 
 
 class _RowsMixed(Exception):
@@ -444,7 +541,7 @@ class _RowsMixed(Exception):
 def _failure_reason(error: Exception) -> str:
     if isinstance(error, _RowsMixed):
         return str(error)
-    return f"the batched cell calls failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})"
+    return f"the batched cell calls failed ({describe(error)})"
 
 
 def _record_fallback(module: Recurrence, reason: str) -> None:
@@ -456,24 +553,30 @@ def _record_fallback(module: Recurrence, reason: str) -> None:
 def _scan_grads(
     module: Recurrence,
     spec: _StateSpec,
+    traced: _Traced,
     x: Tensor,
     states: Tensor,
     params: list[Tensor],
     needs: tuple[bool, ...],
     grad_states: Tensor,
 ) -> list[Tensor | None]:
-    """Gradients of ``(x, s0, *params)``: batched Jacobians, dense scan, one VJP (module docstring, 1-3)."""
+    """Gradients of ``(x, s0, *params)``: step Jacobians, scan, one VJP (module docstring, 1-3)."""
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
     start = clock()
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
-    jacobians_t, outs = _step_jacobians(module, spec, x_flat, states)
+    if traced.factored:
+        jacobians_t, new = _factored_pass(module, traced.structure, spec, x_flat, states)
+        outs = [(new, 0, rows)] if new.requires_grad else []
+    else:
+        dense, outs = _step_jacobians(module, spec, x_flat, states)
+        jacobians_t = dense.view(batch, steps, d, d)
     record(module.last_stats, "jacobian_seconds", clock() - start, add=True)
     start = clock()
     # a loss on the last state only needs no affine rows
     only_last = steps == 1 or not grad_states[:, :-1].count_nonzero()
     direct = grad_states[:, -1].contiguous() if only_last else grad_states
-    g = backprop_scan(jacobians_t.view(batch, steps, d, d), direct, algorithm=module.algorithm)
+    g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
@@ -489,32 +592,48 @@ def _scan_grads(
     return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
 
 
+def _cell_rows(
+    module: Recurrence, spec: _StateSpec, x_flat: Tensor, states: Tensor, lo: int, hi: int
+) -> tuple[Tensor, Tensor]:
+    """``(new, prev)``: the cell called on rows ``lo:hi`` of all steps at once, recorded by autograd, and the
+    state leaf it read; :class:`_RowsMixed` (``module.verify``) where it does not reproduce the forward's states."""
+    d = spec.width
+    rows = x_flat.shape[0]
+    prev = states[:, :-1].reshape(rows, d)[lo:hi].detach().requires_grad_()
+    with torch.enable_grad():
+        new = spec.flatten(spec.check(module.cell(x_flat[lo:hi], spec.unflatten(prev)), hi - lo))
+    _check_rows(module, new, states[:, 1:].reshape(rows, d)[lo:hi])
+    return new, prev
+
+
+def _check_rows(module: Recurrence, new: Tensor, expected: Tensor) -> None:
+    """:class:`_RowsMixed` (``module.verify``) where the batched step does not reproduce the forward's states."""
+    tolerance = torch.finfo(new.dtype).eps ** 0.5
+    # normwise (max over all rows): a third of allclose's passes over B T d elements
+    if module.verify and (new - expected).abs_().amax() > tolerance * (1 + expected.abs().amax()):
+        raise _RowsMixed(
+            "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
+            "treat batch rows independently"
+        )
+
+
 def _step_jacobians(
     module: Recurrence, spec: _StateSpec, x_flat: Tensor, states: Tensor
 ) -> tuple[Tensor, list[tuple[Tensor, int, int]]]:
-    """The transposed step Jacobians ``(B T, d, d)`` of all steps (rows ``(b, t)``), from batched cell calls.
+    """The dense transposed step Jacobians ``(B T, d, d)`` of all steps (rows ``(b, t)``), from batched cell calls.
 
     Returns them and the calls' outputs ``(new states, lo, hi)`` (graphs kept for the parameter VJP).
     Raises :class:`_RowsMixed` (``module.verify``) when the calls do not reproduce ``states``.
     """
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
-    prev_all, next_all = states[:, :-1].reshape(rows, d), states[:, 1:].reshape(rows, d)
     jacobians_t = states.new_empty(rows, d, d)
     eye = torch.eye(d, dtype=states.dtype, device=states.device)
-    tolerance = torch.finfo(states.dtype).eps ** 0.5
     chunk = _chunk_rows(d)
     outs = []
     for lo in range(0, rows, chunk):
         hi = min(lo + chunk, rows)
-        prev = prev_all[lo:hi].detach().requires_grad_()
-        with torch.enable_grad():
-            new = spec.flatten(spec.check(module.cell(x_flat[lo:hi], spec.unflatten(prev)), hi - lo))
-        if module.verify and not torch.allclose(new, next_all[lo:hi], rtol=tolerance, atol=tolerance):
-            raise _RowsMixed(
-                "calling the cell on all steps at once does not reproduce the loop's states: the cell must "
-                "treat batch rows independently"
-            )
+        new, prev = _cell_rows(module, spec, x_flat, states, lo, hi)
         if not new.requires_grad:  # depends on nothing that needs a gradient: J = 0
             jacobians_t[lo:hi] = 0
             continue
@@ -525,6 +644,59 @@ def _step_jacobians(
         jacobians_t[lo:hi] = jac.permute(1, 2, 0)  # jac[k, r, j] = ∂s_r[k]/∂s_{r-1}[j]
         outs.append((new, lo, hi))
     return jacobians_t, outs
+
+
+def _factored_pass(
+    module: Recurrence, structure: CellStructure, spec: _StateSpec, x_flat: Tensor, states: Tensor
+) -> tuple[FactoredJacobians, Tensor]:
+    """The step Jacobians of all steps (rows ``(b, t)``) from the traced step's factors, and the new states
+    ``(B T, d)`` recorded by autograd back to ``x_flat`` and the cell's parameters; :class:`_RowsMixed`
+    (``module.verify``) where they do not reproduce the forward's states."""
+    rows = x_flat.shape[0]
+    tensors = cell_tensors(module.cell)
+    prev = spec.tensors(spec.unflatten(states[:, :-1].reshape(rows, spec.width)))
+    with torch.enable_grad():  # the backward runs with grad mode off
+        jacobians, outs = structure.linearize(tensors, x_flat, prev, states.shape[0])
+        new = spec.flatten(tuple(outs) if spec.is_tuple else outs[0])
+    _check_rows(module, new, states[:, 1:].reshape(rows, spec.width))
+    return jacobians, new
+
+
+def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, states: Tensor) -> str | None:
+    """``None`` where the traced step's Jacobians and parameter VJP equal the cell's on these steps, else why
+    not (once per trace: a custom ``autograd.Function`` in the cell, for one, is not in the traced graph)."""
+    x_flat = x.reshape(-1, *x.shape[2:]).requires_grad_()
+    params = [p for p in module.cell.parameters() if p.requires_grad]
+    try:
+        dense, outs = _step_jacobians(module, spec, x_flat, states)
+    except (*_BATCHING_ERRORS, _RowsMixed) as error:  # the dense path will meet it too and fall back
+        return f"the dense check failed: {_failure_reason(error)}"
+    try:
+        factored, new = _factored_pass(module, structure, spec, x_flat, states)
+    except Exception as error:  # noqa: BLE001 - the dense Jacobians then
+        return f"the factored pass failed ({describe(error)})"
+    tolerance = torch.finfo(spec.dtype).eps ** 0.75
+    scale = max(1.0, dense.abs().max().item())
+    if not torch.allclose(factored.dense().reshape(dense.shape), dense, rtol=tolerance, atol=tolerance * scale):
+        return "the factored Jacobians do not match the dense ones"
+    cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype, device=new.device).view_as(new)
+    leaves = [x_flat, *params]
+    none = [None] * len(leaves)
+    theirs = torch.autograd.grad([o for o, _, _ in outs], leaves, [cotangent], allow_unused=True) if outs else none
+    ours = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else none
+    for a, b in zip(ours, theirs, strict=True):
+        if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale)):
+            return "the traced step's parameter gradients do not match the cell's"
+    return None
+
+
+def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor) -> Tensor:
+    """The loop's states ``(B, T + 1, d)`` from the traced step (no cell calls)."""
+    batch, steps = x.shape[:2]
+    x_tb = x.transpose(0, 1).reshape(steps * batch, *x.shape[2:])
+    news = structure.loop(cell_tensors(module.cell), x_tb, spec.tensors(spec.unflatten(s0)), steps)
+    flats = [spec.flatten(tuple(new)) if spec.is_tuple else new[0] for new in news]
+    return torch.stack([s0, *flats], 1)
 
 
 def _chunk_rows(d: int) -> int:

@@ -70,7 +70,27 @@ class PeepholeLSTM(nn.Module):
         return self.proj(state[0])
 
 
-CELLS = {"gated": GatedCell, "ind": IndCell, "lstm": PeepholeLSTM}
+class DeepTransition(nn.Module):
+    """``h' = tanh(x U + W2 tanh(W1 h))``: the state passes two linear maps (not factorable)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.w1, self.w2 = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x, h):
+        return torch.tanh(self.ih(x) + self.w2(torch.tanh(self.w1(h))))
+
+
+class NormedCell(GatedCell):
+    """Layer norm of the state: a reduction over the hidden dimension (not factorable)."""
+
+    def forward(self, x, h):
+        return super().forward(x, nn.functional.layer_norm(h, h.shape[-1:]))
+
+
+CELLS = {"gated": GatedCell, "ind": IndCell, "lstm": PeepholeLSTM, "deep": DeepTransition, "normed": NormedCell}
+FACTORABLE = {"gated", "ind", "lstm"}
 
 
 def fake_timer(monkeypatch, autograd_seconds, jacobian_seconds):
@@ -153,11 +173,14 @@ def test_gradients_equal_autograd_through_the_loop(kind, where, batch, steps, wi
     cell, x, state0 = make(kind, batch, steps, with_state0=with_state0, batch_first=batch_first)
     rec = compare(cell, x, state0, where=where, batch_first=batch_first)
     assert rec.last_stats["path"] == "scan" and rec.last_stats["reason"] is None
+    assert rec.last_stats["jacobians"] == ("factored" if kind in FACTORABLE else "dense")
+    assert rec.last_stats["traced_forward"]
 
 
+@pytest.mark.parametrize("kind", ["gated", "ind"])  # ind: a diagonal-only factored chain (no weight tiles)
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked"])
-def test_every_algorithm_is_exact_including_one_step_and_one_wide_state(algorithm):
-    compare(*make("gated", 2, 13), algorithm=algorithm)
+def test_every_algorithm_is_exact_including_one_step_and_one_wide_state(algorithm, kind):
+    compare(*make(kind, 2, 13), algorithm=algorithm)
     rec = compare(*make("lstm", 3, 1), algorithm=algorithm)  # T = 1: an explicit algorithm still scans
     assert rec.last_stats["path"] == "scan"
     compare(*make("ind", 4, 5, hidden=1), algorithm=algorithm)
@@ -366,8 +389,13 @@ def test_bad_arguments_are_rejected():
 def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit(scan_wins):
     cell, x, h0 = make("gated", 3, 6)
     assert compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"] == "auto: one step, nothing to scan"
+    factors = 3 * 6 * (3 * 5 + 5) * 8  # B T (3 gate pieces + the diagonal of z h) H float64s
+    rec = compare(cell, x, h0, memory_budget=factors - 1)
+    assert rec.last_stats["path"] == "autograd" and "factored Jacobians need" in rec.last_stats["reason"]
+    assert compare(cell, x, h0, memory_budget=factors).last_stats["path"] == "scan"
+    cell, x, h0 = make("deep", 3, 6)
     rec = compare(cell, x, h0, memory_budget=3 * 6 * 25 * 8 - 1)
-    assert rec.last_stats["path"] == "autograd" and "memory_budget" in rec.last_stats["reason"]
+    assert rec.last_stats["path"] == "autograd" and "dense Jacobians need" in rec.last_stats["reason"]
     assert compare(cell, x, h0, memory_budget=3 * 6 * 25 * 8).last_stats["path"] == "scan"
     rec = Recurrence(cell)
     with torch.no_grad():
@@ -395,7 +423,7 @@ def test_double_backward_and_reference_backward_equal_autograd():
 
 
 def test_auto_measures_once_per_batch_shape_and_keeps_the_faster_backward(monkeypatch):
-    cell, x, h0 = make("gated", 3, 40)
+    cell, x, h0 = make("deep", 3, 40)  # not factorable: "auto" measures
     calls = fake_timer(monkeypatch, 0.1, 1.0)  # the scan's Jacobians measure slower than autograd
     rec = compare(cell, x, h0)
     assert rec.last_stats["path"] == "autograd" and "does not beat autograd" in rec.last_stats["reason"]
@@ -404,7 +432,7 @@ def test_auto_measures_once_per_batch_shape_and_keeps_the_faster_backward(monkey
     rec.train(False)
     calls = fake_timer(monkeypatch, 1.0, 0.1)
     assert compare(cell, x, h0, rec=rec).last_stats["path"] == "scan" and len(calls) == 3  # another mode
-    _, x1, h1 = make("gated", 1, 40)
+    _, x1, h1 = make("deep", 1, 40)
     assert compare(cell, x1, h1, rec=rec).last_stats["path"] == "scan" and len(calls) == 6  # another B
 
 
@@ -506,3 +534,118 @@ def test_random_shapes_and_state_layouts_match_the_loop(batch, steps, sizes, as_
     cell = Mixer()
     x = torch.randn(steps, batch, 2, dtype=F64, requires_grad=True)
     compare(cell, x, None, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_factored_jacobians_equal_the_dense_ones_or_say_why_not(kind):
+    cell, x, state0 = make(kind, 3, 6)
+    rec = compare(cell, x, state0, algorithm="linear")
+    stats = rec.last_stats
+    if kind in FACTORABLE:
+        assert stats["jacobians"] == "factored" and stats["dense_reason"] is None
+    else:
+        assert stats["jacobians"] == "dense"
+        assert re.search("matrix product" if kind == "deep" else "neither pointwise", stats["dense_reason"])
+    given = state0 if isinstance(state0, tuple) else (state0,)
+    spec = recurrence._StateSpec(tuple(s.shape[-1] for s in given), isinstance(state0, tuple), F64)
+    xb = x.detach().transpose(0, 1)
+    states = rec._loop(xb, torch.cat([s.detach() for s in given], -1), spec)
+    traced = rec._trace(xb, states[:, 0], spec)
+    dense, _ = recurrence._step_jacobians(rec, spec, xb.reshape(-1, xb.shape[-1]), states)
+    if kind in FACTORABLE:
+        factored, _ = recurrence._factored_pass(rec, traced.structure, spec, xb.reshape(-1, xb.shape[-1]), states)
+        torch.testing.assert_close(factored.dense().reshape(dense.shape), dense, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cell_cls", [GatedCell, PeepholeLSTM])
+def test_traced_forward_equals_the_cells_loop_in_float32(cell_cls):
+    cell, x = cell_cls(3, 5), torch.randn(30, 4, 3, requires_grad=True)
+    rec = Recurrence(cell, algorithm="linear")
+    out, _ = rec(x)
+    assert rec.last_stats["traced_forward"]
+    ref, _ = loop(cell, x, _zeros(cell, 4, torch.float32))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+class BranchingCell(GatedCell):
+    """Python control flow on the state's values: tracing cannot bake it in."""
+
+    def forward(self, x, h):
+        h = super().forward(x, h)
+        return h * 0.5 if bool((h > 0.9).any()) else h
+
+
+class RowViewCell(GatedCell):
+    """Bakes the row count into a view of the input: the input part cannot run on all steps at once."""
+
+    def forward(self, x, h):
+        return super().forward(x.view(h.shape[0], -1), h)
+
+
+@pytest.mark.parametrize(("cell_cls", "reason"), [(BranchingCell, "tracing failed"), (RowViewCell, "row count")])
+def test_cells_that_do_not_trace_call_the_cell_with_dense_jacobians(cell_cls, reason):
+    torch.manual_seed(1)
+    cell = cell_cls(3, 5).double()
+    rec = compare(cell, torch.randn(8, 3, 3, dtype=F64, requires_grad=True), None, algorithm="linear")
+    stats = rec.last_stats
+    assert stats["path"] == "scan" and stats["jacobians"] == "dense" and not stats["traced_forward"]
+    assert re.search(reason, stats["trace_reason"]) and stats["dense_reason"] == stats["trace_reason"]
+
+
+class InputMixingCell(GatedCell):
+    """Centres its input over the batch rows: the input part run once for all steps would mix steps."""
+
+    def forward(self, x, h):
+        return super().forward(x - x.mean(0), h)
+
+
+def test_a_traced_step_that_does_not_reproduce_the_cell_is_not_used():
+    torch.manual_seed(2)
+    cell = InputMixingCell(3, 5).double()
+    rec = Recurrence(cell, algorithm="linear")
+    with pytest.warns(RuntimeWarning, match="independently"):  # the batched calls mix the rows too
+        compare(cell, torch.randn(6, 4, 3, dtype=F64, requires_grad=True), None, rec=rec)
+    (traced,) = rec._traced.values()
+    assert traced.structure is None and "does not reproduce the cell's loop" in traced.reason
+
+
+class SlicedCell(nn.Module):
+    """Gates sliced (not chunked) from ``h @ W.T``, one from the end: still factored."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size, self.hidden = hidden, hidden
+        self.ih = nn.Linear(inputs, hidden)
+        self.w = nn.Parameter(torch.randn(2 * hidden, hidden) * 0.4)
+
+    def forward(self, x, h):
+        z = h @ self.w.T
+        gate = torch.sigmoid(z[:, : self.hidden])
+        return gate * h + (1 - gate) * torch.tanh(self.ih(x) + z[:, -self.hidden :])
+
+
+class _RoundThrough(torch.autograd.Function):
+    """Rounds, with the gradient of the identity (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return torch.round(t * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class StraightThroughCell(IndCell):
+    """A custom backward the traced graph does not have: the check against the cell's Jacobians finds it."""
+
+    def forward(self, x, h):
+        return super().forward(x, _RoundThrough.apply(h))
+
+
+def test_sliced_gates_factor_and_a_custom_backward_stays_dense():
+    cell, x, h0 = SlicedCell(3, 5).double(), *make("gated", 3, 6)[1:]
+    assert compare(cell, x, h0, algorithm="linear").last_stats["jacobians"] == "factored"
+    cell, x, h0 = StraightThroughCell(3, 5).double(), *make("gated", 3, 6)[1:]
+    rec = compare(cell, x, h0, algorithm="linear")
+    assert rec.last_stats["jacobians"] == "dense" and "do not match" in rec.last_stats["dense_reason"]

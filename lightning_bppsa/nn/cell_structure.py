@@ -1,0 +1,373 @@
+"""A recurrent cell's step traced into its aten graph, split by what each node depends on.
+
+:func:`trace_cell` traces ``cell(x, state) -> state`` once with ``make_fx(tracing_mode="fake")`` (data-
+dependent Python control flow and ``.item()`` raise instead of being baked in) and splits the graph:
+
+- the *input part*: nodes depending on the parameters and ``x`` only (e.g. the input projection), which
+  :meth:`CellStructure.loop` evaluates once for all ``B T`` rows;
+- the *state part*: nodes depending on the state, which it runs per step (calling torch's own functions
+  rather than the aten overloads: several µs less per op).
+
+The cell is *factorable* when the state reaches the new state only through (a) linear maps by weights
+that depend on parameters only (``mm`` / ``addmm`` of a state tensor, or of a ``cat`` of state tensors and
+input-only tensors along the last dimension, optionally split or sliced along the last dimension into
+pieces of the state's width ``H``) and (b) pointwise ops whose state-dependent operands all have the
+output's shape ``(rows, H)``. Then the step Jacobian is, per row,
+``J = Σ_{p,q} diag(c_pq) E_pq + Σ_k Σ_p diag(s_kp) [W_k at the column blocks of the states it reads]``,
+``c`` and ``s`` being per-coordinate partials of the pointwise part, which :meth:`CellStructure.linearize`
+gets from one reverse pass per state tensor over all rows (the part is pointwise, so the gradient of a
+sum is each coordinate's own partial) and returns as :class:`~lightning_bppsa.jacobians.FactoredJacobians`.
+Anything else is not factorable (``reason`` says why).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, fx, nn
+from torch.func import functional_call
+
+from lightning_bppsa.jacobians.factored import FactoredJacobians
+
+__all__ = ["CellStructure", "NotTraceable", "cell_tensors", "describe", "trace_cell"]
+
+aten = torch.ops.aten
+_LINEAR = (aten.mm.default, aten.addmm.default)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+
+_CONST, _INPUT, _STATE = 0, 1, 2  # what a node depends on: parameters only, x too, the state too
+
+
+class NotTraceable(Exception):
+    """The cell's step could not be traced into a graph that replaces calling it."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One ``(rows, H)`` column block ``[offset, offset + H)`` of a linear map ``z = a @ Wt`` of the state."""
+
+    weight: int  # index of ``Wt`` (``(in, out)``) among the frontier values
+    offset: int
+    reads: tuple[tuple[int, int], ...]  # (state index, row offset of its block in Wt)
+
+
+class CellStructure:
+    """The traced step of a cell: an input part evaluated once, a state part per step, maybe factored Jacobians.
+
+    Built by :func:`trace_cell`; ``reason`` is ``None`` where the Jacobians factor, else why not.
+    """
+
+    def __init__(self, gm: fx.GraphModule, n_tensors: int, n_states: int, width: int) -> None:
+        nodes = list(gm.graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        tensor_nodes = placeholders[:n_tensors]
+        x_node, states = placeholders[n_tensors], placeholders[n_tensors + 1 :]
+        outputs = list(next(n for n in nodes if n.op == "output").args[0])
+        origin: dict[fx.Node, int] = {x_node: _INPUT, **{s: _STATE for s in states}}
+        for node in nodes:
+            if node.op == "get_attr" or node in tensor_nodes:
+                origin[node] = _CONST
+            elif node.op == "call_function":
+                origin[node] = max((origin[a] for a in node.all_input_nodes), default=_CONST)
+        state_part = [n for n in nodes if n.op == "call_function" and origin[n] == _STATE]
+        # the input part's values the state part (or the output) reads: computed once for all rows
+        frontier = list(dict.fromkeys(a for n in state_part for a in n.all_input_nodes if origin[a] != _STATE))
+        frontier += [o for o in dict.fromkeys(outputs) if origin[o] != _STATE and o not in frontier]
+        rows = x_node.meta["val"].shape[0]
+        for node in frontier:
+            val = node.meta.get("val")
+            if origin[node] == _INPUT and not (isinstance(val, Tensor) and val.dim() > 0 and val.shape[0] == rows):
+                raise NotTraceable(f"an input-only value ({node.name}) does not keep the batch rows first")
+        self._frontier_is_row = [origin[n] == _INPUT for n in frontier]
+        self._precompute = _extract(gm, [*tensor_nodes, x_node], frontier)
+        self._step = _eager(_extract(gm, [*frontier, *states], outputs))
+        self.reason, self._pieces = _factor(state_part, outputs, origin, states, frontier, rows, width)
+        if self.reason is None:
+            computing = _ancestors([p for p, _ in self._pieces], set(state_part))
+            linear = [n for n in state_part if n in computing]
+            pointwise = [n for n in state_part if n not in linear]
+            self._linear = _extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear)
+            self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
+        self.n_states, self.width = len(states), width
+        # the states the pointwise part reads (not only through the linear maps): each is one more tile
+        inputs = [n for n in self._pointwise.graph.nodes if n.op == "placeholder"] if self.reason is None else []
+        self._direct = [q for q, node in enumerate(inputs[len(frontier) : len(frontier) + len(states)]) if node.users]
+        # elements of one step's factors (scales and diagonal): what "auto"'s memory budget weighs
+        self.factor_elements = (len(self._pieces) + len(self._direct)) * self.n_states * width
+
+    def loop(self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int) -> list[list[Tensor]]:
+        """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
+        so that a step's rows are contiguous), then only the state part per step."""
+        batch = x.shape[0] // steps
+        frontier = self._precompute.forward(*tensors, x)
+        # each step's arguments as one tuple, made in C: row-shaped values as T views, the others repeated
+        columns = [
+            v.unflatten(0, (steps, batch)).unbind(0) if row else itertools.repeat(v, steps)
+            for v, row in zip(frontier, self._frontier_is_row, strict=True)
+        ]
+        step, out = self._step.forward, []
+        for args in zip(*columns, strict=True) if columns else itertools.repeat((), steps):
+            states = step(*args, *states)
+            out.append(states)
+        return out
+
+    def linearize(
+        self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], batch: int
+    ) -> tuple[FactoredJacobians, list[Tensor]]:
+        """The step Jacobians of all rows (``(b, t)`` flattened, ``batch`` = ``B``), factored, and the new
+        state tensors recorded by autograd back to ``tensors`` and ``x`` (for the parameter VJP)."""
+        m, h = self.n_states, self.width
+        d = m * h
+        states = tuple(s.detach() for s in states)
+        frontier = self._precompute.forward(*tensors, x)
+        pieces = [p if p.requires_grad else p.detach().requires_grad_() for p in self._linear.forward(*frontier, *states)]
+        # the states as leaves only after the pieces are made: their gradients are the pointwise part's own reads
+        direct = [s.requires_grad_() for s in states]
+        outs = self._pointwise.forward(*frontier, *direct, *pieces)
+        leaves = [*direct, *pieces]
+        # one reverse pass per new state tensor p: the part is pointwise, so the gradient of Σ out_p
+        # w.r.t. each of its inputs is that input's per-coordinate partial
+        partials = []
+        for out in outs:
+            if out.requires_grad:
+                grads = torch.autograd.grad(
+                    out, leaves, torch.ones_like(out), retain_graph=True, allow_unused=True, materialize_grads=True
+                )
+            else:  # a new state that does not depend on the old one
+                grads = tuple(torch.zeros_like(t) for t in leaves)
+            partials.append(grads)
+        frontier = [v.detach() for v in frontier]
+        rows = states[0].shape[0]
+        weights, scales = [], []
+        for k, (_, piece) in enumerate(self._pieces):
+            w_t = frontier[piece.weight]
+            block = [w_t.new_zeros(h, h) for _ in range(m)]
+            for q, row in piece.reads:
+                block[q] = block[q] + w_t[row : row + h, piece.offset : piece.offset + h].T
+            weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
+            scales.append(torch.cat([partials[p][m + k] for p in range(m)], -1) if m > 1 else partials[0][m + k])
+        diagonal = None
+        if m == 1 and self._direct and not weights:  # diagonal only: one identity tile (a chain of k = 0
+            weights.append(torch.eye(h, dtype=states[0].dtype, device=states[0].device))  # tiles plans badly)
+            scales.append(partials[0][0])
+        elif m == 1:
+            diagonal = partials[0][0] if self._direct else None
+        else:  # ∂s'_p/∂s_q for the states q read directly: an identity at column block q, scaled per row block p
+            eye = torch.eye(h, dtype=states[0].dtype, device=states[0].device)
+            for q in self._direct:
+                block = [eye if j == q else eye.new_zeros(h, h) for j in range(m)]
+                weights.append(torch.cat(block, 1).repeat(m, 1))
+                scales.append(torch.cat([partials[p][q] for p in range(m)], -1))
+        weight = torch.cat(weights, 0) if weights else states[0].new_zeros(0, d)
+        scale = torch.cat(scales, -1) if scales else states[0].new_zeros(rows, 0)
+        steps = rows // batch
+        jacobians = FactoredJacobians(
+            weight, scale.view(batch, steps, -1), None if diagonal is None else diagonal.reshape(batch, steps, d)
+        )
+        return jacobians, outs
+
+
+def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple: bool) -> CellStructure:
+    """Trace ``cell`` at ``x``'s row count into a :class:`CellStructure`; :class:`NotTraceable` says why not.
+
+    The step is traced at two row counts: a graph that differs between them bakes the row count in
+    (e.g. a ``view``) and could not run the input part on all ``B T`` rows at once.
+    """
+    names = [n for n, _ in (*cell.named_parameters(), *cell.named_buffers())]
+    tensors = [t.detach() for t in cell_tensors(cell)]
+
+    def step(*flat: Tensor) -> list[Tensor]:
+        given, x_t, state = flat[: len(names)], flat[len(names)], flat[len(names) + 1 :]
+        new = functional_call(cell, dict(zip(names, given, strict=True)), (x_t, state if is_tuple else state[0]))
+        return list(new) if is_tuple else [new]
+
+    graphs = []
+    for rows in (x.shape[0], x.shape[0] + 1):
+        inputs = [x.new_empty(rows, *x.shape[1:]), *(s.new_empty(rows, *s.shape[1:]) for s in states)]
+        devices = [x.device] if x.device.type == "cuda" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                gm = torch.fx.experimental.proxy_tensor.make_fx(step, tracing_mode="fake")(*tensors, *inputs)
+        except Exception as error:  # noqa: BLE001 - any failure to trace keeps calling the cell
+            raise NotTraceable(f"tracing failed ({describe(error)})") from None
+        _check_pure(gm)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        graphs.append(gm)
+    if _signature(graphs[0]) != _signature(graphs[1]):
+        raise NotTraceable("the traced step depends on the row count")
+    try:
+        return CellStructure(graphs[0], len(tensors), len(states), states[0].shape[-1])
+    except NotTraceable:
+        raise
+    except Exception as error:  # noqa: BLE001 - a graph the analysis does not expect keeps calling the cell
+        raise NotTraceable(f"the traced step could not be split ({describe(error)})") from None
+
+
+def describe(error: Exception) -> str:
+    """``"Type: first line of the message"``: a reason short enough for ``last_stats`` and a warning."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def cell_tensors(cell: nn.Module) -> list[Tensor]:
+    """The cell's parameters and buffers in the order the traced graph takes them."""
+    return [t for _, t in (*cell.named_parameters(), *cell.named_buffers())]
+
+
+def _check_pure(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            if target._schema.is_mutable:
+                raise NotTraceable(f"the cell modifies a tensor in place ({target})")
+            if torch.Tag.nondeterministic_seeded in target.tags:
+                raise NotTraceable(f"the cell draws random numbers ({target})")
+
+
+def _signature(gm: fx.GraphModule) -> list[tuple]:
+    """The graph's ops and non-tensor arguments (nodes by position): equal iff no shape depends on the rows."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mapped = lambda a: fx.node.map_arg(a, lambda n: ("node", index[n]))  # noqa: E731
+    return [(n.op, str(n.target), repr(mapped(n.args)), repr(mapped(n.kwargs))) for n in gm.graph.nodes]
+
+
+def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], nodes: list[fx.Node] | None = None) -> fx.GraphModule:
+    """A graph computing ``outputs`` from ``inputs`` with ``gm``'s nodes (``nodes``, or all those needed)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        env[node] = graph.placeholder(f"in_{i}")
+        env[node].meta = node.meta
+    allowed = None if nodes is None else set(nodes)
+    for node in gm.graph.nodes:
+        if node in env or node.op in ("placeholder", "output") or (allowed is not None and node not in allowed):
+            continue
+        if all(a in env for a in node.all_input_nodes):
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    missing = [o.name for o in outputs if o not in env]
+    if missing:
+        raise NotTraceable(f"the traced step's parts do not separate ({missing[0]})")
+    graph.output([env[o] for o in outputs])
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph)
+
+
+def _eager(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` calling torch's own functions where they exist instead of the aten overloads: the same kernels
+    without the overloads' boxed calls (several µs an op, most of a small step). The traced loop is checked
+    against the cell's, so an overload resolved differently is found."""
+    for node in gm.graph.nodes:
+        if node.target is aten.split.Tensor:
+            # torch.split is Python over the overload; split_with_sizes is direct (~2x faster, e.g. gate chunks)
+            dim = node.args[2] if len(node.args) > 2 else 0
+            node.target = torch.split_with_sizes
+            node.args = (node.args[0], [piece.shape[dim] for piece in node.meta["val"]], dim)
+        elif isinstance(node.target, torch._ops.OpOverload):
+            function = getattr(torch, node.target._schema.name.split("::")[-1], None)
+            if isinstance(function, types.BuiltinFunctionType):
+                node.target = function
+    gm.recompile()
+    return gm
+
+
+def _ancestors(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and the nodes of ``within`` they are computed from (the pieces' cat, mm, split: the linear part)."""
+    found: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in within and node not in found:
+            found.add(node)
+            stack += node.all_input_nodes
+    return found
+
+
+def _factor(
+    state_part: list[fx.Node],
+    outputs: list[fx.Node],
+    origin: dict[fx.Node, int],
+    states: list[fx.Node],
+    frontier: list[fx.Node],
+    rows: int,
+    width: int,
+) -> tuple[str | None, list[tuple[fx.Node, _Piece]]]:
+    """``(None, pieces)`` where the Jacobians factor (module docstring), else ``(reason, [])``."""
+    full = (rows, width)
+    shape = lambda n: tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), Tensor) else None  # noqa: E731
+    if any(shape(s) != full for s in states):
+        return "the state tensors differ in width", []
+    reads: dict[fx.Node, tuple[tuple[int, int], ...]] = {}  # linear operand -> (state, row offset in Wt)
+    linear: dict[fx.Node, fx.Node] = {}  # mm / addmm node -> its weight node
+    pieces: list[tuple[fx.Node, _Piece]] = []
+    smooth = set(states)  # nodes a pointwise op may read: states, pieces, pointwise results
+
+    def piece(node: fx.Node, mm: fx.Node, offset: int) -> str | None:
+        if shape(node) != full:
+            return f"a piece of a linear map of the state ({node.name}) is not (rows, H)"
+        pieces.append((node, _Piece(frontier.index(linear[mm]), offset, reads[mm.args[-2]])))
+        smooth.add(node)
+        return None
+
+    for node in state_part:
+        target, args = node.target, node.args
+        if target is aten.cat.default and _last_dim(args[1] if len(args) > 1 else 0, node):
+            offsets, at = [], 0
+            for part in args[0]:
+                if part in states:
+                    offsets.append((states.index(part), at))
+                elif origin[part] == _STATE:
+                    return f"a concatenation reads a state-dependent value ({part.name}) that is not a state tensor", []
+                at += shape(part)[-1]
+            reads[node] = tuple(offsets)
+        elif target in _LINEAR and not node.kwargs:
+            operand, weight = args[-2], args[-1]
+            if operand in states:
+                reads[operand] = ((states.index(operand), 0),)
+            if operand not in reads or origin[weight] != _CONST or (target is aten.addmm.default and origin[args[0]] == _STATE):
+                return f"the state reaches a matrix product ({node.name}) other than a state tensor times a parameter", []
+            linear[node] = weight
+            if shape(node)[-1] == width and (reason := piece(node, node, 0)):
+                return reason, []
+        elif target in _SPLITS and args[0] in linear and _last_dim(args[2] if len(args) > 2 else 0, node):
+            sizes = args[1] if isinstance(args[1], (list, tuple)) else None
+            for user in node.users:
+                if user.target is not operator.getitem:
+                    return f"a split of a linear map of the state is read by {user.target}", []
+                i = user.args[1]
+                offset = sum(sizes[:i]) if sizes is not None else i * args[1]
+                if reason := piece(user, args[0], offset):
+                    return reason, []
+        elif target is operator.getitem and args[0].target in _SPLITS and args[0].args[0] in linear:
+            continue  # a piece, recorded with its split
+        elif (
+            target is aten.slice.Tensor and args[0] in linear and _last_dim(args[1] if len(args) > 1 else 0, node)
+            and (len(args) < 5 or args[4] == 1)
+        ):
+            start = args[2] if len(args) > 2 and args[2] is not None else 0
+            if reason := piece(node, args[0], start + shape(args[0])[-1] if start < 0 else start):
+                return reason, []
+        elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+            stateful = [a for a in node.all_input_nodes if origin[a] == _STATE]
+            if shape(node) != full or any(a not in smooth or shape(a) != full for a in stateful):
+                return f"the state reaches {target} with operands that are not per-coordinate (rows, H)", []
+            smooth.add(node)
+        else:
+            return f"the state reaches {target}, neither pointwise nor a linear map by parameters", []
+    if any(origin[o] == _STATE and o not in smooth for o in outputs):
+        return "a new state tensor is not the result of a pointwise op", []
+    return None, pieces
+
+
+def _last_dim(dim: int, node: fx.Node) -> bool:
+    """``dim`` is the last dimension of ``node``'s 2-D operands."""
+    return dim in (-1, 1) and node.args[0] is not None and _ndim(node) == 2
+
+
+def _ndim(node: fx.Node) -> int:
+    first = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+    val = first.meta.get("val") if isinstance(first, fx.Node) else None
+    return val.dim() if isinstance(val, Tensor) else -1
