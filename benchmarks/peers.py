@@ -20,7 +20,8 @@ cores used (CPU time / wall time over the step rounds), and once per workload th
 against torch autograd (norm-wise relative difference) and against a float64 torch reference (the derived
 rule of :func:`lightning_bppsa.testing.assert_derived_close`: a peer computing something else is not a peer).
 
-Each thread count runs in its own subprocess (``torch.set_num_threads``, ``OMP_NUM_THREADS``; for one
+Each thread count runs in its own subprocess (``torch.set_num_threads``, ``OMP_NUM_THREADS``,
+``TORCHINDUCTOR_COMPILE_THREADS=1`` so no compile worker outlives a compile cut off by the budget; for one
 thread ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``, which XLA only
 reads at start-up; with more threads XLA keeps its default pool of every core).
 
@@ -580,7 +581,10 @@ def _run_threads(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[s
     """One worker subprocess per thread count, in order; returns their rows, machines and jax version."""
     results, machines, jax_version, over_budget = [], [], None, {}
     for threads in args.threads:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        # inductor compiles in this process (no pool of compile workers): a compile cut off by the budget
+        # must not keep compiling in the background while the next rows are timed
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   TORCHINDUCTOR_COMPILE_THREADS="1")  # fmt: skip
         if threads == 1:
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ONE_THREAD_XLA_FLAGS}".strip()
         with tempfile.TemporaryDirectory() as folder:
