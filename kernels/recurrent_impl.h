@@ -274,6 +274,26 @@ static inline void F(input_rows)(const F(args)* a, int64_t t, int64_t b, int row
     }
 }
 
+/* The common start of a forward step for its rows: prev = h_{t-1}, gh = h_{t-1} W_hhᵀ (in tmp) and gi = the
+   input projections (width wide). */
+typedef struct {
+    const REAL* prev[2];
+    REAL* gh[2];
+    const REAL* gi[2];
+} F(step_rows);
+
+static inline F(step_rows) F(forward_rows)(const F(args)* a, int64_t t, int64_t b, int rows, int64_t width) {
+    const int64_t H = a->hidden;
+    F(step_rows) s = {{NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
+    for (int r = 0; r < rows; ++r) {
+        s.prev[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
+        s.gh[r] = a->tmp + (b + r) * a->ld;
+    }
+    F(input_rows)(a, t, b, rows, width, s.gi);
+    F(product)(rows, s.prev, H, a->weight, a->ld, a->ld, s.gh, a->scratch + b * a->ld);
+    return s;
+}
+
 /* ---- Elman RNN --------------------------------------------------------------------------------- */
 
 /* h = f(gi + gh + b_hh); slope = 1 - h² for tanh; for relu the mask of threshold_backward: 0 where
@@ -307,17 +327,9 @@ static inline void F(rnn_gate_grad)(int64_t H, int relu, const REAL* restrict g,
 /* h_t = f(gi_t + h_{t-1} W_hhᵀ + b_hh): out = h, second = slope. */
 static inline void F(rnn_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
-    const REAL* x[2] = {NULL, NULL};
-    REAL* y[2] = {NULL, NULL};
-    for (int r = 0; r < rows; ++r) {
-        x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
-        y[r] = a->tmp + (b + r) * a->ld;
-    }
-    const REAL* gi[2] = {NULL, NULL};
-    F(input_rows)(a, t, b, rows, H, gi);
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
+    const F(step_rows) s = F(forward_rows)(a, t, b, rows, H);
     for (int r = 0; r < rows; ++r)
-        F(rnn_activate)(H, a->relu, gi[r], y[r], a->bias, a->out + AT(b + r, t, H), a->second + AT(b + r, t, H));
+        F(rnn_activate)(H, a->relu, s.gi[r], s.gh[r], a->bias, a->out + AT(b + r, t, H), a->second + AT(b + r, t, H));
 }
 
 /* d_a_t = g_t ⊙ slope_t (out), g_{t-1} = d_a_t W_hh + grad_out[t - 1]; g holds g_t per row (ld apart). */
@@ -385,17 +397,9 @@ static inline void F(gru_state_grad)(int64_t H, REAL* restrict g, const REAL* re
 /* gh = h W_hhᵀ, then gru_activate: out = h, second = scales, third = z, fourth = dn. */
 static inline void F(gru_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
-    const REAL* x[2] = {NULL, NULL};
-    REAL* y[2] = {NULL, NULL};
-    for (int r = 0; r < rows; ++r) {
-        x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
-        y[r] = a->tmp + (b + r) * a->ld;
-    }
-    const REAL* gi[2] = {NULL, NULL};
-    F(input_rows)(a, t, b, rows, 3 * H, gi);
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
+    const F(step_rows) s = F(forward_rows)(a, t, b, rows, 3 * H);
     for (int r = 0; r < rows; ++r)
-        F(gru_activate)(H, gi[r], y[r], a->bias, x[r], a->out + AT(b + r, t, H),
+        F(gru_activate)(H, s.gi[r], s.gh[r], a->bias, s.prev[r], a->out + AT(b + r, t, H),
                         a->second + AT(b + r, t, 3 * H), a->third + AT(b + r, t, H), a->fourth + AT(b + r, t, H));
 }
 
@@ -461,17 +465,9 @@ static inline void F(lstm_gate_grad)(int64_t H, const REAL* restrict gates, cons
 /* pre = gi + h W_hhᵀ, then lstm_activate: out = h, second = cells c, third = gates. */
 static inline void F(lstm_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
-    const REAL* x[2] = {NULL, NULL};
-    REAL* y[2] = {NULL, NULL};
-    for (int r = 0; r < rows; ++r) {
-        x[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
-        y[r] = a->tmp + (b + r) * a->ld;
-    }
-    const REAL* gi[2] = {NULL, NULL};
-    F(input_rows)(a, t, b, rows, 4 * H, gi);
-    F(product)(rows, x, H, a->weight, a->ld, a->ld, y, a->scratch + b * a->ld);
+    const F(step_rows) s = F(forward_rows)(a, t, b, rows, 4 * H);
     for (int r = 0; r < rows; ++r)
-        F(lstm_activate)(H, gi[r], y[r],
+        F(lstm_activate)(H, s.gi[r], s.gh[r],
                          t ? a->second + AT(b + r, t - 1, H) : a->c0 + (b + r) * H, a->out + AT(b + r, t, H),
                          a->second + AT(b + r, t, H), a->third + AT(b + r, t, 4 * H));
 }
