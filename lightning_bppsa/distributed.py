@@ -31,7 +31,10 @@ a peer that died or stalled surfaces as :class:`DistributedScanError` naming the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,8 @@ from lightning_bppsa._chains import flush_denormals, time_major_chain
 from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.scan import backprop_scan as _local_scan
+
+T = TypeVar("T")
 
 __all__ = ["DistributedScanError", "distributed_backprop_scan", "scan_rounds", "segment_summary"]
 
@@ -101,22 +106,27 @@ def _exclusive_scan(summary: Tensor | None, direct: Tensor, group: dist.ProcessG
         sent = None
         if rank - span >= 0:
             dst = dist.get_global_rank(group, rank - span) if group is not None else rank - span
-            sent = dist.isend(running.contiguous(), dst=dst, group=group)
+            # gloo may raise when the op is posted (peer already gone), not only on wait
+            post = partial(dist.isend, running.contiguous(), dst=dst, group=group)
+            sent = _guarded(post, f"sending to rank {dst}", k)
         if rank + span < world:
             src = dist.get_global_rank(group, rank + span) if group is not None else rank + span
             incoming = direct.new_empty(batch, d + 1, d)
-            _wait(dist.irecv(incoming, src=src, group=group).wait, f"receiving from rank {src}", k)
+            what = f"receiving from rank {src}"
+            request = _guarded(partial(dist.irecv, incoming, src=src, group=group), what, k)
+            _guarded(request.wait, what, k)
             beyond = incoming if beyond is None else _compose(beyond, incoming)
             if summary is not None:
                 running = _compose(summary, beyond)
         if sent is not None:
-            _wait(sent.wait, f"sending to rank {dst}", k)
+            _guarded(sent.wait, f"sending to rank {dst}", k)
     return direct.new_zeros(batch, d) if beyond is None else beyond[:, d]
 
 
-def _wait(call: callable, what: str, round_: int) -> None:
+def _guarded(call: Callable[[], T], what: str, round_: int) -> T:
+    """``call()``, with a dead or silent peer's RuntimeError turned into a DistributedScanError."""
     try:
-        call()
+        return call()
     except RuntimeError as error:  # gloo / NCCL report a dead or silent peer as RuntimeError
         raise DistributedScanError(
             f"distributed BPPSA scan, rank {dist.get_rank()}: {what} failed in round {round_} "
