@@ -36,7 +36,8 @@ def test_a_stuck_child_is_terminated_at_the_wall_limit() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="_sleep_forever on 2 processes did not finish within wall_limit_s=1"):
         spawn_gloo(_sleep_forever, 2, wall_limit_s=1.0)
-    assert time.monotonic() - start < 1.0 + 10.0
+    # loose (a loaded machine must not fail it): it only tells termination from the child's hour of sleep
+    assert time.monotonic() - start < 120.0
     assert set(multiprocessing.active_children()) <= before, "a child outlived the wall limit"
 
 
