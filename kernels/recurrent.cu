@@ -2,9 +2,8 @@
 // Jacobian factors the BPPSA backward needs, in one pass over time. Torch's gate order.
 //
 // Kernels (suffix f32 / f64 / f32_regs), all with the parameters of BPPSA_REC_PARAMS:
-//   bppsa_rnn_tanh_forward_*  h = tanh(gi + W h_prev + b)     f0 = slope 1 - h²                 (B, T, H)
-//   bppsa_rnn_relu_forward_*  h = relu(gi + W h_prev + b)     f0 = slope, 0 where h <= 0 else 1 (torch's
-//                             threshold_backward: a NaN output passes the gradient)          (B, T, H)
+//   bppsa_rnn_tanh_forward_*  h = tanh(gi + W h_prev + b)     no factor: f' = 1 - h² is a function of out
+//   bppsa_rnn_relu_forward_*  h = relu(gi + W h_prev + b)     no factor (f' = the mask h > 0, from out)
 //   bppsa_gru_forward_*       gh = W h_prev + b; r = σ(gi_r + gh_r), z = σ(gi_z + gh_z),
 //                             n = tanh(gi_n + r gh_n), h = (h_prev - n) z + n (torch's form);
 //                             f0 = scales [dn gh_n r(1-r), (h_prev-n) z(1-z), dn r]   (B, T, 3H)
@@ -107,7 +106,7 @@ __device__ void layer_forward(const Layer<T>& p) {
     const i64 first = b * steps;  // row b, step 0
     const T* gi_t = p.gi + first * G * H + j;
     T* out_t = p.out + first * H + j;
-    T* f0_t = p.f0 + first * W0 * H + j;
+    T* f0_t = C == kGru || C == kLstm ? p.f0 + first * W0 * H + j : nullptr;
     T* f1_t = C == kGru || C == kLstm ? p.f1 + first * W1 * H + j : nullptr;
     T* f2_t = C == kGru ? p.f2 + first * H + j : nullptr;
 
@@ -174,11 +173,9 @@ __device__ void layer_forward(const Layer<T>& p) {
             T h_new;
             if constexpr (C == kRnnTanh) {
                 h_new = bppsa_rec::tanh_of(x[0] + gh[0]);
-                *f0_t = T(1) - h_new * h_new;
             } else if constexpr (C == kRnnRelu) {
                 const T a = x[0] + gh[0];
                 h_new = a <= T(0) ? T(0) : a;  // a NaN stays NaN, as torch's relu
-                *f0_t = h_new <= T(0) ? T(0) : T(1);
             } else if constexpr (C == kGru) {
                 const T r = bppsa_rec::sigmoid_of(x[0] + gh[0]);
                 const T z = bppsa_rec::sigmoid_of(x[1] + gh[1]);
@@ -210,8 +207,7 @@ __device__ void layer_forward(const Layer<T>& p) {
         }
         gi_t += G * H;
         out_t += H;
-        f0_t += W0 * H;
-        if constexpr (C == kGru || C == kLstm) f1_t += W1 * H;
+        if constexpr (C == kGru || C == kLstm) f0_t += W0 * H, f1_t += W1 * H;
         if constexpr (C == kGru) f2_t += H;
         // h_next is complete before anyone reads it; nobody reads h (the buffer step t+1 writes) any more
         if (one_warp)

@@ -63,7 +63,7 @@ _SUMS = [_I64] + [_PTR] * 7
 _PROJECTION = [_I64] + [_PTR] * 3
 # (batch, steps, hidden) then pointers (with the relu flag where it applies), then the thread count
 _ARGTYPES = {
-    "rnn_forward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + _PROJECTION + [_INT],
+    "rnn_forward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] + _PROJECTION + [_INT],
     "rnn_backward": [_I64] * 3 + [_PTR] * 4 + [_INT] + [_PTR] * 2 + _SUMS + [_INT],
     "gru_forward": [_I64] * 3 + [_PTR] * 8 + _PROJECTION + [_INT],
     "gru_backward": [_I64] * 3 + [_PTR] * 9 + _SUMS + [_INT],
@@ -226,14 +226,14 @@ def _sizes(name: str, tensor: Tensor, width_per_hidden: int) -> tuple[int, int, 
 
 def rnn_forward(
     gi: Tensor | Projection, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
-) -> tuple[Tensor, Tensor] | None:
+) -> tuple[Tensor] | None:
     """Elman RNN forward ``h_t = f(gi_t + h_{t-1} W_hhᵀ [+ b_hh])``, ``f = relu if relu else tanh``.
 
     Args: ``gi`` ``(B, T, H)`` (or a :class:`Projection` of the inputs), ``w_hh`` ``(H, H)``, ``b_hh``
     ``(H,)`` or ``None``, ``h0`` ``(B, H)``.
 
-    Returns ``(out, slope)``, both ``(B, T, H)``: ``out[:, t] = h_{t+1}`` and ``slope = f'``: ``1 - h²``
-    for tanh; for relu torch's ``threshold_backward`` mask (1 where NOT ``out <= 0``, so NaN passes).
+    Returns ``(out,)``, ``(B, T, H)``: ``out[:, t] = h_{t+1}``. No factor: the backward's ``f'`` is a
+    function of ``out`` (:func:`rnn_backward`).
     """
     (batch, steps, hidden), like, gi, tail = _input(gi, 1)
     _check("w_hh", w_hh, (hidden, hidden))
@@ -242,36 +242,37 @@ def rnn_forward(
     fn = _kernel("rnn_forward", like, gi, w_hh, b_hh, h0, *tail[2:])
     if fn is None:
         return None
-    out, slope = like.new_empty(batch, steps, hidden), like.new_empty(batch, steps, hidden)
-    _run(fn, batch, steps, hidden, gi, _dense(w_hh), _dense(b_hh), _dense(h0), int(relu), out, slope, *tail)
-    return out, slope
+    out = like.new_empty(batch, steps, hidden)
+    _run(fn, batch, steps, hidden, gi, _dense(w_hh), _dense(b_hh), _dense(h0), int(relu), out, *tail)
+    return (out,)
 
 
 def rnn_backward(
-    slope: Tensor, w_hh: Tensor, grad_out: Tensor | None, relu: bool, sums: ParameterSums | None = None,
+    out: Tensor, w_hh: Tensor, grad_out: Tensor | None, relu: bool, sums: ParameterSums | None = None,
     keep_gate_grads: bool = True, grad_h: Tensor | None = None,
 ) -> tuple | None:
-    """Elman RNN backward: ``g_T = grad_out[:, T-1] + grad_h``, ``d_a_t = g_t ⊙ slope_t``,
-    ``g_{t-1} = d_a_t W_hh + grad_out[:, t-2]`` (none for ``h_0``).
+    """Elman RNN backward: ``g_T = grad_out[:, T-1] + grad_h``, ``d_a_t = g_t ⊙ f'_t``,
+    ``g_{t-1} = d_a_t W_hh + grad_out[:, t-2]`` (none for ``h_0``), with ``f'`` from the states ``out``:
+    ``1 - h²`` for tanh; for relu ``d_a`` selects like torch's ``threshold_backward`` (0 where ``h <= 0``,
+    even for a NaN ``g``; a NaN ``h`` passes the gradient).
 
-    For relu ``d_a`` selects like torch (0 where the mask is 0, even for a NaN ``g``).
-    Args: ``slope``, ``grad_out`` ``(B, T, H)`` or ``None`` (zero); ``w_hh`` ``(H, H)``; ``sums``: see
-    :class:`ParameterSums`; ``grad_h`` ``(B, H)`` or ``None``: a gradient of the last state besides
-    ``grad_out``'s (e.g. of a separate ``h_n`` output).
+    Args: ``out`` (the forward's states), ``grad_out`` ``(B, T, H)`` or ``None`` (zero); ``w_hh``
+    ``(H, H)``; ``sums``: see :class:`ParameterSums`; ``grad_h`` ``(B, H)`` or ``None``: a gradient of the
+    last state besides ``grad_out``'s (e.g. of a separate ``h_n`` output).
     Returns ``(d_a (B, T, H), g0 (B, H) = ∇h_0)`` (``d_a`` ``None`` unless ``keep_gate_grads``), then with
     ``sums`` the parameter gradients.
     """
-    batch, steps, hidden = _sizes("slope", slope, 1)
+    batch, steps, hidden = _sizes("out", out, 1)
     _check("w_hh", w_hh, (hidden, hidden))
     _check("grad_out", grad_out, (batch, steps, hidden))
     _check("grad_h", grad_h, (batch, hidden))
-    fn = _kernel("rnn_backward", slope, w_hh, grad_out, grad_h, *(sums[:3] if sums else ()))
+    fn = _kernel("rnn_backward", out, w_hh, grad_out, grad_h, *(sums[:3] if sums else ()))
     if fn is None:
         return None
-    tail, grads = _sums_args(sums, 1, hidden, slope)
-    d_a = slope.new_empty(batch, steps, hidden) if keep_gate_grads or sums is None else None
-    g0 = slope.new_empty(batch, hidden)
-    dense = map(_dense, (slope, w_hh, grad_out, grad_h))
+    tail, grads = _sums_args(sums, 1, hidden, out)
+    d_a = out.new_empty(batch, steps, hidden) if keep_gate_grads or sums is None else None
+    g0 = out.new_empty(batch, hidden)
+    dense = map(_dense, (out, w_hh, grad_out, grad_h))
     _run(fn, batch, steps, hidden, *dense, int(relu), d_a, g0, *tail)
     return (d_a, g0, grads) if sums else (d_a, g0)
 

@@ -4,8 +4,8 @@ One single-layer, single-direction layer per call, torch's gate order, batch-maj
 float32 or float64. ``gi`` is the input projection the caller computes with one GEMM (``x W_ihᵀ + b_ih``;
 for RNN and LSTM the caller may fold ``b_hh`` into it):
 
-- :func:`rnn_forward` ``(gi (B,T,H), w_hh (H,H), b_hh (H,)|None, h0 (B,H), relu) -> (out, slope)``, both
-  ``(B, T, H)``; ``slope = 1 - h²`` (tanh) or torch's ``threshold_backward`` mask (1 where NOT ``out <= 0``).
+- :func:`rnn_forward` ``(gi (B,T,H), w_hh (H,H), b_hh (H,)|None, h0 (B,H), relu) -> (out,)``, ``(B, T, H)``
+  (no factor: the backward's ``f'`` is a function of ``out``).
 - :func:`gru_forward` ``(gi (B,T,3H), w_hh (3H,H), b_hh (3H,)|None, h0) -> (out, scales (B,T,3H), z, dn)``:
   exactly the factors of ``FactoredJacobians(w_hh, scales, z)`` (``jacobians/recurrent.gru_jacobians``).
 - :func:`lstm_forward` ``(gi (B,T,4H), w_hh (4H,H), h0, c0) -> (out, cells (B,T,H), gates (B,T,4H))``, the
@@ -64,7 +64,7 @@ __all__ = [
 #: gates per cell kind (the rows of ``W_hh`` are ``G * H``)
 CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
 #: factor outputs per cell kind, as multiples of ``H`` in the last dimension
-_FACTORS = {"rnn_tanh": (1,), "rnn_relu": (1,), "gru": (3, 1, 1), "lstm": (1, 4)}
+_FACTORS = {"rnn_tanh": (), "rnn_relu": (), "gru": (3, 1, 1), "lstm": (1, 4)}
 KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64", "f32_regs"))
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
 REGISTER_HIDDEN = 32  # float32 with H <= 32: the *_f32_regs kernels keep W_hh in registers (kRegsF32 float4s)
@@ -270,10 +270,8 @@ def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: 
     )
 
 
-def rnn_forward(
-    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
-) -> tuple[Tensor, Tensor] | None:
-    """Elman RNN layer on CUDA: ``(out, slope)``, both ``(B, T, H)``; ``None`` where the kernel cannot run."""
+def rnn_forward(gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool) -> tuple[Tensor] | None:
+    """Elman RNN layer on CUDA: ``(out,)``, ``(B, T, H)``; ``None`` where the kernel cannot run."""
     return _forward_cuda("rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None)
 
 

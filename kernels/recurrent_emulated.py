@@ -77,7 +77,7 @@ def rnn_forward(
     shared_limit: int = SM80_OPTIN_SHARED_BYTES,
     resident: int | None = None,
     timeout: float = 60.0,
-) -> tuple[Tensor, Tensor] | None:
+) -> tuple[Tensor] | None:
     """:func:`lightning_bppsa.kernels.recurrent_cuda.rnn_forward` on CPU tensors."""
     return _forward("rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None, shared_limit, resident, timeout)
 

@@ -296,43 +296,38 @@ static inline F(step_rows) F(forward_rows)(const F(args)* a, int64_t t, int64_t 
 
 /* ---- Elman RNN --------------------------------------------------------------------------------- */
 
-/* h = f(gi + gh + b_hh); slope = 1 - h² for tanh; for relu the mask of threshold_backward: 0 where
-   h <= 0, else 1 (a NaN h lets the gradient through; relu itself keeps NaN, like torch). */
+/* h = f(gi + gh + b_hh). The backward needs f' only, which is a function of h (no factor is stored). */
 static inline void F(rnn_activate)(int64_t H, int relu, const REAL* restrict gi, const REAL* restrict gh,
-                                   const REAL* restrict bias, REAL* restrict h, REAL* restrict slope) {
+                                   const REAL* restrict bias, REAL* restrict h) {
     if (relu) {
         for (int64_t c = 0; c < H; ++c) {
             const REAL pre = gi[c] + (gh[c] + bias[c]);
             h[c] = pre <= 0 ? 0 : pre;
-            slope[c] = h[c] <= 0 ? 0 : 1;
         }
     } else {
-        for (int64_t c = 0; c < H; ++c) {
-            const REAL v = F(tanh)(gi[c] + (gh[c] + bias[c]));
-            h[c] = v;
-            slope[c] = 1 - v * v;
-        }
+        for (int64_t c = 0; c < H; ++c) h[c] = F(tanh)(gi[c] + (gh[c] + bias[c]));
     }
 }
 
-/* d_a = g ⊙ slope; relu selects like torch: 0 where the mask is 0 even for a NaN g. */
-static inline void F(rnn_gate_grad)(int64_t H, int relu, const REAL* restrict g, const REAL* restrict slope,
+/* d_a = g ⊙ f'(h): 1 - h² for tanh; for relu torch's threshold_backward, a select: 0 where h <= 0 even for
+   a NaN g, else g (a NaN h passes the gradient). */
+static inline void F(rnn_gate_grad)(int64_t H, int relu, const REAL* restrict g, const REAL* restrict h,
                                     REAL* restrict d) {
     if (relu)
-        for (int64_t c = 0; c < H; ++c) d[c] = slope[c] == 0 ? 0 : g[c];
+        for (int64_t c = 0; c < H; ++c) d[c] = h[c] <= 0 ? 0 : g[c];
     else
-        for (int64_t c = 0; c < H; ++c) d[c] = g[c] * slope[c];
+        for (int64_t c = 0; c < H; ++c) d[c] = g[c] * (1 - h[c] * h[c]);
 }
 
-/* h_t = f(gi_t + h_{t-1} W_hhᵀ + b_hh): out = h, second = slope. */
+/* h_t = f(gi_t + h_{t-1} W_hhᵀ + b_hh): out = h. */
 static inline void F(rnn_forward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
     const F(step_rows) s = F(forward_rows)(a, t, b, rows, H);
     for (int r = 0; r < rows; ++r)
-        F(rnn_activate)(H, a->relu, s.gi[r], s.gh[r], a->bias, a->out + AT(b + r, t, H), a->second + AT(b + r, t, H));
+        F(rnn_activate)(H, a->relu, s.gi[r], s.gh[r], a->bias, a->out + AT(b + r, t, H));
 }
 
-/* d_a_t = g_t ⊙ slope_t (out), g_{t-1} = d_a_t W_hh + grad_out[t - 1]; g holds g_t per row (ld apart). */
+/* d_a_t = g_t ⊙ f'(h_t) (out; h_t in scales), g_{t-1} = d_a_t W_hh + grad_out[t - 1]; g holds g_t per row (ld apart). */
 static inline void F(rnn_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
     const REAL* x[2] = {NULL, NULL};
@@ -623,11 +618,11 @@ static int F(backward)(F(args)* a, int64_t batch, int64_t gates, const REAL* w_h
 #define BPPSA_INPUT_STREAM(width) (x ? F(add_stream)(&a, x, inputs) : F(add_stream)(&a, gi, width))
 
 int F(bppsa_rnn_forward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* gi, const REAL* w_hh,
-                         const REAL* b_hh, const REAL* h0, int relu, REAL* out, REAL* slope,
-                         BPPSA_PROJECTION_ARGS, int threads) {
+                         const REAL* b_hh, const REAL* h0, int relu, REAL* out, BPPSA_PROJECTION_ARGS,
+                         int threads) {
     F(args) a = {0};
-    a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0, a.relu = relu, a.out = out, a.second = slope;
-    BPPSA_INPUT_STREAM(hidden), F(add_output)(&a, out, hidden), F(add_output)(&a, slope, hidden);
+    a.steps = steps, a.hidden = hidden, a.gi = gi, a.h0 = h0, a.relu = relu, a.out = out;
+    BPPSA_INPUT_STREAM(hidden), F(add_output)(&a, out, hidden);
     return F(forward)(&a, batch, 1, w_hh, b_hh, inputs, x, w_ih, b_in, F(rnn_forward_step), threads);
 }
 
@@ -637,16 +632,16 @@ int F(bppsa_rnn_forward)(int64_t batch, int64_t steps, int64_t hidden, const REA
         REAL *grad_b_ih, REAL *grad_b_hh
 #define BPPSA_EQ2 {inputs, x, out, h0, grad_w_ih, grad_w_hh, grad_b_ih, grad_b_hh}
 
-/* d_a (NULL: not wanted, with the parameter gradients) */
-int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* slope, const REAL* w_hh,
+/* states: the forward's out, h_1..h_T; d_a (NULL: not wanted, with the parameter gradients) */
+int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const REAL* states, const REAL* w_hh,
                           const REAL* grad_out, const REAL* grad_h, int relu, REAL* d_a, REAL* g0, BPPSA_EQ2_ARGS,
                           int threads) {
     F(args) a = {0};
     const F(eq2) e = BPPSA_EQ2;
-    a.steps = steps, a.hidden = hidden, a.scales = slope, a.grad_out = grad_out, a.relu = relu, a.out = d_a;
+    a.steps = steps, a.hidden = hidden, a.scales = states, a.grad_out = grad_out, a.relu = relu, a.out = d_a;
     a.grad_h = grad_h;
     a.h0 = h0;
-    F(add_stream)(&a, slope, hidden), F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
+    F(add_stream)(&a, states, hidden), F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
     return F(backward)(&a, batch, 1, w_hh, NULL, g0, NULL, &e, 0, F(rnn_backward_step), threads);
 }
 

@@ -104,9 +104,9 @@ class RecurrentCell:
         """The step Jacobians of the chain, factored (the scan state is ``state_factor * H``)."""
         raise NotImplementedError
 
-    def gate_gradients(self, g: Tensor, factors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    def gate_gradients(self, g: Tensor, out: Tensor, factors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """``(d_gi, d_gh)``, the gradients of ``x W_ihᵀ + b_ih`` and ``h W_hhᵀ + b_hh`` from the scan's
-        state gradients ``g`` ``(B, n, d)`` of ``x_1..x_n``."""
+        state gradients ``g`` ``(B, n, d)`` of ``x_1..x_n`` (``out``: the layer's states)."""
         raise NotImplementedError
 
     def direct_gradients(
@@ -170,12 +170,12 @@ class RecurrentCell:
                 hidden, x.shape[-1], self.gates, dtype) else None  # fmt: skip
             fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_hn, grad_cn, sums,
                                           need_x)  # fmt: skip
+        direct = None if fused is not None else self.direct_gradients(grad_out, grad_hn, grad_cn, out_)
         if fused is None and self._needs_torch_semantics(out_, grad_out, grad_hn):
-            fused = self._select_sweep(factors, weights[1], self.direct_gradients(grad_out, grad_hn, grad_cn, out_))
+            fused = self._select_sweep(out_, factors, weights[1], direct)
         if fused is None:
-            jac = self.jacobians(out_, factors, weights[1])
-            g = ops.execute_factored(chosen, jac, self.direct_gradients(grad_out, grad_hn, grad_cn, out_))
-            d_gi, d_gh = self.gate_gradients(g[:, 1:], factors)
+            g = ops.execute_factored(chosen, self.jacobians(out_, factors, weights[1]), direct)
+            d_gi, d_gh = self.gate_gradients(g[:, 1:], out_, factors)
             fused = d_gi, d_gh, g[:, 0].split(hidden, -1), None
         d_gi, d_gh, starts, param_grads = fused
         grad_x = (d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape).to(x.dtype) if need_x else x.new_empty(0)
@@ -198,7 +198,7 @@ class RecurrentCell:
         torch's backward selects, ``0 * nan`` in a scan's product would not)."""
         return False
 
-    def _select_sweep(self, factors: Sequence[Tensor], w_hh: Tensor, direct: Tensor) -> tuple:
+    def _select_sweep(self, out: Tensor, factors: Sequence[Tensor], w_hh: Tensor, direct: Tensor) -> tuple:
         """Like :meth:`_native_backward`, by a step-by-step sweep with torch's semantics."""
         raise NotImplementedError
 
@@ -295,8 +295,8 @@ def _forward_kernels(x: Tensor):
 class RNNCell(RecurrentCell):
     """Elman RNN ``h_t = f(x_t W_ihᵀ + b_ih + h_{t-1} W_hhᵀ + b_hh)``: ``J_t = diag(f'_t) W_hh`` (k = 1).
 
-    Factor: ``slope`` ``(B, n, H)`` = ``f'``: ``1 - h²`` (tanh) or the ReLU mask (1 where NOT ``h <= 0``, as
-    torch's ``threshold_backward``: a NaN output passes the gradient).
+    No factor: ``f'`` is a function of the states ``out`` (:meth:`slope`), so the forward stores nothing
+    beyond them.
     """
 
     gates = 1
@@ -310,24 +310,26 @@ class RNNCell(RecurrentCell):
                              autograd_row=0.37e-6, autograd_row_mac=0.33e-9, native_row=0.4e-6,
                              native_row_mac=0.45e-9)  # fmt: skip
 
+    def slope(self, out: Tensor) -> Tensor:
+        """``f'`` ``(B, n, H)`` from the states: ``1 - h²`` (tanh) or the ReLU mask (1 where NOT ``h <= 0``,
+        as torch's ``threshold_backward``: a NaN output passes the gradient)."""
+        return (~(out <= 0)).to(out.dtype) if self.relu else 1 - out * out
+
     def _native_forward(self, kernels, gi, h0, c0, weights):
         return kernels.rnn_forward(gi, weights[1], None, h0, self.relu)
 
     def _torch_forward_with_factors(self, x, h0, c0, weights):
-        (out,) = self.torch_forward(x, h0, c0, weights)
-        slope = (~(out <= 0)).to(out.dtype) if self.relu else 1 - out * out
-        return out, slope
+        return self.torch_forward(x, h0, c0, weights)
 
     def factor_shapes(self, batch, n, hidden):
-        return [(batch, n, hidden)]
+        return []
 
     def jacobians(self, out, factors, w_hh):
-        return FactoredJacobians(w_hh, factors[0])
+        return FactoredJacobians(w_hh, self.slope(out))
 
-    def gate_gradients(self, g, factors):
-        slope = factors[0]
+    def gate_gradients(self, g, out, factors):
         # select, not multiply, for ReLU: torch's backward gives 0 there even for a NaN gradient
-        d_a = torch.where(slope != 0, g * slope, 0.0) if self.relu else g * slope
+        d_a = torch.where(out <= 0, 0.0, g) if self.relu else g * self.slope(out)
         return d_a, d_a
 
     def _needs_torch_semantics(self, out, grad_out, grad_hn):
@@ -336,10 +338,10 @@ class RNNCell(RecurrentCell):
             return False
         return not all(bool(torch.isfinite(t).all()) for t in (out, grad_out, grad_hn) if t is not None)
 
-    def _select_sweep(self, factors, w_hh, direct):
+    def _select_sweep(self, out, factors, w_hh, direct):
         """``d_a`` by torch's sequential ReLU backward, ``d_a = where(mask, g, 0)``."""
-        mask, n = factors[0] != 0, direct.shape[1] - 1
-        d_a = torch.empty_like(factors[0])
+        mask, n = ~(out <= 0), direct.shape[1] - 1
+        d_a = torch.empty_like(out)
         g = direct[:, n]
         for t in range(n - 1, -1, -1):
             d_a[:, t] = torch.where(mask[:, t], g, 0.0)
@@ -347,7 +349,7 @@ class RNNCell(RecurrentCell):
         return d_a, d_a, [g], None
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums, need_x):
-        result = native.rnn_backward(factors[0], w_hh, _contiguous(grad_out), self.relu, sums, need_x,
+        result = native.rnn_backward(out, w_hh, _contiguous(grad_out), self.relu, sums, need_x,
                                      _contiguous(grad_hn))  # fmt: skip
         return None if result is None else (result[0], result[0], [result[1]], result[2] if sums else None)
 
@@ -386,7 +388,7 @@ class GRUCell(RecurrentCell):
     def jacobians(self, out, factors, w_hh):
         return FactoredJacobians(w_hh, factors[0], factors[1])
 
-    def gate_gradients(self, g, factors):
+    def gate_gradients(self, g, out, factors):
         scales, _, dn = factors
         hidden = g.shape[-1]
         d_gh = torch.cat([g, g, g], -1) * scales  # cat: 2x faster than repeat
@@ -479,7 +481,7 @@ class LSTMCell(RecurrentCell):
         tiles = [torch.cat([h, c], -1) for h, c in zip(local_h.split(hidden, -1), local_c.split(hidden, -1), strict=True)]
         return FactoredJacobians(_joint_weight(w_hh), torch.cat([*tiles, carry], -1))
 
-    def gate_gradients(self, g, factors):
+    def gate_gradients(self, g, out, factors):
         local_h, local_c, _ = self._locals(factors)
         hidden = g.shape[-1] // 2
         gh, gc = g[..., :hidden], g[..., hidden:]

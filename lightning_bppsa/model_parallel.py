@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_bppsa import distributed
+from lightning_bppsa.cells import cell_of
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 
 __all__ = ["BPPSAModelParallelStrategy", "ModelParallelRNN", "segment_bounds"]
@@ -86,7 +87,7 @@ class _SplitSequence(torch.autograd.Function):
         x_seg, states = ctx.saved_tensors  # (B, n, I), (B, n + 1, H)
         rnn = ctx.rnn
         after = states[:, 1:]
-        slope = 1 - after * after if rnn.nonlinearity == "tanh" else (after > 0).to(after.dtype)
+        slope = cell_of(rnn.mode).slope(after)
         jac = FactoredJacobians(rnn.weight_hh_l0, slope)  # J_t = diag(f'(a_t)) W_hh
         g = distributed.distributed_backprop_scan(jac, grad_last[0] if ctx.last else None)
         pre = g[:, 1:] * slope  # ∂l/∂a_t, (B, n, H)

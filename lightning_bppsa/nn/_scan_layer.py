@@ -1,7 +1,7 @@
 """One recurrent layer in one direction as an ``autograd.Function`` over the cell's two ops.
 
 :class:`LayerFunction` connects ``(x, h0[, c0], W_ih, W_hh[, b_ih, b_hh])`` to the layer's outputs
-``out`` ``(B, n, H)`` (``h_1..h_n``), ``h_n`` ``(B, H)`` (a copy of ``out[:, -1]``: its gradient reaches the
+``out`` ``(B, n, H)`` (``h_1..h_n``; eagerly the forward op's own tensor, not a copy), ``h_n`` ``(B, H)`` (a copy of ``out[:, -1]``: its gradient reaches the
 kernel on its own, never added into a ``(B, n, H)`` one) and, for cells with a cell state, ``c_n``:
 
 - forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass,
@@ -31,6 +31,12 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def _forward_op(cell: str, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list[Tensor]:
+    """``bppsa::recurrent_forward`` on the layer's inputs, cast to ``low`` if given (autocast)."""
+    args = [x, h0, c0, *weights] if low is None else [None if t is None else t.to(low) for t in (x, h0, c0, *weights)]
+    return torch.ops.bppsa.recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]))
+
+
 class LayerFunction(torch.autograd.Function):
     """See the module docstring. Args: ``cell`` (a name of :data:`~lightning_bppsa.cells.CELLS`),
     ``algorithm``, ``stats`` (dict updated in place), then ``x`` ``(B, n, I)``, ``h0`` ``(B, H)``,
@@ -39,23 +45,32 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
         low = _autocast_dtype(x.device.type)
-        args = [x, h0, c0, *weights] if low is None else [None if t is None else t.to(low) for t in (x, h0, c0, *weights)]
         start = clock()
-        results = torch.ops.bppsa.recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]))
+        results = _forward_op(cell, low, x, h0, c0, weights)
         record(stats, "forward_seconds", clock() - start, add=True)
         outputs = 2 if CELLS[cell].has_cell_state else 1
         ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, low
-        ctx.save_for_backward(x, h0, c0, results[0], *weights, *results[outputs:])
+        out = results[0]
+        # The backward needs the states as the forward left them; torch's RNN / GRU let the caller modify
+        # their output in place. Eagerly the caller gets out itself and the backward recomputes the states
+        # if out's version moved (rare; a copy each step costs more). Compiled graphs keep a copy.
+        if torch.compiler.is_compiling():
+            saved, returned, ctx.out = out, out.clone(), None
+        else:
+            saved, returned = None, out
+            ctx.out, ctx.out_version = out.detach(), out._version  # shares out's version counter
+        ctx.save_for_backward(x, h0, c0, saved, *weights, *results[outputs:])
         ctx.weights = len(weights)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, no zeros (B, n, H)
-        # the caller gets a copy of out: the saved one must not change if the caller modifies its output in
-        # place (torch's RNN / GRU allow that)
-        out = results[0]
-        return (out.clone(), out[:, -1].clone(), *results[1:outputs])
+        return (returned, out[:, -1].clone(), *results[1:outputs])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None = None):
         x, h0, c0, out, *rest = ctx.saved_tensors
+        if out is None:
+            out = ctx.out
+            if out._version != ctx.out_version:  # modified in place since the forward
+                out = _forward_op(ctx.cell, ctx.low, x, h0, c0, rest[: ctx.weights])[0]
         weights, factors = rest[: ctx.weights], rest[ctx.weights :]
         needs = ctx.needs_input_grad[3:]
         cell = CELLS[ctx.cell]

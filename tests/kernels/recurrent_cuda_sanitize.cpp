@@ -43,14 +43,14 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
 int main() {
     int status = 0;
     for (long hidden : {1L, 7L, 33L, 70L}) {  // one warp (__syncwarp) and several (__syncthreads)
-        status |= launch<float>(bppsa_rnn_tanh_forward_f32_host, 1, {1}, false, true, 2, 3, hidden);
-        status |= launch<double>(bppsa_rnn_relu_forward_f64_host, 1, {1}, false, false, 2, 3, hidden);
+        status |= launch<float>(bppsa_rnn_tanh_forward_f32_host, 1, {}, false, true, 2, 3, hidden);
+        status |= launch<double>(bppsa_rnn_relu_forward_f64_host, 1, {}, false, false, 2, 3, hidden);
         status |= launch<float>(bppsa_gru_forward_f32_host, 3, {3, 1, 1}, false, true, 2, 3, hidden);
         status |= launch<double>(bppsa_gru_forward_f64_host, 3, {3, 1, 1}, false, false, 1, 4, hidden);
         status |= launch<float>(bppsa_lstm_forward_f32_host, 4, {1, 4}, true, false, 2, 3, hidden);
         status |= launch<double>(bppsa_lstm_forward_f64_host, 4, {1, 4}, true, false, 1, 4, hidden);
         if (hidden > 32) continue;  // the *_f32_regs kernels: W_hh in registers, shared memory = state only
-        status |= launch<float>(bppsa_rnn_relu_forward_f32_regs_host, 1, {1}, false, true, 2, 3, hidden, true);
+        status |= launch<float>(bppsa_rnn_relu_forward_f32_regs_host, 1, {}, false, true, 2, 3, hidden, true);
         status |= launch<float>(bppsa_gru_forward_f32_regs_host, 3, {3, 1, 1}, false, false, 2, 3, hidden, true);
         status |= launch<float>(bppsa_lstm_forward_f32_regs_host, 4, {1, 4}, true, false, 2, 3, hidden, true);
     }

@@ -92,9 +92,9 @@ def kernel_layer(kind, t, grad_out, grad_cn, sums=False):
         d_gi, g0, gc0, *summed = recurrent.lstm_backward(gates, cells, c0, w_hh, grad_out, grad_cn, sums)
         d_gh = d_gi
     else:
-        out, slope = recurrent.rnn_forward(gi + b_hh, w_hh, None, h0, kind == "relu")
+        (out,) = recurrent.rnn_forward(gi + b_hh, w_hh, None, h0, kind == "relu")
         sums = recurrent.ParameterSums(x, out, h0, True) if sums else None
-        d_gi, g0, *summed = recurrent.rnn_backward(slope, w_hh, grad_out, kind == "relu", sums)
+        d_gi, g0, *summed = recurrent.rnn_backward(out, w_hh, grad_out, kind == "relu", sums)
         d_gh = d_gi
     grads = {"x": d_gi @ w_ih, "h0": g0}
     if summed:
@@ -170,7 +170,7 @@ def test_lstm_without_output_gradient():
 
 @needs_kernel
 def test_forward_factors_are_the_jacobian_modules_factors():
-    """The GRU's ``scales, z`` are ``gru_jacobians``' chain, the RNN's slope is ``1 - h²``."""
+    """The GRU's ``scales, z`` are ``gru_jacobians``' chain; the RNN stores no factor."""
     t = random_layer("gru", 3, 11, 7, torch.float64)
     h_prev_of = lambda out: torch.cat([t["h0"][:, None], out[:, :-1]], 1)  # noqa: E731
     out, scales, z, dn = recurrent.gru_forward(
@@ -181,29 +181,25 @@ def test_forward_factors_are_the_jacobian_modules_factors():
     torch.testing.assert_close(z, jac.diagonal, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(dn, local[..., 2 * 7 :], rtol=1e-12, atol=1e-14)
     t = random_layer("tanh", 3, 11, 7, torch.float64)
-    out, slope = recurrent.rnn_forward(t["x"] @ t["w_ih"].T + t["b_ih"], t["w_hh"], t["b_hh"], t["h0"], False)
-    torch.testing.assert_close(slope, 1 - out * out, rtol=1e-12, atol=1e-15)
+    assert len(recurrent.rnn_forward(t["x"] @ t["w_ih"].T + t["b_ih"], t["w_hh"], t["b_hh"], t["h0"], False)) == 1
 
 
 @needs_kernel
 def test_relu_nan_semantics_match_torch():
-    """Forward: relu keeps a NaN (as torch's layer does), and the mask lets the gradient through where NOT
-    ``out <= 0``, NaN included (``threshold_backward``). Backward: a NaN upstream gradient becomes 0 where
-    the mask is 0 (a select, not a product)."""
+    """Forward: relu keeps a NaN (as torch's layer does). Backward: the gradient passes where NOT
+    ``out <= 0``, NaN included, and a NaN upstream gradient becomes 0 where ``out <= 0`` (a select, not a
+    product: torch's ``threshold_backward``)."""
     t = random_layer("relu", 3, 8, 6, torch.float64)
     t["x"][1, 5, 0] = float("nan")  # every gate of row 1 from step 5 on is NaN
     weights = [t[k] for k in ("w_ih", "w_hh", "b_ih", "b_hh")]
     ref, _ = torch._VF.rnn_relu(t["x"], t["h0"][None], weights, True, 1, 0.0, False, False, True)
-    out, slope = recurrent.rnn_forward(
-        t["x"] @ t["w_ih"].T + t["b_ih"] + t["b_hh"], t["w_hh"], None, t["h0"], True
-    )
+    (out,) = recurrent.rnn_forward(t["x"] @ t["w_ih"].T + t["b_ih"] + t["b_hh"], t["w_hh"], None, t["h0"], True)
     assert out[1, 5:].isnan().all() and not out[[0, 2]].isnan().any()
     torch.testing.assert_close(out, ref, equal_nan=True)
-    assert torch.equal(slope, torch.ops.aten.threshold_backward(torch.ones_like(out), out, 0))
     grad_out = torch.randn_like(out)
     grad_out[:, -1] = float("nan")
-    d_a, _ = recurrent.rnn_backward(slope, t["w_hh"], grad_out, True)
-    assert (slope[:, -1] == 0).any() and (slope[:, -1] == 1).any()  # both cases occur
+    d_a, _ = recurrent.rnn_backward(out, t["w_hh"], grad_out, True)
+    assert (out[:, -1] <= 0).any() and (out[:, -1] > 0).any()  # both cases occur
     expected = torch.ops.aten.threshold_backward(grad_out[:, -1], out[:, -1], 0)
     torch.testing.assert_close(d_a[:, -1], expected, equal_nan=True)
 

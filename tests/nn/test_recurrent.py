@@ -615,3 +615,16 @@ def test_output_modified_in_place_still_backpropagates_like_torch(cell, batch_fi
         grads.append([p.grad for p in module.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("modify", [False, True])
+def test_backward_recomputes_the_states_only_after_an_in_place_change(modify):
+    # eagerly the layer returns its saved states themselves (no copy); an in-place change moves their
+    # version, and only then does the backward run the forward op again
+    ours = bnn.RNN(3, 4, batch_first=True, algorithm="linear", dtype=torch.float64)
+    out, _ = ours(torch.randn(2, 6, 3, dtype=torch.float64))
+    if modify:
+        out.add_(1.0)
+    with _OpCounter() as counter:
+        out.pow(2).sum().backward()
+    assert counter.ops.count("bppsa.recurrent_forward") == int(modify), counter.ops
