@@ -189,10 +189,8 @@ static inline REAL* F(slot_row)(const F(args)* a, REAL* buffer, int64_t row, int
             for (int c = 0; c < NB * LANES; ++c) acc[(j0 + r) * ld + c0 + c] = s[r][c];                      \
     }
 BPPSA_TERMS(4, 1)
-BPPSA_TERMS(4, 2)
 BPPSA_TERMS(4, 3)
 BPPSA_TERMS(1, 1)
-BPPSA_TERMS(1, 2)
 BPPSA_TERMS(1, 3)
 #undef BPPSA_TERMS
 
@@ -205,17 +203,17 @@ static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, 
     int k = 0;
     for (int q = 0; q < m; ++q)
         if (u[q]) us[k] = u[q], ds[k++] = d + q * n;
-    for (int64_t c0 = 0; c0 < n; c0 += 3 * LANES) {
-        const int64_t vectors = (n - c0) / LANES, nb = vectors < 3 ? vectors : 3;
+    /* blocks of 3 vectors, then single ones: gcc vectorised a 2-vector block across rows with shuffles and
+       spills (measured 1.5-2.5x slower sums wherever n / LANES leaves 2, e.g. RNN H=40 or 64, GRU H=20) */
+    for (int64_t c0 = 0, nb; c0 < n; c0 += nb * LANES) {
+        nb = (n - c0) / LANES >= 3 ? 3 : 1;
         int64_t j = 0;
         for (; j + 4 <= count; j += 4) {
             if (nb == 1) F(terms_4_1)(k, us, j, ds, c0, acc, n);
-            else if (nb == 2) F(terms_4_2)(k, us, j, ds, c0, acc, n);
             else F(terms_4_3)(k, us, j, ds, c0, acc, n);
         }
         for (; j < count; ++j) {
             if (nb == 1) F(terms_1_1)(k, us, j, ds, c0, acc, n);
-            else if (nb == 2) F(terms_1_2)(k, us, j, ds, c0, acc, n);
             else F(terms_1_3)(k, us, j, ds, c0, acc, n);
         }
     }
