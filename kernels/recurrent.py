@@ -115,12 +115,12 @@ class ParameterSums(NamedTuple):
 _LANES = {torch.float32: 8, torch.float64: 4}
 
 #: the partial sums' elements per pair of rows up to which the backward sums the parameter gradients itself.
-#: Measured (whole backward op, B=16 T=1000, one thread, float32, AMD EPYC): RNN H=20: 1.5 vs 2.9 ms with
-#: the GEMMs, H=64 (4288 elements): 8.2 vs 11.1; GRU H=20: 4.0 vs 6.9, H=32 (4416): 9.4 vs 10.2; LSTM H=20:
-#: 5.4 vs 6.7, but H=32 (5888): 13.0 vs 11.6 (measured before the 8-step buffering, which gained ~10-25%).
-#: The sums are small products per pair of rows, where a GEMM over all steps at once runs near the FMA rate
-#: once the layer is wide; the input must also be narrow (see _PROJECTION_INPUTS).
-_SUMS_ELEMENTS = 5000
+#: Measured (backward op summing vs the gate gradients written out and two GEMMs, B=16 T=1000, one thread,
+#: float32, AMD EPYC, 2026-11-24): RNN H=20: 1.7 vs 4.7 ms, H=64 (4288 elements): 8.6 vs 12.6, H=80 (6640):
+#: 11.2 vs 12.0; RNN H=64 input 38 (6656): 10.9 vs 11.3; GRU H=20 input 12: 6.5 vs 9.0, input 38: 8.4 vs 13.1;
+#: LSTM H=16: 5.6 vs 6.6, H=32 input 12 (5888): 11.9 vs 12.6. The sums are small products per pair of rows,
+#: where a GEMM over all steps at once runs near the FMA rate once the layer is wide.
+_SUMS_ELEMENTS = 7000
 
 
 def sums_parameters(hidden: int, inputs: int, gates: int, dtype: torch.dtype) -> bool:
@@ -128,7 +128,7 @@ def sums_parameters(hidden: int, inputs: int, gates: int, dtype: torch.dtype) ->
     than leave them to GEMMs over all steps: small layers, whose GEMMs over ``B T`` rows this thin run far
     below the core's FMA rate and need the gate gradients written out and read back first."""
     padded = -(-gates * hidden // _LANES[dtype]) * _LANES[dtype]
-    return inputs <= _PROJECTION_INPUTS and (hidden + inputs + 2) * padded <= _SUMS_ELEMENTS
+    return (hidden + inputs + 2) * padded <= _SUMS_ELEMENTS
 
 
 def _sums_args(sums: ParameterSums | None, gates: int, hidden: int, like: Tensor) -> tuple[list, list[Tensor]]:
@@ -154,12 +154,11 @@ class Projection(NamedTuple):
     bias: Tensor | None
 
 
-#: the widest input the forward kernels project themselves (and the backward sums W_ih's gradient for).
-#: Measured (whole step, B=16, H=20, one thread, float32, AMD EPYC; machine slowed by neighbours, ratios only):
-#: GRU input 38 (T=259): projecting and summing 11.5 ms, neither 8.1; input 24 (T=517): 12.5 vs 11.2 (projecting
-#: only: 10.2); input 12 (T=1034): 21.3 vs 31.5. A wide input's projection and W_ih gradient are GEMMs that
-#: run near the FMA rate; a narrow one's are thin ones that do not.
-_PROJECTION_INPUTS = 16
+#: the widest input the forward kernels project themselves. Measured (forward op with the projection vs an
+#: addmm for gi, B=16 T=1034 H=20, one thread, float32, AMD EPYC, 2026-11-24): GRU input 12: 3.5 vs 3.8 ms,
+#: 24: 3.8 vs 4.2, 38: 4.7 vs 4.7; LSTM 12: 4.6 vs 9.9, 38: 6.5 vs 10.8. A wide input's projection is a
+#: GEMM that runs near the FMA rate; a narrow one's is a thin one that does not.
+_PROJECTION_INPUTS = 40
 
 
 def projects_inputs(inputs: int) -> bool:
