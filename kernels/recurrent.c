@@ -5,7 +5,7 @@
    with kernels/_build.py); C99, OpenMP optional.
 
    Speed: batch rows are split over OpenMP threads (they are independent). Within a thread every step
-   handles its rows two at a time: one product (2 x k) @ (k x m) with the weight transposed and
+   handles its rows four at a time: one product (4 x k) @ (k x m) with the weight transposed and
    zero-padded once per call, its output columns held in registers (recurrent_impl.h), then the
    activations of the same rows in a loop gcc vectorises. float32 tanh / sigmoid use the approximations
    below (libm's scalar tanhf would cost more than the product); float64 uses libm. Denormals are
@@ -155,6 +155,9 @@ void bppsa_sigmoid_f32(int64_t n, const float* x, float* y) {
 #define BPPSA_PREFETCH_STEPS 2
 /* steps of gate gradients a pair buffers before adding them to its parameter-gradient sums (recurrent_impl.h) */
 #define BPPSA_SLOTS 8
+/* rows a sweep step handles together (their products' independent FMA chains overlap); the parameter
+   sums stay per pair of rows */
+#define BPPSA_ROWS 4
 
 #define BPPSA_CAT_(a, b) a##_##b
 #define BPPSA_CAT(a, b) BPPSA_CAT_(a, b)

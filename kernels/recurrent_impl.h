@@ -29,16 +29,15 @@ BPPSA_PRODUCT(2, 1)
 BPPSA_PRODUCT(2, 2)
 BPPSA_PRODUCT(2, 3)
 BPPSA_PRODUCT(2, 4)
+BPPSA_PRODUCT(4, 3)
 #undef BPPSA_PRODUCT
 
-/* y[r][0 .. m) = x[r][0 .. k) @ w for rows = 1 or 2; m <= ld, both multiples of LANES. Column blocks of
-   at most 4 vectors (8 accumulators for two rows, within the 16 vector registers of AVX2). A single row
-   runs as a pair with itself into a scratch row: each row then takes the same code path (and rounding)
-   however the rows were paired, so results do not depend on the thread count. */
-static void F(product)(int rows, const REAL* const* x, int64_t k, const REAL* w, int64_t ld, int64_t m,
-                       REAL* const* y, REAL* scratch) {
+/* Columns [c0, m) of y[r] = x[r][0 .. k) @ w for rows = 1 or 2, in blocks of at most 4 vectors (8
+   accumulators); a missing second row repeats row 0 into the scratch row. */
+static void F(pair_product)(int rows, const REAL* const* x, int64_t k, const REAL* w, int64_t ld, int64_t c0,
+                            int64_t m, REAL* const* y, REAL* scratch) {
     const REAL* const xs[2] = {x[0], rows == 2 ? x[1] : x[0]};
-    for (int64_t c0 = 0; c0 < m; c0 += 4 * LANES) {
+    for (; c0 < m; c0 += 4 * LANES) {
         const int64_t vectors = (m - c0) / LANES;
         REAL* const yc[2] = {y[0] + c0, rows == 2 ? y[1] + c0 : scratch};
         const REAL* wc = w + c0;
@@ -49,6 +48,27 @@ static void F(product)(int rows, const REAL* const* x, int64_t k, const REAL* w,
             default: F(product_2_4)(xs, k, wc, ld, yc); break;
         }
     }
+}
+
+/* y[r][0 .. m) = x[r][0 .. k) @ w for rows = 1 .. BPPSA_ROWS (4); m <= ld, both multiples of LANES.
+   Each step is latency-bound: a row's product is a chain of k dependent FMAs per accumulator, so three or
+   four rows run as a quad (four chains in flight, 12 accumulators) in blocks of 3 vectors; what is left
+   (1 or 2 vectors: gcc vectorises a quad block that narrow across rows, measured 2-8x slower) and one or
+   two rows run as pairs. A missing row repeats row 0 into the scratch row. Every row's sums run in the
+   same order in any shape, so results do not depend on how rows were grouped (nor on the thread count). */
+static void F(product)(int rows, const REAL* const* x, int64_t k, const REAL* w, int64_t ld, int64_t m,
+                       REAL* const* y, REAL* scratch) {
+    int64_t c0 = 0;
+    if (rows > 2) {
+        const REAL* const xs[4] = {x[0], x[1], x[2], rows == 4 ? x[3] : x[0]};
+        for (; m - c0 >= 3 * LANES; c0 += 3 * LANES) {
+            REAL* const yc[4] = {y[0] + c0, y[1] + c0, y[2] + c0, rows == 4 ? y[3] + c0 : scratch};
+            F(product_4_3)(xs, k, w + c0, ld, yc);
+        }
+        F(pair_product)(rows - 2, x + 2, k, w, ld, c0, m, y + 2, scratch);
+        rows = 2;
+    }
+    F(pair_product)(rows, x, k, w, ld, c0, m, y, scratch);
 }
 
 /* ---- weights, buffers and the sweep over steps -------------------------------------------------- */
@@ -144,9 +164,10 @@ static inline void F(sweep)(const F(args)* a, int64_t batch, int reverse, F(step
         for (int64_t i = 0; i < a->steps; ++i) {
             const int64_t t = reverse ? a->steps - 1 - i : i;
             const int64_t ahead = reverse ? t - BPPSA_PREFETCH_STEPS : t + BPPSA_PREFETCH_STEPS;
-            for (int64_t b = lo; b < hi; b += 2) {
-                if (ahead >= 0 && ahead < a->steps) F(prefetch_step)(a, ahead, b, hi - b > 1 ? 2 : 1);
-                step(a, t, b, hi - b > 1 ? 2 : 1);
+            for (int64_t b = lo; b < hi; b += BPPSA_ROWS) {
+                const int rows = hi - b < BPPSA_ROWS ? (int)(hi - b) : BPPSA_ROWS;
+                if (ahead >= 0 && ahead < a->steps) F(prefetch_step)(a, ahead, b, rows);
+                step(a, t, b, rows);
             }
         }
         restore_denormals(saved);
@@ -224,7 +245,7 @@ static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, 
    parameter gradient go into the pair's partial sums, (H + I + 2) rows of ldg: h_prev ⊗ d_gh (W_hhᵀ),
    x ⊗ d_gi (W_ihᵀ), d_gi (b_ih), d_gh (b_hh). Kept in the sweep, the gate gradients never go to memory;
    buffered, each partial sum is read and written once per BPPSA_SLOTS steps, not every step. */
-static inline void F(accumulate)(const F(args)* a, int64_t t, int64_t b, int rows) {
+static inline void F(accumulate_pair)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden, I = a->inputs, n = a->ldg, slot = (a->steps - 1 - t) % BPPSA_SLOTS;
     if (slot != BPPSA_SLOTS - 1 && t != 0) return;
     const int m = 2 * (int)(slot + 1);
@@ -240,6 +261,11 @@ static inline void F(accumulate)(const F(args)* a, int64_t t, int64_t b, int row
     const int64_t block = p * 2 * BPPSA_SLOTS * n;
     F(add_terms)(a, H, hp, m, a->dh + block, acc, acc + (H + I + 1) * n);
     F(add_terms)(a, I, xs, m, a->di + block, acc + H * n, acc + (H + I) * n);
+}
+
+/* accumulate_pair for each pair of a step's rows (rows from b, b even). */
+static inline void F(accumulate)(const F(args)* a, int64_t t, int64_t b, int rows) {
+    for (int r = 0; r < rows; r += 2) F(accumulate_pair)(a, t, b + r, rows - r < 2 ? rows - r : 2);
 }
 
 /* Where a backward step puts row r's gate gradients: its buffer slot (summed into the partials, copied to
@@ -262,8 +288,8 @@ static inline void F(input_rows)(const F(args)* a, int64_t t, int64_t b, int row
         for (int r = 0; r < rows; ++r) gi[r] = a->gi + AT(b + r, t, width);
         return;
     }
-    const REAL* xs[2] = {NULL, NULL};
-    REAL* ys[2] = {NULL, NULL};
+    const REAL* xs[BPPSA_ROWS] = {NULL};
+    REAL* ys[BPPSA_ROWS] = {NULL};
     for (int r = 0; r < rows; ++r) xs[r] = a->x + AT(b + r, t, a->inputs), ys[r] = a->gbuf + (b + r) * a->ld;
     F(product)(rows, xs, a->inputs, a->w_in, a->ld, a->ld, ys, a->scratch + b * a->ld);
     for (int r = 0; r < rows; ++r) {
@@ -275,14 +301,14 @@ static inline void F(input_rows)(const F(args)* a, int64_t t, int64_t b, int row
 /* The common start of a forward step for its rows: prev = h_{t-1}, gh = h_{t-1} W_hhᵀ (in tmp) and gi = the
    input projections (width wide). */
 typedef struct {
-    const REAL* prev[2];
-    REAL* gh[2];
-    const REAL* gi[2];
+    const REAL* prev[BPPSA_ROWS];
+    REAL* gh[BPPSA_ROWS];
+    const REAL* gi[BPPSA_ROWS];
 } F(step_rows);
 
 static inline F(step_rows) F(forward_rows)(const F(args)* a, int64_t t, int64_t b, int rows, int64_t width) {
     const int64_t H = a->hidden;
-    F(step_rows) s = {{NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
+    F(step_rows) s = {{NULL}, {NULL}, {NULL}};
     for (int r = 0; r < rows; ++r) {
         s.prev[r] = t ? a->out + AT(b + r, t - 1, H) : a->h0 + (b + r) * H;
         s.gh[r] = a->tmp + (b + r) * a->ld;
@@ -328,8 +354,8 @@ static inline void F(rnn_forward_step)(const F(args)* a, int64_t t, int64_t b, i
 /* d_a_t = g_t ⊙ f'(h_t) (out; h_t in scales), g_{t-1} = d_a_t W_hh + grad_out[t - 1]; g holds g_t per row (ld apart). */
 static inline void F(rnn_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
-    const REAL* x[2] = {NULL, NULL};
-    REAL* y[2] = {NULL, NULL};
+    const REAL* x[BPPSA_ROWS] = {NULL};
+    REAL* y[BPPSA_ROWS] = {NULL};
     for (int r = 0; r < rows; ++r) {
         REAL* d = F(gate_row)(a, a->dh, a->out, b + r, t, H);
         y[r] = a->g + (b + r) * a->ld;
@@ -399,8 +425,8 @@ static inline void F(gru_forward_step)(const F(args)* a, int64_t t, int64_t b, i
 /* out = d_gh, second = d_gi, then g_{t-1} = g_t ⊙ z + d_gh W_hh + grad_out[t - 1]. */
 static inline void F(gru_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
-    const REAL* x[2] = {NULL, NULL};
-    REAL* y[2] = {NULL, NULL};
+    const REAL* x[BPPSA_ROWS] = {NULL};
+    REAL* y[BPPSA_ROWS] = {NULL};
     for (int r = 0; r < rows; ++r) {
         REAL* d_gh = F(gate_row)(a, a->dh, a->out, b + r, t, 3 * H);
         F(gru_gate_grad)(H, a->g + (b + r) * a->ld, a->scales + AT(b + r, t, 3 * H), a->dn + AT(b + r, t, H),
@@ -469,8 +495,8 @@ static inline void F(lstm_forward_step)(const F(args)* a, int64_t t, int64_t b, 
    gc_t per row; scales = the cells. */
 static inline void F(lstm_backward_step)(const F(args)* a, int64_t t, int64_t b, int rows) {
     const int64_t H = a->hidden;
-    const REAL* x[2] = {NULL, NULL};
-    REAL* y[2] = {NULL, NULL};
+    const REAL* x[BPPSA_ROWS] = {NULL};
+    REAL* y[BPPSA_ROWS] = {NULL};
     for (int r = 0; r < rows; ++r) {
         REAL* d = F(gate_row)(a, a->dh, a->out, b + r, t, 4 * H);
         y[r] = a->g + (b + r) * a->ld;

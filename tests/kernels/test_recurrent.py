@@ -206,12 +206,14 @@ def test_relu_nan_semantics_match_torch():
 
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("batch", [3, 6])
-def test_two_threads_give_the_same_bits(monkeypatch, kind, batch):
-    """Rows split over threads (3 rows on 2 threads: uneven; 6: three pairs) compute exactly what one
-    thread does, the parameter gradients summed in the sweep included."""
-    t = random_layer(kind, batch, 20, 9, torch.float32)
-    grad_out, grad_cn = random_grads(kind, batch, 20, 9, torch.float32, False)
+@pytest.mark.parametrize("hidden", [9, 20])
+@pytest.mark.parametrize("batch", [3, 6, 7, 10])
+def test_two_threads_give_the_same_bits(monkeypatch, kind, batch, hidden):
+    """Rows split over threads (3 rows on 2 threads: uneven; 6: three pairs; 7 and 10: the rows grouped
+    by four differently on one and two threads) compute exactly what one thread does, the parameter
+    gradients summed in the sweep included."""
+    t = random_layer(kind, batch, 20, hidden, torch.float32)
+    grad_out, grad_cn = random_grads(kind, batch, 20, hidden, torch.float32, False)
     one = kernel_layer(kind, t, grad_out, grad_cn, sums=True)
     monkeypatch.setattr(_native, "threads", lambda batch: 2)
     two = kernel_layer(kind, t, grad_out, grad_cn, sums=True)
