@@ -665,7 +665,8 @@ int F(bppsa_rnn_backward)(int64_t batch, int64_t steps, int64_t hidden, const RE
     a.steps = steps, a.hidden = hidden, a.scales = states, a.grad_out = grad_out, a.relu = relu, a.out = d_a;
     a.grad_h = grad_h;
     a.h0 = h0;
-    F(add_stream)(&a, states, hidden), F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
+    if (!grad_w_hh) F(add_stream)(&a, states, hidden); /* with the sums the backward streams out (= states) */
+    F(add_stream)(&a, grad_out, hidden), F(add_output)(&a, d_a, hidden);
     return F(backward)(&a, batch, 1, w_hh, NULL, g0, NULL, &e, 0, F(rnn_backward_step), threads);
 }
 
