@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_STRIDED = [_PTR, _I64, _I64]  # a (steps, B, width) view: its pointer, then its step and row strides
 _SIGNATURES = {
-    **{f"bppsa_linear_factored_{s}": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT] for s in _SUFFIX.values()},
-    **{f"bppsa_linear_dense_{s}": [_I64, _I64, _I64, _PTR, _PTR, _PTR, _INT] for s in _SUFFIX.values()},
+    **{f"bppsa_linear_factored_{s}": [_I64] * 4 + [_PTR] + _STRIDED * 4 + [_INT] for s in _SUFFIX.values()},
+    **{f"bppsa_linear_dense_{s}": [_I64] * 3 + [_PTR] + _STRIDED * 2 + [_INT] for s in _SUFFIX.values()},
 }
 
 def _load() -> ctypes.CDLL | None:
@@ -51,7 +52,7 @@ def available() -> bool:
 
 
 def _usable(out: Tensor) -> ctypes.CDLL | None:
-    if out.device.type != "cpu" or out.dtype not in _SUFFIX or not out.is_contiguous():
+    if out.device.type != "cpu" or out.dtype not in _SUFFIX or out.stride(-1) != 1:
         return None
     return _library()
 
@@ -60,24 +61,36 @@ def _pointer(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def linear_factored(weight: Tensor, scales: Tensor, add: Tensor | None, out: Tensor) -> bool:
+def _rows_contiguous(t: Tensor | None) -> Tensor | None:
+    """``t``, or a copy where its last dimension is not contiguous (the kernels' one layout need)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _strided(t: Tensor | None) -> list:
+    """A ``(steps, B, width)`` view (rows contiguous) as the kernels take it: pointer, step and row strides."""
+    return [None, 0, 0] if t is None else [t.data_ptr(), t.stride(0), t.stride(1)]
+
+
+def linear_factored(weight: Tensor, scales: Tensor, diagonal: Tensor | None, add: Tensor | None, out: Tensor) -> bool:
     """Run the linear recurrence of a factored chain into ``out``; ``False`` if the kernel can't.
 
     Args:
-        weight: ``(m, d)`` with ``m = k d`` (a diagonal term already folded in as a tile with ``I``).
-        scales: ``(n, B, m)`` time-major per-step scales.
+        weight: ``(m, d)`` with ``m = k d``.
+        scales: ``(n, B, m)`` per-step scales (any view whose last dimension is contiguous, e.g. the
+            time-major transpose of a batch-major tensor: no copy).
+        diagonal: ``(n, B, d)`` diagonal terms ``u_t`` of ``J_t = diag(u_t) + S_t W``, or ``None``.
         add: ``(n, B, d)`` direct gradients ``δ_0..δ_{n-1}`` or ``None``.
-        out: ``(n + 1, B, d)`` contiguous, ``out[n]`` already holding ``g_n``; filled in place.
+        out: ``(n + 1, B, d)`` with contiguous rows, ``out[n]`` already holding ``g_n``; filled in place.
     """
     lib = _usable(out)
-    if lib is None or any(t is not None and t.dtype != out.dtype for t in (weight, scales, add)):
+    if lib is None or any(t is not None and t.dtype != out.dtype for t in (weight, scales, diagonal, add)):
         return False
     n, batch, d = out.shape[0] - 1, out.shape[1], out.shape[2]
-    weight, scales = weight.contiguous(), scales.contiguous()
-    add = None if add is None else add.contiguous()
+    # named, so that any copies live until the call returns
+    weight, scales, diagonal, add = weight.contiguous(), *map(_rows_contiguous, (scales, diagonal, add))
+    views = [v for t in (scales, diagonal, add, out) for v in _strided(t)]
     fn = getattr(lib, f"bppsa_linear_factored_{_SUFFIX[out.dtype]}")
-    fn(n, batch, d, weight.shape[0], _pointer(weight), _pointer(scales), _pointer(add), _pointer(out),
-       _native.threads(batch))  # fmt: skip
+    fn(n, batch, d, weight.shape[0], _pointer(weight), *views, _native.threads(batch))
     return True
 
 
@@ -87,8 +100,8 @@ def linear_dense(jacobians_t: Tensor, add: Tensor | None, out: Tensor) -> bool:
     if lib is None or any(t is not None and t.dtype != out.dtype for t in (jacobians_t, add)):
         return False
     n, batch, d = out.shape[0] - 1, out.shape[1], out.shape[2]
-    jacobians_t = jacobians_t.contiguous()
-    add = None if add is None else add.contiguous()
+    jacobians_t, add = jacobians_t.contiguous(), _rows_contiguous(add)  # named: copies live through the call
+    views = [v for t in (add, out) for v in _strided(t)]
     fn = getattr(lib, f"bppsa_linear_dense_{_SUFFIX[out.dtype]}")
-    fn(n, batch, d, _pointer(jacobians_t), _pointer(add), _pointer(out), _native.threads(batch))
+    fn(n, batch, d, _pointer(jacobians_t), *views, _native.threads(batch))
     return True

@@ -5,26 +5,41 @@
 #include <stdlib.h>
 
 /* g_t = g_{t+1} J_t (+ add_t) for t = n-1 .. 0, every batch row on its own.
-   factored: J_t = S_t W with S_t = [diag(s^1) .. diag(s^k)] (m = k d), W (m, d) row-major,
-             scales (n, B, m), add (n, B, d) or NULL, out (n + 1, B, d) with out[n] set.
-   dense:    jt (B, n, d, d) transposed Jacobians, g_t[c] = sum_r jt[b, t][c][r] g_{t+1}[r]. */
+   factored: J_t = diag(u_t) + S_t W with S_t = [diag(s^1) .. diag(s^k)] (m = k d), W (m, d) row-major.
+   dense:    jt (B, n, d, d) transposed Jacobians, g_t[c] = sum_r jt[b, t][c][r] g_{t+1}[r].
+   The per-step tensors are (steps, B, width) views given by element strides: step t of row b starts at
+   t * st + b * sb (their last dimension contiguous), so time-major and batch-major layouts run without a
+   copy: scales (n, B, m), u (n, B, d) or NULL, add (n, B, d) or NULL, out (n + 1, B, d) with out[n] set. */
 /* tmp = [g s^1, .., g s^k]: the row gradient scaled tile by tile (shared by both factored loops) */
 #define BPPSA_SCALE_ROW(T, SUFFIX)                                                                 \
 static inline void scale_row_##SUFFIX(const T* restrict g, const T* restrict s, int64_t d, int64_t m, \
                                       T* restrict tmp) {                                           \
     for (int64_t j = 0; j < m; j += d)                                                             \
         for (int64_t c = 0; c < d; ++c) tmp[j + c] = g[c] * s[j + c];                              \
+}                                                                                                  \
+/* acc[0 .. d) = add_t + g u_t (either may be NULL: no term) */                                    \
+static inline void start_row_##SUFFIX(const T* restrict add, const T* restrict g, const T* restrict u, \
+                                      int64_t d, T* restrict acc) {                                \
+    for (int64_t c = 0; c < d; ++c) acc[c] = add ? add[c] : 0;                                     \
+    if (u)                                                                                         \
+        for (int64_t c = 0; c < d; ++c) acc[c] += g[c] * u[c];                                     \
 }
 BPPSA_SCALE_ROW(float, f32)
 BPPSA_SCALE_ROW(double, f64)
+
+/* the arguments every factored sweep takes */
+#define BPPSA_FACTORED_ARGS(T)                                                                     \
+    int64_t n, int64_t batch, int64_t d, int64_t m, const T *weight, const T *scales, int64_t s_t, \
+        int64_t s_b, const T *u, int64_t u_t, int64_t u_b, const T *add, int64_t a_t, int64_t a_b, \
+        T *out, int64_t o_t, int64_t o_b, int threads
+#define BPPSA_FACTORED_CALL n, batch, d, m, weight, scales, s_t, s_b, u, u_t, u_b, add, a_t, a_b, out, o_t, o_b, threads
+#define BPPSA_AT(p, x, t, b) ((p) ? (p) + (t) * x##_t + (b) * x##_b : NULL)
 
 /* The factored sweep for d <= 8 NB with NB a constant: the 8 NB output columns of a row stay in
    registers while j runs over the m scaled inputs (zero-padded weight; two accumulator sets for even
    and odd j, so 2 NB independent FMA chains hide the FMA latency: ~2x faster than the loop below). */
 #define BPPSA_NARROW(T, SUFFIX, NB)                                                                \
-static void narrow_##SUFFIX##_##NB(int64_t n, int64_t batch, int64_t d, int64_t m,                \
-                                   const T* weight, const T* scales, const T* add, T* out,         \
-                                   int threads) {                                                  \
+static void narrow_##SUFFIX##_##NB(BPPSA_FACTORED_ARGS(T)) {                                       \
     T* wpad = (T*)calloc((size_t)(m * 8 * NB), sizeof(T));                                         \
     for (int64_t j = 0; j < m; ++j)                                                                \
         for (int64_t c = 0; c < d; ++c) wpad[j * 8 * NB + c] = weight[j * d + c];                  \
@@ -32,11 +47,11 @@ static void narrow_##SUFFIX##_##NB(int64_t n, int64_t batch, int64_t d, int64_t 
     for (int64_t b = 0; b < batch; ++b) {                                                          \
         T* tmp = (T*)malloc(sizeof(T) * (size_t)m);                                                \
         for (int64_t t = n - 1; t >= 0; --t) {                                                     \
-            scale_row_##SUFFIX(out + ((t + 1) * batch + b) * d, scales + (t * batch + b) * m, d, m, tmp); \
+            const T* g = out + (t + 1) * o_t + b * o_b;                                            \
+            scale_row_##SUFFIX(g, scales + t * s_t + b * s_b, d, m, tmp);                          \
             T even[8 * NB], odd[8 * NB];                                                           \
             for (int c = 0; c < 8 * NB; ++c) even[c] = odd[c] = 0;                                 \
-            if (add)                                                                               \
-                for (int64_t c = 0; c < d; ++c) even[c] = add[(t * batch + b) * d + c];            \
+            start_row_##SUFFIX(BPPSA_AT(add, a, t, b), g, BPPSA_AT(u, u, t, b), d, even);          \
             int64_t j = 0;                                                                         \
             for (; j + 1 < m; j += 2) {                                                            \
                 const T v0 = tmp[j], v1 = tmp[j + 1];                                              \
@@ -49,7 +64,7 @@ static void narrow_##SUFFIX##_##NB(int64_t n, int64_t batch, int64_t d, int64_t 
             }                                                                                      \
             if (j < m) /* odd m: the last input */                                                 \
                 for (int c = 0; c < 8 * NB; ++c) even[c] += tmp[j] * wpad[j * 8 * NB + c];         \
-            T* restrict o = out + (t * batch + b) * d;                                             \
+            T* restrict o = out + t * o_t + b * o_b;                                               \
             for (int64_t c = 0; c < d; ++c) o[c] = even[c] + odd[c];                               \
         }                                                                                          \
         free(tmp);                                                                                 \
@@ -63,27 +78,27 @@ BPPSA_NARROW_ALL(float, f32)
 BPPSA_NARROW_ALL(double, f64)
 
 #define BPPSA_KERNELS(T, SUFFIX)                                                                  \
-void bppsa_linear_factored_##SUFFIX(int64_t n, int64_t batch, int64_t d, int64_t m,                \
-                                    const T* weight, const T* scales, const T* add, T* out,        \
-                                    int threads) {                                                 \
+void bppsa_linear_factored_##SUFFIX(BPPSA_FACTORED_ARGS(T)) {                                      \
     switch ((d + 7) / 8) {                                                                         \
-        case 1: narrow_##SUFFIX##_1(n, batch, d, m, weight, scales, add, out, threads); return;    \
-        case 2: narrow_##SUFFIX##_2(n, batch, d, m, weight, scales, add, out, threads); return;    \
-        case 3: narrow_##SUFFIX##_3(n, batch, d, m, weight, scales, add, out, threads); return;    \
-        case 4: narrow_##SUFFIX##_4(n, batch, d, m, weight, scales, add, out, threads); return;    \
+        case 1: narrow_##SUFFIX##_1(BPPSA_FACTORED_CALL); return;                             \
+        case 2: narrow_##SUFFIX##_2(BPPSA_FACTORED_CALL); return;                             \
+        case 3: narrow_##SUFFIX##_3(BPPSA_FACTORED_CALL); return;                             \
+        case 4: narrow_##SUFFIX##_4(BPPSA_FACTORED_CALL); return;                             \
         default: break; /* wider states: the blocked loop below */                                 \
     }                                                                                              \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
     for (int64_t b = 0; b < batch; ++b) {                                                          \
-        T* tmp = (T*)malloc(sizeof(T) * (size_t)m);                                                \
+        T* tmp = (T*)malloc(sizeof(T) * (size_t)(m + d));                                          \
+        T* start = tmp + m;                                                                        \
         for (int64_t t = n - 1; t >= 0; --t) {                                                     \
-            scale_row_##SUFFIX(out + ((t + 1) * batch + b) * d, scales + (t * batch + b) * m, d, m, tmp); \
-            T* restrict o = out + (t * batch + b) * d;                                             \
+            const T* g = out + (t + 1) * o_t + b * o_b;                                            \
+            scale_row_##SUFFIX(g, scales + t * s_t + b * s_b, d, m, tmp);                          \
+            start_row_##SUFFIX(BPPSA_AT(add, a, t, b), g, BPPSA_AT(u, u, t, b), d, start);         \
+            T* restrict o = out + t * o_t + b * o_b;                                               \
             for (int64_t c0 = 0; c0 < d; c0 += 8) { /* 8 columns kept in registers over all j */   \
                 const int64_t width = d - c0 < 8 ? d - c0 : 8;                                     \
                 T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                               \
-                if (add)                                                                           \
-                    for (int64_t c = 0; c < width; ++c) acc[c] = add[(t * batch + b) * d + c0 + c]; \
+                for (int64_t c = 0; c < width; ++c) acc[c] = start[c0 + c];                        \
                 if (width == 8) {                                                                  \
                     for (int64_t j = 0; j < m; ++j) {                                              \
                         const T v = tmp[j];                                                        \
@@ -101,15 +116,16 @@ void bppsa_linear_factored_##SUFFIX(int64_t n, int64_t batch, int64_t d, int64_t
     }                                                                                              \
 }                                                                                                  \
 void bppsa_linear_dense_##SUFFIX(int64_t n, int64_t batch, int64_t d, const T* jt, const T* add,   \
-                                 T* out, int threads) {                                            \
+                                 int64_t a_t, int64_t a_b, T* out, int64_t o_t, int64_t o_b,       \
+                                 int threads) {                                                    \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
     for (int64_t b = 0; b < batch; ++b) {                                                          \
         for (int64_t t = n - 1; t >= 0; --t) {                                                     \
-            const T* restrict g = out + ((t + 1) * batch + b) * d;                                 \
+            const T* restrict g = out + (t + 1) * o_t + b * o_b;                                   \
             const T* restrict jac = jt + (b * n + t) * d * d;                                      \
-            T* restrict o = out + (t * batch + b) * d;                                             \
+            T* restrict o = out + t * o_t + b * o_b;                                               \
             for (int64_t c = 0; c < d; ++c) {                                                      \
-                T acc = add ? add[(t * batch + b) * d + c] : 0;                                    \
+                T acc = add ? add[t * a_t + b * a_b + c] : 0;                                      \
                 for (int64_t r = 0; r < d; ++r) acc += jac[c * d + r] * g[r];                      \
                 o[c] = acc;                                                                        \
             }                                                                                      \

@@ -168,7 +168,10 @@ def _run(
     direct = grad[:, :n].transpose(0, 1).to(compute) if per_step else None
     with flush_denormals() if grad.device.type == "cpu" else nullcontext():
         if algorithm == "linear":
-            out = _linear(chain, last, direct, sweep)
+            # a time-major view of batch-major memory: the result below needs no transposing copy
+            out = last.new_empty(last.shape[0], n + 1, *last.shape[1:]).transpose(0, 1)
+            out[n] = last
+            out = _linear(chain, last, direct, sweep, out)
         elif algorithm == "blelloch":
             out = _blelloch(chain, last, direct)
         elif algorithm == "chunked":

@@ -111,8 +111,7 @@ def _compiled_sweep(chain: Chain, out: Tensor, direct: Tensor | None) -> None:
     it cannot run (a dtype / layout it does not take)."""
     if isinstance(chain, DenseChain):
         ran = cpu.linear_dense(chain.transposed_batch_major(), direct, out)
-    else:
-        scales, weight = chain.augmented()
-        ran = cpu.linear_factored(weight, scales, direct, out)
+    else:  # the chain's time-major views as they are: the kernel takes strides
+        ran = cpu.linear_factored(chain.weight, chain.scales, chain.diagonal, direct, out)
     if not ran:
         algorithms.torch_sweep(chain, out, direct)

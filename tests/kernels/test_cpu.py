@@ -13,6 +13,8 @@ import torch
 from lightning_bppsa.kernels import cpu
 
 from lightning_bppsa import FactoredJacobians, scan_ref
+from lightning_bppsa._chains import FactoredChain
+from lightning_bppsa.algorithms import torch_sweep
 from lightning_bppsa.testing import assert_derived_close
 
 
@@ -91,6 +93,38 @@ def test_cpu_op_runs_its_linear_sweeps_in_the_kernel(monkeypatch, algorithm):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("d", [3, 20, 40])  # the register-blocked widths and the wide loop
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_kernel_takes_strided_views_and_a_diagonal(layout, d, dtype):
+    """The kernel reads the per-step tensors through their strides (a batch-major tensor's time-major view
+    needs no copy) and adds the diagonal term itself: equal to the torch loop on the same chain."""
+    batch, n, tiles = 3, 7, 2
+    gen = torch.Generator().manual_seed(d)
+    weight = torch.randn(tiles * d, d, generator=gen, dtype=torch.float64) / d**0.5
+    scales, diagonal, add = (torch.randn(batch, n, w, generator=gen, dtype=torch.float64) for w in (tiles * d, d, d))
+    last = torch.randn(batch, d, generator=gen, dtype=torch.float64)
+    def torch_loop(dt):
+        chain = FactoredChain(weight.to(dt), scales.to(dt).transpose(0, 1), diagonal.to(dt).transpose(0, 1))
+        result = torch.empty(n + 1, batch, d, dtype=dt)
+        result[n] = last.to(dt)
+        torch_sweep(chain, result, add.to(dt).transpose(0, 1))
+        return result
+
+    expected, baseline = torch_loop(torch.float64), torch_loop(dtype)
+    views = [t.to(dtype) for t in (weight, scales, diagonal, add)]
+    if layout == "time-major":
+        views[1:] = [t.transpose(0, 1).contiguous() for t in views[1:]]
+        out = torch.empty(n + 1, batch, d, dtype=dtype)
+    else:
+        views[1:] = [t.transpose(0, 1) for t in views[1:]]
+        out = torch.empty(batch, n + 1, d, dtype=dtype).transpose(0, 1)
+    out[n] = last.to(dtype)
+    assert cpu.linear_factored(*views, out)
+    assert_derived_close(out, expected, baseline if dtype == torch.float32 else None, floor=1e-12)
+
+
+@needs_kernel
 def test_nan_propagates_through_the_kernel():
     jac = random_factored(2, 10, 4, 1, False, torch.float64)
     scales = jac.scales.clone()
@@ -102,9 +136,10 @@ def test_nan_propagates_through_the_kernel():
 @needs_kernel
 def test_kernel_declines_what_it_does_not_handle():
     out = torch.zeros(3, 2, 4, dtype=torch.float16)
-    assert not cpu.linear_factored(torch.eye(4).half(), torch.ones(2, 2, 4).half(), None, out)
+    assert not cpu.linear_factored(torch.eye(4).half(), torch.ones(2, 2, 4).half(), None, None, out)
     out = torch.zeros(3, 2, 4)
-    assert not cpu.linear_factored(torch.eye(4).double(), torch.ones(2, 2, 4), None, out)  # mixed dtypes
+    assert not cpu.linear_factored(torch.eye(4).double(), torch.ones(2, 2, 4), None, None, out)  # mixed dtypes
+    assert not cpu.linear_factored(torch.eye(4), torch.ones(2, 2, 4), None, None, torch.zeros(3, 4, 2).mT)
 
 
 def test_disabled_by_environment(monkeypatch, caplog):
