@@ -51,3 +51,26 @@ def test_torchscript_calls_the_ops():
     jt, grad, w, s = torch.randn(2, 9, 3, 3), torch.randn(2, 3), torch.randn(3, 3), torch.rand(2, 9, 3)
     expected = backprop_scan(jt, grad, algorithm="linear") + backprop_scan(FactoredJacobians(w, s), grad, algorithm="linear")
     torch.testing.assert_close(scripted(jt, grad, w, s), expected)
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "gru", "lstm"])
+def test_opcheck_recurrent_layer_ops(cell):
+    """The layer's forward and backward ops: schema, fake kernels and AOT dispatch agree with the kernels."""
+    from lightning_bppsa.cells import CELLS
+
+    kind = CELLS[cell]
+    batch, steps, inputs, hidden = 3, 5, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, steps, inputs, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(batch, hidden, dtype=torch.float64, generator=gen)
+    c0 = torch.randn(batch, hidden, dtype=torch.float64, generator=gen) if kind.has_cell_state else None
+    gates = kind.gates * hidden
+    weights = [torch.randn(*shape, dtype=torch.float64, generator=gen) * 0.4
+               for shape in ((gates, inputs), (gates, hidden), (gates,), (gates,))]  # fmt: skip
+    forward = torch.ops.bppsa.recurrent_forward.default
+    torch.library.opcheck(forward, (cell, x, h0, c0, weights))
+    results = forward(cell, x, h0, c0, weights)
+    out, factors = results[0], results[2 if kind.has_cell_state else 1 :]
+    grad_cn = torch.randn(batch, hidden, dtype=torch.float64) if kind.has_cell_state else None
+    args = (cell, "auto", x, h0, c0, weights, out, factors, torch.randn_like(out), torch.randn_like(h0), grad_cn, True)
+    torch.library.opcheck(torch.ops.bppsa.recurrent_backward.default, args)
