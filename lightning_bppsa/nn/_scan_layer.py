@@ -1,8 +1,9 @@
 """One recurrent layer in one direction as an ``autograd.Function`` over the cell's two ops.
 
 :class:`LayerFunction` connects ``(x, h0[, c0], W_ih, W_hh[, b_ih, b_hh])`` to the layer's outputs
-``out`` ``(B, n, H)`` (``h_1..h_n``; eagerly the forward op's own tensor, not a copy), ``h_n`` ``(B, H)`` (a copy of ``out[:, -1]``: its gradient reaches the
-kernel on its own, never added into a ``(B, n, H)`` one) and, for cells with a cell state, ``c_n``:
+``out`` ``(B, n, H)`` (``h_1..h_n``; eagerly the forward op's own tensor, not a copy), ``h_n`` ``(B, H)``
+(a copy of ``out[:, -1]``: its gradient reaches the kernel on its own, never added into a ``(B, n, H)`` one)
+and, for cells with a cell state, ``c_n``:
 
 - forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass,
   :mod:`lightning_bppsa.cells`); under autocast it computes in the autocast dtype, as torch's layers do;
@@ -67,10 +68,10 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None = None):
         x, h0, c0, out, *rest = ctx.saved_tensors
-        if out is None:
-            out = ctx.out
-            if out._version != ctx.out_version:  # modified in place since the forward
-                out = _forward_op(ctx.cell, ctx.low, x, h0, c0, rest[: ctx.weights])[0]
+        if out is None:  # eager: out itself, unless modified in place since the forward (then recomputed)
+            kept, ctx.out = ctx.out, None  # released here: a second backward (retain_graph) recomputes
+            unchanged = kept is not None and kept._version == ctx.out_version
+            out = kept if unchanged else _forward_op(ctx.cell, ctx.low, x, h0, c0, rest[: ctx.weights])[0]
         weights, factors = rest[: ctx.weights], rest[ctx.weights :]
         needs = ctx.needs_input_grad[3:]
         cell = CELLS[ctx.cell]

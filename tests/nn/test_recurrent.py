@@ -628,3 +628,17 @@ def test_backward_recomputes_the_states_only_after_an_in_place_change(modify):
     with _OpCounter() as counter:
         out.pow(2).sum().backward()
     assert counter.ops.count("bppsa.recurrent_forward") == int(modify), counter.ops
+
+
+def test_a_second_backward_with_retain_graph_matches_torch():
+    # the first backward releases the layer's reference to its states; the second recomputes them
+    ours = bnn.GRU(3, 4, batch_first=True, algorithm="linear", dtype=torch.float64)
+    ref = nn.GRU(3, 4, batch_first=True, dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 6, 3, dtype=torch.float64)
+    for module in (ours, ref):
+        loss = module(x)[0].pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
