@@ -26,6 +26,7 @@ import importlib.util
 import inspect
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 
@@ -68,12 +69,21 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, path: str, name: 
         _load(path, name)(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # The work succeeded: leave without the interpreter's teardown, where a torch / gloo thread still
+    # joinable was seen to abort a child ("terminate called without an active exception", SIGABRT) after
+    # everything it had to do was done and checked.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_gloo(
     target: Callable, world: int, *args: object, timeout_s: float = 60.0, wall_limit_s: float = 600.0
 ) -> None:
     """Run ``target(rank, world, *args)`` on ``world`` new processes sharing one gloo group; wait for all.
+
+    A child whose ``target`` returned leaves the group and exits at once (``os._exit(0)``, after flushing
+    stdout and stderr): ``atexit`` handlers do not run there, so ``target`` must close what it writes.
 
     Args:
         target: a module-level function (looked up again by file and name in each child).
