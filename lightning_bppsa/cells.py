@@ -307,8 +307,8 @@ class RNNCell(RecurrentCell):
         self.name = f"rnn_{nonlinearity}"
         self.relu = nonlinearity == "relu"
         self.cost = CellCost(autograd_ops_per_step=3.5, gates=1, state_factor=1, autograd_step=55e-6,
-                             autograd_row=0.37e-6, autograd_row_mac=0.33e-9, native_row=0.4e-6,
-                             native_row_mac=0.45e-9)  # fmt: skip
+                             autograd_row=0.37e-6, autograd_row_mac=0.33e-9, native_row=0.14e-6,
+                             native_row_mac=0.18e-9)  # fmt: skip
 
     def slope(self, out: Tensor) -> Tensor:
         """``f'`` ``(B, n, H)`` from the states: ``1 - h²`` (tanh) or the ReLU mask (1 where NOT ``h <= 0``,
@@ -368,8 +368,8 @@ class GRUCell(RecurrentCell):
 
     def __init__(self) -> None:
         self.cost = CellCost(autograd_ops_per_step=10.0, gates=3, state_factor=1, autograd_step=150e-6,
-                             autograd_row=1.35e-6, autograd_row_mac=0.35e-9, native_row=1.8e-6,
-                             native_row_mac=0.55e-9)  # fmt: skip
+                             autograd_row=1.35e-6, autograd_row_mac=0.35e-9, native_row=0.31e-6,
+                             native_row_mac=0.25e-9)  # fmt: skip
 
     def _native_forward(self, kernels, gi, h0, c0, weights):
         return kernels.gru_forward(gi, weights[1], weights[3] if len(weights) == 4 else None, h0)
@@ -424,8 +424,8 @@ class LSTMCell(RecurrentCell):
     def __init__(self) -> None:
         # torch's CPU LSTM backward is one fused op per step
         self.cost = CellCost(autograd_ops_per_step=1.0, gates=4, state_factor=2, autograd_step=3e-6,
-                             autograd_row=1.3e-6, autograd_row_mac=0.21e-9, native_row=0.8e-6,
-                             native_row_mac=0.55e-9)  # fmt: skip
+                             autograd_row=1.3e-6, autograd_row_mac=0.21e-9, native_row=0.40e-6,
+                             native_row_mac=0.18e-9)  # fmt: skip
 
     def jacobian_width(self, hidden: int) -> int:
         return 10 * hidden

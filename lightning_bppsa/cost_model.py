@@ -146,7 +146,9 @@ class CellCost:
 
     - torch's layer under autograd: ``n (step + B (row + row_mac · G H²))`` (``autograd_*``);
     - the compiled cell kernels (forward with factors, fused backward, GEMMs): ``n B (row + row_mac · G H²)``
-      (``native_*``) plus a fixed ~0.6 ms per call.
+      (``native_*``) plus a fixed ~0.6 ms per call; re-fitted 2026-11-24 after the kernels' four-row steps
+      (B=256, T=300, H in {20, 64}; at 1 thread the kernels then beat autograd on every B in {1, 16, 64, 256}
+      x H in {20, 64} at T=300, and torch's LSTM only on sequences of a few tens of steps at B=1).
     """
 
     autograd_ops_per_step: float
