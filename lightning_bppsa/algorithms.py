@@ -68,8 +68,8 @@ def _linear(
     chain: Chain, last: Tensor, direct: Tensor | None, sweep: LinearSweep, out: Tensor | None = None
 ) -> Tensor:
     """The linear schedule by ``sweep``; ``out`` may be given with ``out[n]`` set."""
-    if out is None:
-        out = last.new_empty(chain.steps + 1, *last.shape)
+    if out is None:  # a time-major view of batch-major memory: _run's result needs no transposing copy
+        out = last.new_empty(last.shape[0], chain.steps + 1, *last.shape[1:]).transpose(0, 1)
         out[chain.steps] = last
     if chain.steps:
         sweep(chain, out, direct)
@@ -168,10 +168,7 @@ def _run(
     direct = grad[:, :n].transpose(0, 1).to(compute) if per_step else None
     with flush_denormals() if grad.device.type == "cpu" else nullcontext():
         if algorithm == "linear":
-            # a time-major view of batch-major memory: the result below needs no transposing copy
-            out = last.new_empty(last.shape[0], n + 1, *last.shape[1:]).transpose(0, 1)
-            out[n] = last
-            out = _linear(chain, last, direct, sweep, out)
+            out = _linear(chain, last, direct, sweep)
         elif algorithm == "blelloch":
             out = _blelloch(chain, last, direct)
         elif algorithm == "chunked":
