@@ -37,7 +37,7 @@ from lightning_bppsa.jacobians.recurrent import gate_preactivations, gru_jacobia
 from lightning_bppsa.kernels import recurrent as native
 from lightning_bppsa.kernels import recurrent_cuda
 
-__all__ = ["CELLS", "GRUCell", "LSTMCell", "RNNCell", "RecurrentCell", "cell_of"]
+__all__ = ["CELLS", "GRUCell", "LSTMCell", "RNNCell", "RecurrentCell", "cell_of", "forward_kernel_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +265,13 @@ class RecurrentCell:
 def _native_ok(x: Tensor) -> bool:
     """Whether the compiled CPU cell kernels may run on ``x`` (CPU, float32/float64, kernel built)."""
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and native.available()
+
+
+def forward_kernel_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
+    """Whether a layer's forward op on ``x`` and ``weights`` runs the compiled CPU kernel (not torch's fused
+    forward): CPU, float32 / float64 throughout, kernels built, no CPU autocast (which casts to bfloat16)."""
+    same = all(w.dtype == x.dtype and w.device == x.device for w in weights)
+    return same and _native_ok(x) and not torch.is_autocast_enabled("cpu")
 
 
 #: reasons already logged for running torch's fused forward instead of a compiled one

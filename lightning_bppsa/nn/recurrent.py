@@ -10,14 +10,17 @@ so the same seed draws torch's mask and the backward uses the forward's.
 
 ``algorithm`` (``"auto"``, ``"linear"``, ``"blelloch"``, ``"chunked"``) picks the scan; with ``"auto"``,
 when :func:`~lightning_bppsa.cost_model.recurrent_path` predicts that the scan does not pay, the module
-runs torch's own forward under plain autograd instead. ``last_stats`` records what the last forward did:
-``path`` (``"scan"`` / ``"autograd"``), ``algorithm``, ``plan`` (``"scan linear [c]"`` after the backward:
+runs torch's own forward under plain autograd instead. Where no gradient is needed (``torch.no_grad``,
+inference, validation) on CPU in float32 / float64 the forward kernels run alone (no scan: B=16 T=1000
+H=20 RNN 1.2 ms against torch's fused forward 9.8 ms; float64 equal to torch's to ~1e-15).
+``last_stats`` records what the last forward did:
+``path`` (``"scan"`` / ``"forward kernel"`` / ``"autograd"``), ``algorithm``, ``plan`` (``"scan linear [c]"`` after the backward:
 the algorithm and kernel the scan ran, see :class:`~lightning_bppsa.plan.Plan`; or ``"autograd (why)"``),
 ``scan_algorithm`` (the plan without the word "scan"), ``forward_seconds`` (the layers' forward op: states
 and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only.
 
 Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
-gradients disabled, an empty batch or sequence, meta tensors, complex or integer dtypes, a
+gradients disabled off the CPU kernels (another device or dtype, CPU autocast, no compiler), an empty batch or sequence, meta tensors, complex or integer dtypes, a
 ``PackedSequence`` (one warning), ``torch.func`` transforms (``grad``, ``vmap``, ...: the scan's
 ``autograd.Function`` has no functorch rules), and malformed input (so the error is torch's own). Input
 sizes and dtypes are checked by torch's ``check_forward_args``. Under ``create_graph=True`` (double
@@ -39,7 +42,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_bppsa import cost_model
-from lightning_bppsa.cells import cell_of
+from lightning_bppsa.cells import cell_of, forward_kernel_runs
 from lightning_bppsa.nn._scan_layer import LayerFunction
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.plan import check_algorithm
@@ -70,6 +73,8 @@ class _ScanRecurrent:
         }
         if path == "autograd":
             return super().forward(input, hx)
+        if path == "forward kernel":
+            self.last_stats["plan"] = "forward kernel (no gradient needed)"
         return self._scan_forward(input, hx)
 
     def extra_repr(self) -> str:
@@ -88,8 +93,6 @@ class _ScanRecurrent:
                 )
             return "autograd", "PackedSequence input"
         params = [getattr(self, name) for name in self._flat_weights_names]  # functional_call swaps them
-        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
-            return "autograd", "no gradient needed"
         if input.dim() not in (2, 3) or not self._states_match(input, hx):
             return "autograd", "malformed input: torch's forward raises its own error"
         if input.numel() == 0 or input.device.type == "meta":
@@ -98,6 +101,11 @@ class _ScanRecurrent:
             return "autograd", f"dtype {input.dtype}: the scan takes real floating dtypes (complex: torch's code)"
         if torch._C._are_functorch_transforms_active():
             return "autograd", "torch.func transform: the scan's Function has no functorch rules"
+        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
+            # inference: the forward kernel alone (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms)
+            # where it runs as it does in training, else torch's forward
+            kernel = not torch.compiler.is_compiling() and forward_kernel_runs(input, params)
+            return ("forward kernel", "") if kernel else ("autograd", "no gradient needed")
         if self.algorithm != "auto":
             return "scan", ""
         batch_dim = 0 if self.batch_first else 1

@@ -323,7 +323,44 @@ def test_auto_falls_back_to_autograd_and_records_it():
     assert rnn.last_stats["path"] == "scan" and rnn.last_stats["algorithm"] == "auto"
     with torch.no_grad():
         rnn(torch.randn(2, 10, 1))
-    assert rnn.last_stats["path"] == "autograd"
+    assert rnn.last_stats["path"] == "forward kernel"  # inference: the forward kernel, nothing to scan
+
+
+@pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_inference_runs_the_forward_kernel_and_equals_torch(cell, batch_first):
+    torch.manual_seed(0)
+    ours = getattr(bnn, cell)(3, 5, num_layers=2, bidirectional=True, batch_first=batch_first, dropout=0.5,
+                              dtype=torch.float64).eval()  # fmt: skip
+    ref = _torch_twin(cell, ours).double().eval()
+    ref.load_state_dict(ours.state_dict())  # again, in float64
+    ref.dropout = ours.dropout
+    x = torch.randn((4, 7, 3) if batch_first else (7, 4, 3), dtype=torch.float64)
+    hx = _state(cell, (4, 4, 5), torch.float64)
+    hx = tuple(torch.randn_like(h) for h in hx) if cell == "LSTM" else torch.randn_like(hx)
+    for args in ((x,), (x, hx), (x[0] if batch_first else x[:, 0],)):  # default state, given state, unbatched
+        with torch.no_grad():
+            got, want = ours(*args), ref(*args)
+        assert ours.last_stats["path"] == "forward kernel", ours.last_stats
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    ours.train()  # dropout between layers under no_grad: torch's mask from the same seed
+    with torch.no_grad():
+        torch.manual_seed(1)
+        got = ours(x)
+        torch.manual_seed(1)
+        want = ref.train()(x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_inference_without_the_kernels_runs_torchs_forward(monkeypatch):
+    from lightning_bppsa.cells import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    rnn = bnn.GRU(3, 5)
+    with torch.no_grad():
+        out = rnn(torch.randn(6, 2, 3))[0]
+    assert rnn.last_stats["path"] == "autograd" and "no gradient needed" in rnn.last_stats["plan"]
+    assert out.shape == (6, 2, 5)
 
 
 def test_batch_and_length_may_change_between_calls():
