@@ -133,9 +133,10 @@ class RecurrentCell:
         return self.gates * hidden
 
     @staticmethod
-    def fused_backward(chosen: plan.Plan, like: Tensor) -> bool:
-        """Whether the backward under ``chosen`` is the compiled kernel's fused scan + gate gradients."""
-        return chosen.kernel == "c" and chosen.algorithm == "linear" and _native_ok(like)
+    def fused_backward(chosen: plan.Plan, device: str, dtype: torch.dtype) -> bool:
+        """Whether the backward under ``chosen`` on ``device`` (type) and ``dtype`` is the compiled kernel's
+        fused scan + gate gradients."""
+        return chosen.kernel == "c" and chosen.algorithm == "linear" and _native_ok(device, dtype)
 
     def backward(
         self,
@@ -165,7 +166,7 @@ class RecurrentCell:
         batch, n, hidden = out.shape
         chosen = self.plan(algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type, dtype=dtype)
         fused, bias = None, len(weights) == 4
-        if self.fused_backward(chosen, out_):
+        if self.fused_backward(chosen, out_.device.type, out_.dtype):
             sums = native.ParameterSums(x_, out_, h0_, bias) if native.sums_parameters(
                 hidden, x.shape[-1], self.gates, dtype) else None  # fmt: skip
             fused = self._native_backward(out_, h0_, c0_, weights[1], factors, grad_out, grad_hn, grad_cn, sums,
@@ -262,16 +263,17 @@ class RecurrentCell:
         return [g.contiguous() for g in grads]
 
 
-def _native_ok(x: Tensor) -> bool:
-    """Whether the compiled CPU cell kernels may run on ``x`` (CPU, float32/float64, kernel built)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and native.available()
+def _native_ok(device: str, dtype: torch.dtype) -> bool:
+    """Whether the compiled CPU cell kernels may run on tensors of ``device`` (type) and ``dtype`` (CPU,
+    float32/float64, kernel built)."""
+    return device == "cpu" and dtype in (torch.float32, torch.float64) and native.available()
 
 
 def forward_kernel_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
     """Whether a layer's forward op on ``x`` and ``weights`` runs the compiled CPU kernel (not torch's fused
     forward): CPU, float32 / float64 throughout, kernels built, no CPU autocast (which casts to bfloat16)."""
     same = all(w.dtype == x.dtype and w.device == x.device for w in weights)
-    return same and _native_ok(x) and not torch.is_autocast_enabled("cpu")
+    return same and _native_ok(x.device.type, x.dtype) and not torch.is_autocast_enabled("cpu")
 
 
 #: reasons already logged for running torch's fused forward instead of a compiled one
@@ -281,7 +283,7 @@ _LOGGED: set[str] = set()
 def _forward_kernels(x: Tensor):
     """The compiled forward kernels for ``x``'s device, or ``None`` (torch's fused forward runs; logged
     once per reason)."""
-    if _native_ok(x):
+    if _native_ok(x.device.type, x.dtype):
         return native
     if x.device.type == "cuda" and x.dtype in (torch.float32, torch.float64):
         ok, reason = recurrent_cuda.available()

@@ -33,6 +33,7 @@ Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -113,13 +114,7 @@ class _ScanRecurrent:
         length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
         if torch.compiler.is_compiling():
             return "scan", ""  # nothing is decided while tracing: the ops plan at run time
-        cell = cell_of(self.mode)
-        device = input.device.type
-        chosen = cell.plan("auto", batch=batch, n=length, hidden=self.hidden_size, device=device, dtype=input.dtype)
-        path = cost_model.recurrent_path(
-            cell.cost, n=length, hidden=self.hidden_size, batch=batch, width=cell.jacobian_width(self.hidden_size),
-            device=device, native=chosen.kernel == "c", fused=cell.fused_backward(chosen, input),
-        )
+        path = _auto_path(self.mode, batch, length, self.hidden_size, input.device.type, input.dtype)
         return path, "" if path == "scan" else "cost model: the scan does not pay at this size"
 
     def _states_match(self, input: Tensor, hx: Any) -> bool:  # noqa: A002
@@ -170,6 +165,18 @@ class _ScanRecurrent:
         scripted = _rebuild(self, torch_cls)
         carry_hooks(self, scripted)
         return scripted
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_path(mode: str, batch: int, length: int, hidden: int, device: str, dtype: torch.dtype) -> str:
+    """``algorithm="auto"``'s path for a layer of this shape: the cost model's answer (cached: a training loop
+    asks with the same shapes every step)."""
+    cell = cell_of(mode)
+    chosen = cell.plan("auto", batch=batch, n=length, hidden=hidden, device=device, dtype=dtype)
+    return cost_model.recurrent_path(
+        cell.cost, n=length, hidden=hidden, batch=batch, width=cell.jacobian_width(hidden), device=device,
+        native=chosen.kernel == "c", fused=cell.fused_backward(chosen, device, dtype),
+    )  # fmt: skip
 
 
 def _run_layers(
