@@ -28,10 +28,18 @@ def jacobian_seconds(module: pl.LightningModule) -> float:
     return total
 
 
+def _logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether the trainer writes this step's ``on_step`` metrics to its loggers (every
+    ``log_every_n_steps``): ``LightningModule.log`` costs ~0.5 ms a call, so the timings are logged only
+    then (measured: four calls every step took 2.1 ms of a 7.8 ms RNN step)."""
+    connector = getattr(trainer, "_logger_connector", None)  # Lightning's own rule; log if it is gone
+    return bool(getattr(connector, "should_update_logs", True))
+
+
 class BackwardTimer(Callback):
     """Log, for every training step, the time spent in forward, backward and the Jacobian overhead.
 
-    Logged (seconds, ``on_step``), under ``prefix``:
+    Logged (seconds, ``on_step``, on the steps the trainer logs: every ``log_every_n_steps``), under ``prefix``:
 
     - ``forward``: batch start to the first backward (``training_step``: forward and loss);
     - ``backward``: inside ``loss.backward()`` (summed when a step runs several backward passes);
@@ -72,7 +80,7 @@ class BackwardTimer(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._watch.has("start") or not self._backward_calls:
+        if not self._watch.has("start") or not self._backward_calls or not _logs_this_step(trainer):
             return
         self._watch.mark("end", pl_module.device)
         backward = sum(self._watch.seconds(f"backward{i}", f"after{i}") for i in range(self._backward_calls))

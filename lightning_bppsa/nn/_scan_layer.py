@@ -22,7 +22,7 @@ from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 
-__all__ = ["LayerFunction"]
+__all__ = ["LayerFunction", "forward_only"]
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -36,6 +36,16 @@ def _forward_op(cell: str, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: T
     """``bppsa::recurrent_forward`` on the layer's inputs, cast to ``low`` if given (autocast)."""
     args = [x, h0, c0, *weights] if low is None else [None if t is None else t.to(low) for t in (x, h0, c0, *weights)]
     return torch.ops.bppsa.recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]))
+
+
+def forward_only(cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
+    """:class:`LayerFunction`'s outputs where no gradient is needed (inference, also under
+    ``torch.inference_mode``): the forward op alone, nothing kept for a backward. Same arguments."""
+    start = clock()
+    results = _forward_op(cell, _autocast_dtype(x.device.type), x, h0, c0, weights)
+    record(stats, "forward_seconds", clock() - start, add=True)
+    out = results[0]
+    return (out, out[:, -1].clone(), *results[1 : 2 if CELLS[cell].has_cell_state else 1])
 
 
 class LayerFunction(torch.autograd.Function):

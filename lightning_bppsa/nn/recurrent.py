@@ -44,7 +44,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from lightning_bppsa import cost_model
 from lightning_bppsa.cells import cell_of, forward_kernel_runs
-from lightning_bppsa.nn._scan_layer import LayerFunction
+from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.plan import check_algorithm
 
@@ -76,7 +76,7 @@ class _ScanRecurrent:
             return super().forward(input, hx)
         if path == "forward kernel":
             self.last_stats["plan"] = "forward kernel (no gradient needed)"
-        return self._scan_forward(input, hx)
+        return self._scan_forward(input, hx, grads=path == "scan")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, algorithm={self.algorithm!r} [BPPSA scan backward]"
@@ -128,7 +128,7 @@ class _ScanRecurrent:
         dims_match = all(isinstance(s, Tensor) and s.dim() == input.dim() for s in states)
         return len(states) == 1 + is_lstm and dims_match
 
-    def _scan_forward(self, input: Tensor, hx: Any):  # noqa: A002
+    def _scan_forward(self, input: Tensor, hx: Any, grads: bool = True):  # noqa: A002
         is_lstm, unbatched = self.mode == "LSTM", input.dim() == 2
         batch_dim = 0 if self.batch_first else 1
         if unbatched:
@@ -145,7 +145,8 @@ class _ScanRecurrent:
         weights = [tuple(getattr(self, name) for name in names) for names in self._all_weights]
         dropout = self.dropout if self.training else 0.0
         output, h_n_t, c_n_t = _run_layers(
-            cell_of(self.mode).name, self.algorithm, self.last_stats, x, h0, c0, weights, dirs, dropout, self.batch_first
+            cell_of(self.mode).name, self.algorithm, self.last_stats, x, h0, c0, weights, dirs, dropout, self.batch_first,
+            grads,
         )
         if unbatched:
             output = output.squeeze(batch_dim)
@@ -190,9 +191,11 @@ def _run_layers(
     dirs: int,
     dropout: float,
     batch_first: bool,
+    grads: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Every layer and direction over batch-first ``x`` ``(B, n, I)``: ``(output, h_n, c_n)`` as torch's module
-    returns them (``c_n`` ``None`` without a cell state). ``weights``: per layer and direction, in torch's order.
+    returns them (``c_n`` ``None`` without a cell state). ``weights``: per layer and direction, in torch's order;
+    ``grads=False``: the forward ops alone (no gradient needed).
 
     A function of tensors and plain values rather than a method: ``torch.compile`` refuses to trace methods of
     an ``nn.RNN`` subclass (unless ``torch._dynamo.config.allow_rnn``) but compiles this whole, every layer's
@@ -200,13 +203,14 @@ def _run_layers(
     """
     h_n, c_n = [], []
     layers = len(weights) // dirs
+    run_layer = LayerFunction.apply if grads else forward_only
     for layer in range(layers):
         outs = []
         for direction in range(dirs):
             idx = layer * dirs + direction
             seq = x if direction == 0 else x.flip(1)
             c_init = None if c0 is None else c0[idx]
-            result = LayerFunction.apply(cell, algorithm, stats, seq, h0[idx], c_init, *weights[idx])
+            result = run_layer(cell, algorithm, stats, seq, h0[idx], c_init, *weights[idx])
             h_n.append(result[1])
             if c0 is not None:
                 c_n.append(result[2])
