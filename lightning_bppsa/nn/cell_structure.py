@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.func import functional_call
 
+from lightning_bppsa import gemm
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 
 __all__ = ["CellStructure", "NotTraceable", "cell_tensors", "describe", "trace_cell"]
@@ -83,14 +84,14 @@ class CellStructure:
             if origin[node] == _INPUT and not (isinstance(val, Tensor) and val.dim() > 0 and val.shape[0] == rows):
                 raise NotTraceable(f"an input-only value ({node.name}) does not keep the batch rows first")
         self._frontier_is_row = [origin[n] == _INPUT for n in frontier]
-        self._precompute = _extract(gm, [*tensor_nodes, x_node], frontier)
+        self._precompute = _thin_aware(_extract(gm, [*tensor_nodes, x_node], frontier))
         self._step = _eager(_extract(gm, [*frontier, *states], outputs))
         self.reason, self._pieces = _factor(state_part, outputs, origin, states, frontier, rows, width)
         if self.reason is None:
             computing = _ancestors([p for p, _ in self._pieces], set(state_part))
             linear = [n for n in state_part if n in computing]
             pointwise = [n for n in state_part if n not in linear]
-            self._linear = _extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear)
+            self._linear = _thin_aware(_extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear))
             self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
         self.n_states, self.width = len(states), width
         # the states the pointwise part reads (not only through the linear maps): each is one more tile
@@ -270,6 +271,19 @@ def _eager(gm: fx.GraphModule) -> fx.GraphModule:
             function = getattr(torch, node.target._schema.name.split("::")[-1], None)
             if isinstance(function, types.BuiltinFunctionType):
                 node.target = function
+    gm.recompile()
+    return gm
+
+
+def _thin_aware(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its ``mm`` / ``addmm`` through :mod:`lightning_bppsa.gemm`: the parts run over all ``B T``
+    rows, where the backward's thin products (e.g. a narrow input's projection) are several times faster
+    transposed."""
+    for node in gm.graph.nodes:
+        if node.target is aten.mm.default:
+            node.target = gemm.mm
+        elif node.target is aten.addmm.default:
+            node.target = gemm.addmm
     gm.recompile()
     return gm
 

@@ -1,0 +1,67 @@
+"""Matrix products of many rows with a thin side, in the orientation torch's CPU GEMM runs fastest.
+
+Torch's float32 CPU ``mm`` is several times slower for an output with few columns than for the same product
+transposed: ``(16000, 96) @ (96, 8)`` 1.99 ms against ``((96, 8)ᵀ @ (16000, 96)ᵀ)ᵀ`` 1.10 ms, and the
+weight gradient ``(96, 16000) @ (16000, 8)`` 2.76 ms against 0.63 ms (one thread, AMD EPYC, torch 2.13,
+2026-11-24; the gap closes at 16 columns, and float64 shows no consistent order). Such products are the
+backward of an input projection over all ``B T`` rows of a narrow input (:class:`~lightning_bppsa.nn.Recurrence`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["addmm", "matmul", "mm"]
+
+#: the output widths (columns) for which the transposed product measured faster (float32, CPU)
+_THIN = range(2, 13)
+
+
+def _thin(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a @ b`` runs faster transposed: a float32 CPU output of many rows and 2-12 columns."""
+    columns = b.shape[1]
+    return (
+        columns in _THIN and a.shape[0] >= 8 * columns and a.dtype == torch.float32 and a.device.type == "cpu"
+    )
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for 2-D ``a``, ``b``; computed as ``(bᵀ aᵀ)ᵀ`` (a transposed view) where that runs faster."""
+    return (b.t() @ a.t()).t() if _thin(a, b) else a @ b
+
+
+class _AddMM(torch.autograd.Function):
+    """``bias + a @ b`` (``bias`` may be ``None``) whose products go through :func:`matmul`."""
+
+    @staticmethod
+    def forward(ctx, bias: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.bias_shape = None if bias is None else bias.shape
+        if bias is None:
+            return matmul(a, b)
+        return bias + matmul(a, b) if _thin(a, b) else torch.addmm(bias, a, b)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_bias = grad.sum_to_size(ctx.bias_shape)
+        grad_a = matmul(grad, b.t()) if ctx.needs_input_grad[1] else None
+        # (gradᵀ a)ᵀ: b's gradient with b's columns as rows, as torch computes it for a transposed weight,
+        # unless that output is the thin one
+        grad_b = matmul(grad.t(), a).t() if ctx.needs_input_grad[2] else None
+        return grad_bias, grad_a, grad_b
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.mm`` with the products of its backward in the faster orientation (:func:`matmul`)."""
+    return _AddMM.apply(None, a, b)
+
+
+def addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
+    """``torch.addmm`` (``beta * bias + alpha * a @ b``) through :func:`mm`'s products."""
+    if beta != 1 or alpha != 1:
+        return beta * bias + alpha * mm(a, b)
+    return _AddMM.apply(bias, a, b)
