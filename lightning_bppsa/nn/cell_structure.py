@@ -150,7 +150,7 @@ class CellStructure:
             for q, row in piece.reads:
                 block[q] = block[q] + w_t[row : row + h, piece.offset : piece.offset + h].T
             weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
-            scales.append(torch.cat([partials[p][m + k] for p in range(m)], -1) if m > 1 else partials[0][m + k])
+            scales += [partials[p][m + k] for p in range(m)]  # the row blocks p of piece k's tile
         diagonal = None
         if m == 1 and self._direct and not weights:  # diagonal only: one identity tile (a chain of k = 0
             weights.append(torch.eye(h, dtype=states[0].dtype, device=states[0].device))  # tiles plans badly)
@@ -162,9 +162,9 @@ class CellStructure:
             for q in self._direct:
                 block = [eye if j == q else eye.new_zeros(h, h) for j in range(m)]
                 weights.append(torch.cat(block, 1).repeat(m, 1))
-                scales.append(torch.cat([partials[p][q] for p in range(m)], -1))
+                scales += [partials[p][q] for p in range(m)]
         weight = torch.cat(weights, 0) if weights else states[0].new_zeros(0, d)
-        scale = torch.cat(scales, -1) if scales else states[0].new_zeros(rows, 0)
+        scale = torch.cat(scales, -1) if scales else states[0].new_zeros(rows, 0)  # one copy of every partial
         steps = rows // batch
         jacobians = FactoredJacobians(
             weight, scale.view(batch, steps, -1), None if diagonal is None else diagonal.reshape(batch, steps, d)
