@@ -330,8 +330,10 @@ def _interleaved(
     rounds: int,
     clock: Callable[[], float],
     cpu_clock: Callable[[], float],
+    block: int = 1,
 ) -> dict[str, tuple[list[float], float]]:
-    """Per key: the wall times of ``rounds`` calls and the cores used (CPU time / wall time over them).
+    """Per key: the wall time per call of ``rounds`` turns of ``block`` consecutive calls, and the cores used
+    (CPU time / wall time over them).
 
     Round ``r`` starts at the ``r``-th function (rotation), so no arm always runs right after another.
     """
@@ -342,10 +344,11 @@ def _interleaved(
         shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
             start, cpu_start = clock(), cpu_clock()
-            fns[key]()
-            times[key].append(clock() - start)
+            for _ in range(block):
+                fns[key]()
+            times[key].append((clock() - start) / block)
             cpu[key] += cpu_clock() - cpu_start
-    return {key: (times[key], cpu[key] / max(sum(times[key]), 1e-12)) for key in keys}
+    return {key: (times[key], cpu[key] / max(sum(times[key]) * block, 1e-12)) for key in keys}
 
 
 def _warm_up(
@@ -401,6 +404,7 @@ def measure_workload(
     workload: Workload,
     *,
     rounds: int = 15,
+    block: int = 5,
     compile_budget: float = 120.0,
     backend: str = "inductor",
     over_budget: dict[str, list[Any]] | None = None,
@@ -412,7 +416,9 @@ def measure_workload(
 
     Args:
         workload: the layer and its input sizes.
-        rounds: interleaved timed calls per arm, for the forward and for the whole step (at least 2).
+        rounds: interleaved turns per arm, for the forward and for the whole step (at least 2).
+        block: consecutive calls per turn, timed together (a training loop's steady state: a lone call
+            after another arm's runs from cold caches; each step is also timed that way, ``cold_step_ms``).
         compile_budget: seconds a compiled arm's first calls may take; 0 skips the compiled torch arms.
         backend: ``torch.compile``'s backend (``"inductor"``; ``"aot_eager"`` compiles without C++).
         over_budget: arm key -> ``[T, workload label]`` of the first row whose compile of that arm ran over
@@ -425,7 +431,7 @@ def measure_workload(
     Returns:
         ``{"workload", "threads", "load_before", "load_after", "arms": [...]}``; each arm has ``key``,
         ``label``, ``status`` (``"ok"`` or why it has no times) and, when timed, ``forward_ms``, ``step_ms``,
-        ``iqr_ms``, ``compile_s`` (compiled arms), ``peak_mib``, ``backward_ops``, ``cores``, ``rel_diff``,
+        ``iqr_ms``, ``cold_step_ms``, ``compile_s`` (compiled arms), ``peak_mib``, ``backward_ops``, ``cores``, ``rel_diff``,
         ``check``, ``path`` (what the lightning_bppsa module ran).
     """
     if rounds < 2:
@@ -447,7 +453,8 @@ def measure_workload(
     ops = {key: arm.backward_ops() for key, arm in arms.items() if arm.backward_ops is not None}
     peaks = {key: peak_memory_bytes(arm.step) for key, arm in arms.items()}
     forward = _interleaved({key: arm.forward for key, arm in arms.items()}, rounds, clock, cpu_clock)
-    steps = _interleaved({key: arm.step for key, arm in arms.items()}, rounds, clock, cpu_clock)
+    steps = _interleaved({key: arm.step for key, arm in arms.items()}, rounds, clock, cpu_clock, block)
+    cold = _interleaved({key: arm.step for key, arm in arms.items()}, rounds, clock, cpu_clock)
     rows = []
     for key, label in ARMS.items():
         row: dict[str, Any] = {"key": key, "label": label, "status": status.get(key, "ok")}
@@ -459,6 +466,7 @@ def measure_workload(
                 forward_ms=forward_median * 1e3,
                 step_ms=step_median * 1e3,
                 iqr_ms=(q3 - q1) * 1e3,
+                cold_step_ms=statistics.median(cold[key][0]) * 1e3,
                 # the warm-up (one forward, two steps) less what those calls take once compiled
                 compile_s=max(compile_seconds[key] - forward_median - 2 * step_median, 0.0)
                 if key in COMPILED
@@ -493,7 +501,7 @@ def render(results: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
     """The markdown table of ``results`` (rows of :func:`measure_workload`) under the ``header`` lines."""
     lines = [*header, "", "## Every arm", ""]
     columns = [
-        "workload", "threads", "arm", "forward ms", "step ms", "step IQR ms", "compile s", "peak MiB",
+        "workload", "threads", "arm", "forward ms", "step ms", "step IQR ms", "cold step ms", "compile s", "peak MiB",
         "backward ops", "cores used", "rel. diff vs autograd", "float64 check",
     ]  # fmt: skip
     lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
@@ -505,12 +513,16 @@ def render(results: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
                 lines.append(head + f"| {arm['status']} |" + " |" * (len(columns) - 4))
                 continue
             lines.append(
-                head + f"| {arm['forward_ms']:.2f} | {arm['step_ms']:.2f} | {arm['iqr_ms']:.2f} "
+                head
+                + f"| {arm['forward_ms']:.2f} | {arm['step_ms']:.2f} | {arm['iqr_ms']:.2f} | {arm['cold_step_ms']:.2f} "
                 f"| {_cell(arm['compile_s'], '.1f')} | {arm['peak_mib']:.1f} | {_cell(arm['backward_ops'], 'd')} "
                 f"| {arm['cores']:.2f} | {arm['rel_diff']:.1e} | {arm['check']} |"
             )
     peers = [ARMS[key] for key in PEERS]
-    columns = ["workload", "threads", *(f"vs {label}" for label in peers), "load before", "load after"]
+    columns = [
+        "workload", "threads", *(f"vs {label}" for label in peers), f"vs {ARMS['autograd']}, cold steps",
+        "load before", "load after",
+    ]  # fmt: skip
     lines += [
         "",
         f"## Speedup of {ARMS['ours']} (eager) on the whole step: a peer's step median / ours",
@@ -522,6 +534,8 @@ def render(results: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
         step = {arm["key"]: arm.get("step_ms") for arm in result["arms"]}
         ours = step["ours"]
         speedups = [f"{step[key] / ours:.2f}x" if ours and step[key] else "—" for key in PEERS]
+        cold = {arm["key"]: arm.get("cold_step_ms") for arm in result["arms"]}
+        speedups.append(f"{cold['autograd'] / cold['ours']:.2f}x" if cold["ours"] else "—")
         loads = [
             " / ".join(f"{value:.2f}" for value in result[when]) for when in ("load_before", "load_after")
         ]
@@ -544,8 +558,10 @@ def _header(
         "after each row: the machine is shared, a load above the row's threads means other processes ran.",
         "",
         f"Hidden {HIDDEN}, one layer, float32, loss `sum(h_T ** 2)` on the last step, zero initial state. "
-        f"Medians of {args.rounds} interleaved rounds (every arm once per round, rotating the order); IQR of "
-        "the step times. Forward = the loss with autograd recording (JAX: `jit(loss)`), step = forward + "
+        f"Medians of {args.rounds} interleaved rounds (rotating the order); in a round every arm runs "
+        f"{args.block} calls in a row, timed together (the steady state of a training loop); IQR of the step "
+        "times. Cold step = the step timed alone, one call per round right after other arms (from cold "
+        "caches: this costs the short steps most). Forward = the loss with autograd recording (JAX: `jit(loss)`), step = forward + "
         "backward with every parameter gradient ready. Each thread count runs in its own process: "
         "`torch.set_num_threads(n)`, `OMP_NUM_THREADS=n`; for 1 thread "
         f"`XLA_FLAGS='{ONE_THREAD_XLA_FLAGS}'`, for more XLA's default pool (all cores). Cores used = CPU "
@@ -571,6 +587,7 @@ def _worker(args: argparse.Namespace) -> None:
         result = measure_workload(
             WORKLOADS[key],
             rounds=args.rounds,
+            block=args.block,
             compile_budget=args.compile_budget,
             backend=args.compile_backend,
             over_budget=over_budget,
@@ -602,7 +619,7 @@ def _run_threads(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[s
             out = Path(folder) / "rows.json"
             command = [
                 sys.executable, __file__, "--worker", "--threads", str(threads), "--rows", ",".join(args.rows),
-                "--rounds", str(args.rounds), "--compile-budget", str(args.compile_budget),
+                "--rounds", str(args.rounds), "--block", str(args.block), "--compile-budget", str(args.compile_budget),
                 "--compile-backend", args.compile_backend, "--over-budget", json.dumps(over_budget),
                 "--json", str(out),
             ]  # fmt: skip
@@ -623,6 +640,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rows", help=f"comma-separated rows, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per arm (default 15; --smoke 3)")
+    parser.add_argument(
+        "--block", type=int, default=5, help="consecutive calls per arm and round (default 5)"
+    )
     parser.add_argument("--compile-budget", type=float, default=120.0, help="seconds per compile (0: skip)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--out", type=Path, help=f"markdown file (default {RESULTS}; --smoke: print only)")
@@ -645,6 +665,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     args.rounds = args.rounds or (3 if args.smoke else 15)
     if args.rounds < 2:
         parser.error(f"--rounds must be at least 2 (for an IQR); got {args.rounds}")
+    if args.block < 1:
+        parser.error(f"--block must be at least 1; got {args.block}")
     if args.compile_budget < 0:
         parser.error(f"--compile-budget must be >= 0; got {args.compile_budget}")
     return args

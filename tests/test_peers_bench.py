@@ -44,10 +44,11 @@ def test_rows_time_every_arm_with_the_injected_clocks_and_render(peers) -> None:
     assert result["workload"] == "GRU smoke B=1 T=7 input 3" and len(result["load_before"]) == 3
     for key in ("autograd", "ours"):
         arm = arms[key]
-        # one tick per timed call: the clocks were injected into every timing
+        # one tick per timed turn: the clocks were injected into every timing; a step turn is 5 calls
         assert (
             arm["status"] == "ok"
-            and arm["step_ms"] == pytest.approx(1.0)
+            and arm["step_ms"] == pytest.approx(0.2)
+            and arm["cold_step_ms"] == pytest.approx(1.0)
             and arm["iqr_ms"] == pytest.approx(0, abs=1e-9)
         )
         assert arm["forward_ms"] == pytest.approx(1.0) and arm["cores"] == pytest.approx(0.5)
@@ -68,7 +69,7 @@ def test_rows_time_every_arm_with_the_injected_clocks_and_render(peers) -> None:
     assert [label.split(" (")[0] for label in labels] == list(peers.ARMS.values())
     assert all(len(line.split("|")) == len(table[every + 2].split("|")) for line in body)  # same columns
     speedup = table[-1].split(" | ")
-    assert speedup[2:6] == ["1.00x", "—", "—", "—"]  # vs autograd, then arms that did not run
+    assert speedup[2:7] == ["1.00x", "—", "—", "—", "1.00x"]  # vs autograd, arms that did not run, cold
 
 
 @pytest.mark.slow
@@ -121,6 +122,7 @@ def test_without_jax_one_line_says_so(peers, monkeypatch, capsys) -> None:
         (["--threads", "0"], "--threads must be positive"),
         (["--threads", "two"], "--threads must be comma-separated integers"),
         (["--rounds", "1"], "--rounds must be at least 2"),
+        (["--block", "0"], "--block must be at least 1"),
         (["--compile-budget", "-1"], "--compile-budget must be >= 0"),
     ],
 )
