@@ -25,8 +25,9 @@ gradients disabled off the CPU kernels (another device or dtype, CPU autocast, n
 ``autograd.Function`` has no functorch rules), and malformed input (so the error is torch's own). Input
 sizes and dtypes are checked by torch's ``check_forward_args``. Under ``create_graph=True`` (double
 backward, e.g. a gradient penalty) the backward is autograd's through a recomputed forward, so second
-derivatives equal torch's. ``torch.compile`` sees each layer as two opaque ops (forward, backward): nothing
-is unrolled over time. ``torch.jit.script`` compiles the torch module instead (see ``__prepare_scriptable__``).
+derivatives equal torch's. ``torch.compile`` with ``allow_rnn`` traces each layer as two opaque ops (forward,
+backward): nothing is unrolled over time; without it dynamo refuses the module (an ``nn.RNN`` subclass) and
+the module runs as in eager mode, dynamo's frame hook off inside it. ``torch.jit.script`` compiles the torch module instead (see ``__prepare_scriptable__``).
 
 Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size > 0`` (LSTM).
 """
@@ -64,6 +65,15 @@ class _ScanRecurrent:
         self.last_stats: dict[str, Any] = {}
 
     def forward(self, input: Tensor, hx: Any = None):  # noqa: A002  (torch's argument name)
+        if torch.compiler.is_compiling():  # traced (allow_rnn): each layer's two ops go into the graph
+            return self._forward(input, hx)
+        # Run by a compiled caller only after dynamo refused this nn.RNN subclass (a graph break): then the
+        # layers run as in eager mode, without dynamo's frame hook on every Python call inside, and without
+        # a compiled graph of their own, whose runtime wrappers cost more (~0.2 ms a step) than the one op
+        # each way they would hold.
+        return _without_dynamo()(self._forward, input, hx)
+
+    def _forward(self, input: Tensor, hx: Any):  # noqa: A002
         path, reason = self._path(input, hx)
         self.last_stats = {
             "path": path,
@@ -168,6 +178,13 @@ class _ScanRecurrent:
         return scripted
 
 
+@functools.cache
+def _without_dynamo() -> Any:
+    """``call(fn, *args)`` = ``fn(*args)`` with torch.compile's frame evaluation off inside (made on first use:
+    the decorator imports dynamo)."""
+    return torch.compiler.disable(lambda fn, *args: fn(*args))
+
+
 @functools.lru_cache(maxsize=256)
 def _auto_path(mode: str, batch: int, length: int, hidden: int, device: str, dtype: torch.dtype) -> str:
     """``algorithm="auto"``'s path for a layer of this shape: the cost model's answer (cached: a training loop
@@ -197,9 +214,8 @@ def _run_layers(
     returns them (``c_n`` ``None`` without a cell state). ``weights``: per layer and direction, in torch's order;
     ``grads=False``: the forward ops alone (no gradient needed).
 
-    A function of tensors and plain values rather than a method: ``torch.compile`` refuses to trace methods of
-    an ``nn.RNN`` subclass (unless ``torch._dynamo.config.allow_rnn``) but compiles this whole, every layer's
-    two ops and what joins them, as one graph.
+    Under ``torch.compile`` with ``allow_rnn`` dynamo traces it into the caller's graph: every layer's two ops
+    and what joins them.
     """
     h_n, c_n = [], []
     layers = len(weights) // dirs
