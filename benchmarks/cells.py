@@ -187,7 +187,7 @@ def main() -> None:
         f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/cells.py"
         f"{' --quick' if args.quick else ''}` under `flock /tmp/bppsa-bench.lock`; load average (1, 5, 15 min) "
         f"{tuple(round(v, 2) for v in load_before)} before, {tuple(round(v, 2) for v in load_after)} after "
-        "(a shared 2-core machine: other engineers' tests ran beside it).",
+        "(this VM's load average reads ~1 while idle; above ~1 + the thread count, other work ran beside it).",
         "",
         "Input size 8, float32, loss = mean of the squared outputs of every step. `d` = the flat state size. "
         "loop = autograd through the Python loop; scan = `Recurrence(cell, algorithm='linear')` (the scan forced; "
