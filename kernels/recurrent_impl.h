@@ -215,8 +215,55 @@ BPPSA_TERMS(1, 1)
 BPPSA_TERMS(1, 3)
 #undef BPPSA_TERMS
 
-/* acc[j] += Σ_q u_q[j] D[q] for j < count and bias += Σ_q D[q], over the buffered rows q < m that are
-   present (u_q NULL: a missing row, whose D row is zero). */
+/* terms_JB_NB for rows 0 .. JB and bias[0 .. NB LANES) += Σ_q d[q] in the same pass over q: for fewer than
+   four rows (a narrow input: I = 1 alone is 3 FMA chains, latency-bound), the bias row's chains run beside
+   them. The bias is summed in the same order as a separate pass would. */
+#define BPPSA_TERMS_BIAS(JB, NB)                                                                             \
+    static inline void F(terms_bias_##JB##_##NB)(int m, const REAL* const* u, const REAL* const* d,          \
+                                                 int64_t c0, REAL* acc, int64_t ld, REAL* bias) {            \
+        REAL s[JB + 1][NB * LANES];                                                                          \
+        for (int r = 0; r < JB; ++r)                                                                         \
+            for (int c = 0; c < NB * LANES; ++c) s[r][c] = acc[r * ld + c0 + c];                             \
+        for (int c = 0; c < NB * LANES; ++c) s[JB][c] = bias[c0 + c];                                        \
+        for (int q = 0; q < m; ++q) {                                                                        \
+            const REAL* restrict dq = d[q] + c0;                                                             \
+            for (int r = 0; r < JB; ++r) {                                                                   \
+                const REAL v = u[q][r];                                                                      \
+                for (int c = 0; c < NB * LANES; ++c) s[r][c] += v * dq[c];                                   \
+            }                                                                                                \
+            for (int c = 0; c < NB * LANES; ++c) s[JB][c] += dq[c];                                          \
+        }                                                                                                    \
+        for (int r = 0; r < JB; ++r)                                                                         \
+            for (int c = 0; c < NB * LANES; ++c) acc[r * ld + c0 + c] = s[r][c];                             \
+        for (int c = 0; c < NB * LANES; ++c) bias[c0 + c] = s[JB][c];                                        \
+    }
+BPPSA_TERMS_BIAS(0, 1)
+BPPSA_TERMS_BIAS(0, 3)
+BPPSA_TERMS_BIAS(1, 1)
+BPPSA_TERMS_BIAS(1, 3)
+BPPSA_TERMS_BIAS(2, 1)
+BPPSA_TERMS_BIAS(2, 3)
+BPPSA_TERMS_BIAS(3, 1)
+BPPSA_TERMS_BIAS(3, 3)
+#undef BPPSA_TERMS_BIAS
+
+/* terms_bias_COUNT_NB for count < 4 rows and nb in {1, 3} vectors. */
+static inline void F(terms_bias)(int64_t count, int64_t nb, int m, const REAL* const* u, const REAL* const* d,
+                                 int64_t c0, REAL* acc, int64_t ld, REAL* bias) {
+    switch (count * 4 + nb) {
+        case 1: F(terms_bias_0_1)(m, u, d, c0, acc, ld, bias); break;
+        case 3: F(terms_bias_0_3)(m, u, d, c0, acc, ld, bias); break;
+        case 5: F(terms_bias_1_1)(m, u, d, c0, acc, ld, bias); break;
+        case 7: F(terms_bias_1_3)(m, u, d, c0, acc, ld, bias); break;
+        case 9: F(terms_bias_2_1)(m, u, d, c0, acc, ld, bias); break;
+        case 11: F(terms_bias_2_3)(m, u, d, c0, acc, ld, bias); break;
+        case 13: F(terms_bias_3_1)(m, u, d, c0, acc, ld, bias); break;
+        default: F(terms_bias_3_3)(m, u, d, c0, acc, ld, bias); break;
+    }
+}
+
+/* acc[j] += Σ_q u_q[j] D[q] for j < count and (unless bias is NULL) bias += Σ_q D[q], over the buffered rows
+   q < m that are present (u_q NULL: a missing row, whose D row is zero). */
 static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, int m, const REAL* d, REAL* acc,
                          REAL* bias) {
     const int64_t n = a->ldg;
@@ -226,8 +273,13 @@ static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, 
         if (u[q]) us[k] = u[q], ds[k++] = d + q * n;
     /* blocks of 3 vectors, then single ones: gcc vectorised a 2-vector block across rows with shuffles and
        spills (measured 1.5-2.5x slower sums wherever n / LANES leaves 2, e.g. RNN H=40 or 64, GRU H=20) */
+    const int fused = bias && count < 4; /* the bias in the rows' pass (terms_bias) */
     for (int64_t c0 = 0, nb; c0 < n; c0 += nb * LANES) {
         nb = (n - c0) / LANES >= 3 ? 3 : 1;
+        if (fused) {
+            F(terms_bias)(count, nb, k, us, ds, c0, acc, n, bias);
+            continue;
+        }
         int64_t j = 0;
         for (; j + 4 <= count; j += 4) {
             if (nb == 1) F(terms_4_1)(k, us, j, ds, c0, acc, n);
@@ -238,7 +290,8 @@ static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, 
             else F(terms_1_3)(k, us, j, ds, c0, acc, n);
         }
     }
-    for (int q = 0; q < k; ++q) F(add_into)(n, bias, ds[q]);
+    if (bias && !fused)
+        for (int q = 0; q < k; ++q) F(add_into)(n, bias, ds[q]);
 }
 
 /* Eq. 2 inside the sweep: every BPPSA_SLOTS steps (and at the last), the pair's buffered step terms of every
@@ -259,7 +312,8 @@ static inline void F(accumulate_pair)(const F(args)* a, int64_t t, int64_t b, in
     const int64_t p = b / 2;
     REAL* acc = a->partial + p * (H + I + 2) * n;
     const int64_t block = p * 2 * BPPSA_SLOTS * n;
-    F(add_terms)(a, H, hp, m, a->dh + block, acc, acc + (H + I + 1) * n);
+    /* one buffer for d_gh and d_gi (RNN, LSTM): b_hh's sums are b_ih's, copied when the partials are reduced */
+    F(add_terms)(a, H, hp, m, a->dh + block, acc, a->di == a->dh ? NULL : acc + (H + I + 1) * n);
     F(add_terms)(a, I, xs, m, a->di + block, acc + H * n, acc + (H + I) * n);
 }
 
@@ -575,8 +629,9 @@ static void F(reduce_partials)(const F(args)* a, const F(eq2)* e, int64_t batch,
     const int64_t H = a->hidden, I = a->inputs, n = a->ldg, block = (H + I + 2) * n, pairs = (batch + 1) / 2;
     for (int64_t j = 0; j < H + I + 2; ++j)
         for (int64_t c = 0; c < gh; ++c) {
+            const int64_t row = j == H + I + 1 && a->di == a->dh ? H + I : j; /* b_hh's sums are b_ih's */
             REAL sum = 0;
-            for (int64_t p = 0; p < pairs; ++p) sum += a->partial[p * block + j * n + c];
+            for (int64_t p = 0; p < pairs; ++p) sum += a->partial[p * block + row * n + c];
             if (j < H) e->grad_w_hh[c * H + j] = sum;
             else if (j < H + I) e->grad_w_ih[c * I + (j - H)] = sum;
             else if (j == H + I && e->grad_b_ih) e->grad_b_ih[c] = sum;
