@@ -191,74 +191,59 @@ static inline REAL* F(slot_row)(const F(args)* a, REAL* buffer, int64_t row, int
     return buffer + ((row / 2) * 2 * BPPSA_SLOTS + 2 * slot + (row & 1)) * a->ldg;
 }
 
-/* acc[j][0 .. NB LANES) += Σ_q u[q][j] d[q][0 .. NB LANES) for JB rows j from j0: the JB x NB accumulators
-   stay in registers over all q (12 independent FMA chains for 4 x 3: enough to hide the FMA latency). */
-#define BPPSA_TERMS(JB, NB)                                                                                  \
-    static inline void F(terms_##JB##_##NB)(int m, const REAL* const* u, int64_t j0, const REAL* const* d,   \
-                                            int64_t c0, REAL* acc, int64_t ld) {                             \
-        REAL s[JB][NB * LANES];                                                                              \
+/* acc[j][0 .. NB LANES) += Σ_q u[q][j] d[q][0 .. NB LANES) for JB rows j from j0, and with BIAS also
+   bias[0 .. NB LANES) += Σ_q d[q] in the same pass over q: the (JB + BIAS) x NB accumulators stay in
+   registers over all q (12 independent FMA chains for 4 x 3: enough to hide the FMA latency; fewer than four
+   rows, e.g. a narrow input's I = 1, take the bias row's chains beside them). Either way each sum runs over q
+   in order: the same bits as separate passes. BIAS is a constant, so gcc drops the bias code without it. */
+#define BPPSA_TERMS(NAME, JB, NB, BIAS)                                                                      \
+    static inline void F(NAME)(int m, const REAL* const* u, int64_t j0, const REAL* const* d, int64_t c0,    \
+                               REAL* acc, int64_t ld, REAL* bias) {                                          \
+        REAL s[JB + BIAS][NB * LANES];                                                                       \
         for (int r = 0; r < JB; ++r)                                                                         \
             for (int c = 0; c < NB * LANES; ++c) s[r][c] = acc[(j0 + r) * ld + c0 + c];                      \
+        if (BIAS)                                                                                            \
+            for (int c = 0; c < NB * LANES; ++c) s[JB + BIAS - 1][c] = bias[c0 + c];                         \
         for (int q = 0; q < m; ++q) {                                                                        \
             const REAL* restrict dq = d[q] + c0;                                                             \
             for (int r = 0; r < JB; ++r) {                                                                   \
                 const REAL v = u[q][j0 + r];                                                                 \
                 for (int c = 0; c < NB * LANES; ++c) s[r][c] += v * dq[c];                                   \
             }                                                                                                \
+            if (BIAS)                                                                                        \
+                for (int c = 0; c < NB * LANES; ++c) s[JB + BIAS - 1][c] += dq[c];                           \
         }                                                                                                    \
         for (int r = 0; r < JB; ++r)                                                                         \
             for (int c = 0; c < NB * LANES; ++c) acc[(j0 + r) * ld + c0 + c] = s[r][c];                      \
+        if (BIAS)                                                                                            \
+            for (int c = 0; c < NB * LANES; ++c) bias[c0 + c] = s[JB + BIAS - 1][c];                         \
     }
-BPPSA_TERMS(4, 1)
-BPPSA_TERMS(4, 3)
-BPPSA_TERMS(1, 1)
-BPPSA_TERMS(1, 3)
+BPPSA_TERMS(terms_4_1, 4, 1, 0)
+BPPSA_TERMS(terms_4_3, 4, 3, 0)
+BPPSA_TERMS(terms_1_1, 1, 1, 0)
+BPPSA_TERMS(terms_1_3, 1, 3, 0)
+BPPSA_TERMS(terms_bias_0_1, 0, 1, 1)
+BPPSA_TERMS(terms_bias_0_3, 0, 3, 1)
+BPPSA_TERMS(terms_bias_1_1, 1, 1, 1)
+BPPSA_TERMS(terms_bias_1_3, 1, 3, 1)
+BPPSA_TERMS(terms_bias_2_1, 2, 1, 1)
+BPPSA_TERMS(terms_bias_2_3, 2, 3, 1)
+BPPSA_TERMS(terms_bias_3_1, 3, 1, 1)
+BPPSA_TERMS(terms_bias_3_3, 3, 3, 1)
 #undef BPPSA_TERMS
-
-/* terms_JB_NB for rows 0 .. JB and bias[0 .. NB LANES) += Σ_q d[q] in the same pass over q: for fewer than
-   four rows (a narrow input: I = 1 alone is 3 FMA chains, latency-bound), the bias row's chains run beside
-   them. The bias is summed in the same order as a separate pass would. */
-#define BPPSA_TERMS_BIAS(JB, NB)                                                                             \
-    static inline void F(terms_bias_##JB##_##NB)(int m, const REAL* const* u, const REAL* const* d,          \
-                                                 int64_t c0, REAL* acc, int64_t ld, REAL* bias) {            \
-        REAL s[JB + 1][NB * LANES];                                                                          \
-        for (int r = 0; r < JB; ++r)                                                                         \
-            for (int c = 0; c < NB * LANES; ++c) s[r][c] = acc[r * ld + c0 + c];                             \
-        for (int c = 0; c < NB * LANES; ++c) s[JB][c] = bias[c0 + c];                                        \
-        for (int q = 0; q < m; ++q) {                                                                        \
-            const REAL* restrict dq = d[q] + c0;                                                             \
-            for (int r = 0; r < JB; ++r) {                                                                   \
-                const REAL v = u[q][r];                                                                      \
-                for (int c = 0; c < NB * LANES; ++c) s[r][c] += v * dq[c];                                   \
-            }                                                                                                \
-            for (int c = 0; c < NB * LANES; ++c) s[JB][c] += dq[c];                                          \
-        }                                                                                                    \
-        for (int r = 0; r < JB; ++r)                                                                         \
-            for (int c = 0; c < NB * LANES; ++c) acc[r * ld + c0 + c] = s[r][c];                             \
-        for (int c = 0; c < NB * LANES; ++c) bias[c0 + c] = s[JB][c];                                        \
-    }
-BPPSA_TERMS_BIAS(0, 1)
-BPPSA_TERMS_BIAS(0, 3)
-BPPSA_TERMS_BIAS(1, 1)
-BPPSA_TERMS_BIAS(1, 3)
-BPPSA_TERMS_BIAS(2, 1)
-BPPSA_TERMS_BIAS(2, 3)
-BPPSA_TERMS_BIAS(3, 1)
-BPPSA_TERMS_BIAS(3, 3)
-#undef BPPSA_TERMS_BIAS
 
 /* terms_bias_COUNT_NB for count < 4 rows and nb in {1, 3} vectors. */
 static inline void F(terms_bias)(int64_t count, int64_t nb, int m, const REAL* const* u, const REAL* const* d,
                                  int64_t c0, REAL* acc, int64_t ld, REAL* bias) {
     switch (count * 4 + nb) {
-        case 1: F(terms_bias_0_1)(m, u, d, c0, acc, ld, bias); break;
-        case 3: F(terms_bias_0_3)(m, u, d, c0, acc, ld, bias); break;
-        case 5: F(terms_bias_1_1)(m, u, d, c0, acc, ld, bias); break;
-        case 7: F(terms_bias_1_3)(m, u, d, c0, acc, ld, bias); break;
-        case 9: F(terms_bias_2_1)(m, u, d, c0, acc, ld, bias); break;
-        case 11: F(terms_bias_2_3)(m, u, d, c0, acc, ld, bias); break;
-        case 13: F(terms_bias_3_1)(m, u, d, c0, acc, ld, bias); break;
-        default: F(terms_bias_3_3)(m, u, d, c0, acc, ld, bias); break;
+        case 1: F(terms_bias_0_1)(m, u, 0, d, c0, acc, ld, bias); break;
+        case 3: F(terms_bias_0_3)(m, u, 0, d, c0, acc, ld, bias); break;
+        case 5: F(terms_bias_1_1)(m, u, 0, d, c0, acc, ld, bias); break;
+        case 7: F(terms_bias_1_3)(m, u, 0, d, c0, acc, ld, bias); break;
+        case 9: F(terms_bias_2_1)(m, u, 0, d, c0, acc, ld, bias); break;
+        case 11: F(terms_bias_2_3)(m, u, 0, d, c0, acc, ld, bias); break;
+        case 13: F(terms_bias_3_1)(m, u, 0, d, c0, acc, ld, bias); break;
+        default: F(terms_bias_3_3)(m, u, 0, d, c0, acc, ld, bias); break;
     }
 }
 
@@ -282,12 +267,12 @@ static void F(add_terms)(const F(args)* a, int64_t count, const REAL* const* u, 
         }
         int64_t j = 0;
         for (; j + 4 <= count; j += 4) {
-            if (nb == 1) F(terms_4_1)(k, us, j, ds, c0, acc, n);
-            else F(terms_4_3)(k, us, j, ds, c0, acc, n);
+            if (nb == 1) F(terms_4_1)(k, us, j, ds, c0, acc, n, NULL);
+            else F(terms_4_3)(k, us, j, ds, c0, acc, n, NULL);
         }
         for (; j < count; ++j) {
-            if (nb == 1) F(terms_1_1)(k, us, j, ds, c0, acc, n);
-            else F(terms_1_3)(k, us, j, ds, c0, acc, n);
+            if (nb == 1) F(terms_1_1)(k, us, j, ds, c0, acc, n, NULL);
+            else F(terms_1_3)(k, us, j, ds, c0, acc, n, NULL);
         }
     }
     if (bias && !fused)

@@ -38,14 +38,24 @@ def _forward_op(cell: str, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: T
     return torch.ops.bppsa.recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]))
 
 
+def _timed_forward(cell: str, stats: dict, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights):
+    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode)."""
+    start = clock()
+    results = _forward_op(cell, low, x, h0, c0, weights)
+    record(stats, "forward_seconds", clock() - start, add=True)
+    return results
+
+
+def _outputs(cell: str, out: Tensor, results: list[Tensor]) -> tuple[Tensor, ...]:
+    """The layer's outputs: ``out``, ``h_n`` (a copy of ``out[:, -1]``) and for a cell state ``c_n``."""
+    return (out, out[:, -1].clone(), *results[1 : 2 if CELLS[cell].has_cell_state else 1])
+
+
 def forward_only(cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
     """:class:`LayerFunction`'s outputs where no gradient is needed (inference, also under
     ``torch.inference_mode``): the forward op alone, nothing kept for a backward. Same arguments."""
-    start = clock()
-    results = _forward_op(cell, _autocast_dtype(x.device.type), x, h0, c0, weights)
-    record(stats, "forward_seconds", clock() - start, add=True)
-    out = results[0]
-    return (out, out[:, -1].clone(), *results[1 : 2 if CELLS[cell].has_cell_state else 1])
+    results = _timed_forward(cell, stats, _autocast_dtype(x.device.type), x, h0, c0, weights)
+    return _outputs(cell, results[0], results)
 
 
 class LayerFunction(torch.autograd.Function):
@@ -56,9 +66,7 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
         low = _autocast_dtype(x.device.type)
-        start = clock()
-        results = _forward_op(cell, low, x, h0, c0, weights)
-        record(stats, "forward_seconds", clock() - start, add=True)
+        results = _timed_forward(cell, stats, low, x, h0, c0, weights)
         outputs = 2 if CELLS[cell].has_cell_state else 1
         ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, low
         out = results[0]
@@ -73,7 +81,7 @@ class LayerFunction(torch.autograd.Function):
         ctx.save_for_backward(x, h0, c0, saved, *weights, *results[outputs:])
         ctx.weights = len(weights)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, no zeros (B, n, H)
-        return (returned, out[:, -1].clone(), *results[1:outputs])
+        return _outputs(cell, returned, results)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None = None):
