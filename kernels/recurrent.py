@@ -83,7 +83,7 @@ def _load() -> ctypes.CDLL | None:
         logger=log,
         fallback="The recurrent layers run their torch code",
         extra_flags=("-ffp-contract=fast", "-fno-trapping-math"),
-        depends=("recurrent_impl.h",),
+        depends=("recurrent_impl.h", "activations.h"),
     )
 
 

@@ -93,12 +93,37 @@ class CellStructure:
             pointwise = [n for n in state_part if n not in linear]
             self._linear = _thin_aware(_extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear))
             self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
-        self.n_states, self.width = len(states), width
+        self.n_states, self.width, self.trace_rows = len(states), width, rows
         # the states the pointwise part reads (not only through the linear maps): each is one more tile
         inputs = [n for n in self._pointwise.graph.nodes if n.op == "placeholder"] if self.reason is None else []
         self._direct = [q for q, node in enumerate(inputs[len(frontier) : len(frontier) + len(states)]) if node.users]
         # elements of one step's factors (scales and diagonal): what "auto"'s memory budget weighs
         self.factor_elements = (len(self._pieces) + len(self._direct)) * self.n_states * width
+
+    # what the compiled loop (:mod:`~lightning_bppsa.nn.cell_kernel`) reads of a factored structure
+
+    @property
+    def pointwise(self) -> fx.GraphModule:
+        """The pointwise part: ``(*frontier, *states, *pieces) -> new states``."""
+        return self._pointwise
+
+    @property
+    def pieces(self) -> list[_Piece]:
+        """The ``(rows, H)`` column blocks of the state's linear maps, in the pointwise part's order."""
+        return [piece for _, piece in self._pieces]
+
+    @property
+    def frontier_is_row(self) -> list[bool]:
+        """Per frontier value: whether it has a row per input row (else it depends on parameters only)."""
+        return list(self._frontier_is_row)
+
+    def precompute(self, tensors: list[Tensor], x: Tensor) -> list[Tensor]:
+        """The frontier: the input part's values for all rows of ``x``."""
+        return list(self._precompute.forward(*tensors, x))
+
+    def linear(self, frontier: list[Tensor], states: list[Tensor]) -> list[Tensor]:
+        """The pieces from the frontier and the old states of the same rows."""
+        return list(self._linear.forward(*frontier, *states))
 
     def loop(self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int) -> list[list[Tensor]]:
         """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
@@ -141,35 +166,45 @@ class CellStructure:
             else:  # a new state that does not depend on the old one
                 grads = tuple(torch.zeros_like(t) for t in leaves)
             partials.append(grads)
-        frontier = [v.detach() for v in frontier]
         rows = states[0].shape[0]
-        weights, scales = [], []
-        for k, (_, piece) in enumerate(self._pieces):
+        weight = self.factor_weight([v.detach() for v in frontier], states[0])
+        columns = [partials[p][leaf] for p, leaf in self.scale_columns]
+        scale = torch.cat(columns, -1) if columns else states[0].new_zeros(rows, 0)  # one copy of every partial
+        diagonal = partials[0][0].reshape(batch, rows // batch, d) if self.has_diagonal else None
+        return FactoredJacobians(weight, scale.view(batch, rows // batch, -1), diagonal), outs
+
+    @property
+    def scale_columns(self) -> list[tuple[int, int]]:
+        """The factored Jacobians' scales, ``H`` columns each: ``(p, leaf)`` = the partial of new state ``p``
+        by leaf ``leaf`` of the pointwise part (the ``m`` states, then the pieces): per piece ``k`` its
+        tile's row blocks ``p``; then an identity tile per state read directly (several states; or one
+        state without pieces: a chain of k = 0 tiles plans badly), again per row block ``p``."""
+        m = self.n_states
+        columns = [(p, m + k) for k in range(len(self._pieces)) for p in range(m)]
+        if m > 1 or not self._pieces:
+            columns += [(p, q) for q in self._direct for p in range(m)]
+        return columns
+
+    @property
+    def has_diagonal(self) -> bool:
+        """Whether the factored Jacobians have a diagonal (one state, read directly and through pieces)."""
+        return self.n_states == 1 and bool(self._direct) and bool(self._pieces)
+
+    def factor_weight(self, frontier: list[Tensor], like: Tensor) -> Tensor:
+        """The factored Jacobians' shared weight ``(len(scale_columns) H, d)`` from the input part's values."""
+        m, h = self.n_states, self.width
+        eye = torch.eye(h, dtype=like.dtype, device=like.device)
+        weights = []
+        for _, piece in self._pieces:
             w_t = frontier[piece.weight]
-            block = [w_t.new_zeros(h, h) for _ in range(m)]
+            block = [like.new_zeros(h, h) for _ in range(m)]
             for q, row in piece.reads:
                 block[q] = block[q] + w_t[row : row + h, piece.offset : piece.offset + h].T
             weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
-            scales += [partials[p][m + k] for p in range(m)]  # the row blocks p of piece k's tile
-        diagonal = None
-        if m == 1 and self._direct and not weights:  # diagonal only: one identity tile (a chain of k = 0
-            weights.append(torch.eye(h, dtype=states[0].dtype, device=states[0].device))  # tiles plans badly)
-            scales.append(partials[0][0])
-        elif m == 1:
-            diagonal = partials[0][0] if self._direct else None
-        else:  # ∂s'_p/∂s_q for the states q read directly: an identity at column block q, scaled per row block p
-            eye = torch.eye(h, dtype=states[0].dtype, device=states[0].device)
+        if m > 1 or not self._pieces:  # ∂s'_p/∂s_q for the states q read directly: identity tiles
             for q in self._direct:
-                block = [eye if j == q else eye.new_zeros(h, h) for j in range(m)]
-                weights.append(torch.cat(block, 1).repeat(m, 1))
-                scales += [partials[p][q] for p in range(m)]
-        weight = torch.cat(weights, 0) if weights else states[0].new_zeros(0, d)
-        scale = torch.cat(scales, -1) if scales else states[0].new_zeros(rows, 0)  # one copy of every partial
-        steps = rows // batch
-        jacobians = FactoredJacobians(
-            weight, scale.view(batch, steps, -1), None if diagonal is None else diagonal.reshape(batch, steps, d)
-        )
-        return jacobians, outs
+                weights.append(torch.cat([eye if j == q else torch.zeros_like(eye) for j in range(m)], 1).repeat(m, 1))
+        return torch.cat(weights, 0) if weights else like.new_zeros(0, m * h)
 
 
 def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple: bool) -> CellStructure:
@@ -276,16 +311,63 @@ def _eager(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _thin_aware(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its ``mm`` / ``addmm`` through :mod:`lightning_bppsa.gemm`: the parts run over all ``B T``
-    rows, where the backward's thin products (e.g. a narrow input's projection) are several times faster
-    transposed."""
+    """``gm`` for runs over all ``B T`` rows: its ``mm`` / ``addmm`` through :mod:`lightning_bppsa.gemm`
+    (the backward's thin products, e.g. a narrow input's projection, are several times faster transposed)
+    and its 2-D splits along the last dimension through :class:`_SplitColumns` (whose backward takes the
+    pieces' gradients without a copy where they are adjacent columns of one tensor, as the compiled loop's
+    are)."""
     for node in gm.graph.nodes:
         if node.target is aten.mm.default:
             node.target = gemm.mm
         elif node.target is aten.addmm.default:
             node.target = gemm.addmm
+        elif node.target in _SPLITS and _last_dim(node.args[2] if len(node.args) > 2 else 0, node):
+            node.target = _split_columns
+            node.args = (node.args[0], [piece.shape[-1] for piece in node.meta["val"]])
+            node.kwargs = {}
     gm.recompile()
     return gm
+
+
+def _split_columns(a: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
+    return _SplitColumns.apply(a, sizes)
+
+
+class _SplitColumns(torch.autograd.Function):
+    """``a.split(sizes, -1)`` of a 2-D ``a``; the backward concatenates the gradients, unless they already are
+    adjacent column blocks of one tensor (then it is a view of them)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.shape, ctx.sizes = a.shape, sizes
+        return tuple(a.split(sizes, -1))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None]:
+        first = grads[0]
+        if first is not None and _adjacent(grads):
+            return first.as_strided(ctx.shape, first.stride(), first.storage_offset()), None
+        like = next(g for g in grads if g is not None)
+        parts = [g if g is not None else like.new_zeros(ctx.shape[0], n) for g, n in zip(grads, ctx.sizes, strict=True)]
+        return torch.cat(parts, -1), None
+
+
+def _adjacent(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether 2-D ``grads`` are the consecutive column blocks of one tensor (rows not overlapping)."""
+    first = grads[0]
+    total = sum(g.shape[-1] for g in grads if g is not None)
+    if first.dim() != 2 or first.stride(-1) != 1 or first.stride(0) < total:
+        return False
+    at = first.storage_offset()
+    for g in grads:
+        if (
+            g is None or g.stride() != first.stride() or g.shape[0] != first.shape[0]
+            or g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or g.storage_offset() != at
+        ):
+            return False
+        at += g.shape[-1]
+    return True
 
 
 def _ancestors(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:

@@ -80,6 +80,7 @@ from torch import Tensor, nn
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn.cell_kernel import CellFactors, CellKernel, Unsupported
 from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, describe, trace_cell
 from lightning_bppsa.plan import check_algorithm
 from lightning_bppsa.scan import backprop_scan
@@ -115,11 +116,14 @@ class _Unbatchable(Exception):
 @dataclass(frozen=True)
 class _Traced:
     """What tracing the cell gave for one batch shape: ``structure`` (``None``: the forward calls the cell,
-    ``reason`` says why) and whether its Jacobians factor (``dense_reason``: why the backward is dense)."""
+    ``reason`` says why), whether its Jacobians factor (``dense_reason``: why the backward is dense) and
+    its compiled loop (``kernel``; ``None``: ``kernel_reason`` says why)."""
 
     structure: CellStructure | None
     reason: str | None
     dense_reason: str | None
+    kernel: CellKernel | None = None
+    kernel_reason: str | None = "the Jacobians do not factor"
 
     @property
     def factored(self) -> bool:
@@ -277,6 +281,7 @@ class Recurrence(nn.Module):
             self.last_stats.update(
                 jacobians="factored" if traced.factored else "dense", dense_reason=traced.dense_reason,
                 traced_forward=traced.structure is not None, trace_reason=traced.reason,
+                cell_kernel=traced.kernel is not None, cell_kernel_reason=traced.kernel_reason,
             )
         outputs = self._outputs(states, spec)
         final = spec.unflatten(states[:, -1])
@@ -385,7 +390,11 @@ class Recurrence(nn.Module):
         if ours.shape != expected.shape or not torch.allclose(ours, expected, rtol=tolerance, atol=tolerance):
             reason = "the traced step does not reproduce the cell's loop"
             return _Traced(None, reason, reason)
-        return _Traced(structure, None, structure.reason or _check_factored(self, structure, spec, x_k, expected))
+        dense_reason = structure.reason or _check_factored(self, structure, spec, x_k, expected)
+        if dense_reason is not None:
+            return _Traced(structure, None, dense_reason)
+        kernel, kernel_reason = _checked_kernel(self, structure, spec, x_k, s0_k, expected)
+        return _Traced(structure, None, None, kernel, kernel_reason)
 
     def _probe(
         self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...], traced: _Traced
@@ -413,7 +422,9 @@ class Recurrence(nn.Module):
                 self._fell_back(reason, sticky=False)
                 return "autograd", reason
             needs = (False, True, *(True for _ in params))  # what autograd's backward below computes
-            args = (self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states))
+            # the compiled loop's factors come from its forward (not timed: it replaces the loop's forward)
+            factors = _kernel_forward(self, traced.kernel, x_k, s0)[1] if traced.kernel is not None else None
+            args = (self, spec, traced, x_k, states.detach(), list(params), needs, torch.ones_like(states), factors)
             try:
                 with torch.no_grad():  # as in a backward
                     _scan_grads(*args)  # once untimed: the first call loads the scan's compiled kernel
@@ -511,7 +522,10 @@ class _ScanFunction(torch.autograd.Function):
     def forward(
         ctx, module: Recurrence, spec: _StateSpec, traced: _Traced, x: Tensor, s0: Tensor, *params: Tensor
     ) -> Tensor:
-        states = module._loop(x, s0, spec, rng=_rng_state(x.device), traced=traced)
+        if traced.kernel is not None:  # the compiled loop: the Jacobians' factors come with the states
+            states, ctx.factors = _kernel_forward(module, traced.kernel, x, s0)
+        else:
+            states, ctx.factors = module._loop(x, s0, spec, rng=_rng_state(x.device), traced=traced), None
         ctx.module, ctx.spec, ctx.traced = module, spec, traced
         ctx.save_for_backward(x, s0, states, *params)
         return states
@@ -526,7 +540,7 @@ class _ScanFunction(torch.autograd.Function):
         grads = None
         if not create_graph and not reference_backward_enabled():
             try:
-                grads = _scan_grads(module, spec, ctx.traced, x, states, params, needs, grad_states)
+                grads = _scan_grads(module, spec, ctx.traced, x, states, params, needs, grad_states, ctx.factors)
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
                 _record_fallback(module, _failure_reason(error))
         if grads is None:
@@ -559,13 +573,18 @@ def _scan_grads(
     params: list[Tensor],
     needs: tuple[bool, ...],
     grad_states: Tensor,
+    factors: CellFactors | None = None,
 ) -> list[Tensor | None]:
-    """Gradients of ``(x, s0, *params)``: step Jacobians, scan, one VJP (module docstring, 1-3)."""
+    """Gradients of ``(x, s0, *params)``: step Jacobians, scan, one VJP (module docstring, 1-3); with
+    ``factors`` (the compiled loop's forward) the Jacobians are those, and the VJP is the kernel's."""
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
     start = clock()
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
-    if traced.factored:
+    outs: list[tuple[Tensor, int, int]] = []
+    if factors is not None:
+        jacobians_t = factors.jacobians
+    elif traced.factored:
         jacobians_t, new = _factored_pass(module, traced.structure, spec, x_flat, states)
         outs = [(new, 0, rows)] if new.requires_grad else []
     else:
@@ -581,14 +600,17 @@ def _scan_grads(
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
     found: tuple[Tensor | None, ...] = ()
-    if wanted and outs:
+    if wanted and factors is not None:
+        prev = spec.tensors(spec.unflatten(states[:, :-1].reshape(rows, d)))
+        found = traced.kernel.vjp(cell_tensors(module.cell), x_flat, prev, factors, g[:, 1:].reshape(rows, d), wanted)
+    elif wanted and outs:
         cotangent = g[:, 1:].reshape(rows, d)
         found = torch.autograd.grad(
             [new for new, _, _ in outs], wanted, [cotangent[lo:hi] for _, lo, hi in outs], allow_unused=True
         )
     found_iter = iter(found)
-    x_grad = next(found_iter, None) if needs[0] and outs else None
-    param_grads = [next(found_iter, None) if need and outs else None for need in needs[2:]]
+    x_grad = next(found_iter, None) if needs[0] else None
+    param_grads = [next(found_iter, None) if need else None for need in needs[2:]]
     return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
 
 
@@ -688,6 +710,46 @@ def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSp
         if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale)):
             return "the traced step's parameter gradients do not match the cell's"
     return None
+
+
+def _kernel_forward(module: Recurrence, kernel: CellKernel, x: Tensor, s0: Tensor) -> tuple[Tensor, CellFactors]:
+    """The states ``(B, T + 1, d)`` and the backward's factors from the compiled loop (no cell calls)."""
+    batch, steps = x.shape[:2]
+    x_flat = x.detach().reshape(batch * steps, *x.shape[2:])
+    tensors = [t.detach() for t in cell_tensors(module.cell)]
+    states, factors = kernel.forward(tensors, x_flat, s0.detach(), batch, partials=True)
+    return states, factors
+
+
+def _checked_kernel(
+    module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor, expected: Tensor
+) -> tuple[CellKernel | None, str | None]:
+    """The compiled loop of a factored structure, checked on the batch's first steps against the cell's loop
+    (``expected``) and the traced step's factors and parameter VJP; ``(None, why not)`` where it is not used."""
+    if x.device.type != "cpu":
+        return None, f"the compiled loop runs on the CPU, not {x.device.type}"
+    try:
+        kernel = CellKernel(structure, spec.dtype)
+    except Unsupported as error:
+        return None, f"not compiled: {error}"
+    except RuntimeError as error:  # no compiler, BPPSA_NATIVE=0, a failed build (logged)
+        return None, str(error)
+    rows = x.shape[0] * x.shape[1]
+    with torch.no_grad():
+        states, factors = _kernel_forward(module, kernel, x, s0)
+    x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_()
+    reference, new = _factored_pass(module, structure, spec, x_flat, expected)
+    tolerance = torch.finfo(spec.dtype).eps ** 0.75
+    close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(1.0, b.abs().max().item()))  # noqa: E731
+    leaves = [x_flat, *(p for p in module.cell.parameters() if p.requires_grad)]
+    cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype).view_as(new)
+    prev = spec.tensors(spec.unflatten(expected[:, :-1].reshape(rows, spec.width)))
+    ours = kernel.vjp(cell_tensors(module.cell), x_flat, prev, factors, cotangent, leaves)
+    theirs = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else [None] * len(leaves)
+    same_vjp = all((a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(ours, theirs, strict=True))
+    if not (close(states, expected) and close(factors.jacobians.dense(), reference.dense()) and same_vjp):
+        return None, "the compiled loop does not reproduce the traced step (a generator bug: please report it)"
+    return kernel, None
 
 
 def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor) -> Tensor:

@@ -1,0 +1,62 @@
+/* The loop over time of a user-written recurrent cell (lightning_bppsa.nn.Recurrence), compiled from its
+   traced step by lightning_bppsa/nn/cell_kernel.py. The generated source defines, then includes this file:
+
+     REAL                 the precision (float / double; the activations of activations.h come before)
+     D, KH                the flat state width and the width of the linear pieces (0: none)
+     cell_values(row, prev, piece, in, stride, next)
+     cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart)
+                          the step's pointwise part for one batch row: the new state from the old one, the
+                          pieces and the input part's values, and (partials) every partial derivative the
+                          factored Jacobians and the parameter gradients need
+
+   A step of row b: piece = offsets[row] + prev @ wc (the state's linear maps, wc = (D, KH), the input-only
+   terms of those maps precomputed in offsets), then the pointwise part. Rows are independent: OpenMP
+   threads take contiguous blocks of them and run all their steps. States are (B, T + 1, D), rows of the
+   other arrays (b, t) flattened. Denormals are flushed for the call, as in recurrent.c. */
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* in[i] with stride[i]: the i-th input-part value the pointwise part reads (layout fixed by the generator);
+   scales / diagonal / fpart NULL: states only. Returns 0. */
+int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc, const REAL* offsets,
+                       const REAL* const* in, const int64_t* stride, REAL* states, REAL* scales, REAL* diagonal,
+                       REAL* fpart) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+        const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+        const int64_t id = 0, count = 1;
+        (void)threads;
+#endif
+        const unsigned saved = flush_denormals();
+        const int64_t lo = batch * id / count, hi = batch * (id + 1) / count;
+        REAL piece[KH > 0 ? KH : 1];
+        for (int64_t b = lo; b < hi; ++b) {
+            for (int64_t t = 0; t < steps; ++t) {
+                const int64_t row = b * steps + t;
+                const REAL* prev = states + (b * (steps + 1) + t) * D;
+                REAL* next = states + (b * (steps + 1) + t + 1) * D;
+                if (KH > 0) {
+                    for (int64_t c = 0; c < KH; ++c) piece[c] = offsets ? offsets[row * KH + c] : (REAL)0;
+                    for (int64_t i = 0; i < D; ++i) {
+                        const REAL v = prev[i];
+                        const REAL* w = wc + i * KH;
+                        for (int64_t c = 0; c < KH; ++c) piece[c] += v * w[c];
+                    }
+                }
+                if (scales) {
+                    cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart);
+                } else {
+                    cell_values(row, prev, piece, in, stride, next);
+                }
+            }
+        }
+        restore_denormals(saved);
+    }
+    return 0;
+}
