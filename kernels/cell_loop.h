@@ -2,7 +2,9 @@
    traced step by lightning_bppsa/nn/cell_kernel.py. The generated source defines, then includes this file:
 
      REAL                 the precision (float / double; the activations of activations.h come before)
-     D, KH                the flat state width and the width of the linear pieces (0: none)
+     H, M, D              the width of a state tensor, their number, the flat state width M H
+     NK, KH               the number of linear pieces (0: none) and their width NK H
+     NI                   the number of input-part values the pointwise part reads
      cell_values(row, prev, piece, in, stride, next)
      cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart)
                           the step's pointwise part for one batch row: the new state from the old one, the
@@ -19,10 +21,11 @@
 #endif
 
 /* in[i] with stride[i]: the i-th input-part value the pointwise part reads (layout fixed by the generator);
-   scales / diagonal / fpart NULL: states only. Returns 0. */
+   offsets NULL: the pieces have no input-only terms; partials 0: states only (scales, diagonal, fpart unused).
+   Returns 0. */
 int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc, const REAL* offsets,
-                       const REAL* const* in, const int64_t* stride, REAL* states, REAL* scales, REAL* diagonal,
-                       REAL* fpart) {
+                       const REAL* const* in, const int64_t* stride, REAL* states, int partials, REAL* scales,
+                       REAL* diagonal, REAL* fpart) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -49,7 +52,7 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
                         for (int64_t c = 0; c < KH; ++c) piece[c] += v * w[c];
                     }
                 }
-                if (scales) {
+                if (partials) {
                     cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart);
                 } else {
                     cell_values(row, prev, piece, in, stride, next);
@@ -57,6 +60,40 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
             }
         }
         restore_denormals(saved);
+    }
+    return 0;
+}
+
+/* The backward's products, row by row: out[r] = [pieces k | inputs i] of Σ_p partial[(k M + p) H + j] cot[p H + j]
+   (the new states' cotangent times their partials by each piece and input value, summed over the new
+   states p), from the scales' first NK M H columns (row width scale_width) and fpart; the cotangent of row
+   (b, t) is the states' gradient grad (B, T + 1, D) at (b, t + 1). One pass over both instead of a
+   broadcast product and a sum per kind. Returns 0. */
+int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* grad, const REAL* scales,
+                         int64_t scale_width, const REAL* fpart, REAL* out) {
+    const int64_t rows = batch * steps;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#else
+    (void)threads;
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+        const REAL* g = grad + (r + r / steps + 1) * D; /* (b (T + 1) + t + 1) D */
+        const REAL* s = scales + r * scale_width;
+        const REAL* f = fpart + r * NI * D;
+        REAL* o = out + r * (NK + NI) * H;
+        for (int64_t k = 0; k < NK; ++k)
+            for (int64_t j = 0; j < H; ++j) {
+                REAL acc = s[k * M * H + j] * g[j];
+                for (int64_t p = 1; p < M; ++p) acc += s[(k * M + p) * H + j] * g[p * H + j];
+                o[k * H + j] = acc;
+            }
+        for (int64_t i = 0; i < NI; ++i)
+            for (int64_t j = 0; j < H; ++j) {
+                REAL acc = f[i * M * H + j] * g[j];
+                for (int64_t p = 1; p < M; ++p) acc += f[(i * M + p) * H + j] * g[p * H + j];
+                o[(NK + i) * H + j] = acc;
+            }
     }
     return 0;
 }

@@ -98,6 +98,8 @@ def predict_seconds(
     """Predicted time of one scan. ``width`` is the factored weight's rows ``m`` (``None`` = dense);
     ``native``: the linear sweeps run in the compiled C kernel."""
     mach = MACHINES.get(device, MACHINES["cuda"])
+    # a diagonal-only chain (m = 0) still costs its diagonal, about one tile's d per row and step
+    width = None if width is None else max(width, 1)
     if algorithm == "linear":
         return _linear_seconds(mach, n, d, batch, width, native)
     if algorithm == "blelloch":

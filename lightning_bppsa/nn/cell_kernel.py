@@ -125,10 +125,10 @@ class CellKernel:
             weight = structure.factor_weight(frontier, s0)
             pieces = len(structure.pieces)
             wc = offsets = None
-            if pieces:  # the pieces' linear maps: their input-only terms once for all rows, W's row blocks p = 0
-                zeros = [s0.new_zeros(rows, h)] * m
-                offsets = torch.cat(structure.linear(frontier, zeros), -1).contiguous()
+            if pieces:  # the pieces' linear maps: W's row blocks p = 0, their input-only terms once for all rows
                 wc = weight.view(-1, h, d)[: pieces * m : m].reshape(pieces * h, d).T.contiguous()
+                if structure.has_offsets:
+                    offsets = torch.cat(structure.linear(frontier, [s0.new_zeros(rows, h)] * m), -1).contiguous()
             inputs = [_laid_out(frontier[i.frontier], i.layout, rows) for i in self._inputs]
             states = s0.new_empty(batch, steps + 1, d)
             states[:, 0] = s0
@@ -141,36 +141,55 @@ class CellKernel:
             strides = (ctypes.c_int64 * max(1, len(inputs)))(*(s for _, s in inputs))
             self._library.bppsa_cell_forward(
                 batch, steps, _native.threads(batch), _pointer(wc), _pointer(offsets), pointers, strides,
-                _pointer(states), _pointer(scales), _pointer(diagonal), _pointer(input_partials),
+                _pointer(states), int(partials), _pointer(scales), _pointer(diagonal), _pointer(input_partials),
             )
         if not partials:
             return states, None
         return states, CellFactors(FactoredJacobians(weight, scales, diagonal), input_partials)
 
     def vjp(
-        self, tensors: list[Tensor], x_flat: Tensor, prev: tuple[Tensor, ...], factors: CellFactors, cotangent: Tensor,
+        self, tensors: list[Tensor], x_flat: Tensor, states: Tensor, factors: CellFactors, grad: Tensor,
         wanted: list[Tensor],
     ) -> tuple[Tensor | None, ...]:
-        """Gradients of ``wanted`` (``x_flat`` and the cell's tensors) for the new states' ``cotangent``
-        ``(B T, d)``: ``cotangent ⊙`` the partials by the pieces and input values, then autograd through the
-        input part and the linear maps (recorded here from ``prev``, the old states of every row)."""
+        """Gradients of ``wanted`` (``x_flat`` and the cell's tensors) for the states ``(B, T + 1, d)`` with
+        gradient ``grad`` (the scan's): the new states' gradient ``⊙`` their partials by the pieces and input
+        values, pulled back through the linear maps and the input part. The maps' weights get
+        ``prevᵀ (grad ⊙ partials)`` directly (``prev`` the old states); autograd records only the input part
+        (and, where the pieces have input-only terms, the maps)."""
         structure = self.structure
-        m, h = structure.n_states, structure.width
-        rows = cotangent.shape[0]
-        cot = cotangent.reshape(rows, 1, m, h)
+        h, pieces = structure.width, structure.pieces
+        batch, steps, d = states.shape[0], states.shape[1] - 1, states.shape[2]
+        rows = batch * steps
         with torch.enable_grad():
             frontier = structure.precompute(tensors, x_flat)
-            pieces = structure.linear(frontier, list(prev)) if structure.pieces else []
+        # [pieces | input values] of (grad ⊙ partials) summed over the new states, (rows, (k + n) H)
+        products = grad.new_empty(rows, (len(pieces) + len(self._inputs)) * h)
+        scales, grad = factors.jacobians.scales, grad.contiguous()
+        self._library.bppsa_cell_cotangent(
+            batch, steps, _native.threads(rows), _pointer(grad), _pointer(scales), scales.shape[-1],
+            _pointer(factors.input_partials), _pointer(products),
+        )
+        piece_grads = products[:, : len(pieces) * h].view(rows, len(pieces), h)
+        input_grads = products[:, len(pieces) * h :].view(rows, len(self._inputs), h)
         outs, grads = [], []
         if pieces:
-            scales = factors.jacobians.scales.reshape(rows, -1)[:, : len(pieces) * m * h]
-            piece_grads = _sum_states(scales.view(rows, len(pieces), m, h) * cot)
-            for k, piece in enumerate(pieces):
-                if piece.requires_grad:
-                    outs.append(piece)
-                    grads.append(piece_grads[:, k])
+            prev = states[:, :-1].reshape(rows, d)
+            if structure.has_offsets:
+                with torch.enable_grad():
+                    values = structure.linear(frontier, list(prev.split(h, -1)))
+                outs += [v for v in values if v.requires_grad]
+                grads += [piece_grads[:, k] for k, v in enumerate(values) if v.requires_grad]
+            else:  # pieces = prev @ (blocks of the weights): their gradient is prevᵀ @ the pieces' gradients
+                blocks = prev.T @ products[:, : len(pieces) * h]
+                weights: dict[int, Tensor] = {}
+                for k, piece in enumerate(pieces):
+                    if frontier[piece.weight].requires_grad:
+                        grad = weights.setdefault(piece.weight, torch.zeros_like(frontier[piece.weight]))
+                        for q, row in piece.reads:
+                            grad[row : row + h, piece.offset : piece.offset + h] += blocks[q * h : (q + 1) * h, k * h : (k + 1) * h]
+                outs += [frontier[w] for w in weights]
+                grads += list(weights.values())
         if self._inputs:
-            input_grads = _sum_states(factors.input_partials.view(rows, len(self._inputs), m, h) * cot)
             for i, spec in enumerate(self._inputs):
                 value = frontier[spec.frontier]
                 if value.requires_grad:
@@ -179,11 +198,6 @@ class CellKernel:
         if not outs:
             return (None,) * len(wanted)
         return torch.autograd.grad(outs, wanted, grads, allow_unused=True)
-
-
-def _sum_states(products: Tensor) -> Tensor:
-    """``(rows, n, m, H) -> (rows, n, H)``: the sum over the new states ``p`` (a view for one state)."""
-    return products.squeeze(2) if products.shape[2] == 1 else products.sum(2)
 
 
 def _laid_out(value: Tensor, layout: str, rows: int) -> tuple[Tensor, int]:
@@ -269,8 +283,12 @@ def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_
         "/* Generated by lightning_bppsa/nn/cell_kernel.py from a cell's traced step; see kernels/cell_loop.h. */",
         '#include "activations.h"',
         f"typedef {real} REAL;",
+        f"#define H {h}",
+        f"#define M {m}",
         f"#define D {m * h}",
+        f"#define NK {len(structure.pieces)}",
         f"#define KH {len(structure.pieces) * h}",
+        f"#define NI {len(inputs)}",
         f"static inline void cell_values({signature}) {{",
         "    (void)stride;",
         body(emitter.lines(values_only=True), stores_values),
@@ -427,7 +445,10 @@ def _bounds(target, args) -> tuple[object, object]:
     return (args[1] if len(args) > 1 else -1.0), (args[2] if len(args) > 2 else 1.0)
 
 
-_SIGNATURE = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 8
+_SIGNATURES = {
+    "bppsa_cell_forward": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, *[ctypes.c_void_p] * 3],
+    "bppsa_cell_cotangent": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+}
 _LIBRARIES: dict[str, ctypes.CDLL] = {}
 
 
@@ -443,7 +464,7 @@ def _load(source: str) -> ctypes.CDLL:
             tmp.write_text(source)
             tmp.replace(path)
         library = _native.load(
-            f"bppsa_cell_{digest}", str(path), {"bppsa_cell_forward": _SIGNATURE}, logger=log,
+            f"bppsa_cell_{digest}", str(path), _SIGNATURES, logger=log,
             fallback="The cell's traced step runs in torch",
             extra_flags=("-ffp-contract=fast", "-fno-trapping-math", f"-I{_build.kernel_path('')}"),
             depends=("activations.h", "cell_loop.h"),

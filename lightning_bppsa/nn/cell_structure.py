@@ -92,6 +92,11 @@ class CellStructure:
             linear = [n for n in state_part if n in computing]
             pointwise = [n for n in state_part if n not in linear]
             self._linear = _thin_aware(_extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear))
+            # input-only terms in the pieces: a bias (addmm) or input values concatenated with the states
+            self.has_offsets = any(
+                n.target is aten.addmm.default or (n.target is aten.cat.default and any(a not in states for a in n.args[0]))
+                for n in linear
+            )
             self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
         self.n_states, self.width, self.trace_rows = len(states), width, rows
         # the states the pointwise part reads (not only through the linear maps): each is one more tile
@@ -177,18 +182,18 @@ class CellStructure:
     def scale_columns(self) -> list[tuple[int, int]]:
         """The factored Jacobians' scales, ``H`` columns each: ``(p, leaf)`` = the partial of new state ``p``
         by leaf ``leaf`` of the pointwise part (the ``m`` states, then the pieces): per piece ``k`` its
-        tile's row blocks ``p``; then an identity tile per state read directly (several states; or one
-        state without pieces: a chain of k = 0 tiles plans badly), again per row block ``p``."""
+        tile's row blocks ``p``; then, for several states, an identity tile per state read directly, again
+        per row block ``p`` (one state read directly is the diagonal)."""
         m = self.n_states
         columns = [(p, m + k) for k in range(len(self._pieces)) for p in range(m)]
-        if m > 1 or not self._pieces:
+        if m > 1:
             columns += [(p, q) for q in self._direct for p in range(m)]
         return columns
 
     @property
     def has_diagonal(self) -> bool:
-        """Whether the factored Jacobians have a diagonal (one state, read directly and through pieces)."""
-        return self.n_states == 1 and bool(self._direct) and bool(self._pieces)
+        """Whether the factored Jacobians have a diagonal (one state, read directly)."""
+        return self.n_states == 1 and bool(self._direct)
 
     def factor_weight(self, frontier: list[Tensor], like: Tensor) -> Tensor:
         """The factored Jacobians' shared weight ``(len(scale_columns) H, d)`` from the input part's values."""
@@ -201,7 +206,7 @@ class CellStructure:
             for q, row in piece.reads:
                 block[q] = block[q] + w_t[row : row + h, piece.offset : piece.offset + h].T
             weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
-        if m > 1 or not self._pieces:  # ∂s'_p/∂s_q for the states q read directly: identity tiles
+        if m > 1:  # ∂s'_p/∂s_q for the states q read directly: identity tiles
             for q in self._direct:
                 weights.append(torch.cat([eye if j == q else torch.zeros_like(eye) for j in range(m)], 1).repeat(m, 1))
         return torch.cat(weights, 0) if weights else like.new_zeros(0, m * h)

@@ -593,7 +593,7 @@ def _scan_grads(
     record(module.last_stats, "jacobian_seconds", clock() - start, add=True)
     start = clock()
     # a loss on the last state only needs no affine rows
-    only_last = steps == 1 or not grad_states[:, :-1].count_nonzero()
+    only_last = steps == 1 or _all_zero(grad_states[:, :-1])
     direct = grad_states[:, -1].contiguous() if only_last else grad_states
     g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
@@ -601,8 +601,7 @@ def _scan_grads(
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
     found: tuple[Tensor | None, ...] = ()
     if wanted and factors is not None:
-        prev = spec.tensors(spec.unflatten(states[:, :-1].reshape(rows, d)))
-        found = traced.kernel.vjp(cell_tensors(module.cell), x_flat, prev, factors, g[:, 1:].reshape(rows, d), wanted)
+        found = traced.kernel.vjp(cell_tensors(module.cell), x_flat, states, factors, g, wanted)
     elif wanted and outs:
         cotangent = g[:, 1:].reshape(rows, d)
         found = torch.autograd.grad(
@@ -612,6 +611,13 @@ def _scan_grads(
     x_grad = next(found_iter, None) if needs[0] else None
     param_grads = [next(found_iter, None) if need else None for need in needs[2:]]
     return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
+
+
+def _all_zero(tensor: Tensor) -> bool:
+    """Whether every element is zero (NaN is not): one min-max pass, several times faster than
+    ``count_nonzero`` on a strided slice."""
+    low, high = torch.aminmax(tensor)
+    return bool(low == 0) and bool(high == 0)
 
 
 def _cell_rows(
@@ -743,8 +749,8 @@ def _checked_kernel(
     close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(1.0, b.abs().max().item()))  # noqa: E731
     leaves = [x_flat, *(p for p in module.cell.parameters() if p.requires_grad)]
     cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype).view_as(new)
-    prev = spec.tensors(spec.unflatten(expected[:, :-1].reshape(rows, spec.width)))
-    ours = kernel.vjp(cell_tensors(module.cell), x_flat, prev, factors, cotangent, leaves)
+    grad = torch.cat([torch.zeros_like(expected[:, :1]), cotangent.view(x.shape[0], x.shape[1], -1)], 1)
+    ours = kernel.vjp(cell_tensors(module.cell), x_flat, expected, factors, grad, leaves)
     theirs = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else [None] * len(leaves)
     same_vjp = all((a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(ours, theirs, strict=True))
     if not (close(states, expected) and close(factors.jacobians.dense(), reference.dense()) and same_vjp):
