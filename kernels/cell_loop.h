@@ -5,6 +5,8 @@
      H, M, D              the width of a state tensor, their number, the flat state width M H
      NK, KH               the number of linear pieces (0: none) and their width NK H
      NI                   the number of input-part values the pointwise part reads
+     CLO, CHI             the state columns the pieces read (the backward's product skips the others)
+     NDIRECT, DIRECT_STATES  with several states: those read directly (identity tiles after the pieces')
      cell_values(row, prev, piece, in, stride, next)
      cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart)
                           the step's pointwise part for one batch row: the new state from the old one, the
@@ -18,6 +20,10 @@
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+#ifndef CARRY_SETS
+#define CARRY_SETS 4
 #endif
 
 /* in[i] with stride[i]: the i-th input-part value the pointwise part reads (layout fixed by the generator);
@@ -64,11 +70,22 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
     return 0;
 }
 
-/* The backward's products, row by row: out[r] = [pieces k | inputs i] of Σ_p partial[(k M + p) H + j] cot[p H + j]
-   (the new states' cotangent times their partials by each piece and input value, summed over the new
-   states p), from the scales' first NK M H columns (row width scale_width) and fpart; the cotangent of row
-   (b, t) is the states' gradient grad (B, T + 1, D) at (b, t + 1). One pass over both instead of a
-   broadcast product and a sum per kind. Returns 0. */
+/* One row's backward products: o = [pieces k | inputs i] of Σ_p partial[(k M + p) H + j] g[p H + j] (the new
+   states' gradient g times their partials by each piece and input value, summed over the new states p),
+   from the scales' first NK M H columns s and the input partials f. */
+static inline void row_products(const REAL* g, const REAL* s, const REAL* f, REAL* o) {
+    for (int64_t k = 0; k < NK + NI; ++k) {
+        const REAL* partial = k < NK ? s + k * M * H : f + (k - NK) * M * H;
+        for (int64_t j = 0; j < H; ++j) {
+            REAL acc = partial[j] * g[j];
+            for (int64_t p = 1; p < M; ++p) acc += partial[p * H + j] * g[p * H + j];
+            o[k * H + j] = acc;
+        }
+    }
+}
+
+/* The products of every row (after a scan that ran elsewhere): row (b, t) from the states' gradient grad
+   (B, T + 1, D) at (b, t + 1), the scales (row width scale_width) and fpart. Returns 0. */
 int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* grad, const REAL* scales,
                          int64_t scale_width, const REAL* fpart, REAL* out) {
     const int64_t rows = batch * steps;
@@ -77,23 +94,89 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
 #else
     (void)threads;
 #endif
-    for (int64_t r = 0; r < rows; ++r) {
-        const REAL* g = grad + (r + r / steps + 1) * D; /* (b (T + 1) + t + 1) D */
-        const REAL* s = scales + r * scale_width;
-        const REAL* f = fpart + r * NI * D;
-        REAL* o = out + r * (NK + NI) * H;
-        for (int64_t k = 0; k < NK; ++k)
-            for (int64_t j = 0; j < H; ++j) {
-                REAL acc = s[k * M * H + j] * g[j];
-                for (int64_t p = 1; p < M; ++p) acc += s[(k * M + p) * H + j] * g[p * H + j];
-                o[k * H + j] = acc;
+    for (int64_t r = 0; r < rows; ++r)
+        row_products(grad + (r + r / steps + 1) * D, scales + r * scale_width, fpart + r * NI * D,
+                     out + r * (NK + NI) * H);
+    return 0;
+}
+
+/* The backward's linear scan of the factored step Jacobians fused with its products, row by row (rows are
+   independent; OpenMP threads take blocks of them): from g_T = direct at T, for t = T .. 1 (J_t's factors
+   at row (b, t - 1)):
+     products[row] = [pieces k | inputs i] as bppsa_cell_cotangent, from g_t;
+     g_{t-1} = direct_{t-1} + g_t J_t = direct_{t-1} + u wt (u the pieces' products, wt = (KH, D) the
+               pieces' weight rows; only the state columns [CLO, CHI) any piece reads) + the direct terms
+               (one state: diagonal; several: the scales' identity-tile columns after the pieces').
+   direct: (B, T + 1, D) with per_step, else (B, D) at T only; out: (B, T + 1, D), the states' gradients.
+   Returns 0. */
+int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* wt, const REAL* scales,
+                        int64_t scale_width, const REAL* diagonal, const REAL* fpart, const REAL* direct,
+                        int per_step, REAL* out, REAL* products) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+        const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+        const int64_t id = 0, count = 1;
+        (void)threads;
+#endif
+        const unsigned saved = flush_denormals();
+        const int64_t lo = batch * id / count, hi = batch * (id + 1) / count;
+        REAL carry[D];
+        for (int64_t b = lo; b < hi; ++b) {
+            const REAL* last = per_step ? direct + (b * (steps + 1) + steps) * D : direct + b * D;
+            REAL* g = out + (b * (steps + 1) + steps) * D;
+            for (int64_t c = 0; c < D; ++c) g[c] = last[c];
+            for (int64_t t = steps; t >= 1; --t) {
+                const int64_t row = b * steps + t - 1;
+                const REAL* s = scales + row * scale_width;
+                REAL* o = products + row * (NK + NI) * H;
+                row_products(g, s, fpart + row * NI * D, o);
+                /* CARRY_SETS partial sums over the pieces' rows: as many independent FMA chains as that many
+                   times the read columns' vectors (one set of a few vectors would be latency-bound) */
+                REAL part[CARRY_SETS][CHI > CLO ? CHI - CLO : 1];
+                for (int64_t a = 0; a < CARRY_SETS; ++a)
+                    for (int64_t c = 0; c < CHI - CLO; ++c) part[a][c] = 0;
+                int64_t r = 0;
+                for (; r + CARRY_SETS <= KH; r += CARRY_SETS)
+                    for (int64_t a = 0; a < CARRY_SETS; ++a) {
+                        const REAL v = o[r + a];
+                        const REAL* w = wt + (r + a) * D + CLO;
+                        for (int64_t c = 0; c < CHI - CLO; ++c) part[a][c] += v * w[c];
+                    }
+                for (; r < KH; ++r) {
+                    const REAL v = o[r];
+                    const REAL* w = wt + r * D + CLO;
+                    for (int64_t c = 0; c < CHI - CLO; ++c) part[0][c] += v * w[c];
+                }
+                for (int64_t c = 0; c < D; ++c) carry[c] = 0;
+                for (int64_t a = 0; a < CARRY_SETS; ++a)
+                    for (int64_t c = 0; c < CHI - CLO; ++c) carry[CLO + c] += part[a][c];
+                if (M == 1 && diagonal) {
+                    for (int64_t j = 0; j < H; ++j) carry[j] += g[j] * diagonal[row * D + j];
+                }
+                for (int64_t i = 0; i < NDIRECT; ++i) {
+                    const REAL* tile = s + (NK + i) * M * H;
+                    const int64_t q = DIRECT_STATES[i];
+                    for (int64_t j = 0; j < H; ++j) {
+                        REAL acc = tile[j] * g[j];
+                        for (int64_t p = 1; p < M; ++p) acc += tile[p * H + j] * g[p * H + j];
+                        carry[q * H + j] += acc;
+                    }
+                }
+                REAL* prev = g - D;
+                if (per_step) {
+                    const REAL* d = direct + (b * (steps + 1) + t - 1) * D;
+                    for (int64_t c = 0; c < D; ++c) prev[c] = d[c] + carry[c];
+                } else {
+                    for (int64_t c = 0; c < D; ++c) prev[c] = carry[c];
+                }
+                g = prev;
             }
-        for (int64_t i = 0; i < NI; ++i)
-            for (int64_t j = 0; j < H; ++j) {
-                REAL acc = f[i * M * H + j] * g[j];
-                for (int64_t p = 1; p < M; ++p) acc += f[(i * M + p) * H + j] * g[p * H + j];
-                o[(NK + i) * H + j] = acc;
-            }
+        }
+        restore_denormals(saved);
     }
     return 0;
 }

@@ -83,10 +83,15 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class CellFactors:
-    """What a forward with partials wrote: the step Jacobians and the partials by the input part's values."""
+    """What a forward with partials wrote: the step Jacobians, the partials by the input part's values, and
+    the input part itself recorded by autograd from ``x_flat`` and the cell's tensors (the backward pulls the
+    products back through it without running it again)."""
 
     jacobians: FactoredJacobians
     input_partials: Tensor  # (B T, n_inputs m H): the partial of new state p by input value i at [i, p]
+    frontier: list[Tensor]
+    offsets: list[Tensor]  # the pieces' input-only terms (empty where they have none), recorded
+    x_flat: Tensor
 
 
 @dataclass(frozen=True)
@@ -115,20 +120,26 @@ class CellKernel:
 
     def forward(self, tensors: list[Tensor], x_flat: Tensor, s0: Tensor, batch: int, partials: bool) -> tuple[Tensor, CellFactors | None]:
         """The states ``(B, T + 1, d)`` from ``s0`` over the rows of ``x_flat`` (``(b, t)`` flattened), and with
-        ``partials`` the factors the backward needs. Runs without autograd recording."""
+        ``partials`` the factors the backward needs (then autograd records the input part, from ``x_flat``
+        and ``tensors`` where they require grad; nothing else is recorded)."""
         structure = self.structure
         m, h, d = structure.n_states, structure.width, s0.shape[-1]
         rows = x_flat.shape[0]
         steps = rows // batch
+        with torch.set_grad_enabled(partials):
+            recorded = structure.precompute(tensors, x_flat)
         with torch.no_grad():
-            frontier = structure.precompute(tensors, x_flat)
+            frontier = [v.detach() for v in recorded]
             weight = structure.factor_weight(frontier, s0)
             pieces = len(structure.pieces)
             wc = offsets = None
+            recorded_offsets: list[Tensor] = []
             if pieces:  # the pieces' linear maps: W's row blocks p = 0, their input-only terms once for all rows
                 wc = weight.view(-1, h, d)[: pieces * m : m].reshape(pieces * h, d).T.contiguous()
-                if structure.has_offsets:
-                    offsets = torch.cat(structure.linear(frontier, [s0.new_zeros(rows, h)] * m), -1).contiguous()
+                if structure.has_offsets:  # recorded, for the backward
+                    with torch.set_grad_enabled(partials):
+                        recorded_offsets = structure.linear(recorded, [s0.new_zeros(rows, h)] * m)
+                    offsets = torch.cat([v.detach() for v in recorded_offsets], -1)
             inputs = [_laid_out(frontier[i.frontier], i.layout, rows) for i in self._inputs]
             states = s0.new_empty(batch, steps + 1, d)
             states[:, 0] = s0
@@ -145,50 +156,66 @@ class CellKernel:
             )
         if not partials:
             return states, None
-        return states, CellFactors(FactoredJacobians(weight, scales, diagonal), input_partials)
+        return states, CellFactors(FactoredJacobians(weight, scales, diagonal), input_partials, recorded, recorded_offsets, x_flat)
 
-    def vjp(
-        self, tensors: list[Tensor], x_flat: Tensor, states: Tensor, factors: CellFactors, grad: Tensor,
-        wanted: list[Tensor],
-    ) -> tuple[Tensor | None, ...]:
-        """Gradients of ``wanted`` (``x_flat`` and the cell's tensors) for the states ``(B, T + 1, d)`` with
-        gradient ``grad`` (the scan's): the new states' gradient ``⊙`` their partials by the pieces and input
-        values, pulled back through the linear maps and the input part. The maps' weights get
-        ``prevᵀ (grad ⊙ partials)`` directly (``prev`` the old states); autograd records only the input part
-        (and, where the pieces have input-only terms, the maps)."""
-        structure = self.structure
+    def scan(self, factors: CellFactors, direct: Tensor) -> tuple[Tensor, Tensor]:
+        """The linear scan of the factored Jacobians fused with the backward's products (``kernels/cell_loop.h``):
+        the states' gradients ``(B, T + 1, d)`` from ``direct`` (``(B, T + 1, d)`` per-step gradients, or
+        ``(B, d)`` at the last state only) and the products :meth:`vjp` takes."""
+        jacobians, structure = factors.jacobians, self.structure
+        batch, steps, h = jacobians.batch_size, jacobians.length, structure.width
+        d, pieces = jacobians.state_size, len(structure.pieces)
+        direct = direct.contiguous()
+        wt = jacobians.weight.view(-1, h, d)[: pieces * structure.n_states : structure.n_states].reshape(pieces * h, d)
+        wt = wt.contiguous() if pieces else None
+        out = direct.new_empty(batch, steps + 1, d)
+        products = direct.new_empty(batch * steps, (pieces + len(self._inputs)) * h)
+        self._library.bppsa_cell_backward(
+            batch, steps, _native.threads(batch), _pointer(wt), _pointer(jacobians.scales), jacobians.scales.shape[-1],
+            _pointer(jacobians.diagonal), _pointer(factors.input_partials), _pointer(direct), int(direct.dim() == 3),
+            _pointer(out), _pointer(products),
+        )
+        return out, products
+
+    def products(self, factors: CellFactors, grad: Tensor) -> Tensor:
+        """The backward's products ``(B T, (pieces + input values) H)``: the states' gradient ``grad`` ``(B, T + 1,
+        d)`` (a scan's) times the partials by each piece and input value, summed over the new states."""
+        scales, grad = factors.jacobians.scales, grad.contiguous()
+        batch, steps = scales.shape[:2]
+        products = grad.new_empty(batch * steps, (len(self.structure.pieces) + len(self._inputs)) * self.structure.width)
+        self._library.bppsa_cell_cotangent(
+            batch, steps, _native.threads(batch * steps), _pointer(grad), _pointer(scales), scales.shape[-1],
+            _pointer(factors.input_partials), _pointer(products),
+        )
+        return products
+
+    def vjp(self, factors: CellFactors, states: Tensor, products: Tensor, wanted: list[Tensor]) -> tuple[Tensor | None, ...]:
+        """Gradients of ``wanted`` (``factors.x_flat`` and the cell's tensors) from the backward's ``products``
+        (:meth:`scan`, :meth:`products`) and the states ``(B, T + 1, d)``: the products pulled back through the
+        linear maps and the input part the forward recorded (kept: the backward may run again). The maps'
+        weights get ``prevᵀ products`` directly (``prev`` the old states); autograd records the maps only
+        where the pieces have input-only terms."""
+        structure, frontier = self.structure, factors.frontier
         h, pieces = structure.width, structure.pieces
         batch, steps, d = states.shape[0], states.shape[1] - 1, states.shape[2]
         rows = batch * steps
-        with torch.enable_grad():
-            frontier = structure.precompute(tensors, x_flat)
-        # [pieces | input values] of (grad ⊙ partials) summed over the new states, (rows, (k + n) H)
-        products = grad.new_empty(rows, (len(pieces) + len(self._inputs)) * h)
-        scales, grad = factors.jacobians.scales, grad.contiguous()
-        self._library.bppsa_cell_cotangent(
-            batch, steps, _native.threads(rows), _pointer(grad), _pointer(scales), scales.shape[-1],
-            _pointer(factors.input_partials), _pointer(products),
-        )
         piece_grads = products[:, : len(pieces) * h].view(rows, len(pieces), h)
         input_grads = products[:, len(pieces) * h :].view(rows, len(self._inputs), h)
         outs, grads = [], []
         if pieces:
-            prev = states[:, :-1].reshape(rows, d)
-            if structure.has_offsets:
-                with torch.enable_grad():
-                    values = structure.linear(frontier, list(prev.split(h, -1)))
-                outs += [v for v in values if v.requires_grad]
-                grads += [piece_grads[:, k] for k, v in enumerate(values) if v.requires_grad]
-            else:  # pieces = prev @ (blocks of the weights): their gradient is prevᵀ @ the pieces' gradients
-                blocks = prev.T @ products[:, : len(pieces) * h]
-                weights: dict[int, Tensor] = {}
-                for k, piece in enumerate(pieces):
-                    if frontier[piece.weight].requires_grad:
-                        grad = weights.setdefault(piece.weight, torch.zeros_like(frontier[piece.weight]))
-                        for q, row in piece.reads:
-                            grad[row : row + h, piece.offset : piece.offset + h] += blocks[q * h : (q + 1) * h, k * h : (k + 1) * h]
-                outs += [frontier[w] for w in weights]
-                grads += list(weights.values())
+            # pieces = offsets + prev @ (blocks of the weights): the blocks' gradient is prevᵀ @ the pieces'
+            # gradients; the offsets' (input-only terms) goes through their recorded graph
+            blocks = states[:, :-1].reshape(rows, d).T @ products[:, : len(pieces) * h]
+            weights: dict[int, Tensor] = {}
+            for k, piece in enumerate(pieces):
+                if frontier[piece.weight].requires_grad:
+                    grad = weights.setdefault(piece.weight, torch.zeros_like(frontier[piece.weight]))
+                    for q, row in piece.reads:
+                        grad[row : row + h, piece.offset : piece.offset + h] += blocks[q * h : (q + 1) * h, k * h : (k + 1) * h]
+            outs += [frontier[w] for w in weights]
+            grads += list(weights.values())
+            outs += [v for v in factors.offsets if v.requires_grad]
+            grads += [piece_grads[:, k] for k, v in enumerate(factors.offsets) if v.requires_grad]
         if self._inputs:
             for i, spec in enumerate(self._inputs):
                 value = frontier[spec.frontier]
@@ -197,7 +224,7 @@ class CellKernel:
                     grads.append(input_grads[:, i].sum_to_size(value.shape))
         if not outs:
             return (None,) * len(wanted)
-        return torch.autograd.grad(outs, wanted, grads, allow_unused=True)
+        return torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
 
 
 def _laid_out(value: Tensor, layout: str, rows: int) -> tuple[Tensor, int]:
@@ -279,6 +306,8 @@ def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_
         + ["    }"]
     )
     real = "float" if dtype == torch.float32 else "double"
+    read = sorted({q for piece in structure.pieces for q, _ in piece.reads})
+    direct = structure.direct_states if m > 1 else []  # one state read directly: the diagonal
     source = "\n".join([
         "/* Generated by lightning_bppsa/nn/cell_kernel.py from a cell's traced step; see kernels/cell_loop.h. */",
         '#include "activations.h"',
@@ -289,6 +318,10 @@ def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_
         f"#define NK {len(structure.pieces)}",
         f"#define KH {len(structure.pieces) * h}",
         f"#define NI {len(inputs)}",
+        f"#define CLO {min(read, default=0) * h}",
+        f"#define CHI {(max(read) + 1) * h if read else 0}",
+        f"#define NDIRECT {len(direct)}",
+        f"static const int64_t DIRECT_STATES[] = {{{', '.join(map(str, direct)) or '0'}}};",
         f"static inline void cell_values({signature}) {{",
         "    (void)stride;",
         body(emitter.lines(values_only=True), stores_values),
@@ -448,6 +481,10 @@ def _bounds(target, args) -> tuple[object, object]:
 _SIGNATURES = {
     "bppsa_cell_forward": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, *[ctypes.c_void_p] * 3],
     "bppsa_cell_cotangent": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+    "bppsa_cell_backward": [
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+    ],
 }
 _LIBRARIES: dict[str, ctypes.CDLL] = {}
 

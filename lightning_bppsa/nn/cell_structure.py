@@ -122,6 +122,11 @@ class CellStructure:
         """Per frontier value: whether it has a row per input row (else it depends on parameters only)."""
         return list(self._frontier_is_row)
 
+    @property
+    def direct_states(self) -> list[int]:
+        """The states the pointwise part reads directly (not only through the linear maps)."""
+        return list(self._direct)
+
     def precompute(self, tensors: list[Tensor], x: Tensor) -> list[Tensor]:
         """The frontier: the input part's values for all rows of ``x``."""
         return list(self._precompute.forward(*tensors, x))

@@ -82,7 +82,7 @@ from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn.cell_kernel import CellFactors, CellKernel, Unsupported
 from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, describe, trace_cell
-from lightning_bppsa.plan import check_algorithm
+from lightning_bppsa.plan import check_algorithm, choose
 from lightning_bppsa.scan import backprop_scan
 
 __all__ = ["Recurrence"]
@@ -580,7 +580,7 @@ def _scan_grads(
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
     start = clock()
-    x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0])
+    x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0]) if factors is None else factors.x_flat
     outs: list[tuple[Tensor, int, int]] = []
     if factors is not None:
         jacobians_t = factors.jacobians
@@ -595,13 +595,18 @@ def _scan_grads(
     # a loss on the last state only needs no affine rows
     only_last = steps == 1 or _all_zero(grad_states[:, :-1])
     direct = grad_states[:, -1].contiguous() if only_last else grad_states
-    g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
+    products = None
+    if factors is not None and _linear_plan(module.algorithm, factors.jacobians):
+        g, products = traced.kernel.scan(factors, direct)  # the sweep with the VJP's products in the same pass
+    else:
+        g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
     found: tuple[Tensor | None, ...] = ()
     if wanted and factors is not None:
-        found = traced.kernel.vjp(cell_tensors(module.cell), x_flat, states, factors, g, wanted)
+        products = traced.kernel.products(factors, g) if products is None else products
+        found = traced.kernel.vjp(factors, states, products, wanted)
     elif wanted and outs:
         cotangent = g[:, 1:].reshape(rows, d)
         found = torch.autograd.grad(
@@ -611,6 +616,15 @@ def _scan_grads(
     x_grad = next(found_iter, None) if needs[0] else None
     param_grads = [next(found_iter, None) if need else None for need in needs[2:]]
     return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
+
+
+def _linear_plan(algorithm: str, jacobians: FactoredJacobians) -> bool:
+    """Whether the scan's plan for these Jacobians is the linear sweep (``"auto"``: as the cost model picks)."""
+    plan = choose(
+        algorithm, n=jacobians.length, d=jacobians.state_size, batch=jacobians.batch_size,
+        width=jacobians.weight.shape[0], device=jacobians.scales.device.type, dtype=jacobians.scales.dtype,
+    )
+    return plan.algorithm == "linear"
 
 
 def _all_zero(tensor: Tensor) -> bool:
@@ -719,12 +733,11 @@ def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSp
 
 
 def _kernel_forward(module: Recurrence, kernel: CellKernel, x: Tensor, s0: Tensor) -> tuple[Tensor, CellFactors]:
-    """The states ``(B, T + 1, d)`` and the backward's factors from the compiled loop (no cell calls)."""
+    """The states ``(B, T + 1, d)`` and the backward's factors from the compiled loop (no cell calls); the
+    input part recorded from a leaf ``x_flat`` (``(b, t)`` rows; requiring grad as ``x`` does)."""
     batch, steps = x.shape[:2]
-    x_flat = x.detach().reshape(batch * steps, *x.shape[2:])
-    tensors = [t.detach() for t in cell_tensors(module.cell)]
-    states, factors = kernel.forward(tensors, x_flat, s0.detach(), batch, partials=True)
-    return states, factors
+    x_flat = x.detach().reshape(batch * steps, *x.shape[2:]).requires_grad_(x.requires_grad)
+    return kernel.forward(cell_tensors(module.cell), x_flat, s0.detach(), batch, partials=True)
 
 
 def _checked_kernel(
@@ -741,16 +754,16 @@ def _checked_kernel(
     except RuntimeError as error:  # no compiler, BPPSA_NATIVE=0, a failed build (logged)
         return None, str(error)
     rows = x.shape[0] * x.shape[1]
-    with torch.no_grad():
-        states, factors = _kernel_forward(module, kernel, x, s0)
+    states, factors = _kernel_forward(module, kernel, x.detach().requires_grad_(), s0)
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_()
     reference, new = _factored_pass(module, structure, spec, x_flat, expected)
     tolerance = torch.finfo(spec.dtype).eps ** 0.75
     close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(1.0, b.abs().max().item()))  # noqa: E731
-    leaves = [x_flat, *(p for p in module.cell.parameters() if p.requires_grad)]
+    params = [p for p in module.cell.parameters() if p.requires_grad]
+    leaves = [x_flat, *params]
     cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype).view_as(new)
     grad = torch.cat([torch.zeros_like(expected[:, :1]), cotangent.view(x.shape[0], x.shape[1], -1)], 1)
-    ours = kernel.vjp(cell_tensors(module.cell), x_flat, expected, factors, grad, leaves)
+    ours = kernel.vjp(factors, expected, kernel.products(factors, grad), [factors.x_flat, *params])
     theirs = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else [None] * len(leaves)
     same_vjp = all((a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(ours, theirs, strict=True))
     if not (close(states, expected) and close(factors.jacobians.dense(), reference.dense()) and same_vjp):
