@@ -270,10 +270,10 @@ def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_
             leaves[node] = f"piece[{(i - n_frontier - m) * h} + j]"
     for k, spec in enumerate(inputs):
         if spec.layout in ("full", "column"):
-            offset = " + row * stride[{k}]".format(k=k) if spec.layout == "full" else ""
+            offset = f" + row * stride[{k}]" if spec.layout == "full" else ""
             loads.append(f"const REAL* restrict in{k} = in[{k}]{offset};")
         else:
-            offset = "row * stride[{k}]".format(k=k) if spec.layout == "row" else "0"
+            offset = f"row * stride[{k}]" if spec.layout == "row" else "0"
             loads.append(f"const REAL in{k} = in[{k}][{offset}];")
     emitter = _Emitter(dtype, list(leaves))
     for node, expr in leaves.items():

@@ -1,0 +1,196 @@
+"""The compiled cell loop (nn/cell_kernel.py): every op it generates, checked through Recurrence against autograd
+through the same Python loop in float64; what it does not compile keeps the torch path, exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lightning_bppsa.kernels import _native
+from torch import nn
+
+from lightning_bppsa.cost_model import fastest
+from lightning_bppsa.nn import Recurrence, cell_kernel
+from lightning_bppsa.nn.cell_structure import _split_columns
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.skipif(not _native.build_expected(), reason="no C compiler: the loop is not compiled")
+
+
+class SmoothOps(nn.Module):
+    """Every smooth unary and binary op of the generator, with scalars, a column parameter and alpha."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, 2 * hidden), nn.Linear(hidden, 2 * hidden, bias=False)
+        self.u = nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def forward(self, x, h):
+        a, b = self.ih(x).chunk(2, -1)
+        p, q = self.hh(h).chunk(2, -1)
+        s = torch.sigmoid(a + p)
+        pos = 1.5 + torch.tanh(b - q)  # in (0.5, 2.5): log, sqrt, rsqrt, reciprocal, pow are defined
+        mix = torch.add(torch.log(pos) * torch.sqrt(pos), torch.rsqrt(pos), alpha=0.5)
+        mix = torch.sub(mix, torch.reciprocal(pos) / 3.0, alpha=2.0) + pos.pow(1.5) - torch.exp(-pos)
+        mix = mix + torch.nn.functional.silu(q) * self.u - torch.abs(q) / pos + (-h) * 0.1
+        return s * torch.tanh(mix) + (1 - s) * h
+
+
+class PiecewiseOps(nn.Module):
+    """relu, leaky_relu, clamps, hardtanh, where and comparisons, a (rows, 1) input value and a scalar buffer."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden)
+        self.register_buffer("scale", torch.tensor(0.7))
+
+    def forward(self, x, h):
+        z = self.ih(x) + self.hh(h)
+        gate = x[:, :1] * self.scale  # one value per row, broadcast over the state
+        y = torch.relu(z) - torch.nn.functional.leaky_relu(z, 0.2) + torch.clamp(z, -0.5, 0.8) * gate
+        y = y + torch.clamp_min(h, -0.3) - torch.clamp_max(h, 0.4) + torch.nn.functional.hardtanh(z, -0.6, 0.6)
+        return torch.where(z > 0.1, y, 0.5 * h) + torch.where(h <= 0, h * 0.2, torch.tanh(y))
+
+
+class ThreeStates(nn.Module):
+    """A tuple of three states: two read directly, one (``k``) reached only through a linear map, one new
+    state independent of the old (``k' = tanh(x W)``)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden, hidden)
+        self.gates = nn.Linear(inputs + hidden, 2 * hidden)
+        self.kk = nn.Linear(hidden, hidden, bias=False)
+        self.xk = nn.Linear(inputs, hidden)
+
+    def forward(self, x, state):
+        h, c, k = state
+        f, g = self.gates(torch.cat([x, h], -1)).chunk(2, -1)
+        c = torch.sigmoid(f) * c + torch.tanh(g) * torch.sigmoid(self.kk(k))
+        return torch.tanh(c) * h.sigmoid(), c, torch.tanh(self.xk(x))
+
+
+class Unsupported(nn.Module):
+    """``sin`` is not generated: the traced step runs in torch."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x, h):
+        return torch.sin(self.ih(x) + self.hh(h))
+
+
+def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    size = cell.state_size
+    state = tuple(x.new_zeros(x.shape[1], s) for s in size) if isinstance(size, tuple) else x.new_zeros(x.shape[1], size)
+    outs = []
+    for x_t in x:
+        state = cell(x_t, state)
+        outs.append(torch.cat(state, -1) if isinstance(state, tuple) else state)
+    return torch.stack(outs)
+
+
+def _grads(forward, leaves, last_only: bool) -> list[torch.Tensor]:
+    out = forward()
+    loss = out[-1].pow(2).sum() if last_only else (out.pow(2) * torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype)).sum()
+    return [out.detach(), *torch.autograd.grad(loss, leaves)]
+
+
+@pytest.mark.parametrize("cell_type", [SmoothOps, PiecewiseOps, ThreeStates])
+@pytest.mark.parametrize("algorithm", ["linear", "blelloch"])
+@pytest.mark.parametrize("last_only", [False, True])
+def test_compiled_loop_equals_autograd_through_the_loop_in_float64(cell_type, algorithm, last_only):
+    torch.manual_seed(0)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(9, 4, 3, dtype=F64, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    module = Recurrence(cell, algorithm=algorithm)
+    if isinstance(cell.state_size, tuple):  # every state tensor's gradient path: the loss reads all of them
+        cell.output_fn = lambda state: torch.cat(state, -1)
+    ours = _grads(lambda: module(x)[0], leaves, last_only)
+    assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
+    theirs = _grads(lambda: _loop(cell, x), leaves, last_only)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_compiled_loop_float32_within_float32_tolerance_and_backward_twice():
+    torch.manual_seed(1)
+    cell = SmoothOps(3, 16)
+    x = torch.randn(50, 8, 3, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    module = Recurrence(cell, algorithm="linear")
+    out = module(x)[0]
+    assert module.last_stats["cell_kernel"]
+    loss = out.pow(2).mean()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)  # the recorded input part is kept for a second backward
+    cell64, x64 = copy.deepcopy(cell).double(), x.detach().double().requires_grad_()
+    reference = torch.autograd.grad(_loop(cell64, x64).pow(2).mean(), [x64, *cell64.parameters()])
+    for a, b, ref in zip(first, second, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_an_op_the_generator_lacks_keeps_the_torch_path_exactly():
+    torch.manual_seed(2)
+    cell = Unsupported(3, 5).to(F64)
+    x = torch.randn(6, 2, 3, dtype=F64, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    module = Recurrence(cell, algorithm="linear")
+    ours = _grads(lambda: module(x)[0], leaves, False)
+    assert module.last_stats["jacobians"] == "factored" and not module.last_stats["cell_kernel"]
+    assert "aten.sin" in module.last_stats["cell_kernel_reason"]
+    for a, b in zip(ours, _grads(lambda: _loop(cell, x), leaves, False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_wrong_generated_derivative_is_caught_by_the_check_and_not_used(monkeypatch):
+    value, _ = cell_kernel._UNARY[torch.ops.aten.tanh.default]
+    monkeypatch.setitem(cell_kernel._UNARY, torch.ops.aten.tanh.default, (value, "(1 + {y} * {y})"))
+    torch.manual_seed(3)
+    cell = SmoothOps(3, 4).to(F64)
+    x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
+    module = Recurrence(cell, algorithm="linear")
+    ours = _grads(lambda: module(x)[0], [x, *cell.parameters()], False)
+    assert not module.last_stats["cell_kernel"]
+    assert "does not reproduce" in module.last_stats["cell_kernel_reason"]
+    for a, b in zip(ours, _grads(lambda: _loop(cell, x), [x, *cell.parameters()], False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_without_native_builds_the_loop_runs_in_torch(monkeypatch):
+    monkeypatch.setenv("BPPSA_NATIVE", "0")
+    monkeypatch.setattr(cell_kernel, "_LIBRARIES", {})
+    torch.manual_seed(4)
+    cell = PiecewiseOps(3, 6).to(F64)
+    x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
+    module = Recurrence(cell, algorithm="linear")
+    ours = _grads(lambda: module(x)[0], [x, *cell.parameters()], False)
+    assert not module.last_stats["cell_kernel"] and "could not be built" in module.last_stats["cell_kernel_reason"]
+    for a, b in zip(ours, _grads(lambda: _loop(cell, x), [x, *cell.parameters()], False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_split_columns_backward_takes_adjacent_gradients_as_a_view():
+    a = torch.randn(7, 9, dtype=F64, requires_grad=True)
+    pieces = _split_columns(a * 1, [3, 2, 4])
+    grads = torch.randn(7, 12, dtype=F64)
+    (adjacent,) = torch.autograd.grad(pieces, a, [grads[:, :3], grads[:, 3:5], grads[:, 5:9]], retain_graph=True)
+    torch.testing.assert_close(adjacent, grads[:, :9])
+    scattered = [grads[:, 9:12], grads[:, :2], grads[:, 2:6]]  # not in order: concatenated
+    (copied,) = torch.autograd.grad(pieces, a, scattered, retain_graph=True)
+    torch.testing.assert_close(copied, torch.cat(scattered, -1))
+    (partial,) = torch.autograd.grad(pieces[1], a, torch.ones(7, 2, dtype=F64))  # the others' gradients: zeros
+    torch.testing.assert_close(partial, torch.cat([torch.zeros(7, 3, dtype=F64), torch.ones(7, 2, dtype=F64), torch.zeros(7, 4, dtype=F64)], -1))
+
+
+def test_a_diagonal_only_chain_plans_the_linear_sweep():
+    # m = 0 tiles used to price the chunked scan at zero work (25 ms measured against 0.9 ms linear)
+    assert fastest(n=1000, d=32, batch=16, width=0, device="cpu", native=True, chunk=32) == "linear"
