@@ -128,7 +128,8 @@ def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run
     if fits:
         step(arms["scan"])  # one more for the split of its backward
         stats = scan.last_stats
-        result.update(jac=stats["jacobian_seconds"], scan=stats["scan_seconds"], form=stats["jacobians"])
+        form = stats["jacobians"] + (", compiled loop" if stats["cell_kernel"] else "")
+        result.update(jac=stats["jacobian_seconds"], scan=stats["scan_seconds"], form=form)
     auto = Recurrence(cell, memory_budget=budget)
     step(lambda: auto(x)[0])
     result.update(auto=auto.last_stats["path"], auto_reason=auto.last_stats["reason"])
@@ -194,9 +195,11 @@ def main() -> None:
         "not run where the cell does not factor and its dense Jacobians exceed --memory-budget = "
         f"{args.memory_budget / 2**20:.0f} MiB). Forward, backward (alone, on a graph recorded once) and whole "
         "step: medians of torch.utils.benchmark, both arms interleaved. Jacobians: their form (factored from the "
-        "traced step, or dense from batched cell gradients); Jacobians ms / scan ms: the scan backward's two main "
-        "parts (`last_stats`; factored: one pass of the traced step over all rows, which also records the "
-        "parameter VJP; the rest is that VJP). Peak: resident-set growth during one step. "
+        "traced step, or dense from batched cell gradients; 'compiled loop': the traced step generated as C, "
+        "whose forward writes the factors with the states); Jacobians ms / scan ms: the scan backward's two main "
+        "parts (`last_stats`; compiled loop: ~0, the factors come from the forward / the scan fused with the "
+        "parameter VJP's products, plus that VJP; factored in torch: one pass of the traced step over all rows, "
+        "which also records the parameter VJP / the scan and that VJP). Peak: resident-set growth during one step. "
         f"auto picks: what `Recurrence(cell, memory_budget={args.memory_budget})` (algorithm 'auto', which "
         "scans where the Jacobians factor and otherwise measures both backwards on the batch's first steps) chose "
         "for the row.",

@@ -5,7 +5,7 @@
      H, M, D              the width of a state tensor, their number, the flat state width M H
      NK, KH               the number of linear pieces (0: none) and their width NK H
      NI                   the number of input-part values the pointwise part reads
-     CLO, CHI             the state columns the pieces read (the backward's product skips the others)
+     CLO, CHI             the state columns the pieces read (both products skip the others)
      NDIRECT, DIRECT_STATES  with several states: those read directly (identity tiles after the pieces')
      cell_values(row, prev, piece, in, stride, next)
      cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart)
@@ -52,7 +52,7 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
                 REAL* next = states + (b * (steps + 1) + t + 1) * D;
                 if (KH > 0) {
                     for (int64_t c = 0; c < KH; ++c) piece[c] = offsets ? offsets[row * KH + c] : (REAL)0;
-                    for (int64_t i = 0; i < D; ++i) {
+                    for (int64_t i = CLO; i < CHI; ++i) { /* the state columns the pieces read */
                         const REAL v = prev[i];
                         const REAL* w = wc + i * KH;
                         for (int64_t c = 0; c < KH; ++c) piece[c] += v * w[c];

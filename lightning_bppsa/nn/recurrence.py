@@ -27,6 +27,17 @@ control flow, ``.item()``, in-place ops, random numbers, a row count baked into 
 a check is called per step and gets dense Jacobians. ``last_stats`` says which: ``jacobians``
 (``"factored"`` / ``"dense"``), ``dense_reason``, ``traced_forward``, ``trace_reason``.
 
+**The compiled loop** (:mod:`~lightning_bppsa.nn.cell_kernel`, CPU, float32 / float64). A factored step's
+pointwise part is generated as C with its forward-mode partials and built once (cached on disk): the forward
+loop writes the states and the factors in one pass, and the backward is one C sweep (the linear scan fused
+with the products the parameter VJP needs; ``"blelloch"`` / ``"chunked"``, or a plan that picks them, run
+:func:`~lightning_bppsa.backprop_scan` instead), then the weights' GEMMs. It is checked once per trace
+against the traced step (states, factors, VJP); an op it does not generate, a failed build or a failed
+check keeps the torch path (``last_stats["cell_kernel"]``, ``cell_kernel_reason``). Without gradients
+(``torch.no_grad``, evaluation) the compiled loop runs the forward alone (``path == "compiled loop"``;
+under ``inference_mode`` only with a trace made before for the batch shape, since the checks need
+autograd).
+
 The per-step output is ``cell.output_fn(state)`` where the cell defines it, else the first tensor of the
 state; ``output_fn`` is applied once to the states of all steps after the loop (an ordinary autograd op).
 
@@ -100,6 +111,8 @@ _timer = time.perf_counter
 
 #: steps of the batch's first rows on which a traced step is checked against the cell (once per trace)
 _CHECK_STEPS, _CHECK_ROWS = 2, 4
+
+_NO_GRADIENT = "no gradient is needed"
 
 #: errors a cell or torch raises where the batched calls cannot run the cell (vmap rules, in-place ops)
 _BATCHING_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
@@ -274,6 +287,10 @@ class Recurrence(nn.Module):
                 _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
                 path, reason = "autograd", failed.reason
                 self._fell_back(reason, failed.sticky)
+        if path == "autograd" and reason == _NO_GRADIENT and (kernel := self._inference_kernel(x, s0, spec)):
+            path, reason = "compiled loop", None
+            x_flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+            states, _ = kernel.forward(cell_tensors(self.cell), x_flat, s0, x.shape[0], partials=False)
         if path == "autograd":
             states = self._loop(x, s0, spec)
         self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
@@ -329,7 +346,7 @@ class Recurrence(nn.Module):
         """``("scan", None)`` or ``("autograd", reason)``."""
         batch, steps = x.shape[:2]
         if not torch.is_grad_enabled() or not (x.requires_grad or s0.requires_grad or params):
-            return "autograd", "no gradient is needed"
+            return "autograd", _NO_GRADIENT
         if batch == 0 or steps == 0 or x.device.type == "meta":
             return "autograd", "empty batch or sequence, or the meta device: nothing to scan"
         if torch._C._are_functorch_transforms_active():
@@ -353,19 +370,39 @@ class Recurrence(nn.Module):
             return self._choices[key]
         return "scan", None
 
+    def _inference_kernel(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> CellKernel | None:
+        """The compiled loop for a call without gradients (the cell's trace for this batch shape, made here
+        if needed), or ``None``: the cell is called per step. Under ``inference_mode`` a trace is not made
+        (its checks need autograd) but one made before is used."""
+        batch, steps = x.shape[:2]
+        if batch == 0 or steps == 0 or x.device.type != "cpu" or self._unbatchable is not None:
+            return None
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return None
+        if torch.is_inference_mode_enabled():
+            traced = self._traced.get(self._trace_key(x, spec))
+        else:
+            with torch.no_grad():
+                traced = self._trace(x, s0, spec)
+        return None if traced is None else traced.kernel
+
+    def _trace_key(self, x: Tensor, spec: _StateSpec) -> tuple:
+        """What a traced step depends on: the batch shape, dtypes, device, the modules' modes, the cell's
+        tensors and autocast."""
+        modes = tuple(m.training for m in self.cell.modules())
+        tensors = tuple((t.dtype, t.shape) for t in cell_tensors(self.cell))  # a graph takes exactly these
+        autocast = torch.is_autocast_enabled(x.device.type)
+        return (x.shape[0], x.shape[2:], x.dtype, spec, x.device, modes, tensors, autocast)
+
     def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
         """The cell's traced step for this batch shape (cached), checked on the batch's first steps.
 
         The traced forward must reproduce the cell's own loop and the factored Jacobians the dense ones
         (``eps ** 0.75`` relative); otherwise the forward calls the cell, or the backward stays dense.
         """
-        batch, steps = x.shape[:2]
-        modes = tuple(m.training for m in self.cell.modules())
-        tensors = tuple((t.dtype, t.shape) for t in cell_tensors(self.cell))  # a graph takes exactly these
-        autocast = torch.is_autocast_enabled(x.device.type)
-        key = (batch, x.shape[2:], x.dtype, spec, x.device, modes, tensors, autocast)
+        key = self._trace_key(x, spec)
         if key not in self._traced:
-            if autocast:  # the trace would bake in this autocast state's casts
+            if torch.is_autocast_enabled(x.device.type):  # the trace would bake in this autocast state's casts
                 reason = "autocast is on: the cell is called"
                 self._traced[key] = _Traced(None, reason, reason)
             else:

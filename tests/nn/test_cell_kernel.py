@@ -74,6 +74,18 @@ class ThreeStates(nn.Module):
         return torch.tanh(c) * h.sigmoid(), c, torch.tanh(self.xk(x))
 
 
+class DropoutCell(nn.Module):
+    """Dropout inside the step: in training mode the step is random (not traced)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh, self.drop = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden), nn.Dropout(0.3)
+
+    def forward(self, x, h):
+        return torch.tanh(self.drop(self.ih(x)) + self.hh(h))
+
+
 class Unsupported(nn.Module):
     """``sin`` is not generated: the traced step runs in torch."""
 
@@ -194,3 +206,37 @@ def test_split_columns_backward_takes_adjacent_gradients_as_a_view():
 def test_a_diagonal_only_chain_plans_the_linear_sweep():
     # m = 0 tiles used to price the chunked scan at zero work (25 ms measured against 0.9 ms linear)
     assert fastest(n=1000, d=32, batch=16, width=0, device="cpu", native=True, chunk=32) == "linear"
+
+
+def test_without_gradients_the_compiled_loop_runs_the_forward():
+    torch.manual_seed(5)
+    cell = ThreeStates(3, 5).to(F64)
+    x = torch.randn(8, 4, 3, dtype=F64)
+    module = Recurrence(cell)
+    with torch.inference_mode():  # no trace yet for this shape: inference_mode cannot make one
+        module(x)
+    assert module.last_stats["path"] == "autograd"
+    with torch.no_grad():
+        out, (h, c, k) = module(x)
+    assert module.last_stats["path"] == "compiled loop"
+    reference = _loop(cell, x)
+    torch.testing.assert_close(out, reference[..., :5], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat([h, c, k], -1), reference[-1], rtol=1e-12, atol=1e-12)
+    with torch.inference_mode():  # the trace made above is used
+        again, _ = module(x)
+    assert module.last_stats["path"] == "compiled loop"
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+def test_without_gradients_a_cell_drawing_random_numbers_is_called():
+    torch.manual_seed(6)
+    cell = DropoutCell(3, 5).to(F64)  # training mode: dropout draws
+    x = torch.randn(6, 2, 3, dtype=F64)
+    module = Recurrence(cell)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        out, _ = module(x)
+        torch.manual_seed(7)
+        reference = _loop(cell, x)
+    assert module.last_stats["path"] == "autograd"
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
