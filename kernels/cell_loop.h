@@ -26,6 +26,17 @@
 #define CARRY_SETS 4
 #endif
 
+/* The batch rows [*lo, *hi) of the calling thread: a contiguous block (rows are independent). */
+static inline void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
+#ifdef _OPENMP
+    const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+    const int64_t id = 0, count = 1;
+#endif
+    *lo = batch * id / count;
+    *hi = batch * (id + 1) / count;
+}
+
 /* in[i] with stride[i]: the i-th input-part value the pointwise part reads (layout fixed by the generator);
    offsets NULL: the pieces have no input-only terms; partials 0: states only (scales, diagonal, fpart unused).
    Returns 0. */
@@ -34,16 +45,13 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
                        REAL* diagonal, REAL* fpart) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
+#else
+    (void)threads;
 #endif
     {
-#ifdef _OPENMP
-        const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-#else
-        const int64_t id = 0, count = 1;
-        (void)threads;
-#endif
         const unsigned saved = flush_denormals();
-        const int64_t lo = batch * id / count, hi = batch * (id + 1) / count;
+        int64_t lo, hi;
+        thread_rows(batch, &lo, &hi);
         REAL piece[KH > 0 ? KH : 1];
         for (int64_t b = lo; b < hi; ++b) {
             for (int64_t t = 0; t < steps; ++t) {
@@ -114,16 +122,13 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                         int per_step, REAL* out, REAL* products) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
+#else
+    (void)threads;
 #endif
     {
-#ifdef _OPENMP
-        const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-#else
-        const int64_t id = 0, count = 1;
-        (void)threads;
-#endif
         const unsigned saved = flush_denormals();
-        const int64_t lo = batch * id / count, hi = batch * (id + 1) / count;
+        int64_t lo, hi;
+        thread_rows(batch, &lo, &hi);
         REAL carry[D];
         for (int64_t b = lo; b < hi; ++b) {
             const REAL* last = per_step ? direct + (b * (steps + 1) + steps) * D : direct + b * D;
