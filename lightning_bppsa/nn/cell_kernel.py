@@ -117,6 +117,8 @@ class CellKernel:
         self.structure, self.dtype = structure, dtype
         source, self._inputs = _generate(structure, dtype)
         self._library = _load(source)
+        #: elements per step of the partials by the input values that a forward with partials keeps
+        self.input_partial_elements = len(self._inputs) * structure.n_states * structure.width
 
     def forward(self, tensors: list[Tensor], x_flat: Tensor, s0: Tensor, batch: int, partials: bool) -> tuple[Tensor, CellFactors | None]:
         """The states ``(B, T + 1, d)`` from ``s0`` over the rows of ``x_flat`` (``(b, t)`` flattened), and with

@@ -62,7 +62,8 @@ through the loop for that call, re-drawn from the same RNG state, so the same se
 as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected and not supported.
 
 ``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the Jacobians (dense: ``B T d²``
-elements, factored: ``B T (k + 1) d``) exceed ``memory_budget`` bytes (1 GiB by default; the batched
+elements, factored: ``B T (k + 1) d``, plus ``B T n d`` partials by ``n`` input values for the compiled
+loop) exceed ``memory_budget`` bytes (1 GiB by default; the batched
 gradient needs a few times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``,
 dtype, device, training mode): autograd's backward through the first ``k ≤ 256`` steps of the batch
 against the scan's whole backward over the same steps, and runs the scan where it is faster. Dense
@@ -360,6 +361,8 @@ class Recurrence(nn.Module):
                 return "autograd", "auto: one step, nothing to scan"
             traced = self._trace(x, s0, spec)
             form, per_step = ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
+            if traced.kernel is not None:  # the compiled loop also keeps the partials by the input values
+                per_step += traced.kernel.input_partial_elements
             need = batch * steps * per_step * spec.dtype.itemsize
             if need > self.memory_budget:
                 return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
