@@ -12,6 +12,11 @@ from batched cell gradients); peak = resident-set growth during one step. Loss o
     OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py          # the grid
     OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # headline rows
 
+Headline rows also run the same three cells in JAX (``jax.jit(jax.value_and_grad(...))`` over
+``lax.scan``, the cell's math written in ``jax.numpy``, same weights and loss), interleaved with
+``Recurrence``'s whole step; with ``OMP_NUM_THREADS=1`` XLA runs on one thread too
+(``XLA_FLAGS``). Without JAX (``pip install 'lightning-bppsa[bench]'``) the section says so.
+
 Writes ``benchmarks/results/cells-cpu.md`` (``--out`` to change).
 """
 
@@ -78,6 +83,78 @@ class LSTMVariant(nn.Module):
 
 
 CELLS = {"gated": GatedCell, "indrnn": IndRNNCell, "lstm": LSTMVariant}
+
+ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def jax_step(kind: str, hidden: int, jax):
+    """``jit(value_and_grad(loss))(params, xs)`` of the ``kind`` cell over time-major ``xs`` in jax.numpy: the
+    torch cell's equations (``params`` named as its ``named_parameters``), zero state, mean square of every
+    step's output."""
+    jnp, sigmoid = jax.numpy, jax.nn.sigmoid
+
+    def gated(p, h, x):
+        z, r, n = jnp.split(x @ p["ih.weight"].T + p["ih.bias"], 3, -1)
+        hz, hr, hn = jnp.split(h @ p["hh.weight"].T, 3, -1)
+        z, r = sigmoid(z + hz), sigmoid(r + hr)
+        return (1 - z) * jnp.tanh(n + r * hn) + z * h
+
+    def indrnn(p, h, x):
+        return jax.nn.relu(x @ p["lin.weight"].T + p["lin.bias"] + p["u"] * h)
+
+    def lstm(p, state, x):
+        h, c = state
+        f, g, o = jnp.split(jnp.concatenate([x, h], -1) @ p["gates.weight"].T + p["gates.bias"], 3, -1)
+        f = sigmoid(f)
+        c = f * c + (1 - f) * jnp.tanh(g)
+        return sigmoid(o) * jnp.tanh(c), c
+
+    cell = {"gated": gated, "indrnn": indrnn, "lstm": lstm}[kind]
+
+    def loss(params, xs):
+        h0 = jnp.zeros((xs.shape[1], hidden), xs.dtype)
+
+        def body(state, x):
+            state = cell(params, state, x)
+            return state, state[0] if kind == "lstm" else state
+
+        _, outs = jax.lax.scan(body, (h0, h0) if kind == "lstm" else h0, xs)
+        return jnp.mean(outs**2)
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def measure_jax(kind: str, hidden: int, batch: int, steps: int, min_run_time: float, jax) -> dict:
+    """Whole-step medians (seconds) of ``Recurrence`` and of JAX for one row, interleaved (ours, JAX, ours,
+    JAX), and the largest norm-wise relative difference of JAX's loss and gradients from ours."""
+    torch.manual_seed(0)
+    cell = CELLS[kind](INPUTS, hidden)
+    x = torch.randn(steps, batch, INPUTS, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    scan = Recurrence(cell, algorithm="linear")
+    step = jax_step(kind, hidden, jax)
+    params = {name: jax.numpy.asarray(p.detach().numpy()) for name, p in cell.named_parameters()}
+    xs = jax.numpy.asarray(x.detach().numpy())
+    start = time.perf_counter()
+    value, grads = jax.block_until_ready(step(params, xs))
+    compile_seconds = time.perf_counter() - start
+    loss = scan(x)[0].pow(2).mean()
+    names = ["loss", "x", *(n for n, _ in cell.named_parameters())]
+    ours = dict(zip(names, [loss, *torch.autograd.grad(loss, leaves)], strict=True))
+    theirs = {"loss": value, **grads}
+    differences = [
+        float((torch.tensor(jax.device_get(theirs[name])) - ours[name].detach()).norm() / ours[name].norm())
+        for name in theirs
+    ]
+    result = {"compile": compile_seconds, "diff": max(differences)}
+    arms = {
+        "ours": lambda: torch.autograd.grad(scan(x)[0].pow(2).mean(), leaves),
+        "jax": lambda: jax.block_until_ready(step(params, xs)),
+    }
+    for _ in range(2):  # two rounds, alternating: a change of load hits both
+        for name, fn in arms.items():
+            result.setdefault(name, []).append(median_seconds(fn, min_run_time))
+    return {**result, "ours": min(result["ours"]), "jax": min(result["jax"])}
 HEADLINE = [("gated", 32, 16, 1000), ("indrnn", 32, 16, 1000), ("lstm", 32, 16, 1000), ("gated", 32, 1, 1000)]
 GRID = [(c, h, b, t) for c in CELLS for h in (16, 32, 64) for b in (1, 16) for t in (100, 1000)]
 
@@ -172,6 +249,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     start, load_before = time.perf_counter(), os.getloadavg()
+    if os.environ.get("OMP_NUM_THREADS") == "1":  # XLA reads its flags at start-up: set before the import
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_XLA_FLAGS}".strip()
+    try:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    except ImportError:
+        jax = None
     lines = []
     sections = [("Headline rows (targets: backward >= 10x, step >= 3x at B=16 T=1000 H=32)", HEADLINE)]
     for title, rows in sections + ([] if args.quick else [("Grid", GRID)]):
@@ -179,6 +264,25 @@ def main() -> None:
         for kind, hidden, batch, steps in rows:
             result = measure(kind, hidden, batch, steps, args.memory_budget, args.min_run_time)
             lines.append(row(kind, hidden, batch, steps, result))
+            print(lines[-1], flush=True)
+    lines += ["", "## Against JAX (headline rows, whole training step)", ""]
+    if jax is None:
+        lines.append("JAX is not installed (`pip install 'lightning-bppsa[bench]'`): not measured.")
+    else:
+        lines += [
+            f"JAX {jax.__version__}, `jit(value_and_grad)` over `lax.scan`; XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`. "
+            "Step ms: the better of two interleaved medians per arm. Rel. diff: the largest norm-wise relative "
+            "difference of JAX's loss and gradients from `Recurrence`'s (float32).",
+            "",
+            "| cell | H | B | T | step ms Recurrence | step ms JAX | Recurrence vs JAX | JAX compile s | rel. diff |",
+            "|" + " --- |" * 9,
+        ]
+        for kind, hidden, batch, steps in HEADLINE:
+            r = measure_jax(kind, hidden, batch, steps, args.min_run_time, jax)
+            lines.append(
+                f"| {kind} | {hidden} | {batch} | {steps} | {r['ours'] * 1e3:.1f} | {r['jax'] * 1e3:.1f} "
+                f"| {r['jax'] / r['ours']:.2f}x | {r['compile']:.1f} | {r['diff']:.1e} |"
+            )
             print(lines[-1], flush=True)
     load_after = os.getloadavg()
     head = [

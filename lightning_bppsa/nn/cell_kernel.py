@@ -90,7 +90,7 @@ class CellFactors:
     jacobians: FactoredJacobians
     input_partials: Tensor  # (B T, n_inputs m H): the partial of new state p by input value i at [i, p]
     frontier: list[Tensor]
-    offsets: list[Tensor]  # the pieces' input-only terms (empty where they have none), recorded
+    offsets: list[Tensor | None]  # per piece its input-only terms (None: zero; empty: none at all), recorded
     x_flat: Tensor
 
 
@@ -114,6 +114,8 @@ class CellKernel:
             raise Unsupported(f"the Jacobians do not factor ({structure.reason})")
         if dtype not in (torch.float32, torch.float64):
             raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
+        if not structure.input_terms_separate:
+            raise Unsupported("the pieces' input-only terms do not separate from the states")
         self.structure, self.dtype = structure, dtype
         source, self._inputs = _generate(structure, dtype)
         self._library = _load(source)
@@ -140,8 +142,9 @@ class CellKernel:
                 wc = weight.view(-1, h, d)[: pieces * m : m].reshape(pieces * h, d).T.contiguous()
                 if structure.has_offsets:  # recorded, for the backward
                     with torch.set_grad_enabled(partials):
-                        recorded_offsets = structure.linear(recorded, [s0.new_zeros(rows, h)] * m)
-                    offsets = torch.cat([v.detach() for v in recorded_offsets], -1)
+                        recorded_offsets = structure.input_terms(recorded)
+                    zero = s0.new_zeros(1, h)
+                    offsets = torch.cat([(zero if v is None else v.detach()).expand(rows, h) for v in recorded_offsets], -1)
             inputs = [_laid_out(frontier[i.frontier], i.layout, rows) for i in self._inputs]
             states = s0.new_empty(batch, steps + 1, d)
             states[:, 0] = s0
@@ -199,25 +202,29 @@ class CellKernel:
         where the pieces have input-only terms."""
         structure, frontier = self.structure, factors.frontier
         h, pieces = structure.width, structure.pieces
-        batch, steps, d = states.shape[0], states.shape[1] - 1, states.shape[2]
-        rows = batch * steps
+        rows = states.shape[0] * (states.shape[1] - 1)
         piece_grads = products[:, : len(pieces) * h].view(rows, len(pieces), h)
         input_grads = products[:, len(pieces) * h :].view(rows, len(self._inputs), h)
         outs, grads = [], []
         if pieces:
             # pieces = offsets + prev @ (blocks of the weights): the blocks' gradient is prevᵀ @ the pieces'
             # gradients; the offsets' (input-only terms) goes through their recorded graph
-            blocks = states[:, :-1].reshape(rows, d).T @ products[:, : len(pieces) * h]
+            low = min(q for piece in pieces for q, _ in piece.reads)  # only the states the pieces read
+            high = max(q for piece in pieces for q, _ in piece.reads) + 1
+            prev = states[:, :-1, low * h : high * h].reshape(rows, (high - low) * h)
+            blocks = prev.T @ products[:, : len(pieces) * h]
             weights: dict[int, Tensor] = {}
             for k, piece in enumerate(pieces):
                 if frontier[piece.weight].requires_grad:
                     grad = weights.setdefault(piece.weight, torch.zeros_like(frontier[piece.weight]))
                     for q, row in piece.reads:
-                        grad[row : row + h, piece.offset : piece.offset + h] += blocks[q * h : (q + 1) * h, k * h : (k + 1) * h]
+                        block = blocks[(q - low) * h : (q - low + 1) * h, k * h : (k + 1) * h]
+                        grad[row : row + h, piece.offset : piece.offset + h] += block
             outs += [frontier[w] for w in weights]
             grads += list(weights.values())
-            outs += [v for v in factors.offsets if v.requires_grad]
-            grads += [piece_grads[:, k] for k, v in enumerate(factors.offsets) if v.requires_grad]
+            terms = [(k, v) for k, v in enumerate(factors.offsets) if v is not None and v.requires_grad]
+            outs += [v for _, v in terms]
+            grads += [piece_grads[:, k].sum_to_size(v.shape) for k, v in terms]
         if self._inputs:
             for i, spec in enumerate(self._inputs):
                 value = frontier[spec.frontier]

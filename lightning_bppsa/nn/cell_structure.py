@@ -92,11 +92,15 @@ class CellStructure:
             linear = [n for n in state_part if n in computing]
             pointwise = [n for n in state_part if n not in linear]
             self._linear = _thin_aware(_extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear))
-            # input-only terms in the pieces: a bias (addmm) or input values concatenated with the states
-            self.has_offsets = any(
-                n.target is aten.addmm.default or (n.target is aten.cat.default and any(a not in states for a in n.args[0]))
-                for n in linear
-            )
+            # the pieces' input-only terms (a bias, input values concatenated with the states), without the states;
+            # only the compiled loop needs them: a graph they do not separate from leaves it None
+            self._input_terms: fx.GraphModule | None = None
+            try:
+                self._input_terms = _thin_aware(_input_terms(gm, frontier, states, linear, [p for p, _ in self._pieces]))
+            except Exception:  # noqa: BLE001 - the torch path does not use them
+                pass
+            terms = [] if self._input_terms is None else next(n for n in self._input_terms.graph.nodes if n.op == "output").args[0]
+            self.has_offsets = any(t is not None for t in terms)
             self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
         self.n_states, self.width, self.trace_rows = len(states), width, rows
         # the states the pointwise part reads (not only through the linear maps): each is one more tile
@@ -134,6 +138,18 @@ class CellStructure:
     def linear(self, frontier: list[Tensor], states: list[Tensor]) -> list[Tensor]:
         """The pieces from the frontier and the old states of the same rows."""
         return list(self._linear.forward(*frontier, *states))
+
+    @property
+    def input_terms_separate(self) -> bool:
+        """Whether :meth:`input_terms` can run (the linear part's graph let the states be dropped)."""
+        return self._input_terms is not None
+
+    def input_terms(self, frontier: list[Tensor]) -> list[Tensor | None]:
+        """Per piece, its input-only terms (``(rows, H)``, or ``(H,)`` for a bias alone; ``None``: zero): the
+        piece with the states set to zero, computed without them (``cat([x, h]) @ W`` as ``x @ W[:I]``)."""
+        if self._input_terms is None:
+            raise NotTraceable("the pieces' input-only terms do not separate from the states")
+        return list(self._input_terms.forward(*frontier))
 
     def loop(self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int) -> list[list[Tensor]]:
         """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
@@ -378,6 +394,50 @@ def _adjacent(grads: tuple[Tensor | None, ...]) -> bool:
             return False
         at += g.shape[-1]
     return True
+
+
+def _input_terms(
+    gm: fx.GraphModule, frontier: list[fx.Node], states: list[fx.Node], linear: list[fx.Node], pieces: list[fx.Node]
+) -> fx.GraphModule:
+    """A graph ``(*frontier) -> [input-only term of each piece, or None]``: the linear part with the states
+    dropped. A concatenation keeps its input-only parts and the product the weight rows they meet; a product
+    of the states alone is zero (None), or its bias where it has one; splits and slices follow."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node | None] = {}  # None: zero
+    for i, node in enumerate(frontier):
+        env[node] = graph.placeholder(f"in_{i}")
+        env[node].meta = node.meta
+    env.update({s: None for s in states})
+    kept: dict[fx.Node, list[tuple[int, int]]] = {}  # a concatenation -> the rows of its kept parts
+    for node in linear:
+        args = node.args
+        if node.target is aten.cat.default:
+            parts, at, ranges = [], 0, []
+            for part in args[0]:
+                width = part.meta["val"].shape[-1]
+                if part not in states:
+                    parts.append(env[part])
+                    ranges.append((at, at + width))
+                at += width
+            kept[node] = ranges
+            env[node] = None if not parts else parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, -1))
+        elif node.target in _LINEAR:
+            operand, weight = env[args[-2]], env[args[-1]]
+            bias = env[args[0]] if node.target is aten.addmm.default else None
+            if operand is None:
+                env[node] = bias
+                continue
+            rows = [graph.call_function(aten.slice.Tensor, (weight, 0, a, b)) for a, b in kept[args[-2]]]
+            weight = rows[0] if len(rows) == 1 else graph.call_function(aten.cat.default, (rows, 0))
+            call = (bias, operand, weight) if bias is not None else (operand, weight)
+            env[node] = graph.call_function(aten.addmm.default if bias is not None else aten.mm.default, call)
+        elif env.get(args[0]) is None:  # a split, slice or getitem of zero
+            env[node] = None
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output([env[p] for p in pieces])
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph)
 
 
 def _ancestors(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
