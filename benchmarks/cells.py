@@ -143,7 +143,7 @@ def measure_jax(kind: str, hidden: int, batch: int, steps: int, min_run_time: fl
     ours = dict(zip(names, [loss, *torch.autograd.grad(loss, leaves)], strict=True))
     theirs = {"loss": value, **grads}
     differences = [
-        float((torch.tensor(jax.device_get(theirs[name])) - ours[name].detach()).norm() / ours[name].norm())
+        float((torch.tensor(jax.device_get(theirs[name])) - ours[name].detach()).norm() / ours[name].detach().norm())
         for name in theirs
     ]
     result = {"compile": compile_seconds, "diff": max(differences)}
