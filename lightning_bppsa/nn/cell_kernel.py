@@ -11,11 +11,16 @@ product) through the package's one builder, so a forward computes in one pass wh
 - the states ``(B, T + 1, d)``;
 - the scales (and diagonal) of the :class:`~lightning_bppsa.jacobians.FactoredJacobians`, in the layout
   ``CellStructure.scale_columns`` gives;
-- the partials by the input part's values, so that the parameter and input gradients are ``g ⊙ partials``
-  pulled back through the input part and the linear maps by autograd (GEMMs; Eq. 2).
+- the partials by the input part's values.
 
-A graph with an op outside :data:`_UNARY` / :data:`_BINARY` (or other dtypes, or values that do not broadcast
-per row or per coordinate) raises :class:`Unsupported`: the traced graph then runs in torch as before.
+The backward (:meth:`CellKernel.scan`) is one C sweep: the linear scan of those Jacobians with, per row and
+step, the products ``g ⊙ partials`` by every piece and input value; :meth:`CellKernel.vjp` turns them into
+the parameter and input gradients (Eq. 2): ``prevᵀ products`` for the weights, and autograd through the
+input part the forward recorded.
+
+A graph with an op outside :data:`_UNARY`, :data:`_BINARY`, :data:`_COMPARE` and a few with constant
+arguments (``pow``, ``where``, clamps, ``hardtanh``, ``leaky_relu``), or other dtypes, or values that do not
+broadcast per row or per coordinate, raises :class:`Unsupported`: the traced graph then runs in torch.
 """
 
 from __future__ import annotations
@@ -138,8 +143,8 @@ class CellKernel:
             pieces = len(structure.pieces)
             wc = offsets = None
             recorded_offsets: list[Tensor] = []
-            if pieces:  # the pieces' linear maps: W's row blocks p = 0, their input-only terms once for all rows
-                wc = weight.view(-1, h, d)[: pieces * m : m].reshape(pieces * h, d).T.contiguous()
+            if pieces:  # the pieces' linear maps, and their input-only terms once for all rows
+                wc = _piece_rows(weight, structure).T.contiguous()
                 if structure.has_offsets:  # recorded, for the backward
                     with torch.set_grad_enabled(partials):
                         recorded_offsets = structure.input_terms(recorded)
@@ -171,8 +176,7 @@ class CellKernel:
         batch, steps, h = jacobians.batch_size, jacobians.length, structure.width
         d, pieces = jacobians.state_size, len(structure.pieces)
         direct = direct.contiguous()
-        wt = jacobians.weight.view(-1, h, d)[: pieces * structure.n_states : structure.n_states].reshape(pieces * h, d)
-        wt = wt.contiguous() if pieces else None
+        wt = _piece_rows(jacobians.weight, structure).contiguous() if pieces else None
         out = direct.new_empty(batch, steps + 1, d)
         products = direct.new_empty(batch * steps, (pieces + len(self._inputs)) * h)
         self._library.bppsa_cell_backward(
@@ -225,15 +229,22 @@ class CellKernel:
             terms = [(k, v) for k, v in enumerate(factors.offsets) if v is not None and v.requires_grad]
             outs += [v for _, v in terms]
             grads += [piece_grads[:, k].sum_to_size(v.shape) for k, v in terms]
-        if self._inputs:
-            for i, spec in enumerate(self._inputs):
-                value = frontier[spec.frontier]
-                if value.requires_grad:
-                    outs.append(value)
-                    grads.append(input_grads[:, i].sum_to_size(value.shape))
+        for i, spec in enumerate(self._inputs):
+            value = frontier[spec.frontier]
+            if value.requires_grad:
+                outs.append(value)
+                grads.append(input_grads[:, i].sum_to_size(value.shape))
         if not outs:
             return (None,) * len(wanted)
         return torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
+
+
+def _piece_rows(weight: Tensor, structure: CellStructure) -> Tensor:
+    """``(pieces H, d)``: the factored weight's rows of each piece once (its row block for new state 0; the
+    blocks of the other new states repeat it)."""
+    m, h = structure.n_states, structure.width
+    pieces = len(structure.pieces)
+    return weight.view(-1, h, weight.shape[-1])[: pieces * m : m].reshape(pieces * h, weight.shape[-1])
 
 
 def _laid_out(value: Tensor, layout: str, rows: int) -> tuple[Tensor, int]:
