@@ -121,6 +121,10 @@ class CellKernel:
             raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
         if not structure.input_terms_separate:
             raise Unsupported("the pieces' input-only terms do not separate from the states")
+        d = structure.n_states * structure.width
+        stack = max(len(structure.pieces) * structure.width, 5 * d) * dtype.itemsize  # the loops' arrays
+        if stack > _STACK_BYTES:
+            raise Unsupported(f"the state is too wide for the compiled loop's stack arrays ({stack} bytes)")
         self.structure, self.dtype = structure, dtype
         source, self._inputs = _generate(structure, dtype)
         self._library = _load(source)
@@ -497,6 +501,10 @@ def _bounds(target, args) -> tuple[object, object]:
         return None, args[1]
     return (args[1] if len(args) > 1 else -1.0), (args[2] if len(args) > 2 else 1.0)
 
+
+#: the most the generated loops keep on a thread's stack (a piece row, the sweep's partial sums): OpenMP
+#: worker threads may have small stacks
+_STACK_BYTES = 2**18
 
 _SIGNATURES = {
     "bppsa_cell_forward": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, *[ctypes.c_void_p] * 3],

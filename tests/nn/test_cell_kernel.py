@@ -240,3 +240,15 @@ def test_without_gradients_a_cell_drawing_random_numbers_is_called():
         reference = _loop(cell, x)
     assert module.last_stats["path"] == "autograd"
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+
+def test_a_state_too_wide_for_the_loops_stack_arrays_keeps_the_torch_path(monkeypatch):
+    monkeypatch.setattr(cell_kernel, "_STACK_BYTES", 100)  # 5 d doubles = 200 bytes here
+    torch.manual_seed(8)
+    cell = PiecewiseOps(3, 5).to(F64)
+    x = torch.randn(4, 2, 3, dtype=F64, requires_grad=True)
+    module = Recurrence(cell, algorithm="linear")
+    ours = _grads(lambda: module(x)[0], [x, *cell.parameters()], False)
+    assert not module.last_stats["cell_kernel"] and "too wide" in module.last_stats["cell_kernel_reason"]
+    for a, b in zip(ours, _grads(lambda: _loop(cell, x), [x, *cell.parameters()], False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
