@@ -30,6 +30,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,7 @@ class CellKernel:
         self.structure, self.dtype = structure, dtype
         source, self._inputs = _generate(structure, dtype)
         self._library = _load(source)
+        self._buffers = threading.local()
         #: elements per step of the partials by the input values that a forward with partials keeps
         self.input_partial_elements = len(self._inputs) * structure.n_states * structure.width
 
@@ -175,14 +177,15 @@ class CellKernel:
     def scan(self, factors: CellFactors, direct: Tensor) -> tuple[Tensor, Tensor]:
         """The linear scan of the factored Jacobians fused with the backward's products (``kernels/cell_loop.h``):
         the states' gradients ``(B, T + 1, d)`` from ``direct`` (``(B, T + 1, d)`` per-step gradients, or
-        ``(B, d)`` at the last state only) and the products :meth:`vjp` takes."""
+        ``(B, d)`` at the last state only) and the products :meth:`vjp` takes. Both are this thread's scratch
+        buffers: valid until the next backward of this kernel (copy what must outlive it)."""
         jacobians, structure = factors.jacobians, self.structure
         batch, steps, h = jacobians.batch_size, jacobians.length, structure.width
         d, pieces = jacobians.state_size, len(structure.pieces)
         direct = direct.contiguous()
         wt = _piece_rows(jacobians.weight, structure).contiguous() if pieces else None
-        out = direct.new_empty(batch, steps + 1, d)
-        products = direct.new_empty(batch * steps, (pieces + len(self._inputs)) * h)
+        out = self._buffer("out", direct, (batch, steps + 1, d))
+        products = self._buffer("products", direct, (batch * steps, (pieces + len(self._inputs)) * h))
         self._library.bppsa_cell_backward(
             batch, steps, _native.threads(batch), _pointer(wt), _pointer(jacobians.scales), jacobians.scales.shape[-1],
             _pointer(jacobians.diagonal), _pointer(factors.input_partials), _pointer(direct), int(direct.dim() == 3),
@@ -195,12 +198,22 @@ class CellKernel:
         d)`` (a scan's) times the partials by each piece and input value, summed over the new states."""
         scales, grad = factors.jacobians.scales, grad.contiguous()
         batch, steps = scales.shape[:2]
-        products = grad.new_empty(batch * steps, (len(self.structure.pieces) + len(self._inputs)) * self.structure.width)
+        products = self._buffer("products", grad, (batch * steps, (len(self.structure.pieces) + len(self._inputs)) * self.structure.width))
         self._library.bppsa_cell_cotangent(
             batch, steps, _native.threads(batch * steps), _pointer(grad), _pointer(scales), scales.shape[-1],
             _pointer(factors.input_partials), _pointer(products),
         )
         return products
+
+    def _buffer(self, name: str, like: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A backward's scratch buffer, reused from this thread's last backward of the same shape: the products
+        and the states' gradients live only until the backward returns (it hands out a copy of what it keeps),
+        and a fresh multi-MB buffer every step costs its page faults (~0.25 ms a MB here)."""
+        cached = getattr(self._buffers, name, None)
+        if cached is None or cached.shape != shape or cached.dtype != like.dtype or cached.device != like.device:
+            cached = like.new_empty(shape)
+            setattr(self._buffers, name, cached)
+        return cached
 
     def vjp(self, factors: CellFactors, states: Tensor, products: Tensor, wanted: list[Tensor]) -> tuple[Tensor | None, ...]:
         """Gradients of ``wanted`` (``factors.x_flat`` and the cell's tensors) from the backward's ``products``

@@ -636,8 +636,9 @@ def _scan_grads(
     only_last = steps == 1 or _all_zero(grad_states[:, :-1])
     direct = grad_states[:, -1].contiguous() if only_last else grad_states
     products = None
-    if factors is not None and _linear_plan(module.algorithm, factors.jacobians):
-        g, products = traced.kernel.scan(factors, direct)  # the sweep with the VJP's products in the same pass
+    fused = factors is not None and _linear_plan(module.algorithm, factors.jacobians)
+    if fused:  # the sweep with the VJP's products in the same pass (both in the kernel's scratch buffers)
+        g, products = traced.kernel.scan(factors, direct)
     else:
         g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
@@ -655,7 +656,8 @@ def _scan_grads(
     found_iter = iter(found)
     x_grad = next(found_iter, None) if needs[0] else None
     param_grads = [next(found_iter, None) if need else None for need in needs[2:]]
-    return [None if x_grad is None else x_grad.view_as(x), g[:, 0], *param_grads]
+    s0_grad = g[:, 0].clone() if fused else g[:, 0]  # the sweep's g is a scratch buffer: keep a copy
+    return [None if x_grad is None else x_grad.view_as(x), s0_grad, *param_grads]
 
 
 def _linear_plan(algorithm: str, jacobians: FactoredJacobians) -> bool:

@@ -252,3 +252,17 @@ def test_a_state_too_wide_for_the_loops_stack_arrays_keeps_the_torch_path(monkey
     assert not module.last_stats["cell_kernel"] and "too wide" in module.last_stats["cell_kernel_reason"]
     for a, b in zip(ours, _grads(lambda: _loop(cell, x), [x, *cell.parameters()], False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_gradients_handed_out_survive_the_next_backward():
+    # the sweep's buffers are reused by the next backward: what a backward returns must not change with it
+    torch.manual_seed(9)
+    cell = ThreeStates(3, 4).to(F64)
+    module = Recurrence(cell, algorithm="linear")
+    state0 = tuple(torch.randn(2, 4, dtype=F64, requires_grad=True) for _ in range(3))
+    x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
+    first = torch.autograd.grad(module(x, state0)[0].pow(2).sum(), [x, *state0])
+    kept = [g.clone() for g in first]
+    torch.autograd.grad((module(x * 2, state0)[0] * 3).sum(), [x, *state0])  # another backward, same shapes
+    for a, b in zip(first, kept, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
