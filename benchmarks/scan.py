@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_description, median_seconds, peak_memory_bytes  # noqa: E402
 from lightning_bppsa.kernels import cpu as cpu_kernel  # noqa: E402
 
-from lightning_bppsa import FactoredJacobians, backprop_scan, cost_model  # noqa: E402
+from lightning_bppsa import FactoredJacobians, backprop_scan, plan  # noqa: E402
 
 ALGORITHMS = ("linear", "blelloch", "chunked", "auto")
 
@@ -40,13 +40,16 @@ def make_inputs(kind: str, batch: int, n: int, d: int):
 
 @contextmanager
 def torch_loop() -> Iterator[None]:
-    """The linear schedule as a loop of torch ops (the compiled kernel switched off): op-bound like a GPU."""
+    """The linear schedule as a loop of torch ops (the compiled kernel switched off): op-bound like a GPU.
+    The plans are cached per shape: forgotten on the way in and out, so both sides plan afresh."""
     available = cpu_kernel.available
     cpu_kernel.available = lambda: False
+    plan._choose.cache_clear()
     try:
         yield
     finally:
         cpu_kernel.available = available
+        plan._choose.cache_clear()
 
 
 def measure_row(kind: str, batch: int, n: int, d: int, min_run_time: float) -> dict:
@@ -60,8 +63,8 @@ def measure_row(kind: str, batch: int, n: int, d: int, min_run_time: float) -> d
     with torch_loop():
         row["loop_ms"] = median_seconds(lambda: backprop_scan(jac, grad, algorithm="linear"), min_run_time) * 1e3
     width = None if kind == "dense" else d
-    name, chunk = cost_model.choose("auto", n=n, d=d, batch=batch, width=width, device="cpu")
-    row["auto_choice"] = f"{name}(c={chunk})" if name == "chunked" else name
+    chosen = plan.choose("auto", n=n, d=d, batch=batch, width=width, device="cpu", dtype=torch.float32)
+    row["auto_choice"] = f"chunked(c={chosen.chunk})" if chosen.algorithm == "chunked" else chosen.algorithm
     return row
 
 
