@@ -650,3 +650,17 @@ def test_sliced_gates_factor_and_a_custom_backward_stays_dense():
     cell, x, h0 = StraightThroughCell(3, 5).double(), *make("gated", 3, 6)[1:]
     rec = compare(cell, x, h0, algorithm="linear")
     assert rec.last_stats["jacobians"] == "dense" and "do not match" in rec.last_stats["dense_reason"]
+
+
+def test_all_zero_reads_the_whole_tensor_where_its_last_step_is_zero():
+    zeros = torch.zeros(2, 5, 3)
+    assert recurrence._all_zero(zeros)
+    early = zeros.clone()
+    early[1, 0, 2] = 1e-30  # nonzero only at an early step
+    assert not recurrence._all_zero(early)
+    late = zeros.clone()
+    late[0, -1, 0] = -2.0
+    assert not recurrence._all_zero(late)
+    nan = zeros.clone()
+    nan[0, 1, 1] = float("nan")
+    assert not recurrence._all_zero(nan)
