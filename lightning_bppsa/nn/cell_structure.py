@@ -135,10 +135,6 @@ class CellStructure:
         """The frontier: the input part's values for all rows of ``x``."""
         return list(self._precompute.forward(*tensors, x))
 
-    def linear(self, frontier: list[Tensor], states: list[Tensor]) -> list[Tensor]:
-        """The pieces from the frontier and the old states of the same rows."""
-        return list(self._linear.forward(*frontier, *states))
-
     @property
     def input_terms_separate(self) -> bool:
         """Whether :meth:`input_terms` can run (the linear part's graph let the states be dropped)."""

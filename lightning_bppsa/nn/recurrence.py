@@ -290,8 +290,7 @@ class Recurrence(nn.Module):
                 self._fell_back(reason, failed.sticky)
         if path == "autograd" and reason == _NO_GRADIENT and (kernel := self._inference_kernel(x, s0, spec)):
             path, reason = "compiled loop", None
-            x_flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-            states, _ = kernel.forward(cell_tensors(self.cell), x_flat, s0, x.shape[0], partials=False)
+            states, _ = _kernel_forward(self, kernel, x, s0, partials=False)
         if path == "autograd":
             states = self._loop(x, s0, spec)
         self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
@@ -778,12 +777,14 @@ def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSp
     return None
 
 
-def _kernel_forward(module: Recurrence, kernel: CellKernel, x: Tensor, s0: Tensor) -> tuple[Tensor, CellFactors]:
-    """The states ``(B, T + 1, d)`` and the backward's factors from the compiled loop (no cell calls); the
-    input part recorded from a leaf ``x_flat`` (``(b, t)`` rows; requiring grad as ``x`` does)."""
+def _kernel_forward(
+    module: Recurrence, kernel: CellKernel, x: Tensor, s0: Tensor, partials: bool = True
+) -> tuple[Tensor, CellFactors | None]:
+    """The states ``(B, T + 1, d)`` and (``partials``) the backward's factors from the compiled loop (no cell
+    calls); the input part recorded from a leaf ``x_flat`` (``(b, t)`` rows; requiring grad as ``x`` does)."""
     batch, steps = x.shape[:2]
-    x_flat = x.detach().reshape(batch * steps, *x.shape[2:]).requires_grad_(x.requires_grad)
-    return kernel.forward(cell_tensors(module.cell), x_flat, s0.detach(), batch, partials=True)
+    x_flat = x.detach().reshape(batch * steps, *x.shape[2:]).requires_grad_(partials and x.requires_grad)
+    return kernel.forward(cell_tensors(module.cell), x_flat, s0.detach(), batch, partials=partials)
 
 
 def _checked_kernel(
