@@ -159,10 +159,10 @@ class RecurrentCell:
         Runs in the parameters' dtype (under autocast the forward ran in half precision).
         """
         dtype = weights[0].dtype
-        x_, out_, h0_ = x.to(dtype), out.to(dtype), h0.to(dtype)
-        c0_ = None if c0 is None else c0.to(dtype)
-        factors = [f.to(dtype) for f in factors]
-        grad_out, grad_hn, grad_cn = (None if g is None else g.to(dtype) for g in (grad_out, grad_hn, grad_cn))
+        x_, out_, h0_, c0_, grad_out, grad_hn, grad_cn = (
+            _cast(t, dtype) for t in (x, out, h0, c0, grad_out, grad_hn, grad_cn)
+        )
+        factors = [_cast(f, dtype) for f in factors]
         batch, n, hidden = out.shape
         chosen = self.plan(algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type, dtype=dtype)
         fused, bias = None, len(weights) == 4
@@ -179,8 +179,8 @@ class RecurrentCell:
             d_gi, d_gh = self.gate_gradients(g[:, 1:], out_, factors)
             fused = d_gi, d_gh, g[:, 0].split(hidden, -1), None
         d_gi, d_gh, starts, param_grads = fused
-        grad_x = (d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape).to(x.dtype) if need_x else x.new_empty(0)
-        states = [starts[0].to(h0.dtype)] + ([starts[1].to(c0.dtype)] if c0 is not None else [])
+        grad_x = _cast((d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape), x.dtype) if need_x else x.new_empty(0)
+        states = [_cast(starts[0], h0.dtype)] + ([_cast(starts[1], c0.dtype)] if c0 is not None else [])
         if param_grads is None:
             param_grads = self._parameter_gradients(d_gi, d_gh, x_, h0_, out_, bias)
         return [grad_x, *states, *param_grads]
@@ -506,6 +506,11 @@ class LSTMCell(RecurrentCell):
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t.to(dtype)``, without its call where the dtype is already right (~2 µs each, ~8 per backward)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def _joint_weight(w_hh: Tensor) -> Tensor:

@@ -65,7 +65,8 @@ class _ScanRecurrent:
         self.last_stats: dict[str, Any] = {}
 
     def forward(self, input: Tensor, hx: Any = None):  # noqa: A002  (torch's argument name)
-        if torch.compiler.is_compiling():  # traced (allow_rnn): each layer's two ops go into the graph
+        # traced (allow_rnn): each layer's two ops go into the graph; eager (no frame hook): nothing to turn off
+        if torch.compiler.is_compiling() or _frame_hook() is None:
             return self._forward(input, hx)
         # Run by a compiled caller only after dynamo refused this nn.RNN subclass (a graph break): then the
         # layers run as in eager mode, without dynamo's frame hook on every Python call inside, and without
@@ -178,6 +179,11 @@ class _ScanRecurrent:
         return scripted
 
 
+#: torch.compile's frame-evaluation callback, ``None`` when no compiled caller is running (a C function:
+#: asking costs no Python frame for dynamo to see)
+_frame_hook = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
 @functools.cache
 def _without_dynamo() -> Any:
     """``call(fn, *args)`` = ``fn(*args)`` with torch.compile's frame evaluation off inside (made on first use:
@@ -243,7 +249,12 @@ def _run_layers(
         else:  # batch first already: no copy (torch's batch-first output is a transposed view anyway)
             x = torch.cat(outs, -1) if dirs == 2 else outs[0]
     output = x if batch_first else x.transpose(0, 1)
-    return output, torch.stack(h_n, 0), torch.stack(c_n, 0) if c0 is not None else None
+    return output, _stack(h_n), _stack(c_n) if c0 is not None else None
+
+
+def _stack(states: list[Tensor]) -> Tensor:
+    """``torch.stack(states)``; one layer's state as a view (no copy, a cheaper backward node)."""
+    return states[0].unsqueeze(0) if len(states) == 1 else torch.stack(states, 0)
 
 
 class RNN(_ScanRecurrent, nn.RNN):

@@ -683,3 +683,49 @@ def test_a_second_backward_with_retain_graph_matches_torch():
         loss.backward()
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+class _TracingSubclass(torch.Tensor):
+    """A tensor subclass with its own ``__torch_function__`` (what a dispatcher-level interception sees)."""
+
+
+def test_layers_bypass_the_dispatcher_only_when_nothing_intercepts_it():
+    """Eagerly the layer calls its ops' Python implementations directly (the dispatcher costs ~16 µs a call
+    to reach them); anything that could intercept the op gets the dispatched op."""
+    from lightning_bppsa.nn._scan_layer import _dispatched
+
+    plain = [torch.randn(2, 3), None, torch.nn.Parameter(torch.randn(3))]
+    assert not _dispatched(plain)
+    with _OpCounter():
+        assert _dispatched(plain)
+    with torch.overrides.TorchFunctionMode():
+        assert _dispatched(plain)
+    with torch.profiler.profile():
+        assert _dispatched(plain)
+    assert _dispatched([*plain, torch.randn(2).as_subclass(_TracingSubclass)])
+
+
+def test_the_profiler_and_dispatch_modes_still_see_the_layer_ops():
+    ours = bnn.GRU(3, 4, batch_first=True, algorithm="linear")
+    with _OpCounter() as counter:
+        ours(torch.randn(2, 5, 3))[0].sum().backward()
+    assert counter.ops.count("bppsa.recurrent_forward") == 1
+    assert counter.ops.count("bppsa.recurrent_backward") == 1
+    with torch.profiler.profile() as prof:
+        ours(torch.randn(2, 5, 3))[0].sum().backward()
+    names = {event.key for event in prof.key_averages()}
+    assert {"bppsa::recurrent_forward", "bppsa::recurrent_backward"} <= names
+
+
+def test_eager_forward_runs_without_the_dynamo_disable_wrapper(monkeypatch):
+    """No compiled caller: nothing to switch off, so the eager call skips ``torch.compiler.disable``'s
+    wrapper (whose frame-callback switching costs a few µs a call)."""
+    import lightning_bppsa.nn.recurrent as recurrent
+
+    def refuse():
+        raise AssertionError("the disable wrapper ran in eager mode")
+
+    monkeypatch.setattr(recurrent, "_without_dynamo", refuse)
+    ours = bnn.RNN(2, 3, batch_first=True)
+    out, h_n = ours(torch.randn(2, 4, 2))
+    assert out.shape == (2, 4, 3) and torch.equal(h_n[0], out[:, -1])
