@@ -434,7 +434,7 @@ class LSTMCell(RecurrentCell):
         # torch's CPU LSTM backward is one fused op per step
         self.cost = CellCost(autograd_ops_per_step=1.0, gates=4, state_factor=2, autograd_step=3e-6,
                              autograd_row=1.3e-6, autograd_row_mac=0.21e-9, native_row=0.40e-6,
-                             native_row_mac=0.18e-9)  # fmt: skip
+                             native_row_mac=0.18e-9, autograd_call=5.2e-4)  # fmt: skip
 
     def jacobian_width(self, hidden: int) -> int:
         return 10 * hidden

@@ -148,9 +148,14 @@ class CellCost:
 
     - torch's layer under autograd: ``n (step + B (row + row_mac · G H²))`` (``autograd_*``);
     - the compiled cell kernels (forward with factors, fused backward, GEMMs): ``n B (row + row_mac · G H²)``
-      (``native_*``) plus a fixed ~0.6 ms per call; re-fitted 2026-11-24 after the kernels' four-row steps
+      (``native_*``) plus a fixed ~0.5 ms per call; re-fitted 2026-11-24 after the kernels' four-row steps
       (B=256, T=300, H in {20, 64}; at 1 thread the kernels then beat autograd on every B in {1, 16, 64, 256}
-      x H in {20, 64} at T=300, and torch's LSTM only on sequences of a few tens of steps at B=1).
+      x H in {20, 64} at T=300).
+
+    ``autograd_call``: the fixed cost of one call of torch's layer under autograd (its loss and bookkeeping
+    included, as the kernels' fixed cost). Measured at B=1 H=20, one thread, 2026-11-24 15:20 UTC, after
+    the layers' Python per call was cut: RNN T=2 / 3 / 5 torch 386 / 445 / 543 µs vs the kernels 457 / 467
+    / 462; GRU T=2 603 vs 479; LSTM T=3 / 6 545 / 552 vs 518 / 518 (torch's LSTM costs more per call).
     """
 
     autograd_ops_per_step: float
@@ -161,12 +166,12 @@ class CellCost:
     autograd_row_mac: float = 0.0
     native_row: float = 0.0
     native_row_mac: float = 0.0
+    autograd_call: float = 3e-4
 
 
 _SCAN_FIXED_OPS = 170  # autograd.Function, Jacobian data, validation, parameter GEMMs: ~0.25 ms whatever n
 _ELEMENTWISE_BYTES_PER_S = 5e9  # element-wise passes over (B, n, G H) in the forward and backward
-_NATIVE_CALL_SECONDS = 6e-4  # the two ops, their GEMMs and autograd's bookkeeping, per layer call
-_AUTOGRAD_CALL_SECONDS = 3e-4
+_NATIVE_CALL_SECONDS = 5e-4  # the two ops, their GEMMs and autograd's bookkeeping, per layer call
 
 
 @lru_cache(maxsize=1024)  # called on every forward; shapes repeat from batch to batch
@@ -183,7 +188,7 @@ def recurrent_path(
     macs = cost.gates * hidden * hidden
     if fused:
         ours = _NATIVE_CALL_SECONDS + n * batch * (cost.native_row + cost.native_row_mac * macs)
-        autograd = _AUTOGRAD_CALL_SECONDS + n * (
+        autograd = cost.autograd_call + n * (
             cost.autograd_step + batch * (cost.autograd_row + cost.autograd_row_mac * macs)
         )
         return "scan" if ours < autograd else "autograd"
