@@ -11,6 +11,9 @@ and, for cells with a cell state, ``c_n``:
   parameters' dtype; its plan is decided inside the op, at run time);
 - inside :func:`~lightning_bppsa.nn.reference_backward`, and under ``create_graph=True`` (double
   backward): plain autograd through the cell's torch forward, recomputed.
+
+Eagerly, with nothing that could intercept the dispatcher (:func:`_dispatched`), the two ops' Python
+implementations are called directly; traced, profiled or under a mode they are dispatched as ops.
 """
 
 from __future__ import annotations
