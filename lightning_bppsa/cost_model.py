@@ -153,7 +153,7 @@ class CellCost:
       x H in {20, 64} at T=300).
 
     ``autograd_call``: the fixed cost of one call of torch's layer under autograd (its loss and bookkeeping
-    included, as the kernels' fixed cost). Measured at B=1 H=20, one thread, 2026-11-24 15:20 UTC, after
+    included, as the kernels' fixed cost). Measured at B=1 H=20, one thread, 2026-11-24 ~14:00 UTC, after
     the layers' Python per call was cut: RNN T=2 / 3 / 5 torch 386 / 445 / 543 µs vs the kernels 457 / 467
     / 462; GRU T=2 603 vs 479; LSTM T=3 / 6 545 / 552 vs 518 / 518 (torch's LSTM costs more per call).
     """
