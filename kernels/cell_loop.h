@@ -115,11 +115,13 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
      g_{t-1} = direct_{t-1} + g_t J_t = direct_{t-1} + u wt (u the pieces' products, wt = (KH, D) the
                pieces' weight rows; only the state columns [CLO, CHI) any piece reads) + the direct terms
                (one state: diagonal; several: the scales' identity-tile columns after the pieces').
-   direct: (B, T + 1, D) with per_step, else (B, D) at T only; out: (B, T + 1, D), the states' gradients.
-   Returns 0. */
+   direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T (s_0 has none), else
+   unused; final: (B, D), a further direct gradient of s_T, or NULL. As two arguments, so that the outputs'
+   gradients are read where autograd left them (no (B, T + 1, D) copy). out: (B, T + 1, D), the states'
+   gradients. Returns 0. */
 int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* wt, const REAL* scales,
                         int64_t scale_width, const REAL* diagonal, const REAL* fpart, const REAL* direct,
-                        int per_step, REAL* out, REAL* products) {
+                        int per_step, const REAL* final, REAL* out, REAL* products) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #else
@@ -131,9 +133,10 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
         thread_rows(batch, &lo, &hi);
         REAL carry[D];
         for (int64_t b = lo; b < hi; ++b) {
-            const REAL* last = per_step ? direct + (b * (steps + 1) + steps) * D : direct + b * D;
+            const REAL* last = per_step ? direct + (b * steps + steps - 1) * D : NULL;
+            const REAL* own = final ? final + b * D : NULL;
             REAL* g = out + (b * (steps + 1) + steps) * D;
-            for (int64_t c = 0; c < D; ++c) g[c] = last[c];
+            for (int64_t c = 0; c < D; ++c) g[c] = (last ? last[c] : 0) + (own ? own[c] : 0);
             for (int64_t t = steps; t >= 1; --t) {
                 const int64_t row = b * steps + t - 1;
                 const REAL* s = scales + row * scale_width;
@@ -172,8 +175,8 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                     }
                 }
                 REAL* prev = g - D;
-                if (per_step) {
-                    const REAL* d = direct + (b * (steps + 1) + t - 1) * D;
+                if (per_step && t >= 2) {
+                    const REAL* d = direct + (b * steps + t - 2) * D;
                     for (int64_t c = 0; c < D; ++c) prev[c] = d[c] + carry[c];
                 } else {
                     for (int64_t c = 0; c < D; ++c) prev[c] = carry[c];

@@ -174,22 +174,24 @@ class CellKernel:
             return states, None
         return states, CellFactors(FactoredJacobians(weight, scales, diagonal), input_partials, recorded, recorded_offsets, x_flat)
 
-    def scan(self, factors: CellFactors, direct: Tensor) -> tuple[Tensor, Tensor]:
+    def scan(self, factors: CellFactors, grad_steps: Tensor | None, grad_final: Tensor | None) -> tuple[Tensor, Tensor]:
         """The linear scan of the factored Jacobians fused with the backward's products (``kernels/cell_loop.h``):
-        the states' gradients ``(B, T + 1, d)`` from ``direct`` (``(B, T + 1, d)`` per-step gradients, or
-        ``(B, d)`` at the last state only) and the products :meth:`vjp` takes. Both are this thread's scratch
+        the states' gradients ``(B, T + 1, d)`` from the new states' direct gradients ``grad_steps``
+        ``(B, T, d)`` (``None``: none but the final state's) and the final state's own ``grad_final``
+        ``(B, d)`` (or ``None``), and the products :meth:`vjp` takes. Both results are this thread's scratch
         buffers: valid until the next backward of this kernel (copy what must outlive it)."""
         jacobians, structure = factors.jacobians, self.structure
         batch, steps, h = jacobians.batch_size, jacobians.length, structure.width
         d, pieces = jacobians.state_size, len(structure.pieces)
-        direct = direct.contiguous()
+        grad_steps, grad_final = (None if g is None else g.contiguous() for g in (grad_steps, grad_final))
+        like = jacobians.scales
         wt = _piece_rows(jacobians.weight, structure).contiguous() if pieces else None
-        out = self._buffer("out", direct, (batch, steps + 1, d))
-        products = self._buffer("products", direct, (batch * steps, (pieces + len(self._inputs)) * h))
+        out = self._buffer("out", like, (batch, steps + 1, d))
+        products = self._buffer("products", like, (batch * steps, (pieces + len(self._inputs)) * h))
         self._library.bppsa_cell_backward(
             batch, steps, _native.threads(batch), _pointer(wt), _pointer(jacobians.scales), jacobians.scales.shape[-1],
-            _pointer(jacobians.diagonal), _pointer(factors.input_partials), _pointer(direct), int(direct.dim() == 3),
-            _pointer(out), _pointer(products),
+            _pointer(jacobians.diagonal), _pointer(factors.input_partials), _pointer(grad_steps), int(grad_steps is not None),
+            _pointer(grad_final), _pointer(out), _pointer(products),
         )
         return out, products
 
@@ -524,7 +526,7 @@ _SIGNATURES = {
     "bppsa_cell_cotangent": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
     "bppsa_cell_backward": [
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, *[ctypes.c_void_p] * 3,
     ],
 }
 _LIBRARIES: dict[str, ctypes.CDLL] = {}

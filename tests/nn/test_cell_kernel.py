@@ -248,3 +248,34 @@ def test_gradients_handed_out_survive_the_next_backward():
     torch.autograd.grad((module(x * 2, state0)[0] * 3).sum(), [x, *state0])  # another backward, same shapes
     for a, b in zip(first, kept, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _final(state):
+    return torch.cat(state, -1) if isinstance(state, tuple) else state
+
+
+@pytest.mark.parametrize("cell_type", [SmoothOps, ThreeStates])
+@pytest.mark.parametrize("uses", ["outputs and final state", "final state"])
+def test_the_sweep_takes_the_outputs_and_the_final_states_gradients_as_given(cell_type, uses):
+    """The outputs' gradient (B, T, d) and the final state's (B, d) reach the compiled sweep as autograd
+    hands them over (no (B, T + 1, d) gradient assembled); either may be absent."""
+    torch.manual_seed(1)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(9, 4, 3, dtype=F64, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    module = Recurrence(cell, algorithm="linear")
+    if isinstance(cell.state_size, tuple):
+        cell.output_fn = lambda state: torch.cat(state, -1)
+
+    def loss(out, final):
+        weights = torch.linspace(0.5, 1.5, final.shape[-1], dtype=final.dtype)
+        on_final = (final.sin() * weights).sum()
+        return on_final + (out.pow(2).sum() if uses == "outputs and final state" else 0)
+
+    out, final = module(x)
+    ours = torch.autograd.grad(loss(out, _final(final)), leaves)
+    assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
+    steps = _loop(cell, x)
+    theirs = torch.autograd.grad(loss(steps, steps[-1]), leaves)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
