@@ -117,8 +117,9 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
                (one state: diagonal; several: the scales' identity-tile columns after the pieces').
    direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T (s_0 has none), else
    unused; final: (B, D), a further direct gradient of s_T, or NULL. As two arguments, so that the outputs'
-   gradients are read where autograd left them (no (B, T + 1, D) copy). out: (B, T + 1, D), the states'
-   gradients. Returns 0. */
+   gradients are read where autograd left them (no (B, T + 1, D) copy). out: (B, D), the gradient of s_0:
+   the products carry everything else the VJP needs, so the other states' gradients stay in two rows of
+   this thread's stack (not written out: B (T + 1) D elements a step). Returns 0. */
 int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* wt, const REAL* scales,
                         int64_t scale_width, const REAL* diagonal, const REAL* fpart, const REAL* direct,
                         int per_step, const REAL* final, REAL* out, REAL* products) {
@@ -131,11 +132,11 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
         const unsigned saved = flush_denormals();
         int64_t lo, hi;
         thread_rows(batch, &lo, &hi);
-        REAL carry[D];
+        REAL carry[D], rows[2][D];
         for (int64_t b = lo; b < hi; ++b) {
             const REAL* last = per_step ? direct + (b * steps + steps - 1) * D : NULL;
             const REAL* own = final ? final + b * D : NULL;
-            REAL* g = out + (b * (steps + 1) + steps) * D;
+            REAL* g = rows[0];
             for (int64_t c = 0; c < D; ++c) g[c] = (last ? last[c] : 0) + (own ? own[c] : 0);
             for (int64_t t = steps; t >= 1; --t) {
                 const int64_t row = b * steps + t - 1;
@@ -174,7 +175,7 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                         carry[q * H + j] += acc;
                     }
                 }
-                REAL* prev = g - D;
+                REAL* prev = g == rows[0] ? rows[1] : rows[0];
                 if (per_step && t >= 2) {
                     const REAL* d = direct + (b * steps + t - 2) * D;
                     for (int64_t c = 0; c < D; ++c) prev[c] = d[c] + carry[c];
@@ -183,6 +184,7 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                 }
                 g = prev;
             }
+            for (int64_t c = 0; c < D; ++c) out[b * D + c] = g[c];
         }
         restore_denormals(saved);
     }

@@ -123,7 +123,7 @@ class CellKernel:
         if not structure.input_terms_separate:
             raise Unsupported("the pieces' input-only terms do not separate from the states")
         d = structure.n_states * structure.width
-        stack = max(len(structure.pieces) * structure.width, 5 * d) * dtype.itemsize  # the loops' arrays
+        stack = max(len(structure.pieces) * structure.width, 7 * d) * dtype.itemsize  # the loops' arrays
         if stack > _STACK_BYTES:
             raise Unsupported(f"the state is too wide for the compiled loop's stack arrays ({stack} bytes)")
         self.structure, self.dtype = structure, dtype
@@ -176,17 +176,18 @@ class CellKernel:
 
     def scan(self, factors: CellFactors, grad_steps: Tensor | None, grad_final: Tensor | None) -> tuple[Tensor, Tensor]:
         """The linear scan of the factored Jacobians fused with the backward's products (``kernels/cell_loop.h``):
-        the states' gradients ``(B, T + 1, d)`` from the new states' direct gradients ``grad_steps``
-        ``(B, T, d)`` (``None``: none but the final state's) and the final state's own ``grad_final``
-        ``(B, d)`` (or ``None``), and the products :meth:`vjp` takes. Both results are this thread's scratch
-        buffers: valid until the next backward of this kernel (copy what must outlive it)."""
+        from the new states' direct gradients ``grad_steps`` ``(B, T, d)`` (``None``: none but the final
+        state's) and the final state's own ``grad_final`` ``(B, d)`` (or ``None``), the initial state's
+        gradient ``(B, d)`` and the products :meth:`vjp` takes (which carry what the VJP needs of the other
+        states' gradients). Both results are this thread's scratch buffers: valid until the next backward
+        of this kernel (copy what must outlive it)."""
         jacobians, structure = factors.jacobians, self.structure
         batch, steps, h = jacobians.batch_size, jacobians.length, structure.width
         d, pieces = jacobians.state_size, len(structure.pieces)
         grad_steps, grad_final = (None if g is None else g.contiguous() for g in (grad_steps, grad_final))
         like = jacobians.scales
         wt = _piece_rows(jacobians.weight, structure).contiguous() if pieces else None
-        out = self._buffer("out", like, (batch, steps + 1, d))
+        out = self._buffer("out", like, (batch, d))
         products = self._buffer("products", like, (batch * steps, (pieces + len(self._inputs)) * h))
         self._library.bppsa_cell_backward(
             batch, steps, _native.threads(batch), _pointer(wt), _pointer(jacobians.scales), jacobians.scales.shape[-1],

@@ -645,14 +645,17 @@ def _scan_grads(
     start = clock()
     # a loss on the last state only needs no affine rows
     only_last = grad_steps is None or steps == 1 or _all_zero(grad_steps[:, :-1])
-    products = None
-    fused = factors is not None and _linear_plan(module.algorithm, factors.jacobians)
-    if fused:  # the sweep with the VJP's products in the same pass (both in the kernel's scratch buffers)
+    products = g = None
+    if factors is not None and _linear_plan(module.algorithm, factors.jacobians):
+        # the sweep with the VJP's products in the same pass; it hands out s_0's gradient alone (both in the
+        # kernel's scratch buffers: the gradient is copied)
         per_step = (None, _final_gradient(grad_steps, grad_final)) if only_last else (grad_steps, grad_final)
-        g, products = traced.kernel.scan(factors, *per_step)
+        s0_grad, products = traced.kernel.scan(factors, *per_step)
+        s0_grad = s0_grad.clone()
     else:
         direct = _final_gradient(grad_steps, grad_final) if only_last else _state_gradients(grad_steps, grad_final, states)
         g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
+        s0_grad = g[:, 0]
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients
     wanted = ([x_flat] if needs[0] else []) + [p for p, need in zip(params, needs[2:], strict=True) if need]
@@ -668,7 +671,6 @@ def _scan_grads(
     found_iter = iter(found)
     x_grad = next(found_iter, None) if needs[0] else None
     param_grads = [next(found_iter, None) if need else None for need in needs[2:]]
-    s0_grad = g[:, 0].clone() if fused else g[:, 0]  # the sweep's g is a scratch buffer: keep a copy
     return [None if x_grad is None else x_grad.view_as(x), s0_grad, *param_grads]
 
 
