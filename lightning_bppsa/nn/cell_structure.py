@@ -215,6 +215,10 @@ class CellStructure:
     def factor_weight(self, frontier: list[Tensor], like: Tensor) -> Tensor:
         """The factored Jacobians' shared weight ``(len(scale_columns) H, d)`` from the input part's values."""
         m, h = self.n_states, self.width
+        if m == 1 and all(len(piece.reads) == 1 for _, piece in self._pieces):  # each piece's block, transposed
+            blocks = [frontier[piece.weight][row : row + h, piece.offset : piece.offset + h].T
+                      for _, piece in self._pieces for _, row in piece.reads]  # fmt: skip
+            return torch.cat(blocks, 0) if blocks else like.new_zeros(0, h)
         eye = torch.eye(h, dtype=like.dtype, device=like.device)
         weights = []
         for _, piece in self._pieces:
