@@ -393,10 +393,12 @@ class Recurrence(nn.Module):
     def _trace_key(self, x: Tensor, spec: _StateSpec) -> tuple:
         """What a traced step depends on: the batch shape, dtypes, device, the modules' modes, the cell's
         tensors and autocast."""
-        modes = tuple(m.training for m in self.cell.modules())
-        tensors = tuple((t.dtype, t.shape) for t in cell_tensors(self.cell))  # a graph takes exactly these
+        modes, tensors = [], []
+        for module in self.cell.modules():  # one walk (asked on every call): modes, and what a graph takes
+            modes.append(module.training)
+            tensors += [(t.dtype, t.shape) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
         autocast = torch.is_autocast_enabled(x.device.type)
-        return (x.shape[0], x.shape[2:], x.dtype, spec, x.device, modes, tensors, autocast)
+        return (x.shape[0], x.shape[2:], x.dtype, spec, x.device, tuple(modes), tuple(tensors), autocast)
 
     def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
         """The cell's traced step for this batch shape (cached), checked on the batch's first steps.
