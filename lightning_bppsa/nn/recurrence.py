@@ -539,7 +539,12 @@ class Recurrence(nn.Module):
                     f"({batch * steps} rows here); got {shape}"
                 )
             outputs = flat.unflatten(0, (batch, steps))
-        return (outputs if self.batch_first else outputs.transpose(0, 1)).contiguous()
+        result = (outputs if self.batch_first else outputs.transpose(0, 1)).contiguous()
+        # a tensor of its own (e.g. at B=1 the states' view is contiguous): the caller may modify the outputs
+        # in place, as torch's RNN allows, and the states are what the scan's backward keeps
+        if result.untyped_storage().data_ptr() == new_states.untyped_storage().data_ptr():
+            result = result.clone()
+        return result
 
     def _fell_back(self, reason: str, sticky: bool) -> None:
         """Remember (``sticky``) and warn once that this module's cell runs through autograd."""

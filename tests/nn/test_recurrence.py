@@ -664,3 +664,21 @@ def test_all_zero_reads_the_whole_tensor_where_its_last_step_is_zero():
     nan = zeros.clone()
     nan[0, 1, 1] = float("nan")
     assert not recurrence._all_zero(nan)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_outputs_modified_in_place_still_backpropagate_like_the_loop(batch):
+    """The outputs are a tensor of their own whatever the batch (at B=1 the states' view is contiguous):
+    modifying them in place, as torch's RNN allows, neither raises nor touches what the backward keeps."""
+    torch.manual_seed(0)
+    cell = CELLS["gated"](3, 5).to(F64)
+    x = torch.randn(batch, 6, 3, dtype=F64)
+    rec = Recurrence(cell, batch_first=True, algorithm="linear")
+    grads = []
+    for run in (lambda: rec(x)[0], lambda: loop(cell, x, _zeros(cell, batch, F64), True)[0]):
+        out = run()
+        out.mul_(2.0)
+        grads.append(torch.autograd.grad((out**2).sum(), list(cell.parameters())))
+    assert rec.last_stats["path"] == "scan"
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
