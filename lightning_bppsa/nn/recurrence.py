@@ -542,9 +542,8 @@ class Recurrence(nn.Module):
         result = (outputs if self.batch_first else outputs.transpose(0, 1)).contiguous()
         # a tensor of its own (e.g. at B=1 the states' view is contiguous): the caller may modify the outputs
         # in place, as torch's RNN allows, and the states are what the scan's backward keeps
-        if result.untyped_storage().data_ptr() == new_states.untyped_storage().data_ptr():
-            result = result.clone()
-        return result
+        states = new_states if new_states._base is None else new_states._base
+        return result.clone() if result is states or result._base is states else result
 
     def _fell_back(self, reason: str, sticky: bool) -> None:
         """Remember (``sticky``) and warn once that this module's cell runs through autograd."""
