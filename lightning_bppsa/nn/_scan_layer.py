@@ -35,6 +35,10 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+#: the tensor types an op implementation may be called on directly (a subclass may handle the op itself)
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _dispatched(tensors) -> bool:
     """Whether an op call must go through torch's dispatcher: something may intercept it (torch.compile or
     jit tracing, a dispatch or function mode, the profiler, a tensor subclass). Otherwise the layer calls the
@@ -49,8 +53,6 @@ def _dispatched(tensors) -> bool:
         or any(type(t) not in _PLAIN for t in tensors if t is not None)
     )
 
-
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _forward_op(cell: str, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list[Tensor]:

@@ -656,8 +656,8 @@ def _scan_grads(
         # the sweep with the VJP's products in the same pass; it hands out s_0's gradient alone (both in the
         # kernel's scratch buffers: the gradient is copied)
         per_step = (None, _final_gradient(grad_steps, grad_final)) if only_last else (grad_steps, grad_final)
-        s0_grad, products = traced.kernel.scan(factors, *per_step)
-        s0_grad = s0_grad.clone()
+        g0, products = traced.kernel.scan(factors, *per_step)
+        s0_grad = g0.clone()
     else:
         direct = _final_gradient(grad_steps, grad_final) if only_last else _state_gradients(grad_steps, grad_final, states)
         g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)

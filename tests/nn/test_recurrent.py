@@ -685,8 +685,8 @@ def test_a_second_backward_with_retain_graph_matches_torch():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
 
 
-class _TracingSubclass(torch.Tensor):
-    """A tensor subclass with its own ``__torch_function__`` (what a dispatcher-level interception sees)."""
+class _TensorSubclass(torch.Tensor):
+    """A tensor subclass: through ``__torch_function__`` / ``__torch_dispatch__`` a subclass may handle the op."""
 
 
 def test_layers_bypass_the_dispatcher_only_when_nothing_intercepts_it():
@@ -702,7 +702,7 @@ def test_layers_bypass_the_dispatcher_only_when_nothing_intercepts_it():
         assert _dispatched(plain)
     with torch.profiler.profile():
         assert _dispatched(plain)
-    assert _dispatched([*plain, torch.randn(2).as_subclass(_TracingSubclass)])
+    assert _dispatched([*plain, torch.randn(2).as_subclass(_TensorSubclass)])
 
 
 def test_the_profiler_and_dispatch_modes_still_see_the_layer_ops():
