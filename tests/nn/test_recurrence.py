@@ -666,6 +666,12 @@ def test_all_zero_reads_the_whole_tensor_where_its_last_step_is_zero():
     assert not recurrence._all_zero(nan)
 
 
+def test_all_zero_reads_no_device_value_off_the_cpu():
+    # on CUDA reading the min-max would synchronize with the device every backward: off the CPU the
+    # general path runs (the meta device has no values to read, so a read raises)
+    assert not recurrence._all_zero(torch.zeros(2, 5, 3, device="meta"))
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_outputs_modified_in_place_still_backpropagate_like_the_loop(batch):
     """The outputs are a tensor of their own whatever the batch (at B=1 the states' view is contiguous):
