@@ -18,7 +18,9 @@ def gradient_difference(loss: Tensor, parameters: Iterable[torch.nn.Parameter]) 
 
     Runs two extra backward passes (``retain_graph=True``): one as configured (BPPSA modules use the
     scan) and one inside :func:`~lightning_bppsa.nn.reference_backward` (every module uses autograd).
-    ``.grad`` is left untouched. Returns ``0.0`` when no parameter needs a gradient.
+    ``.grad`` is left untouched. Returns ``0.0`` when no parameter needs a gradient. The reference switch is
+    process-wide while the second pass runs (autograd's device threads must see it): backward passes other
+    threads run meanwhile take the reference path too.
 
     Example:
         >>> rnn = torch.nn.RNN(1, 4)
