@@ -8,7 +8,9 @@ and, for cells with a cell state, ``c_n``:
 - forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass,
   :mod:`lightning_bppsa.cells`); under autocast it computes in the autocast dtype, as torch's layers do;
 - backward: ``bppsa::recurrent_backward`` (scan, gate gradients and the GEMMs of Eq. 2, in the
-  parameters' dtype; its plan is decided inside the op, at run time);
+  parameters' dtype; its plan is decided inside the op, at run time), with autocast off whatever autocast
+  state ``backward()`` is called under; a recomputed forward runs under the forward's
+  (:mod:`~lightning_bppsa.nn._autocast`);
 - inside :func:`~lightning_bppsa.nn.reference_backward`, and under ``create_graph=True`` (double
   backward): plain autograd through the cell's torch forward, recomputed.
 
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_bppsa.cells import CELLS, recurrent_backward, recurrent_forward
+from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 
@@ -93,6 +96,7 @@ class LayerFunction(torch.autograd.Function):
         results = _timed_forward(cell, stats, low, x, h0, c0, weights)
         outputs = 2 if CELLS[cell].has_cell_state else 1
         ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, low
+        ctx.autocast = autocast_state(x.device.type)
         out = results[0]
         # The backward needs the states as the forward left them; torch's RNN / GRU let the caller modify
         # their output in place. Eagerly the caller gets out itself and the backward recomputes the states
@@ -109,6 +113,11 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None = None):
+        with replay_autocast(ctx.autocast):  # not the caller's: manual_backward runs inside autocast
+            return LayerFunction._backward(ctx, grad_out, grad_hn, grad_cn)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None):
         x, h0, c0, out, *rest = ctx.saved_tensors
         if out is None:  # eager: out itself, unless modified in place since the forward (then recomputed)
             kept, ctx.out = ctx.out, None  # released here: a second backward (retain_graph) recomputes
@@ -129,8 +138,9 @@ class LayerFunction(torch.autograd.Function):
             start = clock()
             tensors = (x, h0, c0, *weights, out, *factors, grad_out, grad_hn, grad_cn)
             op = torch.ops.bppsa.recurrent_backward if _dispatched(tensors) else recurrent_backward
-            grads = op(ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out, grad_hn,
-                       grad_cn, needs[0])  # fmt: skip
+            with without_autocast(x.device.type):  # it computes in the dtypes it chose, not autocast's
+                grads = op(ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out,
+                           grad_hn, grad_cn, needs[0])  # fmt: skip
             if c0 is None:
                 grads = [*grads[:2], None, *grads[2:]]
             record(ctx.stats, "scan_seconds", clock() - start, add=True)

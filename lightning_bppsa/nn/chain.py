@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, linearize, output_dims, refusal
+from lightning_bppsa.nn._autocast import AutocastState, autocast_state, replay_autocast
 from lightning_bppsa.nn._clock import clock
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
@@ -191,16 +192,6 @@ def _replay(layer: nn.Module, x: Tensor, jac: BatchedCSR) -> Tensor:
     return layer(x)
 
 
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    """The autocast state of the forward, to replay layers under it in the backward (as ``custom_bwd``)."""
-    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-
-
-def _autocast(state: tuple[str, bool, torch.dtype]) -> torch.autocast:
-    device_type, enabled, dtype = state
-    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-
-
 class _ChainFunction(torch.autograd.Function):
     """``y = chain(x)``; backward: the sparse scan for every state, then per-layer parameter gradients."""
 
@@ -216,7 +207,7 @@ class _ChainFunction(torch.autograd.Function):
         ctx.stats["linearize_seconds"] = clock() - start
         ctx.stats["scan_dtype"] = str(scan_dtype([h.dtype, *(j.values.dtype for j in jacs)]))
         ctx.chain, ctx.inputs, ctx.jacs, ctx.params = chain, inputs, jacs, params
-        ctx.autocast = _autocast_state(x.device.type)
+        ctx.autocast = autocast_state(x.device.type)
         chain._last_patterns = [j.pattern for j in jacs]
         return h.clone() if h is x or h._base is x else h  # an autograd.Function must not return a view of x
 
@@ -248,7 +239,7 @@ def _scan_backward(
     grad_out: Tensor,
     needs_x: bool,
     stats: dict[str, Any],
-    autocast: tuple[str, bool, torch.dtype],
+    autocast: AutocastState | None,
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     first = 0 if needs_x else 1  # without x's gradient the scan starts at x_1
     start = clock()
@@ -264,7 +255,7 @@ def _scan_backward(
         own = [p for p in layer.parameters() if id(p) in wanted]
         if not own:
             continue
-        with torch.enable_grad(), _autocast(autocast):
+        with torch.enable_grad(), replay_autocast(autocast):
             y = _replay(layer, inputs[i].detach(), jacs[i])
         g = states[i + 1 - first].reshape(y.shape).to(y.dtype)
         for p, grad in zip(own, torch.autograd.grad(y, own, g, allow_unused=True), strict=True):
@@ -282,13 +273,13 @@ def _autograd_backward(
     grad_out: Tensor,
     needs_x: bool,
     create_graph: bool,
-    autocast: tuple[str, bool, torch.dtype],
+    autocast: AutocastState | None,
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     """The reference: plain autograd through the recorded forward. With ``create_graph`` the replay starts
     from the chain's own input, so the gradients are functions of it that autograd can differentiate again."""
     with torch.enable_grad():
         h = x0 = x if create_graph else x.detach().requires_grad_(needs_x)
-        with _autocast(autocast):
+        with replay_autocast(autocast):
             for layer, jac in zip(chain, jacs, strict=True):
                 h = _replay(layer, h, jac)
         wrt = ([x0] if needs_x else []) + list(params)

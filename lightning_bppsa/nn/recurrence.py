@@ -50,7 +50,8 @@ to ``input``, ``state0`` and the cell's own parameters; tensors the cell capture
 The dense backward (and ``"auto"``'s probe, and the trace's checks) calls the cell again on batched rows:
 side effects of a call (forward hooks, counters, running statistics) happen again there; the traced
 forward and the factored backward run the traced graph and do not call the cell at all. The cell must return its state in the
-state's dtype, also under autocast (cast it, e.g. ``h_new.to(h.dtype)``).
+state's dtype, also under autocast (cast it, e.g. ``h_new.to(h.dtype)``). The backward calls the cell under
+the forward's autocast state, whatever state ``backward()`` is called under, and scans with autocast off.
 
 **Falling back.** A cell the batched calls cannot handle never crashes training: the backward then
 replays the loop with autograd (exact), ``last_stats["reason"]`` says why, one warning per module says
@@ -90,6 +91,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn.cell_kernel import CellFactors, CellKernel, Unsupported
@@ -579,6 +581,7 @@ class _ScanFunction(torch.autograd.Function):
         else:
             states, ctx.factors = module._loop(x, s0, spec, rng=_rng_state(x.device), traced=traced), None
         ctx.module, ctx.spec, ctx.traced = module, spec, traced
+        ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x, s0, states, *params)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros (B, T, d)
         # the new states as a view (the caller's outputs copy or slice them), the final state a copy of its own
@@ -586,6 +589,11 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_steps: Tensor | None, grad_final: Tensor | None):
+        with replay_autocast(ctx.autocast):  # not the caller's: manual_backward runs inside autocast
+            return _ScanFunction._backward(ctx, grad_steps, grad_final)
+
+    @staticmethod
+    def _backward(ctx, grad_steps: Tensor | None, grad_final: Tensor | None):
         x, s0, states, *params = ctx.saved_tensors
         module, spec = ctx.module, ctx.spec
         needs = ctx.needs_input_grad[3:]
@@ -660,7 +668,8 @@ def _scan_grads(
         s0_grad = g0.clone()
     else:
         direct = _final_gradient(grad_steps, grad_final) if only_last else _state_gradients(grad_steps, grad_final, states)
-        g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
+        with without_autocast(x.device.type):  # in the Jacobians' dtype, not autocast's
+            g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
         s0_grad = g[:, 0]
     record(module.last_stats, "scan_seconds", clock() - start, add=True)
     # Eq. 2: parameter and input gradients of all steps in one VJP with the scan's state gradients

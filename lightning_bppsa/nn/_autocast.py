@@ -1,0 +1,46 @@
+"""The autocast state a BPPSA backward runs under: the forward's, never the caller's of ``backward()``.
+
+Lightning's ``bf16-mixed`` / ``16-mixed`` with manual optimization calls ``manual_backward`` inside the
+autocast region, a plain loop may call ``loss.backward()`` outside it: the gradients must not depend on
+which. So a BPPSA backward records the autocast state at forward time, replays it where it recomputes the
+forward (as ``torch.amp.custom_bwd`` does), and runs its scan with autocast off, in the dtypes the forward
+chose (autocast would otherwise recast the scan's products, or fail on its mixed-dtype operands).
+Keyed on the tensors' device type, so CPU and CUDA (and any device with autocast) take the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["AutocastState", "autocast_state", "replay_autocast", "without_autocast"]
+
+
+class AutocastState(NamedTuple):
+    """Autocast on one device type: whether it is on, and its dtype."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+
+def autocast_state(device_type: str) -> AutocastState | None:
+    """The autocast state now on ``device_type``, or ``None`` for a device type without autocast (meta)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return AutocastState(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+def replay_autocast(state: AutocastState | None) -> contextlib.AbstractContextManager:
+    """A context with autocast as in ``state`` (on or off); a no-op for ``None``."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(state.device_type, dtype=state.dtype, enabled=state.enabled)
+
+
+def without_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast off on ``device_type`` (a no-op where the device type has none)."""
+    state = autocast_state(device_type)
+    return replay_autocast(None if state is None else state._replace(enabled=False))
