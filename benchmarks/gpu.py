@@ -1,11 +1,33 @@
-"""The CUDA scan kernels on a GPU: BPPSA (lightning_bppsa.nn) vs cuDNN autograd, the paper's grids.
+"""The CUDA scan kernels on a GPU: BPPSA (lightning_bppsa.nn) vs cuDNN, in one command.
 
-Ready for a GPU machine; nothing here was run on one (no GPU was lent to this project's sessions).
+First run on an H100 on 2026-11-26 (``results/cuda-gpu-h100-2026-11-26.md``, ``results/calib-h100-2026-11-26.csv``).
 
-    python benchmarks/gpu.py --first-contact  # GPU: sanitizers, look-back stress, then every grid (< 10 min)
-    python benchmarks/gpu.py            # GPU: every grid, CUDA events, writes benchmarks/results/cuda-gpu.md
-    python benchmarks/gpu.py --quick    # GPU: the headline rows only
+    python benchmarks/gpu.py --all --within 480  # GPU: every stage below in < 8 minutes
+    python benchmarks/gpu.py --device cpu --tiny --all --within 120  # CPU smoke mode of the same command
+    python benchmarks/gpu.py --first-contact  # GPU: sanitizers, look-back stress, then the paper's grids (< 10 min)
+    python benchmarks/gpu.py            # GPU: the paper's grids, writes benchmarks/results/cuda-gpu.md
+    python benchmarks/gpu.py --quick    # GPU: the paper's headline rows only
     python benchmarks/gpu.py --plan     # no GPU needed: the model's predictions -> benchmarks/results/cuda-plan-gpu.md
+
+``--all`` runs four stages, each writing its files under ``benchmarks/results/`` as it goes (a killed run
+leaves what was finished), each headed by the device, torch, cuDNN, CuPy, the commit (``$BPPSA_COMMIT`` or
+``git rev-parse``) and the time (UTC). Every stage checks the time left before each measurement and writes
+"skipped: out of time" for what does not fit; timed functions run interleaved (A x N, B x N, ... over 3
+rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waited for (host time included).
+
+1. ``cuda-tests.md``: ``pytest tests/gpu -q`` in a subprocess (at most 90 s): its summary line and failures.
+2. ``cuda-step.md``: the whole training step (zero grads, forward, loss = sum of the last output step,
+   backward) of torch.nn.RNN/GRU/LSTM (cuDNN) against lightning_bppsa.nn's with ``algorithm="auto"`` and
+   the same weights, ten workloads incl. H = 128 / 256; the no-grad forward of both; each one's gradient
+   error against torch's module in float64; what "auto" chose (``last_stats["plan"]``).
+3. ``cuda-calib.csv`` / ``cuda-calib.md``: the calibration grid, RNN tanh input 1, d {8 .. 256} x B {1 .. 256}
+   x T {100, 1000, 10000}, in the committed CSV's columns plus ``plan`` and ``note``: step and forward of
+   both, the step with the scan forced linear / chunked, the scan kernel alone; the cheapest shapes first,
+   forced scans and kernels that took > 50 ms per call in the committed data skipped.
+4. ``cuda-gpu.md``: the paper's grids (below), with the time left.
+
+With ``--device cpu --tiny`` every stage runs on tiny shapes on the CPU, timed by the CPU clock (the
+kernel-alone rows say "n/a: no CUDA"): a smoke test of the command, tested in tests/bench/test_gpu_command.py.
 
 Grids (hidden 20, loss on the last step, as in the paper): RNN T sweep {10 .. 30000} at B = 16 and
 1/B sweep B {2 .. 256} at T = 1000 (bitstream input, 1 feature); GRU S / M / L = (T, input) (259, 38),
@@ -39,14 +61,26 @@ exceed for each target to fail. What the plan predicts is written to
 from __future__ import annotations
 
 import argparse
+import copy
+import csv
+import dataclasses
 import datetime
+import functools
 import importlib.util
+import io
+import itertools
 import math
 import os
+import platform
+import re
+import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,7 +99,7 @@ TARGETS = {"RNN T=1000": 100.0, "RNN T=30000": 300.0, "GRU L": 30.0}
 
 
 def rows(quick: bool) -> list[tuple[str, int, int, int]]:
-    """(cell, B, T, input) of every benchmark row."""
+    """(cell, B, T, input) of every row of the paper's grids."""
     if quick:
         return [("RNN", 16, 1000, 1), ("RNN", 16, 30000, 1), ("GRU", 64, 1034, 12)]
     grid = [("RNN", 16, t, 1) for t in RNN_LENGTHS]
@@ -75,31 +109,597 @@ def rows(quick: bool) -> list[tuple[str, int, int, int]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Measurement (GPU only)
+# Where, on what and until when the stages measure
+# --------------------------------------------------------------------------------------------------
+
+SKIPPED = "skipped: out of time"
+NO_CUDA = "n/a: no CUDA"
+WARMUP = 3  # calls of each function before timing: BPPSA's first call per shape compiles / measures once
+#: a forced-scan or kernel-alone measurement whose one call took longer than this on the H100 is skipped
+SLOW_MS = 50.0
+COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
+#: the committed calibration CSV's columns, then what this command adds: what "auto" chose, why a row has no ms
+CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "plan", "note")
+#: the share of the time left at the start that each stage of ``--all`` may use at most; the paper's
+#: grids, last, get what the others leave
+STAGE_SHARES = {"tests": 0.2, "step": 0.2, "calib": 0.45}
+#: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
+MARGIN = 0.05
+TESTS_SECONDS = 90.0
+TESTS_COMMAND = (sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider")
+
+Workload = tuple[str, int, int, int, int]  # (cell, B, T, input, H)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The workloads of every stage of ``--all``."""
+
+    step: tuple[Workload, ...]
+    calib_d: tuple[int, ...]
+    calib_batch: tuple[int, ...]
+    calib_length: tuple[int, ...]
+    kernel_chunks: tuple[int, ...]  # the chunked kernel-alone rows: those chunk sizes below T
+    paper: tuple[tuple[str, int, int, int], ...]  # (cell, B, T, input)
+    paper_hidden: int
+    max_steps: int  # timed calls of each function per round, at most
+    rounds: int = 3
+
+
+GPU_SHAPES = Shapes(
+    step=(
+        ("RNN", 16, 1000, 1, 20), ("RNN", 1, 1000, 1, 20), ("RNN", 16, 10000, 1, 20), ("RNN", 256, 1000, 1, 20),
+        ("GRU", 16, 1034, 12, 20), ("GRU", 64, 1034, 12, 20), ("LSTM", 16, 1034, 12, 20),
+        ("RNN", 16, 1000, 32, 128), ("GRU", 16, 1000, 32, 256), ("LSTM", 32, 1000, 64, 256),
+    ),
+    calib_d=(8, 20, 32, 64, 128, 256),
+    calib_batch=(1, 16, 64, 256),
+    calib_length=(100, 1000, 10000),
+    kernel_chunks=(16, 64, 256),
+    paper=tuple(rows(quick=False)),
+    paper_hidden=HIDDEN,
+    max_steps=20,
+)  # fmt: skip
+#: the smoke mode (``--device cpu --tiny``): every stage, on shapes a CPU runs in seconds
+TINY_SHAPES = Shapes(
+    step=(("RNN", 2, 6, 1, 3), ("GRU", 2, 5, 2, 3), ("LSTM", 2, 5, 2, 3)),
+    calib_d=(2, 3),
+    calib_batch=(1, 2),
+    calib_length=(4, 9),
+    kernel_chunks=(2, 4),
+    paper=(("RNN", 2, 6, 1), ("GRU", 2, 5, 3)),
+    paper_hidden=4,
+    max_steps=2,
+)
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Where the stages measure, on what, until when, with what clock, and where they write.
+
+    ``clock`` gives seconds (``time.monotonic`` unless a test injects another): it bounds every stage by
+    ``deadline`` and, on the CPU, times the calls; on CUDA the calls are timed by CUDA events.
+    """
+
+    device: str
+    shapes: Shapes
+    deadline: float
+    clock: Callable[[], float] = time.monotonic
+    results: Path = RESULTS
+    command: str = "python benchmarks/gpu.py"
+
+    def left(self) -> float:
+        """Seconds left before the deadline (negative once past it)."""
+        return self.deadline - self.clock()
+
+    def until(self, seconds: float) -> Runner:
+        """This runner with the deadline brought forward to ``seconds`` from now (never later than it was)."""
+        return dataclasses.replace(self, deadline=min(self.deadline, self.clock() + seconds))
+
+    @property
+    def timer(self) -> str:
+        """What times the calls, in words."""
+        return "CUDA events" if self.device == "cuda" else "the CPU clock"
+
+    def call_seconds(self, fn: Callable[[], object], calls: int) -> list[float]:
+        """Seconds of each of ``calls`` calls of ``fn``, each waited for (host time included)."""
+        times = []
+        for _ in range(calls):
+            if self.device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                start_seconds = self.clock()
+                fn()
+                times.append(self.clock() - start_seconds)
+        return times
+
+
+def interleaved(
+    runner: Runner, fns: dict[str, Callable[[], object]], budget: float, estimate: float | None = None
+) -> dict[str, float | str]:
+    """Median seconds per call of each of ``fns``, or :data:`SKIPPED` for all where they do not fit in time.
+
+    After :data:`WARMUP` calls of each (the first call per shape may compile or measure), ``rounds`` rounds
+    of N calls of each in turn (A x N, B x N, A x N, ...), so that a drift of the machine hits all alike; N is
+    what fits ``budget`` seconds, 1 to ``max_steps``. ``estimate`` (seconds of one call of them all, e.g.
+    from committed data) is checked against the deadline before the warm-up, the warm-up's last calls before
+    the rounds.
+    """
+    rounds = runner.shapes.rounds
+    if runner.left() <= 0 or (estimate is not None and runner.left() < estimate * (WARMUP + rounds)):
+        return dict.fromkeys(fns, SKIPPED)
+    per_round = rounds * sum(runner.call_seconds(fn, WARMUP)[-1] for fn in fns.values())
+    steps = max(
+        1, min(runner.shapes.max_steps, int(budget / per_round) if per_round > 0 else runner.shapes.max_steps)
+    )
+    if runner.left() < steps * per_round:
+        return dict.fromkeys(fns, SKIPPED)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name] += runner.call_seconds(fn, steps)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def _ms(value: float | str, digits: int = 3) -> str:
+    """Seconds as milliseconds, or the reason there is no figure."""
+    return value if isinstance(value, str) else f"{value * 1e3:.{digits}f}"
+
+
+def _ratio(baseline: float | str, ours: float | str) -> str:
+    """``baseline / ours`` as a speedup, "-" where either is missing."""
+    return f"{baseline / ours:.2f}x" if isinstance(baseline, float) and isinstance(ours, float) else "-"
+
+
+@functools.cache
+def _commit() -> str:
+    """``$BPPSA_COMMIT``, else ``git rev-parse --short HEAD`` of this checkout, else "unknown"."""
+    if os.environ.get("BPPSA_COMMIT"):
+        return os.environ["BPPSA_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+@functools.cache
+def _cupy_version() -> str:
+    try:
+        import cupy
+    except ImportError:
+        return "not installed"
+    return cupy.__version__
+
+
+def header(runner: Runner, title: str) -> str:
+    """A results file's title, then one line: device, torch, cuDNN, CuPy, commit, date and time (UTC), command."""
+    device = torch.cuda.get_device_name() if runner.device == "cuda" else f"CPU ({platform.machine()})"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        f"# {title}\n\nDevice {device}; torch {torch.__version__}; cuDNN {torch.backends.cudnn.version() or 'none'}; "
+        f"CuPy {_cupy_version()}; commit {_commit()}; {now:%Y-%m-%d %H:%M} UTC; `{runner.command}`.\n\n"
+    )
+
+
+def _write(runner: Runner, name: str, text: str) -> None:
+    runner.results.mkdir(parents=True, exist_ok=True)
+    (runner.results / name).write_text(text)
+
+
+# --------------------------------------------------------------------------------------------------
+# What is measured: modules, steps, kernels
 # --------------------------------------------------------------------------------------------------
 
 
-def event_seconds(fn, repeats: int) -> float:
-    """Median of ``repeats`` runs of ``fn`` between CUDA events, after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+def _bppsa(ref: nn.RNNBase, algorithm: str) -> nn.Module:
+    """lightning_bppsa.nn's module of ``ref``'s class and sizes (batch first), with ``ref``'s weights."""
+    from lightning_bppsa import nn as bnn
+
+    module = getattr(bnn, type(ref).__name__)(
+        ref.input_size, ref.hidden_size, batch_first=True, algorithm=algorithm
+    )
+    module.load_state_dict(ref.state_dict())
+    return module.to(ref.weight_hh_l0.device)
 
 
-def _backward_of(module: nn.Module, x: torch.Tensor):
+def _pair(cell: str, inputs: int, hidden: int, batch: int, length: int, device: str):
+    """(torch's module, lightning_bppsa's with ``algorithm="auto"`` and the same weights, a batch-first input);
+    with one input feature the input is the bitstream task of Sec. 4.1."""
+    torch.manual_seed(0)
+    ref = getattr(nn, cell)(inputs, hidden, batch_first=True).to(device)
+    x = torch.randn(batch, length, inputs, device=device)
+    return ref, _bppsa(ref, "auto"), (x > 0.5).float() if inputs == 1 else x
+
+
+def train_step(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """One whole training step: zero the gradients, forward, loss = sum of the last output step, backward."""
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        output, _ = module(x)
+        output[:, -1].sum().backward()
+
+    return step
+
+
+def no_grad_forward(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """The module's forward without gradients (inference)."""
+
+    def forward() -> None:
+        with torch.no_grad():
+            module(x)
+
+    return forward
+
+
+def _grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The parameters' gradients (float64) after one training step."""
+    train_step(module, x)()
+    return {name: p.grad.detach().double() for name, p in module.named_parameters()}
+
+
+def grad_relerr(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest ``|g - g64| / |g64|`` (norms) over the parameters."""
+    errors = []
+    for name, exact in reference.items():
+        diff, size = (
+            torch.linalg.vector_norm(grads[name] - exact).item(),
+            torch.linalg.vector_norm(exact).item(),
+        )
+        errors.append(diff / size if size > 0 else (0.0 if diff == 0 else math.inf))
+    return max(errors)
+
+
+def plan_columns(plan: str, length: int) -> tuple[str, str]:
+    """(algorithm, chunk) of a ``last_stats["plan"]``: ``"scan chunked(c=64) [cuda]"`` -> ("chunked", "64"),
+    ``"scan linear [cuda]"`` -> ("linear", T) as the committed CSV writes it; ("", "") for any other path."""
+    if not plan.startswith("scan "):
+        return "", ""
+    chunked = re.search(r"\bchunked\(c=(\d+)\)", plan)
+    if chunked:
+        return "chunked", chunked.group(1)
+    found = re.search(r"\b(linear|blelloch)\b", plan)
+    return (found.group(1), str(length) if found.group(1) == "linear" else "") if found else ("", "")
+
+
+def _factors(cell: str, hidden: int, batch: int, length: int, device: str):
+    """Factored Jacobians of one layer's shape, contracting like a trained RNN's: (weight, scales, diagonal, grad)."""
+    tiles = 3 if cell == "GRU" else 1
+    weight = torch.randn(tiles * hidden, hidden, device=device) / hidden**0.5
+    scales = torch.rand(batch, length, tiles * hidden, device=device)
+    diagonal = torch.rand(batch, length, hidden, device=device) if cell == "GRU" else None
+    return weight, scales, diagonal, torch.randn(batch, hidden, device=device)
+
+
+def _kernel_call(factors: tuple, algorithm: str, chunk: int) -> Callable[[], object]:
+    """One launch of the scan kernel alone (``kernels.cuda.scan_factored``) on ``factors``."""
+    from lightning_bppsa.kernels import cuda as kernels
+
+    return lambda: kernels.scan_factored(*factors, algorithm, chunk)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 1: tests/gpu
+# --------------------------------------------------------------------------------------------------
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: float = TESTS_SECONDS) -> str:
+    """``pytest tests/gpu -q`` in a subprocess, stopped after ``limit`` seconds or at the deadline; writes
+    ``cuda-tests.md`` (summary line, failures, the output's tail) and returns the summary line."""
+    timeout, output = min(limit, runner.left()), ""
+    if timeout <= 0:
+        summary = SKIPPED
+    else:
+        try:
+            wide = {**os.environ, "COLUMNS": "240"}  # pytest cuts its FAILED lines at the terminal's width
+            done = subprocess.run(
+                list(command), capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=wide
+            )
+        except subprocess.TimeoutExpired as stopped:
+            output = _text(stopped.stdout) + _text(stopped.stderr)
+            summary = f"stopped: did not finish in {timeout:.1f} s"
+        else:
+            output = done.stdout + done.stderr
+            last = next((line for line in reversed(done.stdout.splitlines()) if line.strip()), "no output")
+            summary = f"exit {done.returncode}: {last.strip(' =')}"
+    failures = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    text = header(runner, "tests/gpu") + f"`{shlex.join(command)}`\n\n**{summary}**\n"
+    if failures:
+        text += "\n## Failures\n\n" + "\n".join(f"- `{line}`" for line in failures) + "\n"
+    if output and not summary.startswith("exit 0"):
+        text += "\n## Output (last 3000 characters)\n\n```\n" + output[-3000:] + "\n```\n"
+    _write(runner, "cuda-tests.md", text)
+    print(f"tests/gpu: {summary}", flush=True)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 2: the whole-step table
+# --------------------------------------------------------------------------------------------------
+
+STEP_COLUMNS = (
+    "cell", "B", "T", "in", "H", "cuDNN step ms", "BPPSA step ms", "step speedup", "cuDNN fwd ms", "BPPSA fwd ms",
+    "cuDNN grad relerr", "BPPSA grad relerr", "BPPSA plan",
+)  # fmt: skip
+
+
+def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
+    """One row of the whole-step table (cells in :data:`STEP_COLUMNS` order), measured within ``budget`` seconds."""
+    cell, batch, length, inputs, hidden = workload
+    ref, ours, x = _pair(cell, inputs, hidden, batch, length, runner.device)
+    step = interleaved(runner, {"cudnn": train_step(ref, x), "bppsa": train_step(ours, x)}, 0.7 * budget)
+    if isinstance(step["bppsa"], str):
+        return [*map(str, workload), *[step["bppsa"]] * (len(STEP_COLUMNS) - len(workload))]
+    plan = ours.last_stats.get("plan", "")
+    forward = interleaved(
+        runner, {"cudnn": no_grad_forward(ref, x), "bppsa": no_grad_forward(ours, x)}, 0.2 * budget
+    )
+    if runner.left() > 0:
+        reference = _grads(copy.deepcopy(ref).double(), x.double())  # float64 cuDNN (float64 torch on a CPU)
+        errors = [f"{grad_relerr(_grads(module, x), reference):.1e}" for module in (ref, ours)]
+    else:
+        errors = [SKIPPED] * 2
+    return [
+        *map(str, workload), _ms(step["cudnn"]), _ms(step["bppsa"]), _ratio(step["cudnn"], step["bppsa"]),
+        _ms(forward["cudnn"]), _ms(forward["bppsa"]), *errors, plan,
+    ]  # fmt: skip
+
+
+def step_stage(runner: Runner) -> list[list[str]]:
+    """The whole-step table: every workload of ``shapes.step``, the file ``cuda-step.md`` rewritten after each row."""
+    workloads = runner.shapes.step
+    done: list[list[str]] = []
+    for index, workload in enumerate(workloads):
+        done.append(step_row(runner, workload, max(runner.left(), 0) / (len(workloads) - index)))
+        print("step " + " | ".join(done[-1]), flush=True)
+        _write(runner, "cuda-step.md", _step_table(runner, done, len(workloads)))
+    if not workloads:
+        _write(runner, "cuda-step.md", _step_table(runner, done, 0))
+    return done
+
+
+def _step_table(runner: Runner, done: list[list[str]], total: int) -> str:
+    rounds, steps = runner.shapes.rounds, runner.shapes.max_steps
+    return header(runner, 'Whole training step: torch (cuDNN) vs lightning_bppsa (algorithm="auto")') + (
+        "torch.nn.RNN/GRU/LSTM vs lightning_bppsa.nn.RNN/GRU/LSTM (\"auto\"), same weights (load_state_dict), float32. "
+        "Step = zero the gradients, forward, loss = sum of the last output step, backward. "
+        f"Median of {rounds} interleaved rounds of up to {steps} steps each after {WARMUP} warm-up steps, {runner.timer}; "
+        "fwd = no-grad forward. Grad relerr = max over parameters of |g - g64| / |g64| against torch's module "
+        "in float64 (cuDNN on a GPU). BPPSA plan = `last_stats[\"plan\"]` after a step; speedup = cuDNN / BPPSA.\n\n"
+        f"Rows done: {len(done)} of {total} (a skipped row says why).\n\n"
+        "| " + " | ".join(STEP_COLUMNS) + " |\n|" + " --- |" * len(STEP_COLUMNS) + "\n"
+        + "".join("| " + " | ".join(row) + " |\n" for row in done)
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 3: the calibration grid
+# --------------------------------------------------------------------------------------------------
+
+
+class CommittedTimes:
+    """Milliseconds of one call of each measurement of a committed calibration CSV (the H100's)."""
+
+    def __init__(self, rows: Iterable[dict[str, str]]):
+        self._ms: dict[tuple, float] = {}
+        for row in rows:
+            if row["ms"]:
+                key = self._key(row["what"], int(row["d"]), int(row["B"]), row["algorithm"], row["chunk"])
+                self._ms[key + (int(row["T"]),)] = float(row["ms"])
+
+    @classmethod
+    def load(cls, path: Path) -> CommittedTimes:
+        """The rows of ``path`` (columns ``what,cell,d,B,T,algorithm,chunk,ms``)."""
+        if not path.is_file():
+            raise FileNotFoundError(f"the committed calibration data is missing: {path}")
+        with path.open(newline="") as f:
+            return cls(csv.DictReader(f))
+
+    @staticmethod
+    def _key(what: str, d: int, batch: int, algorithm: str, chunk: str | int) -> tuple:
+        return what, d, batch, algorithm, "" if algorithm == "linear" else str(chunk)  # linear's chunk is T
+
+    def ms(
+        self, what: str, d: int, batch: int, length: int, algorithm: str = "", chunk: str | int = ""
+    ) -> float | None:
+        """The committed time, or the one at the longest shorter T scaled by length (every path is linear in
+        T at these sizes); ``None`` where neither was measured."""
+        key = self._key(what, d, batch, algorithm, chunk)
+        shorter = [t for (*k, t) in self._ms if tuple(k) == key and t <= length]
+        return self._ms[key + (max(shorter),)] * length / max(shorter) if shorter else None
+
+    def total(self, whats: Iterable[str], d: int, batch: int, length: int) -> float | None:
+        """The sum of several measurements' committed times (ms), ``None`` if one is missing."""
+        times = [self.ms(what, d, batch, length) for what in whats]
+        return None if None in times else sum(times)
+
+
+def _slow(ms: float, what: str = "one call") -> str:
+    """Why a measurement is skipped: the committed H100 data (scaled by T where that T is missing)."""
+    return f"skipped: {what} took ~{ms:.0f} ms on the H100 (committed data; over {SLOW_MS:.0f} ms)"
+
+
+def calib_shape(
+    runner: Runner, committed: CommittedTimes, d: int, batch: int, length: int, budget: float
+) -> list[dict[str, str]]:
+    """Every calibration row of one RNN shape (tanh, input 1) in :data:`CALIB_COLUMNS`, within ``budget`` seconds:
+    whole step and no-grad forward of cuDNN and of BPPSA "auto", the whole step with the scan forced linear
+    and chunked (the chunk the plan chose), and the scan kernel alone (linear, chunked c in ``kernel_chunks``)."""
+    out: list[dict[str, str]] = []
+
+    def add(
+        what: str,
+        value: float | str,
+        algorithm: str = "",
+        chunk: str | int = "",
+        plan: str = "",
+        note: str = "",
+    ) -> None:
+        ms = "" if isinstance(value, str) else f"{value * 1e3:.4f}"
+        note = value if isinstance(value, str) else note
+        values = (what, "RNN", str(d), str(batch), str(length), algorithm, str(chunk), ms, plan, note)
+        out.append(dict(zip(CALIB_COLUMNS, values, strict=True)))
+
+    def estimate(*whats: str) -> float | None:
+        ms = committed.total(whats, d, batch, length)
+        return None if ms is None else ms / 1e3
+
+    share = budget / 6
+    ref, ours, x = _pair("RNN", 1, d, batch, length, runner.device)
+    step = interleaved(runner, {"cudnn": train_step(ref, x), "bppsa": train_step(ours, x)}, share,
+                       estimate("step_cudnn", "step_bppsa"))  # fmt: skip
+    add("step_cudnn", step["cudnn"])
+    add(
+        "step_bppsa",
+        step["bppsa"],
+        plan="" if isinstance(step["bppsa"], str) else ours.last_stats.get("plan", ""),
+    )
+    forward = interleaved(runner, {"cudnn": no_grad_forward(ref, x), "bppsa": no_grad_forward(ours, x)}, share,
+                          estimate("fwd_cudnn", "fwd_bppsa"))  # fmt: skip
+    add("fwd_cudnn", forward["cudnn"])
+    add("fwd_bppsa", forward["bppsa"])
+    chunks = [c for c in runner.shapes.kernel_chunks if c < length]
+    for algorithm in ("linear", "chunked"):
+        # its scan is at least the kernel alone: the committed kernel time (the fastest chunk) bounds it below
+        kernel_ms = [
+            committed.ms("kernel", d, batch, length, algorithm, c)
+            for c in ([length] if algorithm == "linear" else chunks)
+        ]
+        known = [ms for ms in kernel_ms if ms is not None]
+        if known and min(known) > SLOW_MS:
+            add("step_scan", _slow(min(known), "its kernel alone"), algorithm)
+            continue
+        module = _bppsa(ref, algorithm)
+        seconds = interleaved(
+            runner, {"scan": train_step(module, x)}, share, min(known) / 1e3 if known else None
+        )["scan"]
+        plan = "" if isinstance(seconds, str) else module.last_stats.get("plan", "")
+        ran, chunk = plan_columns(plan, length)
+        asked = f'asked algorithm="{algorithm}"' if plan and ran != algorithm else ""
+        add("step_scan", seconds, ran or algorithm, chunk, plan, asked)
+    factors = None
+    launches = [("linear", length)] + [("chunked", c) for c in chunks]
+    for algorithm, chunk in launches:
+        ms = committed.ms("kernel", d, batch, length, algorithm, chunk)
+        if runner.device != "cuda":
+            add("kernel", NO_CUDA, algorithm, chunk)
+        elif ms is not None and ms > SLOW_MS:
+            add("kernel", _slow(ms), algorithm, chunk)
+        elif runner.left() <= 0:
+            add("kernel", SKIPPED, algorithm, chunk)
+        else:
+            if factors is None:  # allocated only where a kernel runs (the largest shapes' are GiBs)
+                factors = _factors("RNN", d, batch, length, runner.device)
+            call = {"kernel": _kernel_call(factors, algorithm, chunk)}
+            seconds = interleaved(runner, call, share / len(launches), None if ms is None else ms / 1e3)
+            add("kernel", seconds["kernel"], algorithm, chunk)
+    return out
+
+
+def calib_stage(runner: Runner, committed: CommittedTimes) -> list[dict[str, str]]:
+    """The calibration grid, cheapest shapes first (by their committed times); ``cuda-calib.csv`` and
+    ``cuda-calib.md`` rewritten after each shape."""
+    s = runner.shapes
+    shapes = sorted(
+        itertools.product(s.calib_d, s.calib_batch, s.calib_length),
+        key=lambda shape: (
+            committed.total(("step_cudnn", "step_bppsa"), *shape) or math.inf,
+            math.prod(shape),
+        ),
+    )
+    done: list[dict[str, str]] = []
+    for index, (d, batch, length) in enumerate(shapes):
+        rows_ = calib_shape(
+            runner, committed, d, batch, length, max(runner.left(), 0) / (len(shapes) - index)
+        )
+        done += rows_
+        step = {row["what"]: row for row in rows_}
+        print(f"calib d={d} B={batch} T={length}: step ms cuDNN {_row_ms(step['step_cudnn'])}, "
+              f"BPPSA {_row_ms(step['step_bppsa'])}", flush=True)  # fmt: skip
+        write_calibration(runner, done, index + 1, len(shapes))
+    if not shapes:
+        write_calibration(runner, done, 0, 0)
+    return done
+
+
+def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: int, shapes: int) -> None:
+    """``cuda-calib.csv`` (:data:`CALIB_COLUMNS`) and its summary ``cuda-calib.md``."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CALIB_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows_)
+    _write(runner, "cuda-calib.csv", buffer.getvalue())
+    by_shape: dict[tuple[int, int, int], dict[str, dict[str, str]]] = {}
+    for row in rows_:
+        key = (int(row["d"]), int(row["B"]), int(row["T"]))
+        by_shape.setdefault(key, {}).setdefault(
+            row["what"] + (row["algorithm"] if row["what"] == "step_scan" else ""), row
+        )
+    lines, ratios = [], []
+    for (d, batch, length), found in sorted(by_shape.items()):
+        cudnn, ours = (_row_seconds(found["step_cudnn"]), _row_seconds(found["step_bppsa"]))
+        ratio = _ratio(cudnn, ours)
+        if ratio != "-":
+            ratios.append((cudnn / ours, d, batch, length))
+        forced = [_row_ms(found.get(f"step_scan{a}")) for a in ("linear", "chunked")]
+        lines.append(f"| {d} | {batch} | {length} | {_ms(cudnn)} | {_ms(ours)} | {ratio} | {found['step_bppsa']['plan']} "
+                     f"| {' | '.join(forced)} |")  # fmt: skip
+    below = [r for r in ratios if r[0] < 0.9]
+    worst = min(ratios, default=None)
+    summary = f"{len(below)} of {len(ratios)} measured shapes below 0.9x cuDNN" + (
+        f" (worst {worst[0]:.2f}x at d={worst[1]} B={worst[2]} T={worst[3]})." if worst else "."
+    )
+    text = header(runner, 'Calibration grid: torch (cuDNN) vs lightning_bppsa (algorithm="auto"), RNN tanh, input 1') + (
+        "Every measurement is in `cuda-calib.csv` (columns of the committed `calib-h100-2026-11-26.csv`, plus `plan`: "
+        "`last_stats[\"plan\"]` after a step, and `note`: why a row has no ms). Whole training step, loss = sum of the "
+        f"last output step; median of {runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up steps, "
+        f"{runner.timer}. Ratio = cuDNN / BPPSA; forced = `algorithm=\"linear\"` / `\"chunked\"` (the chunk the plan chose). "
+        f"Forced scans and kernels whose one call took > {SLOW_MS:.0f} ms on the H100 are skipped.\n\n"
+        f"Shapes done: {shapes_done} of {shapes} (a skipped measurement says why). **{summary}**\n\n"
+        "| d | B | T | cuDNN step ms | BPPSA step ms | ratio | BPPSA plan | forced linear step ms | forced chunked step ms |\n"
+        "|" + " --- |" * 9 + "\n" + "".join(line + "\n" for line in lines)
+    )  # fmt: skip
+    _write(runner, "cuda-calib.md", text)
+
+
+def _row_seconds(row: dict[str, str]) -> float | str:
+    """A CSV row's time in seconds, or its note."""
+    return float(row["ms"]) / 1e3 if row["ms"] else row["note"]
+
+
+def _row_ms(row: dict[str, str] | None) -> str:
+    if row is None:
+        return "-"
+    return f"{_ms(_row_seconds(row))}" + (f" ({row['plan']})" if row["plan"] else "")
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 4: the paper's grids
+# --------------------------------------------------------------------------------------------------
+
+
+def _backward_of(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """``loss.backward()`` alone, on a graph recorded once (loss as in the paper: the last step squared)."""
     output, _ = module(x)
     loss = output[:, -1].pow(2).sum()
     return lambda: loss.backward(retain_graph=True)
 
 
-def _peak_bytes(module: nn.Module, x: torch.Tensor) -> int:
+def _peak_bytes(runner: Runner, module: nn.Module, x: torch.Tensor) -> int | None:
+    """Peak CUDA memory of one forward + backward (``None`` off CUDA)."""
+    if runner.device != "cuda":
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     module.zero_grad(set_to_none=True)
@@ -109,75 +709,88 @@ def _peak_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-def _kernel_seconds(cell: str, batch: int, length: int, repeats: int) -> dict[str, float]:
-    """The scan kernels alone on factors of this row's shape (contracting, like a trained RNN)."""
-    from lightning_bppsa.kernels import cuda as kernels
-
+def _kernel_seconds(runner: Runner, cell: str, batch: int, length: int, budget: float) -> dict:
+    """The scan kernels alone on factors of this row's shape (sweep and the chunked launch ``cuda_choose``
+    picks), with the CUDA cost model's prediction of each."""
     from lightning_bppsa import cuda_cost_model
 
-    tiles = 3 if cell == "GRU" else 1
-    weight = torch.randn(tiles * HIDDEN, HIDDEN, device="cuda") / HIDDEN**0.5
-    scales = torch.rand(batch, length, tiles * HIDDEN, device="cuda")
-    diagonal = torch.rand(batch, length, HIDDEN, device="cuda") if cell == "GRU" else None
-    grad = torch.randn(batch, HIDDEN, device="cuda")
-    width = tiles * HIDDEN
-    _, chunk = cuda_cost_model.cuda_choose("chunked", n=length, d=HIDDEN, batch=batch, width=width)
-    result = {"chunk": chunk}
-    for name, c in (("linear", length), ("chunked", chunk)):
-
-        def launch(name: str = name, c: int = c) -> None:
-            kernels.scan_factored(weight, scales, diagonal, grad, name, c)
-
-        result[name] = event_seconds(launch, repeats)
-        result[f"model_{name}"] = cuda_cost_model.cuda_kernel_seconds(
-            name, n=length, d=HIDDEN, batch=batch, width=width, chunk_size=c
-        )
-    return result
+    hidden = runner.shapes.paper_hidden
+    width = (3 if cell == "GRU" else 1) * hidden
+    _, chunk = cuda_cost_model.cuda_choose("chunked", n=length, d=hidden, batch=batch, width=width)
+    launches = {"linear": length, "chunked": chunk}
+    result: dict = {f"model_{name}": cuda_cost_model.cuda_kernel_seconds(name, n=length, d=hidden, batch=batch,
+                    width=width, chunk_size=c) for name, c in launches.items()}  # fmt: skip
+    if runner.device != "cuda":
+        return {**result, "chunk": chunk, "linear": NO_CUDA, "chunked": NO_CUDA}
+    factors = _factors(cell, hidden, batch, length, runner.device)
+    calls = {name: _kernel_call(factors, name, c) for name, c in launches.items()}
+    return {**result, "chunk": chunk, **interleaved(runner, calls, budget)}
 
 
-def measure(cell: str, batch: int, length: int, inputs: int) -> dict:
-    from lightning_bppsa import nn as bnn
-
-    torch.manual_seed(0)
-    ours = getattr(bnn, cell)(inputs, HIDDEN, batch_first=True, algorithm="auto").cuda()
-    ref = getattr(nn, cell)(inputs, HIDDEN, batch_first=True).cuda()
-    ref.load_state_dict(ours.state_dict())
-    x = torch.randn(batch, length, inputs, device="cuda")
-    x = (x > 0.5).float() if inputs == 1 else x  # the bitstream task of Sec. 4.1 for the RNN rows
-    repeats = 3 if length >= 10000 else 10
-    r = {
-        "bwd_cudnn": event_seconds(_backward_of(ref, x), repeats),
-        "bwd_bppsa": event_seconds(_backward_of(ours, x), repeats),
-        "mem_cudnn": _peak_bytes(ref, x),
-        "mem_bppsa": _peak_bytes(ours, x),
-        "path": f"{ours.last_stats.get('path', '')} {ours.last_stats.get('scan_algorithm', '')}".strip(),
-    }
-    r.update(_kernel_seconds(cell, batch, length, repeats))
+def measure(runner: Runner, cell: str, batch: int, length: int, inputs: int, budget: float) -> dict:
+    """One row of the paper's grids: backward alone of cuDNN and of BPPSA, peak memory, the kernels alone."""
+    ref, ours, x = _pair(cell, inputs, runner.shapes.paper_hidden, batch, length, runner.device)
+    r = interleaved(
+        runner, {"bwd_cudnn": _backward_of(ref, x), "bwd_bppsa": _backward_of(ours, x)}, budget / 2
+    )
+    r["path"] = f"{ours.last_stats.get('path', '')} {ours.last_stats.get('scan_algorithm', '')}".strip()
+    r["mem_cudnn"], r["mem_bppsa"] = (_peak_bytes(runner, m, x) for m in (ref, ours))
+    r.update(_kernel_seconds(runner, cell, batch, length, budget / 2))
     return r
 
 
-def measured_table(quick: bool, deadline: float = math.inf) -> str:
-    """The measured rows; rows not started by ``deadline`` (``time.monotonic()``) are listed as not measured."""
+def measured_table(runner: Runner) -> str:
+    """The paper's grids (``shapes.paper``); rows that do not fit before the deadline say so."""
     lines = [
         "| cell | B | T | input | BPPSA path | backward cuDNN ms | backward BPPSA ms | speedup "
         "| sweep kernel ms (model) | chunked kernel ms (model) | chunk | peak MiB cuDNN | peak MiB BPPSA |",
         "|" + " --- |" * 13,
     ]
-    for cell, batch, length, inputs in rows(quick):
-        if time.monotonic() > deadline:
-            lines.append(f"| {cell} | {batch} | {length} | {inputs} | not measured (time limit) |" + " |" * 8)
+    grid = runner.shapes.paper
+    for index, (cell, batch, length, inputs) in enumerate(grid):
+        if runner.left() <= 0:
+            lines.append(f"| {cell} | {batch} | {length} | {inputs} | {SKIPPED} |" + " |" * 8)
             continue
-        r = measure(cell, batch, length, inputs)
-        ms, mib = 1e3, 2.0**-20
+        r = measure(runner, cell, batch, length, inputs, runner.left() / (len(grid) - index))
+        mib = [f"{r[k] * 2.0**-20:.1f}" if r[k] is not None else "n/a" for k in ("mem_cudnn", "mem_bppsa")]
         lines.append(
-            f"| {cell} | {batch} | {length} | {inputs} | {r['path']} | {r['bwd_cudnn'] * ms:.3f} "
-            f"| {r['bwd_bppsa'] * ms:.3f} | {r['bwd_cudnn'] / r['bwd_bppsa']:.1f}x "
-            f"| {r['linear'] * ms:.3f} ({r['model_linear'] * ms:.3f}) "
-            f"| {r['chunked'] * ms:.3f} ({r['model_chunked'] * ms:.3f}) | {r['chunk']} "
-            f"| {r['mem_cudnn'] * mib:.1f} | {r['mem_bppsa'] * mib:.1f} |"
+            f"| {cell} | {batch} | {length} | {inputs} | {r['path']} | {_ms(r['bwd_cudnn'])} "
+            f"| {_ms(r['bwd_bppsa'])} | {_ratio(r['bwd_cudnn'], r['bwd_bppsa'])} "
+            f"| {_ms(r['linear'])} ({_ms(r['model_linear'])}) "
+            f"| {_ms(r['chunked'])} ({_ms(r['model_chunked'])}) | {r['chunk']} | {mib[0]} | {mib[1]} |"
         )
         print(lines[-1], flush=True)
     return "\n".join(lines)
+
+
+def write_measurements(runner: Runner) -> None:
+    """The paper's grids into ``cuda-gpu.md``."""
+    table = measured_table(runner)
+    text = header(runner, "CUDA kernels vs cuDNN autograd: the paper's grids") + (
+        f"Backward = `loss.backward()` alone on a graph recorded once, median of {runner.shapes.rounds} interleaved "
+        f"rounds after {WARMUP} warm-up calls, {runner.timer}; hidden {runner.shapes.paper_hidden}.\n\n"
+    )
+    _write(runner, "cuda-gpu.md", text + table + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# One command: every stage within a time budget
+# --------------------------------------------------------------------------------------------------
+
+
+def run_all(
+    runner: Runner, tests_command: Sequence[str] = TESTS_COMMAND, committed: Path = COMMITTED_CALIB
+) -> None:
+    """tests/gpu, the whole-step table, the calibration grid, the paper's grids, in that order, before
+    ``runner.deadline``: each stage gets at most its share (:data:`STAGE_SHARES`) of the time left at the
+    start, the paper's grids the rest; what does not fit is written as skipped. Each stage writes its files
+    as it goes, so a killed run leaves what was finished."""
+    times = CommittedTimes.load(committed)
+    total = max(runner.left(), 0)
+    tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
+    step_stage(runner.until(STAGE_SHARES["step"] * total))
+    calib_stage(runner.until(STAGE_SHARES["calib"] * total), times)
+    write_measurements(runner)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,7 +851,10 @@ def plan() -> str:
     if shutil.which("nvcc"):
         usage = cuda_inspect.ptxas_usage(("sm_80", "sm_90"))
         out += ["| kernel | sm_80 | sm_90 |", "| --- | --- | --- |"]
-        out += [f"| {k} | {usage['sm_80'][k].registers} | {usage['sm_90'][k].registers} |" for k in kernels.KERNELS]
+        out += [
+            f"| {k} | {usage['sm_80'][k].registers} | {usage['sm_90'][k].registers} |"
+            for k in kernels.KERNELS
+        ]
     else:
         out.append("(nvcc not found: no register report)")
     out += [
@@ -249,12 +865,19 @@ def plan() -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     predictions = {}
-    for label, k, batch, n in [("RNN", 1, 16, 1000), ("RNN", 1, 16, 30000), ("GRU L", 3, 64, 1034), ("GRU L", 3, 16, 1034)]:
+    for label, k, batch, n in [
+        ("RNN", 1, 16, 1000),
+        ("RNN", 1, 16, 30000),
+        ("GRU L", 3, 64, 1034),
+        ("GRU L", 3, 16, 1034),
+    ]:
         width = k * HIDDEN
         best, chunk = cuda_cost_model.cuda_choose("auto", n=n, d=HIDDEN, batch=batch, width=width)
         for kernel, algorithm, c in (("sweep", "linear", n), ("chunked", "chunked", chunk)):
             flops, nbytes, path = _work(kernel, batch, n, HIDDEN, k, c)
-            band = cuda_cost_model.cuda_kernel_band(algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c)
+            band = cuda_cost_model.cuda_kernel_band(
+                algorithm, n=n, d=HIDDEN, batch=batch, width=width, chunk_size=c
+            )
             seconds = math.sqrt(band[0] * band[1])
             launches = "1" if kernel == "sweep" else "1 + memset"
             out.append(
@@ -362,17 +985,20 @@ def look_back_stress(repeats: int = 20) -> tuple[bool, str]:
     jt, grad = cases.exact_dense(64, 20000, 4, torch.Generator().manual_seed(0))
     jt, grad = jt.cuda(), grad.cuda()
     sweep = kernels.scan_dense(jt, grad, "linear", 1)
-    mismatches = sum(not torch.equal(kernels.scan_dense(jt, grad, "chunked", 2), sweep) for _ in range(repeats))
+    mismatches = sum(
+        not torch.equal(kernels.scan_dense(jt, grad, "chunked", 2), sweep) for _ in range(repeats)
+    )
     sweep_float32 = kernels.scan_dense(jt.float(), grad.float(), "linear", 1)
     mismatches += sum(
-        not torch.equal(kernels.scan_dense(jt.float(), grad.float(), "chunked", 3), sweep_float32) for _ in range(repeats)
+        not torch.equal(kernels.scan_dense(jt.float(), grad.float(), "chunked", 3), sweep_float32)
+        for _ in range(repeats)
     )
     grid = 64 * 10000
     detail = f"{mismatches} of {2 * repeats} launches differ from the sweep (grid {grid} blocks, 1 + 10000 chunks/row)"
     return mismatches == 0, detail
 
 
-def first_contact() -> int:
+def first_contact(runner: Runner) -> int:
     """Sanitizers, then the look-back stress, then the paper's grids; returns the exit status."""
     start = time.monotonic()
     report = []
@@ -383,47 +1009,78 @@ def first_contact() -> int:
     report.append(("look-back stress", passed, detail))
     print(f"[{'ok' if passed else 'FAIL'}] look-back stress: {detail}", flush=True)
     if all(ok for _, ok, _ in report):
-        write_measurements(quick=False, deadline=start + 570)  # the whole command in < 10 minutes
+        write_measurements(runner)
     else:
         print("grids not measured: fix the failures above first", flush=True)
     print(f"first contact: {time.monotonic() - start:.0f} s", flush=True)
     return 0 if all(ok for _, ok, _ in report) else 1
 
 
-def write_measurements(quick: bool, deadline: float = math.inf) -> None:
-    device = torch.cuda.get_device_name()
-    table = measured_table(quick, deadline)
-    header = (
-        f"# CUDA kernels vs cuDNN autograd ({device})\n\nMeasured by `python benchmarks/gpu.py"
-        f"{' --quick' if quick else ''}` on {datetime.date.today()}, torch {torch.__version__}, "
-        f"cuDNN {torch.backends.cudnn.version()}. Backward = `loss.backward()` alone (CUDA events, median).\n\n"
-    )
-    (RESULTS / "cuda-gpu.md").write_text(header + table + "\n")
-
-
 def main() -> None:
+    started = time.monotonic()  # the budget counts the kernels' compilation below
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="headline rows only")
+    parser.add_argument("--quick", action="store_true", help="the paper's grids: headline rows only")
     parser.add_argument(
-        "--first-contact", action="store_true", help="sanitizers + look-back stress, then every grid (GPU, < 10 min)"
+        "--first-contact",
+        action="store_true",
+        help="sanitizers + look-back stress, then every grid (GPU, < 10 min)",
     )
     parser.add_argument("--plan", action="store_true", help="write the model's predictions (no GPU needed)")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="tests/gpu, the whole-step table, the calibration grid, the paper's grids",
+    )
+    parser.add_argument(
+        "--within", type=float, metavar="SECONDS",
+        help="the whole run's time budget (default 480 with --all, 570 with --first-contact, else none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the smoke mode (CPU clock, no CUDA kernels)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (with --device cpu: the smoke mode)")
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="where the files go (default: %(default)s)"
+    )
     args = parser.parse_args()
     if args.plan:
         text = plan()
         (RESULTS / "cuda-plan-gpu.md").write_text(text)
         print(text)
         return
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (or --plan for the model)")
-    from lightning_bppsa.kernels import cuda as kernels
+    defaults = {"all": 480.0, "first_contact": 570.0}
+    within = args.within or next((v for k, v in defaults.items() if getattr(args, k)), math.inf)
+    if args.within is not None and args.within <= 0:
+        parser.error(f"--within must be > 0 seconds; got {args.within}")
+    if args.first_contact and args.device != "cuda":
+        parser.error("--first-contact runs the CUDA sanitizers: it needs --device cuda")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit(
+                "benchmarks/gpu.py: no CUDA device here; run it on a GPU machine (or --device cpu --tiny, or --plan)"
+            )
+        from lightning_bppsa.kernels import cuda as kernels
 
-    ok, reason = kernels.available()
-    if not ok:
-        sys.exit(f"benchmarks/gpu.py: the CUDA kernels cannot run: {reason}")
+        ok, reason = kernels.available()
+        if not ok:
+            sys.exit(f"benchmarks/gpu.py: the CUDA kernels cannot run: {reason}")
+    shapes = TINY_SHAPES if args.tiny else GPU_SHAPES
+    if args.quick:
+        shapes = dataclasses.replace(shapes, paper=tuple(rows(quick=True)))
+    runner = Runner(
+        args.device, shapes, deadline=started + within * (1 - MARGIN),
+        results=args.results,
+        command=shlex.join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
+    )  # fmt: skip
     if args.first_contact:
-        sys.exit(first_contact())
-    write_measurements(args.quick)
+        sys.exit(first_contact(runner))
+    if args.all:
+        run_all(runner)
+    else:
+        write_measurements(runner)
 
 
 if __name__ == "__main__":

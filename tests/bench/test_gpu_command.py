@@ -1,0 +1,267 @@
+"""``benchmarks/gpu.py --all`` (the one GPU command) in its CPU smoke mode: tiny shapes, an injected clock.
+
+Every stage runs for real on the CPU (no CUDA kernels: those rows say so); the clock decides only the
+deadline and the CPU timings, so nothing here depends on how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+#: a stand-in for ``pytest tests/gpu``: one failure, its summary line, exit 1
+FAKE_TESTS = (
+    sys.executable,
+    "-c",
+    "print('FAILED tests/gpu/test_x.py::test_y - boom'); print('==== 1 failed, 2 passed in 0.01s ===='); raise SystemExit(1)",
+)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _script()
+
+
+class FakeClock:
+    """Seconds that advance by ``tick`` on every reading; :meth:`jump` moves them on at once."""
+
+    def __init__(self, tick: float = 1e-3) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def jump(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _runner(tmp_path: Path, clock: FakeClock, budget: float = 1e4):
+    return bench.Runner("cpu", bench.TINY_SHAPES, deadline=clock.now + budget, clock=clock, results=tmp_path)
+
+
+def _read(tmp_path: Path, name: str) -> str:
+    return (tmp_path / name).read_text()
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # past the names and the rule
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def _calibration(tmp_path: Path) -> list[dict[str, str]]:
+    with (tmp_path / "cuda-calib.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _committed_columns() -> list[str]:
+    with bench.COMMITTED_CALIB.open(newline="") as f:
+        return next(csv.reader(f))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One whole ``--all`` run in the smoke mode, with time to spare."""
+    results = tmp_path_factory.mktemp("all")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BPPSA_COMMIT", "abc1234")
+        bench._commit.cache_clear()
+        bench.run_all(_runner(results, FakeClock()), tests_command=FAKE_TESTS)
+    bench._commit.cache_clear()
+    return results
+
+
+def test_every_file_has_the_header(full_run: Path) -> None:
+    for name in ("cuda-tests.md", "cuda-step.md", "cuda-calib.md", "cuda-gpu.md"):
+        line = _read(full_run, name).splitlines()[2]
+        for part in ("Device CPU", "torch ", "cuDNN ", "CuPy ", "commit abc1234", " UTC", "gpu.py"):
+            assert part in line, (name, part, line)
+
+
+def test_the_tests_stage_writes_the_summary_and_the_failures(full_run: Path) -> None:
+    text = _read(full_run, "cuda-tests.md")
+    assert "**exit 1: 1 failed, 2 passed in 0.01s**" in text
+    assert "- `FAILED tests/gpu/test_x.py::test_y - boom`" in text
+
+
+def test_the_step_table_has_every_workload_with_float64_checked_gradients(full_run: Path) -> None:
+    text = _read(full_run, "cuda-step.md")
+    assert "Rows done: 3 of 3" in text
+    rows = _table_rows(text)
+    assert [row[:5] for row in rows] == [list(map(str, w)) for w in bench.TINY_SHAPES.step]
+    for row in rows:
+        assert len(row) == len(bench.STEP_COLUMNS)
+        step_ms = [float(row[i]) for i in (5, 6, 8, 9)]  # the CPU clock's (fake) ms: numbers, not reasons
+        assert all(ms > 0 for ms in step_ms) and row[7].endswith("x")
+        # both float32 modules' gradients against float64 torch: the error is float32 rounding, not a bug
+        assert float(row[10]) < 1e-4 and float(row[11]) < 1e-4
+        assert row[12], "the BPPSA plan is reported"
+
+
+def test_the_calibration_csv_has_the_committed_columns_and_every_row(full_run: Path) -> None:
+    header = (full_run / "cuda-calib.csv").read_text().splitlines()[0].split(",")
+    assert header[:8] == _committed_columns() and header[8:] == ["plan", "note"]
+    rows = _calibration(full_run)
+    s = bench.TINY_SHAPES
+    launches = {t: 1 + sum(c < t for c in s.kernel_chunks) for t in s.calib_length}
+    expected = sum(6 + launches[t] for t in s.calib_length) * len(s.calib_d) * len(s.calib_batch)
+    assert len(rows) == expected
+    for row in rows:
+        if row["what"] == "kernel":
+            assert row["ms"] == "" and row["note"] == bench.NO_CUDA
+        else:
+            assert float(row["ms"]) > 0
+            assert row["note"] == "" or row["note"].startswith("asked algorithm=")
+    steps = [row for row in rows if row["what"] == "step_bppsa"]
+    assert len(steps) == len(s.calib_d) * len(s.calib_batch) * len(s.calib_length)
+    assert all(row["plan"] for row in steps)
+    for row in (row for row in rows if row["what"] == "step_scan"):
+        assert row["algorithm"] in ("linear", "chunked") and row["plan"].startswith("scan ")
+        assert row["chunk"] == row["T"] if row["algorithm"] == "linear" else row["chunk"].isdigit()
+    text = _read(full_run, "cuda-calib.md")
+    assert f"Shapes done: {len(steps)} of {len(steps)}" in text and "measured shapes below 0.9x cuDNN" in text
+    assert len(_table_rows(text)) == len(steps)
+
+
+def test_the_paper_grid_has_its_rows(full_run: Path) -> None:
+    rows = _table_rows(_read(full_run, "cuda-gpu.md"))
+    assert [row[:4] for row in rows] == [list(map(str, r)) for r in bench.TINY_SHAPES.paper]
+    assert all(float(row[5]) > 0 and bench.NO_CUDA in row[8] for row in rows)
+
+
+def test_past_the_deadline_every_later_stage_is_written_as_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    real = bench.tests_stage
+
+    def tests_then_jump(*args, **kwargs) -> str:
+        summary = real(*args, **kwargs)
+        clock.jump(1e6)  # the clock passes the budget once the tests have run
+        return summary
+
+    monkeypatch.setattr(bench, "tests_stage", tests_then_jump)
+    bench.run_all(_runner(tmp_path, clock), tests_command=FAKE_TESTS)
+    assert "1 failed, 2 passed" in _read(tmp_path, "cuda-tests.md")
+    rows = _table_rows(_read(tmp_path, "cuda-step.md"))
+    assert len(rows) == 3 and all(cell == bench.SKIPPED for row in rows for cell in row[5:])
+    calibration = [row for row in _calibration(tmp_path) if row["what"] != "kernel"]
+    assert calibration and all(row["ms"] == "" and row["note"] == bench.SKIPPED for row in calibration)
+    rows = _table_rows(_read(tmp_path, "cuda-gpu.md"))
+    assert len(rows) == 2 and all(row[4] == bench.SKIPPED for row in rows)
+
+
+def test_a_deadline_inside_the_calibration_skips_the_shapes_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    real = bench.calib_shape
+
+    def shape_then_jump(*args, **kwargs) -> list[dict[str, str]]:
+        rows = real(*args, **kwargs)
+        clock.jump(1e6)
+        return rows
+
+    monkeypatch.setattr(bench, "calib_shape", shape_then_jump)
+    runner = _runner(tmp_path, clock)
+    bench.calib_stage(runner, bench.CommittedTimes([]))
+    measured = {(r["d"], r["B"], r["T"]) for r in _calibration(tmp_path) if r["ms"]}
+    skipped = {(r["d"], r["B"], r["T"]) for r in _calibration(tmp_path) if r["note"] == bench.SKIPPED}
+    assert len(measured) == 1 and len(skipped) == 7 and not measured & skipped
+    assert measured == {("2", "1", "4")}, "the cheapest shape runs first"
+
+
+def test_a_run_already_past_its_deadline_starts_no_test_process(tmp_path: Path) -> None:
+    clock = FakeClock()
+    runner = _runner(tmp_path, clock, budget=-1.0)
+    assert bench.tests_stage(runner, command=("/nonexistent/pytest",)) == bench.SKIPPED
+    assert f"**{bench.SKIPPED}**" in _read(tmp_path, "cuda-tests.md")
+
+
+def test_tests_that_run_too_long_are_stopped(tmp_path: Path) -> None:
+    command = (sys.executable, "-c", "import time; print('.', flush=True); time.sleep(60)")
+    summary = bench.tests_stage(_runner(tmp_path, FakeClock()), command=command, limit=1.0)
+    assert summary == "stopped: did not finish in 1.0 s"
+    assert "## Output" in _read(tmp_path, "cuda-tests.md")
+
+
+def test_measurements_the_h100_found_slow_are_skipped(tmp_path: Path) -> None:
+    committed = io.StringIO(
+        ",".join(_committed_columns()) + "\n"
+        "kernel,RNN,2,1,4,linear,4,30.0\n"  # at T = 9: 30 * 9 / 4 = 67.5 ms > 50
+        "kernel,RNN,2,1,9,chunked,2,10.0\n"
+        "kernel,RNN,2,1,9,chunked,4,60.0\n"
+    )
+    times = bench.CommittedTimes(csv.DictReader(committed))
+    assert times.ms("kernel", 2, 1, 9, "linear", 9) == pytest.approx(67.5)
+    assert times.ms("kernel", 2, 1, 100, "chunked", 16) is None
+    rows = bench.calib_shape(_runner(tmp_path, FakeClock()), times, 2, 1, 9, budget=1.0)
+    scans = {row["algorithm"]: row for row in rows if row["what"] == "step_scan"}
+    assert scans["linear"]["ms"] == ""
+    assert (
+        scans["linear"]["note"]
+        == "skipped: its kernel alone took ~68 ms on the H100 (committed data; over 50 ms)"
+    )
+    assert float(scans["chunked"]["ms"]) > 0, "the fastest committed chunk (10 ms) is fast enough"
+
+
+def test_an_estimate_that_does_not_fit_skips_before_the_warm_up(tmp_path: Path) -> None:
+    calls = []
+    runner = _runner(tmp_path, FakeClock(), budget=1.0)
+    result = bench.interleaved(runner, {"a": lambda: calls.append("a")}, budget=1.0, estimate=0.5)
+    assert result == {"a": bench.SKIPPED} and calls == []
+
+
+def test_interleaved_alternates_after_the_warm_up_and_times_with_the_clock(tmp_path: Path) -> None:
+    calls = []
+    clock = FakeClock(tick=0.25)
+    runner = dataclasses.replace(
+        _runner(tmp_path, clock), shapes=dataclasses.replace(bench.TINY_SHAPES, max_steps=2)
+    )
+    result = bench.interleaved(
+        runner, {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, budget=1e3
+    )
+    warm = ["a"] * bench.WARMUP + ["b"] * bench.WARMUP
+    assert calls == warm + ["a", "a", "b", "b"] * bench.TINY_SHAPES.rounds
+    assert result == {"a": pytest.approx(0.25), "b": pytest.approx(0.25)}  # one clock tick per call
+
+
+@pytest.mark.parametrize(
+    ("plan", "columns"),
+    [
+        ("scan chunked(c=64) [cuda]", ("chunked", "64")),
+        ("scan linear [cuda]", ("linear", "1000")),
+        ("scan blelloch [c]", ("blelloch", "")),
+        ("autograd (cost model: linear is not faster)", ("", "")),
+    ],
+)
+def test_plan_columns(plan: str, columns: tuple[str, str]) -> None:
+    assert bench.plan_columns(plan, 1000) == columns
+
+
+def test_the_command_line_builds_the_smoke_runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen = []
+    monkeypatch.setattr(bench, "run_all", seen.append)
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--within", "100", "--device", "cpu", "--tiny",
+                                      "--results", str(tmp_path)])  # fmt: skip
+    bench.main()
+    (runner,) = seen
+    assert runner.device == "cpu" and runner.shapes == bench.TINY_SHAPES and runner.results == tmp_path
+    assert 0 < runner.left() <= 100 * (1 - bench.MARGIN)
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--within", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        bench.main()
