@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["CellCost", "MACHINES", "Machine", "best_chunk", "fastest", "predict_seconds", "recurrent_path"]
+__all__ = ["CellCost", "MACHINES", "Machine", "best_chunk", "fastest", "predict_seconds", "recurrent_seconds"]
 
 
 @dataclass(frozen=True)
@@ -174,11 +174,12 @@ _ELEMENTWISE_BYTES_PER_S = 5e9  # element-wise passes over (B, n, G H) in the fo
 _NATIVE_CALL_SECONDS = 5e-4  # the two ops, their GEMMs and autograd's bookkeeping, per layer call
 
 
-@lru_cache(maxsize=1024)  # called on every forward; shapes repeat from batch to batch
-def recurrent_path(
+@lru_cache(maxsize=1024)  # asked once per shape by the layer plan; shapes repeat from batch to batch
+def recurrent_seconds(
     cost: CellCost, *, n: int, hidden: int, batch: int, width: int, device: str, native: bool, fused: bool = False
-) -> str:
-    """``"scan"`` or ``"autograd"``: which path a recurrent layer should take (``algorithm="auto"``).
+) -> tuple[float, float]:
+    """Predicted seconds ``(scan, autograd)`` of one recurrent layer's training step on CPU (or the backward
+    alone, ``fused=False``), what :func:`lightning_bppsa.layer_plan.plan_layer` compares off CUDA.
 
     ``fused``: the compiled cell kernels run the whole layer (CPU): whole steps are compared with the
     fitted rows of :class:`CellCost`. Otherwise the predicted backward of autograd (``n`` steps of a few
@@ -191,7 +192,7 @@ def recurrent_path(
         autograd = cost.autograd_call + n * (
             cost.autograd_step + batch * (cost.autograd_row + cost.autograd_row_mac * macs)
         )
-        return "scan" if ours < autograd else "autograd"
+        return ours, autograd
     mach = MACHINES.get(device, MACHINES["cuda"])
     d, gates = cost.state_factor * hidden, cost.gates
     autograd = n * (cost.autograd_ops_per_step * mach.autograd_op_seconds + 4 * batch * macs / mach.rowblock_flops)
@@ -199,4 +200,4 @@ def recurrent_path(
     algorithm = fastest(n=n, d=d, batch=batch, width=width, device=device, native=native, chunk=chunk)
     scan = predict_seconds(algorithm, n=n, d=d, batch=batch, width=width, device=device, chunk_size=chunk, native=native)
     extra = _SCAN_FIXED_OPS * mach.op_seconds + 12 * 4 * batch * n * gates * hidden / _ELEMENTWISE_BYTES_PER_S
-    return "scan" if scan + extra < autograd else "autograd"
+    return scan + extra, autograd

@@ -1,7 +1,10 @@
-"""The CUDA kernels' cost model (:mod:`lightning_bppsa.kernels.cuda`): the time of one launch from the
-instructions its steps issue, used to pick the sweep or the chunked kernel and its chunk size on CUDA.
+"""The CUDA kernels' instruction-level model (:mod:`lightning_bppsa.kernels.cuda`): the time of one launch
+from the instructions its steps issue, as a band (``benchmarks/gpu.py --plan`` reports it beside the
+measurements). The plan picks kernels with the model calibrated on H100 measurements instead
+(:mod:`lightning_bppsa.cuda_step_model`, through :func:`cuda_choose`): measured on an H100 this band was 3-4x
+optimistic for the sweep and 2-3x for the chunked kernel at d = 20.
 
-No GPU was available to fit it. The instruction counts are measured (the SASS of ``scan.cu``, see
+It was written before any GPU was available. The instruction counts are measured (the SASS of ``scan.cu``, see
 :class:`StepInstructions`); the device figures are assumptions (H100 SXM class, :class:`CudaModel`).
 Every step runs loops that the compiler does not unroll, one warp's instructions in order, so a step
 costs between its issued instructions (every latency hidden: the ``low`` bound) and its issued
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_bppsa.cuda_step_model import fastest_kernel
 from lightning_bppsa.kernels import cuda as cuda_kernel
 
 __all__ = ["CUDA_MODEL", "SASS_COUNTS", "CudaModel", "StepInstructions", "cuda_choose", "cuda_kernel_band",
@@ -177,20 +181,10 @@ def cuda_kernel_seconds(
 def cuda_choose(
     algorithm: str, *, n: int, d: int, batch: int, width: int | None, element_bytes: int = 4
 ) -> tuple[str, int]:
-    """The CUDA kernels' rule: ``"linear"`` keeps the sweep; ``"chunked"`` / ``"blelloch"`` get the chunk
-    size the model predicts fastest; ``"auto"`` takes whichever of the two the model predicts faster.
-    ``element_bytes`` is the compute dtype's (4: float32 and half precision, 8: float64): it sizes the
-    shared-memory tiles, so the plan is dtype-aware."""
+    """The CUDA kernels' rule, by the calibrated model (:func:`lightning_bppsa.cuda_step_model.fastest_kernel`):
+    ``"linear"`` keeps the sweep; ``"chunked"`` / ``"blelloch"`` get the chunk size predicted fastest, or the
+    sweep where no chunked launch fits shared memory; ``"auto"`` the faster of the two. ``element_bytes`` is
+    the compute dtype's (4: float32 and half precision, 8: float64): it sizes the shared-memory tiles."""
     if element_bytes not in (4, 8):
         raise ValueError(f"element_bytes must be 4 or 8 (the kernels' compute dtypes); got {element_bytes}")
-    if n <= 1:
-        return ("linear" if algorithm == "auto" else algorithm), 1
-    candidates = sorted({2**k for k in range(1, int(math.log2(n)) + 1) if 2**k < n} | {max(2, math.isqrt(n))})
-
-    def seconds(name: str, c: int) -> float:
-        return cuda_kernel_seconds(name, n=n, d=d, batch=batch, width=width, chunk_size=c, element_bytes=element_bytes)
-
-    chunk = min(candidates, key=lambda c: seconds("chunked", c))
-    if algorithm != "auto":
-        return algorithm, chunk
-    return ("chunked", chunk) if seconds("chunked", chunk) < seconds("linear", n) else ("linear", chunk)
+    return fastest_kernel(algorithm, n=n, d=d, m=width or d, batch=batch, element_bytes=element_bytes)

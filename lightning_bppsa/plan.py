@@ -88,7 +88,10 @@ def _choose(
             ok, reason = cuda_kernel.fits(d, element_bytes)
         if ok:
             name, chunk = cuda_choose(algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes)
-            return Plan("cuda", name, chunk, "CUDA kernels, launch model of cuda_cost_model")
+            if algorithm in ("chunked", "blelloch") and name == "linear" and n > 1:  # said, not silent
+                return Plan("cuda", name, 1, f"CUDA kernels: {algorithm} asked, but no chunked launch of d={d} "
+                                             "fits shared memory (or n is one chunk): the sweep")  # fmt: skip
+            return Plan("cuda", name, chunk, "CUDA kernels, calibrated model of cuda_step_model")
         kernel, why = "torch", f"torch implementation on CUDA: {reason}"
     elif device == "cpu" and cpu_kernel.available() and dtype in (torch.float32, torch.float64):
         kernel, why = "c", "compiled C sweeps"

@@ -35,6 +35,7 @@ Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -43,8 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from lightning_bppsa import cost_model
+from lightning_bppsa import cost_model, cuda_step_model
+from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import cell_of, forward_kernel_runs
+from lightning_bppsa.layer_plan import LayerShape, device_timer, plan_layer, time_candidates
 from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.plan import check_algorithm
@@ -82,6 +85,7 @@ class _ScanRecurrent:
             "forward_seconds": 0.0,
             "scan_seconds": 0.0,
             "plan": f"autograd ({reason})" if path == "autograd" else "scan",
+            "decision": reason,
         }
         if path == "autograd":
             return super().forward(input, hx)
@@ -119,14 +123,40 @@ class _ScanRecurrent:
             kernel = not torch.compiler.is_compiling() and forward_kernel_runs(input, params)
             return ("forward kernel", "") if kernel else ("autograd", "no gradient needed")
         if self.algorithm != "auto":
-            return "scan", ""
+            return "scan", f"algorithm={self.algorithm!r} as asked"
         batch_dim = 0 if self.batch_first else 1
         batch = input.shape[batch_dim] if input.dim() == 3 else 1
         length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
-        if torch.compiler.is_compiling():
-            return "scan", ""  # nothing is decided while tracing: the ops plan at run time
-        path = _auto_path(self.mode, batch, length, self.hidden_size, input.device.type, input.dtype)
-        return path, "" if path == "scan" else "cost model: the scan does not pay at this size"
+        shape = LayerShape(
+            self.mode, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1],
+            self.hidden_size, input.dtype, str(input.device),
+        )  # fmt: skip
+        plan = plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
+        return plan.path, plan.reason
+
+    def _measure(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
+        """Seconds of a whole training step of this call on each path (:func:`~lightning_bppsa.layer_plan.plan_layer`):
+        forward and the gradients of every input that needs one, returned, not accumulated; the random state
+        (dropout) restored, so the call itself draws what it would have drawn."""
+        states = () if hx is None else hx if isinstance(hx, tuple) else (hx,)
+        params = [getattr(self, name) for name in self._flat_weights_names]
+        wrt = [t for t in (*params, input, *states) if t.requires_grad]
+        torch_forward = super().forward
+
+        def step(forward) -> Any:
+            def run() -> None:
+                output = forward(input, hx)[0]
+                torch.autograd.grad(output, wrt, torch.ones_like(output), allow_unused=True)
+
+            return run
+
+        devices = [input.device] if input.device.type == "cuda" else []
+        stats = self.last_stats
+        with torch.random.fork_rng(devices=devices):
+            times = time_candidates({"scan": step(self._scan_forward), "autograd": step(torch_forward)},
+                                    device_timer(input.device))  # fmt: skip
+        self.last_stats = stats
+        return times
 
     def _states_match(self, input: Tensor, hx: Any) -> bool:  # noqa: A002
         """Whether ``hx`` has the structure torch's forward accepts with ``input`` (sizes: checked later)."""
@@ -191,16 +221,27 @@ def _without_dynamo() -> Any:
     return torch.compiler.disable(lambda fn, *args: fn(*args))
 
 
-@functools.lru_cache(maxsize=256)
-def _auto_path(mode: str, batch: int, length: int, hidden: int, device: str, dtype: torch.dtype) -> str:
-    """``algorithm="auto"``'s path for a layer of this shape: the cost model's answer (cached: a training loop
-    asks with the same shapes every step)."""
-    cell = cell_of(mode)
-    chosen = cell.plan("auto", batch=batch, n=length, hidden=hidden, device=device, dtype=dtype)
-    return cost_model.recurrent_path(
-        cell.cost, n=length, hidden=hidden, batch=batch, width=cell.jacobian_width(hidden), device=device,
-        native=chosen.kernel == "c", fused=cell.fused_backward(chosen, device, dtype),
-    )  # fmt: skip
+def _predict(shape: LayerShape) -> tuple[float, float]:
+    """The model's ``(scan, autograd)`` seconds of a training step of ``shape``: on CUDA the calibrated model of
+    cuDNN vs the CUDA kernels (the scan is never predicted faster where those kernels cannot load); elsewhere
+    :func:`~lightning_bppsa.cost_model.recurrent_seconds`."""
+    cell = cell_of(shape.cell)
+    layers = shape.layers * shape.directions
+    device = torch.device(shape.device).type
+    chosen = cell.plan("auto", batch=shape.batch, n=shape.steps, hidden=shape.hidden, device=device, dtype=shape.dtype)
+    if device == "cuda":
+        if chosen.kernel != "cuda":
+            return math.inf, 0.0
+        common = dict(gates=cell.gates, hidden=shape.hidden, d=cell.state_factor * shape.hidden,
+                      m=cell.jacobian_width(shape.hidden), batch=shape.batch, n=shape.steps,
+                      element_bytes=torch.finfo(compute_dtype(shape.dtype)).bits // 8)  # fmt: skip
+        scan, torch_ = (cuda_step_model.step_seconds(path, **common) for path in ("scan", "torch"))
+    else:
+        scan, torch_ = cost_model.recurrent_seconds(
+            cell.cost, n=shape.steps, hidden=shape.hidden, batch=shape.batch, width=cell.jacobian_width(shape.hidden),
+            device=device, native=chosen.kernel == "c", fused=cell.fused_backward(chosen, device, shape.dtype),
+        )  # fmt: skip
+    return layers * scan, layers * torch_
 
 
 def _run_layers(

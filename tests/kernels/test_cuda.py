@@ -91,36 +91,54 @@ def test_importing_the_loader_imports_no_cupy():
 
 
 def test_cost_model_rule_for_the_cuda_kernels():
-    from lightning_bppsa import cuda_cost_model
+    from lightning_bppsa import cuda_cost_model, cuda_step_model
 
     assert cuda_cost_model.cuda_choose("linear", n=1000, d=20, batch=16, width=20)[0] == "linear"
     algorithm, chunk = cuda_cost_model.cuda_choose("auto", n=1000, d=20, batch=16, width=20)
-    assert algorithm in ("linear", "chunked") and 2 <= chunk < 1000
-    sweep = cuda_cost_model.cuda_kernel_seconds("linear", n=1000, d=20, batch=16, width=20, chunk_size=1000)
-    chunked = cuda_cost_model.cuda_kernel_seconds("chunked", n=1000, d=20, batch=16, width=20, chunk_size=chunk)
+    assert algorithm in ("linear", "chunked")
+    sweep = cuda_step_model.kernel_seconds("linear", n=1000, d=20, m=20, batch=16, chunk=1)
+    best_chunk = cuda_cost_model.cuda_choose("chunked", n=1000, d=20, batch=16, width=20)[1]
+    assert 2 <= best_chunk < 1000
+    chunked = cuda_step_model.kernel_seconds("chunked", n=1000, d=20, m=20, batch=16, chunk=best_chunk)
     assert (algorithm == "chunked") == (chunked < sweep)
     # the sweep is n dependent steps: 30x the steps costs about 30x the time
-    long = cuda_cost_model.cuda_kernel_seconds("linear", n=30000, d=20, batch=16, width=20, chunk_size=30000)
-    assert 25 < (long - cuda_cost_model.CUDA_MODEL.launch_seconds) / (sweep - cuda_cost_model.CUDA_MODEL.launch_seconds) < 35
+    long = cuda_step_model.kernel_seconds("linear", n=30000, d=20, m=20, batch=16, chunk=1)
+    launch = cuda_step_model.KERNELS.launch
+    assert 25 < (long - launch) / (sweep - launch) < 35
     assert cuda_cost_model.cuda_choose("auto", n=1, d=4, batch=2, width=None) == ("linear", 1)
 
 
 def test_cost_model_plan_is_dtype_aware():
-    from lightning_bppsa import cuda_cost_model
+    from lightning_bppsa import cuda_cost_model, cuda_step_model
 
     for element_bytes in (4, 8):
         algorithm, chunk = cuda_cost_model.cuda_choose(
             "chunked", n=1000, d=100, batch=4, width=100, element_bytes=element_bytes
         )
         best = min(
-            (cuda_cost_model.cuda_kernel_seconds(
-                "chunked", n=1000, d=100, batch=4, width=100, chunk_size=c, element_bytes=element_bytes
+            (cuda_step_model.kernel_seconds(
+                "chunked", n=1000, d=100, m=100, batch=4, chunk=c, element_bytes=element_bytes
             ), c)
             for c in (chunk, max(2, chunk // 2), min(999, chunk * 2))
+            if cuda_step_model.runs_chunked(n=1000, d=100, m=100, chunk=c, element_bytes=element_bytes)
         )  # fmt: skip
         assert best[1] == chunk
     with pytest.raises(ValueError, match="element_bytes must be 4 or 8"):
         cuda_cost_model.cuda_choose("auto", n=10, d=4, batch=2, width=None, element_bytes=2)
+
+
+def test_chunked_that_cannot_fit_becomes_the_sweep_in_the_plan_not_in_the_launch():
+    from lightning_bppsa import plan
+    from lightning_bppsa.kernels import cuda
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda, "available", lambda *a, **k: (True, ""))
+        plan._choose.cache_clear()
+        wide = plan.choose("chunked", n=1000, d=256, batch=16, width=256, device="cuda", dtype=torch.float32)
+        narrow = plan.choose("chunked", n=1000, d=20, batch=16, width=20, device="cuda", dtype=torch.float32)
+        plan._choose.cache_clear()
+    assert (wide.algorithm, wide.chunk) == ("linear", 1) and "fits shared memory" in wide.reason
+    assert narrow.algorithm == "chunked" and narrow.chunk > 1
 
 
 H100_OPTIN = 232448  # an H100's shared_memory_per_block_optin (227 KiB)

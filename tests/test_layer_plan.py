@@ -1,0 +1,105 @@
+"""The layer plan's once-per-shape decision: model, measurement (injected timer), cache, tracing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_bppsa import layer_plan
+from lightning_bppsa import nn as bnn
+from lightning_bppsa.layer_plan import LayerPlan, LayerShape, plan_layer, time_candidates
+from lightning_bppsa.nn import recurrent
+
+SHAPE = LayerShape("RNN_TANH", 1, 1, 16, 1000, 1, 20, torch.float32, "cuda:0")
+
+
+class Counter:
+    def __init__(self, times: dict[str, float]):
+        self.times, self.calls = times, 0
+
+    def __call__(self) -> dict[str, float]:
+        self.calls += 1
+        return self.times
+
+
+@pytest.fixture
+def measuring():
+    with layer_plan.measurements(True):
+        yield
+    layer_plan.forget()
+
+
+def test_first_call_measures_later_calls_read_the_cache(measuring):
+    measure = Counter({"scan": 2e-3, "autograd": 1e-3})
+    first = plan_layer(SHAPE, lambda: (1.0e-3, 1.2e-3), measure)  # the model would take the scan
+    again = plan_layer(SHAPE, lambda: (1.0e-3, 1.2e-3), measure)
+    assert measure.calls == 1 and first == again
+    assert first.path == "autograd" and first.reason.startswith("measured: scan 2 ms vs torch 1 ms")
+
+
+def test_sure_or_too_large_shapes_are_not_measured(measuring):
+    measure = Counter({"scan": 1.0, "autograd": 0.0})
+    sure = plan_layer(SHAPE, lambda: (1e-3, 5e-3), measure)  # 5x apart: the model decides
+    large = plan_layer(dataclasses.replace(SHAPE, device="cuda:1"), lambda: (0.9, 1.0), measure)
+    assert measure.calls == 0
+    assert sure == LayerPlan("scan", "cost model: scan 1 ms vs torch 5 ms a step")
+    assert large.path == "scan" and "too large to time twice" in large.reason
+
+
+def test_nothing_is_measured_or_cached_while_tracing_and_a_cached_decision_survives_it(monkeypatch, measuring):
+    measure = Counter({"scan": 2e-3, "autograd": 1e-3})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = plan_layer(SHAPE, lambda: (1.0e-3, 1.2e-3), measure)
+    assert measure.calls == 0 and traced.path == "scan" and "while tracing" in traced.reason
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    eager = plan_layer(SHAPE, lambda: (1.0e-3, 1.2e-3), measure)  # not cached by the traced call
+    assert measure.calls == 1 and eager.path == "autograd"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert plan_layer(SHAPE, lambda: (1.0e-3, 1.2e-3), measure) == eager and measure.calls == 1
+
+
+def test_time_candidates_warms_up_then_keeps_each_ones_fastest_run_taking_turns():
+    order, clock = [], iter([5.0, 3.0, 4.0, 6.0])
+
+    def timer(fn):
+        fn()
+        return next(clock)
+
+    times = time_candidates({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, timer)
+    assert order == ["a", "b", "a", "b", "a", "b"]  # one warm-up each, then turns
+    assert times == {"a": 4.0, "b": 3.0}
+
+
+def test_the_module_runs_what_the_measurement_chose_and_the_call_draws_the_same_dropout(monkeypatch, measuring):
+    timed = []
+
+    def timer_for(device):
+        def timer(fn):
+            fn()
+            timed.append(fn)
+            return 1e-3 if len(timed) % 2 == 0 else 2e-3  # turns: scan first (2 ms), then torch (1 ms)
+
+        return timer
+
+    monkeypatch.setattr(recurrent, "device_timer", timer_for)
+    monkeypatch.setattr(recurrent, "_predict", lambda shape: (1.0e-3, 1.2e-3))  # unsure: measure
+    torch.manual_seed(1)
+    ours = bnn.RNN(3, 8, num_layers=2, dropout=0.5, batch_first=True, dtype=torch.float64)
+    twin = torch.nn.RNN(3, 8, num_layers=2, dropout=0.5, batch_first=True, dtype=torch.float64)
+    twin.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 9, 3, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(7)
+    out = ours(x)[0]
+    torch.manual_seed(7)
+    expected = twin(x)[0]
+    assert len(timed) == 4  # two timed turns of each path
+    assert ours.last_stats["path"] == "autograd" and ours.last_stats["decision"].startswith("measured")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # the measurement left the dropout draw alone
+    grads = torch.autograd.grad(out.sum(), [x, *ours.parameters()])
+    expected_grads = torch.autograd.grad(expected.sum(), [x, *twin.parameters()])
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    ours(x)  # the same shape again: no second measurement
+    assert len(timed) == 4
