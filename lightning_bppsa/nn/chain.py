@@ -46,7 +46,9 @@ mode (in training mode its Jacobian couples the batch) or with hooks on a layer 
 the layers) stay on autograd, and the conversion report says why. Even
 then, on CPU the sparse scan is slower than autograd's fused convolution backward
 (``benchmarks/results/vgg-cpu.md``): conversion is meant for the paper's setting (many workers, pruned
-weights), and exactness is what the tests guarantee.
+weights), and exactness is what the tests guarantee. On CUDA, where cuDNN's convolutions are 13-65x faster
+than the scan with its Jacobians' linearisation (``benchmarks/results/sparse-chain-h200-2026-11-26.txt``),
+``algorithm="auto"`` runs the layers under autograd and says so; an explicit algorithm forces the scan.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ class SparseChain(nn.Sequential):
             return "no values to scan (an empty batch or the meta device)"
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return "torch.func / torch.compile: the sparse scan has no functorch rules and no trace"
+        if x.device.type == "cuda" and self.algorithm == "auto":
+            return _CUDA_AUTO
         ndim = x.dim()
         for i, layer in enumerate(self):
             reason = _unscannable(layer, runtime=True)
@@ -169,6 +173,13 @@ class SparseChain(nn.Sequential):
         if self._last_patterns is None:
             raise RuntimeError("SparseChain.flop_report needs a forward with gradients enabled first")
         return scan_flop_report(self._last_patterns, algorithm=self.algorithm)
+
+
+#: why ``algorithm="auto"`` keeps a chain on cuDNN autograd on CUDA (a measured ratio, far outside any noise)
+_CUDA_AUTO = (
+    "auto on CUDA: cuDNN autograd (the sparse scan measured 13-65x slower on an H200: the Jacobians' "
+    "linearisation dominates; benchmarks/results/sparse-chain-h200-2026-11-26.txt); pass an algorithm to force it"
+)
 
 
 def _unscannable(layer: nn.Module, *, runtime: bool) -> str | None:

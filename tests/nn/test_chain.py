@@ -410,3 +410,21 @@ def test_repr_says_it_is_the_bppsa_version_and_lists_the_layers():
     text = repr(SparseChain(nn.Conv2d(1, 2, 3), nn.ReLU(), algorithm="blelloch"))
     assert text.splitlines()[0] == "SparseChain(BPPSA sparse scan, algorithm='blelloch')("
     assert "(0): Conv2d(1, 2" in text and "(1): ReLU()" in text
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: what the chain's path rule reads (no GPU here)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def test_auto_on_cuda_keeps_cudnn_autograd_with_the_reason_and_an_algorithm_forces_the_scan():
+    params = ()
+    x = torch.Tensor._make_subclass(_OnCuda, torch.randn(2, 3, 8, 8), True)
+    auto = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    reason = auto._why_autograd(x, params)
+    assert reason is not None and reason.startswith("auto on CUDA: cuDNN autograd") and "13-65x" in reason
+    assert SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), algorithm="chunked")._why_autograd(x, params) is None
+    assert auto._why_autograd(torch.randn(2, 3, 8, 8, requires_grad=True), params) is None  # CPU: the scan
