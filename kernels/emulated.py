@@ -100,12 +100,15 @@ def scan_dense(
     timeout: float = 60.0,
     seed: int = 1,
     jitter_us: float = 0.0,
+    shared_limit: int = cuda.SHARED_BYTES,
 ) -> Tensor:
     """:func:`lightning_bppsa.kernels.cuda.scan_dense` on CPU tensors; ``resident`` blocks at once (all if
-    ``None``), dispatched in the order drawn from ``seed``, release stores delayed up to ``jitter_us``."""
+    ``None``), dispatched in the order drawn from ``seed``, release stores delayed up to ``jitter_us``;
+    ``shared_limit``: the per-block shared memory of the GPU being emulated (see ``cuda.launch_config``)."""
     launcher = _launcher(resident, timeout, seed, jitter_us)
     return cuda.run(
         jacobians_t, None, None, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
+        shared_limit=shared_limit,
     )  # fmt: skip
 
 
@@ -121,9 +124,11 @@ def scan_factored(
     timeout: float = 60.0,
     seed: int = 1,
     jitter_us: float = 0.0,
+    shared_limit: int = cuda.SHARED_BYTES,
 ) -> Tensor:
     """:func:`lightning_bppsa.kernels.cuda.scan_factored` on CPU tensors (see :func:`scan_dense`)."""
     launcher = _launcher(resident, timeout, seed, jitter_us)
     return cuda.run(
         weight, scales, diagonal, grad, algorithm=algorithm, chunk_size=chunk_size, launcher=launcher,
+        shared_limit=shared_limit,
     )  # fmt: skip

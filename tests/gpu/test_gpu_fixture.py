@@ -1,12 +1,15 @@
-"""The tests/gpu fixture's rule, checked on any machine (no GPU needed): skip without CUDA, FAIL on a
-CUDA machine where the kernels cannot run (before: skipped when CuPy was absent, launching nothing)."""
+"""The tests/gpu fixtures' rule, checked on any machine (no GPU needed): FAIL on a CUDA machine where the
+kernels cannot run (before: skipped when CuPy was absent, launching nothing); without CUDA the host
+emulation (skipped without g++)."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from lightning_bppsa.kernels import cuda as kernels
+from lightning_bppsa.kernels import recurrent_cuda, recurrent_emulated
 
 
 def _conftest():
@@ -34,3 +37,26 @@ def test_cuda_with_kernels_gives_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels, "available", lambda: (True, ""))
     assert _conftest().require_kernels() == torch.device("cuda")
+
+
+def test_without_cuda_the_backend_is_the_host_emulation(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
+    backend = _conftest().make_backend("emulated")
+    assert (backend.name, backend.device, backend.accelerator) == ("emulated", torch.device("cpu"), "cpu")
+    assert backend.recurrent is recurrent_emulated and backend.size(cuda=160, emulated=3) == 3
+
+
+def test_without_cuda_or_gpp_the_backend_skips(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.skip.Exception, match="no g\\+\\+"):
+        _conftest().make_backend("emulated")
+
+
+def test_cuda_backend_fails_where_the_recurrent_kernels_cannot_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "available", lambda: (True, ""))
+    monkeypatch.setattr(recurrent_cuda, "available", lambda: (False, "NVRTC not found"))
+    with pytest.raises(pytest.fail.Exception, match="recurrent CUDA kernels cannot run: NVRTC not found"):
+        _conftest().make_backend("cuda")

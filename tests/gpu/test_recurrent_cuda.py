@@ -1,9 +1,10 @@
-"""The recurrent forward kernels (``kernels/recurrent.cu``) on a real GPU through CuPy.
+"""The recurrent forward kernels (``kernels/recurrent.cu``) on the ``backend`` (tests/gpu/conftest.py).
 
 Every case of ``tests/kernels/test_recurrent_cuda_emulated.py`` (same inputs, same torch references, same
-tolerances), plus what the emulator cannot show: the launch on torch's current stream, the shared-memory
-opt-in beyond 48 KiB, a long sequence against cuDNN. On a CUDA machine where the kernels cannot load
-(CuPy missing included) these tests FAIL: they are never skipped there.
+tolerances), plus what the emulator cannot show on its own: the launch on torch's current stream, the
+shared-memory opt-in beyond 48 KiB, a long sequence against cuDNN (torch's CPU module when emulated). On a
+CUDA machine where the kernels cannot load (CuPy missing included) these tests FAIL: they are never
+skipped there.
 """
 
 from __future__ import annotations
@@ -31,27 +32,21 @@ def _load_cases():
 CASES = _load_cases()
 
 
-@pytest.fixture
-def gpu(cuda) -> torch.device:
-    ok, reason = recurrent_cuda.available()
-    assert ok, f"a CUDA device is present but the recurrent CUDA kernels are unavailable: {reason}"
-    return cuda
-
-
-def run_cuda(cell: str, args: dict, device: torch.device):
-    args = {k: None if v is None else v.to(device) for k, v in args.items()}
+def run_kernel(cell: str, args: dict, backend):
+    """One layer's forward kernel on ``backend``: its outputs, on the CPU."""
+    args = dict(zip(args, backend.to(*args.values()), strict=True))
     if cell.startswith("rnn"):
-        result = recurrent_cuda.rnn_forward(**args, relu=cell == "rnn_relu")
+        result = backend.recurrent.rnn_forward(**args, relu=cell == "rnn_relu")
     else:
-        result = {"gru": recurrent_cuda.gru_forward, "lstm": recurrent_cuda.lstm_forward}[cell](**args)
+        result = {"gru": backend.recurrent.gru_forward, "lstm": backend.recurrent.lstm_forward}[cell](**args)
     assert result is not None, "the kernel declined to run"
-    assert all(t.device.type == "cuda" for t in result)
+    assert all(t.device.type == backend.device.type for t in result)
     return [t.cpu() for t in result]
 
 
-def check_layer(cell, batch, steps, hidden, dtype, device, *, fold_bias=False, seed=0):
+def check_layer(cell, batch, steps, hidden, dtype, backend, *, fold_bias=False, seed=0):
     layer = CASES.make_layer(cell, batch, steps, hidden, seed)
-    actual = run_cuda(cell, CASES.kernel_inputs(cell, layer, dtype, fold_bias), device)
+    actual = run_kernel(cell, CASES.kernel_inputs(cell, layer, dtype, fold_bias), backend)
     reference = CASES.torch_reference(cell, layer, torch.float64)
     baseline = CASES.torch_reference(cell, layer, dtype) if dtype != torch.float64 else [None] * len(reference)
     for name, a, r, base in zip(CASES.NAMES[cell], actual, reference, baseline, strict=True):
@@ -63,56 +58,56 @@ def check_layer(cell, batch, steps, hidden, dtype, device, *, fold_bias=False, s
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33, 64])
 @pytest.mark.parametrize("cell", CASES.CELLS)
-def test_float64_matches_torch(gpu, cell, hidden, batch, steps):
-    check_layer(cell, batch, steps, hidden, torch.float64, gpu, fold_bias=steps == 5, seed=hidden * 100 + steps)
+def test_float64_matches_torch(backend, cell, hidden, batch, steps):
+    check_layer(cell, batch, steps, hidden, torch.float64, backend, fold_bias=steps == 5, seed=hidden * 100 + steps)
 
 
 @pytest.mark.parametrize("hidden", [7, 33])
 @pytest.mark.parametrize("cell", CASES.CELLS)
-def test_float32_within_derived_tolerance(gpu, cell, hidden):
-    check_layer(cell, 3, 37, hidden, torch.float32, gpu, seed=hidden)
+def test_float32_within_derived_tolerance(backend, cell, hidden):
+    check_layer(cell, 3, 37, hidden, torch.float32, backend, seed=hidden)
 
 
 @pytest.mark.parametrize("cell", CASES.CELLS)
-def test_long_sequence_against_cudnn(gpu, cell):
+def test_long_sequence_against_cudnn(backend, cell):
     """B = 16, T = 1000, H = 20 in float32: as close to the float64 truth as cuDNN's own float32 forward."""
     layer = CASES.make_layer(cell, 16, 1000, 20, seed=5)
-    actual = run_cuda(cell, CASES.kernel_inputs(cell, layer, torch.float32, False), gpu)
+    actual = run_kernel(cell, CASES.kernel_inputs(cell, layer, torch.float32, False), backend)
     module = {"rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cell]
     kwargs = {"nonlinearity": "relu" if cell == "rnn_relu" else "tanh"} if cell.startswith("rnn") else {}
-    cudnn = module(CASES.INPUT_SIZE, 20, batch_first=True, **kwargs).to(gpu)
+    cudnn = module(CASES.INPUT_SIZE, 20, batch_first=True, **kwargs).to(backend.device)
     with torch.no_grad():
         for name in ("w_ih", "w_hh", "b_ih", "b_hh"):
             getattr(cudnn, f"{'weight' if name[0] == 'w' else 'bias'}_{name[2:]}_l0").copy_(layer[name])
-        state = (layer["h0"][None], layer["c0"][None]) if cell == "lstm" else layer["h0"][None]
-        state = tuple(s.float().to(gpu) for s in state) if cell == "lstm" else state.float().to(gpu)
-        baseline = cudnn(layer["x"].float().to(gpu), state)[0].cpu()
+        c0 = layer["c0"][None] if cell == "lstm" else None
+        x, h0, c0 = backend.to(layer["x"], layer["h0"][None], c0, dtype=torch.float32)
+        baseline = cudnn(x, (h0, c0) if cell == "lstm" else h0)[0].cpu()
     reference = CASES.torch_reference(cell, layer, torch.float64)[0]
     assert_derived_close(actual[0], reference, baseline, floor=1e-6, name=f"{cell} out")
 
 
-def test_shared_memory_opt_in_beyond_48_kib(gpu):
+def test_shared_memory_opt_in_beyond_48_kib(backend):
     """An LSTM with H = 100 in float32 needs ~164 KB of shared memory (the sm_80 opt-in limit)."""
     assert recurrent_cuda.shared_bytes("lstm", 100, 4) > recurrent_cuda.PORTABLE_SHARED_BYTES
-    check_layer("lstm", 2, 7, 100, torch.float32, gpu, seed=100)
+    check_layer("lstm", 2, 7, 100, torch.float32, backend, seed=100)
 
 
-def test_launch_runs_on_the_current_stream(gpu):
+def test_launch_runs_on_the_current_stream(backend):
     layer = CASES.make_layer("gru", 4, 300, 20, seed=6)
     args = CASES.kernel_inputs("gru", layer, torch.float64, False)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        moved = {k: v.to(gpu) for k, v in args.items()}
-        out = recurrent_cuda.gru_forward(**moved)[0].to("cpu", non_blocking=False)
+    with backend.side_stream():
+        moved = dict(zip(args, backend.to(*args.values()), strict=True))
+        out = backend.recurrent.gru_forward(**moved)[0].to("cpu", non_blocking=False)
     assert_derived_close(out, CASES.torch_reference("gru", layer, torch.float64)[0], floor=1e-12)
 
 
-def test_non_contiguous_and_declined_inputs(gpu):
-    layer = CASES.make_layer("lstm", 3, 11, 9, seed=9)
-    args = {k: v.to(gpu) for k, v in CASES.kernel_inputs("lstm", layer, torch.float64, False).items()}
+def test_non_contiguous_and_declined_inputs(backend):
+    kernels = backend.recurrent
+    inputs = CASES.kernel_inputs("lstm", CASES.make_layer("lstm", 3, 11, 9, seed=9), torch.float64, False)
+    args = dict(zip(inputs, backend.to(*inputs.values()), strict=True))
     strided = {k: v.mT.contiguous().mT for k, v in args.items()}
-    for a, r in zip(recurrent_cuda.lstm_forward(**strided), recurrent_cuda.lstm_forward(**args), strict=True):
+    for a, r in zip(kernels.lstm_forward(**strided), kernels.lstm_forward(**args), strict=True):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
-    assert recurrent_cuda.lstm_forward(**{k: v.half() for k, v in args.items()}) is None
+    assert kernels.lstm_forward(**{k: v.half() for k, v in args.items()}) is None
     wide = CASES.kernel_inputs("rnn_tanh", CASES.make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False)
-    assert recurrent_cuda.rnn_forward(**{k: None if v is None else v.to(gpu) for k, v in wide.items()}, relu=False) is None
+    assert kernels.rnn_forward(**dict(zip(wide, backend.to(*wide.values()), strict=True)), relu=False) is None

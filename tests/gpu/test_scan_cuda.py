@@ -1,33 +1,72 @@
-"""The scan ops on CUDA tensors (the CUDA kernels: the fixture fails where they cannot run) give the CPU float64 result."""
+"""The scan ops on the CUDA path (the CUDA kernels: the fixture fails where they cannot run) give the CPU
+float64 result. Emulated (no CUDA), the ops take CPU tensors through the same CUDA plan into the host
+emulation of the kernels."""
+
+from collections.abc import Iterator
 
 import pytest
 import torch
+from lightning_bppsa.kernels import cuda as kernels
+from lightning_bppsa.kernels import emulated
 
-from lightning_bppsa import FactoredJacobians, backprop_scan
+from lightning_bppsa import FactoredJacobians, backprop_scan, plan, scan_ref
 from lightning_bppsa.testing import assert_derived_close
 
 pytestmark = pytest.mark.cuda
 
 
+@pytest.fixture
+def device(backend, monkeypatch) -> Iterator[torch.device]:
+    """Where the ops run: the GPU; or, emulated, CPU tensors planned as on CUDA and scanned by the emulation
+    (which must then have run: a scan that went to the CPU code instead would prove nothing here)."""
+    if backend.is_cuda:
+        yield backend.device
+        return
+    launches = []
+
+    def counted(scan):
+        def run(*args):
+            launches.append(scan.__name__)
+            return scan(*args, shared_limit=backend.shared_limit)
+
+        return run
+
+    real_choose = plan.choose
+
+    def choose(algorithm, *, device, **shape):  # the plan a CUDA tensor of this shape gets
+        return real_choose(algorithm, device="cuda", **shape)
+
+    monkeypatch.setattr(plan, "choose", choose)
+    monkeypatch.setattr(kernels, "available", lambda: (True, ""))
+    monkeypatch.setattr(kernels, "scan_dense", counted(emulated.scan_dense))
+    monkeypatch.setattr(kernels, "scan_factored", counted(emulated.scan_factored))
+    plan._choose.cache_clear()  # plans cached for "cuda" without kernels (or with the stand-in) must not leak
+    yield backend.device
+    plan._choose.cache_clear()
+    assert launches, "the emulated CUDA kernels never ran: the ops took another path"
+
+
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked", "auto"])
 @pytest.mark.parametrize("hidden", [1, 20, 33, 128])
-def test_factored_matches_cpu_float64(cuda, algorithm, hidden):
+def test_factored_matches_cpu_float64(backend, device, algorithm, hidden):
+    steps = backend.size(cuda=301, emulated=23)
     weight = torch.randn(hidden, hidden, dtype=torch.float64) / hidden**0.5
-    scales = torch.rand(3, 301, hidden, dtype=torch.float64)
-    grad = torch.randn(3, 302, hidden, dtype=torch.float64)
-    reference = backprop_scan(FactoredJacobians(weight, scales), grad, algorithm="linear")
-    out = backprop_scan(FactoredJacobians(weight.to(cuda), scales.to(cuda)), grad.to(cuda), algorithm=algorithm)
-    assert out.device.type == "cuda"
+    scales = torch.rand(3, steps, hidden, dtype=torch.float64)
+    grad = torch.randn(3, steps + 1, hidden, dtype=torch.float64)
+    reference = scan_ref(FactoredJacobians(weight, scales), grad)  # plain torch: no plan, no kernel
+    jacobians = FactoredJacobians(weight.to(device), scales.to(device))
+    out = backprop_scan(jacobians, grad.to(device), algorithm=algorithm)
+    assert out.device.type == device.type
     assert_derived_close(out.cpu(), reference, floor=1e-12)
 
 
-def test_non_contiguous_inputs(cuda):
-    jt = torch.randn(2, 40, 6, 6, device=cuda, dtype=torch.float64).mT * 0.3
-    grad = torch.randn(2, 6, 41, device=cuda, dtype=torch.float64).mT
-    reference = backprop_scan(jt.cpu(), grad.cpu(), algorithm="linear")
+def test_non_contiguous_inputs(device):
+    jt = torch.randn(2, 40, 6, 6, device=device, dtype=torch.float64).mT * 0.3
+    grad = torch.randn(2, 6, 41, device=device, dtype=torch.float64).mT
+    reference = scan_ref(jt.cpu(), grad.cpu())
     assert_derived_close(backprop_scan(jt, grad, algorithm="chunked").cpu(), reference, floor=1e-12)
 
 
-def test_opcheck_on_cuda(cuda):
-    args = (torch.randn(2, 9, 3, 3, device=cuda), torch.randn(2, 3, device=cuda), "blelloch", 4)
+def test_opcheck(device):
+    args = (torch.randn(2, 9, 3, 3, device=device), torch.randn(2, 3, device=device), "blelloch", 4)
     torch.library.opcheck(torch.ops.bppsa.scan_dense.default, args)

@@ -56,6 +56,10 @@ def make_dense(batch, n, d, per_step, generator):
 
 
 def check(actual, jt64, grad64, dtype):
+    """``actual`` (a scan's output in ``dtype``) against the float64 plain loop over ``jt64``, the chain's
+    transposed Jacobians, with ``grad64`` its gradient, within the tolerance derived from ``dtype``."""
+    if jt64.dim() != 4 or jt64.shape[-1] != jt64.shape[-2]:
+        raise ValueError(f"check takes the transposed Jacobians (B, n, d, d) as jt64; got {tuple(jt64.shape)}")
     reference = plain_loop(jt64, grad64)
     baseline = plain_loop(jt64.to(dtype), grad64.to(dtype)) if dtype != torch.float64 else None
     assert actual.dtype == dtype and actual.shape == reference.shape
