@@ -27,10 +27,18 @@ folder under an exclusive ``flock`` of ``<file>.lock``, the library is renamed i
 and a sidecar ``<file>.so.sha256`` (size and SHA-256) is written after it. Before every ``dlopen`` the
 library is checked against its sidecar: a cut-short or replaced file (which ``dlopen`` would map and
 crash on with a bus error) is rebuilt instead of loaded.
+
+The cache is trusted only where no other user can write: a library there is executed by this process.
+The directory is created private (``0700``); a cache directory, a library or its sidecar that is owned by
+another user or writable by group or others (``BPPSA_CACHE_DIR`` pointed at ``/tmp`` or a team's scratch
+space) is refused with one warning naming it and why, and a private directory is used instead for the rest
+of the process: the default cache where that one is safe, else a fresh ``tempfile.mkdtemp``. Files this
+builder writes are never writable by group or others, whatever the umask.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import fcntl
 import hashlib
@@ -40,6 +48,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -62,9 +71,76 @@ def kernel_path(name: str | os.PathLike) -> Path:
     return _KERNEL_DIR / name
 
 
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "lightning_bppsa"
+
+
+#: a refused cache directory -> the private directory used instead (for the rest of the process)
+_REPLACED: dict[Path, Path] = {}
+
+
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$BPPSA_CACHE_DIR`` or ``~/.cache/lightning_bppsa``."""
-    return Path(os.environ.get("BPPSA_CACHE_DIR") or Path.home() / ".cache" / "lightning_bppsa")
+    """Where compiled kernels are kept: ``$BPPSA_CACHE_DIR`` or ``~/.cache/lightning_bppsa``, created private
+    (``0700``); one that is not this user's own and private gives a private fallback (see the module
+    docstring), with one warning."""
+    directory = Path(os.environ.get("BPPSA_CACHE_DIR") or _default_cache_dir())
+    while directory in _REPLACED:
+        directory = _REPLACED[directory]
+    reason = _directory_refusal(directory)
+    return directory if reason is None else _refuse(directory, directory, reason)
+
+
+def _directory_refusal(directory: Path) -> str | None:
+    """Create ``directory`` private if it is missing; why it cannot be trusted, or ``None``."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        return f"it cannot be created ({err.strerror})"
+    return _refusal(directory, os.geteuid())
+
+
+def _refusal(path: Path, uid: int) -> str | None:
+    """Why ``path`` cannot be trusted by user ``uid`` (another user owns it or could replace it: it, or the
+    symbolic link it is, is owned by someone else, or it is writable by group or others); ``None`` if it
+    can, or does not exist."""
+    try:
+        link, info = os.lstat(path), os.stat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != uid:
+        return f"it is a symbolic link owned by uid {link.st_uid}, not by this user (uid {uid})"
+    if info.st_uid != uid:
+        return f"it is owned by uid {info.st_uid}, not by this user (uid {uid})"
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if info.st_mode & bit]
+    if writable:
+        return f"it is writable by {' and '.join(writable)} (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def _refuse(directory: Path, path: Path, reason: str) -> Path:
+    """Warn that ``path`` (``directory`` or a file in it) is refused; the private directory used instead."""
+    fallback = _default_cache_dir()
+    if fallback == directory or fallback in _REPLACED or _directory_refusal(fallback) is not None:
+        fallback = Path(tempfile.mkdtemp(prefix="lightning_bppsa-"))  # created 0700, ours, empty
+        atexit.register(shutil.rmtree, fallback, ignore_errors=True)
+    log.warning("lightning_bppsa: refusing the kernel cache %s: %s; using %s instead", path, reason, fallback)
+    _REPLACED[directory] = fallback
+    return fallback
+
+
+def _trusted_target(filename: str) -> Path:
+    """``filename`` in the cache, where neither it nor its sidecar is refused (a planted file moves the
+    cache to the private fallback)."""
+    while True:
+        directory = cache_dir()
+        target = directory / filename
+        for path in (target, _sidecar(target)):
+            reason = _refusal(path, os.geteuid())
+            if reason is not None:
+                _refuse(directory, path, reason)
+                break
+        else:
+            return target
 
 
 def load_library(
@@ -89,12 +165,11 @@ def load_library(
         raise BuildError(f"compiler {compiler[0]!r} not found on PATH")
     argv = [executable, *compiler[1:]]
     source_paths = [kernel_path(s) for s in sources]  # an absolute path stays as it is
-    target = cache_dir() / f"{name}_{_cache_key(argv, flag_sets, [*source_paths, *map(kernel_path, depends)])}.so"
+    target = _trusted_target(f"{name}_{_cache_key(argv, flag_sets, [*source_paths, *map(kernel_path, depends)])}.so")
 
     lib, _ = _load_verified(target, symbols)
     if lib is not None:
         return lib
-    target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.with_name(target.name + ".lock")):
         lib, reason = _load_verified(target, symbols)  # another process may have built it meanwhile
         if lib is not None:
@@ -190,6 +265,8 @@ def _compile(
             if result.returncode == 0:
                 sidecar_tmp = Path(tmp) / "sidecar"
                 sidecar_tmp.write_text(json.dumps(_fingerprint(built)))
+                for path in (built, sidecar_tmp):  # never group- or world-writable (a umask of 002 would make them so)
+                    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
                 os.replace(built, target)
                 os.replace(sidecar_tmp, _sidecar(target))
                 return

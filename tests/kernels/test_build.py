@@ -5,10 +5,14 @@ in a subprocess that imports only the builder (by file path: no torch, well unde
 """
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 from lightning_bppsa.kernels import _build
@@ -132,3 +136,101 @@ def test_failing_compiler_says_which_command_failed_and_why(cache, probe):
 def test_missing_compiler_is_named(cache, probe):
     with pytest.raises(_build.BuildError, match="compiler 'no-such-cc' not found on PATH"):
         _build.load_library("probe", [probe], ["no-such-cc"])
+
+
+# ---- the cache is trusted only where no other user can write (issue 27 item 10) ----------------------------
+
+
+@pytest.fixture
+def home(monkeypatch, tmp_path):
+    """A fresh home (the default cache, the first fallback, lies in it) and no cache refused yet."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(_build, "_REPLACED", {})
+    return tmp_path / "home"
+
+
+def load_probe(probe):
+    return _build.load_library("probe", [probe], ["cc", "-std=c99"], symbols=["bppsa_probe"])
+
+
+def refusals(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "refusing the kernel cache" in r.getMessage()]
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_cache_directory_is_created_private(cache, probe, home):
+    assert load_probe(probe).bppsa_probe(41) == 42
+    assert mode(cache) == 0o700
+
+
+@pytest.mark.parametrize(("bits", "who"), [(0o770, "group"), (0o707, "others")])
+def test_a_cache_directory_writable_by_others_is_refused_for_a_private_one(cache, probe, home, caplog, bits, who):
+    cache.mkdir()
+    cache.chmod(bits)
+    assert load_probe(probe).bppsa_probe(41) == 42
+    assert load_probe(probe).bppsa_probe(41) == 42  # the fallback is kept: one warning per process
+    (message,) = refusals(caplog)
+    fallback = home / ".cache" / "lightning_bppsa"
+    assert f"{cache}: it is writable by {who} (mode 0{bits:o})" in message and f"using {fallback}" in message
+    assert "\n" not in message
+    assert not list(cache.glob("probe_*")) and len(list(fallback.glob("probe_*.so"))) == 1
+    assert mode(fallback) == 0o700
+
+
+def test_a_world_writable_library_is_refused(cache, probe, home, caplog):
+    library = build_probe(probe, cache)
+    library.chmod(0o757)
+    assert load_probe(probe).bppsa_probe(41) == 42
+    (message,) = refusals(caplog)
+    assert f"{library}: it is writable by others (mode 0757)" in message
+    assert len(list((home / ".cache" / "lightning_bppsa").glob("probe_*.so"))) == 1
+
+
+def test_a_planted_library_owned_by_another_user_is_never_loaded(cache, probe, home, caplog, tmp_path, monkeypatch):
+    library = build_probe(probe, cache)
+    # another user plants a library exporting the same symbol, with a sidecar that matches it
+    planted = tmp_path / "planted.c"
+    planted.write_text(PROBE.replace("x + 1", "x + 100"))
+    foreign = _build.load_library("planted", [planted], ["cc", "-std=c99"])
+    shutil.copy(foreign._name, library)
+    shutil.copy(foreign._name + ".sha256", library.with_name(library.name + ".sha256"))
+    # we are root here: "owned by another user" is simulated by checking that file against another uid
+    check = _build._refusal
+    monkeypatch.setattr(_build, "_refusal", lambda path, uid: check(path, uid + 1 if path == library else uid))
+    assert load_probe(probe).bppsa_probe(41) == 42  # the planted one would answer 141
+    (message,) = refusals(caplog)
+    assert f"{library}: it is owned by uid {os.geteuid()}, not by this user (uid {os.geteuid() + 1})" in message
+
+
+def test_a_refused_default_cache_falls_back_to_a_fresh_temporary_directory(monkeypatch, probe, home, caplog, tmp_path):
+    monkeypatch.delenv("BPPSA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    default = home / ".cache" / "lightning_bppsa"
+    default.mkdir(parents=True)
+    default.chmod(0o777)
+    assert load_probe(probe).bppsa_probe(41) == 42
+    (fallback,) = tmp_path.glob("lightning_bppsa-*")
+    (message,) = refusals(caplog)
+    assert f"{default}: it is writable by group and others" in message and f"using {fallback}" in message
+    assert mode(fallback) == 0o700 and len(list(fallback.glob("probe_*.so"))) == 1
+
+
+def test_libraries_are_written_atomically_and_never_writable_by_others(cache, probe, home, caplog, monkeypatch):
+    renames = []
+    replace = os.replace
+    monkeypatch.setattr(_build.os, "replace", lambda src, dst: (renames.append((Path(src), Path(dst))), replace(src, dst)))
+    previous = os.umask(0o002)  # a umask that makes new files group-writable
+    try:
+        load_probe(probe)
+    finally:
+        os.umask(previous)
+    (library,) = cache.glob("probe_*.so")
+    sidecar = library.with_name(library.name + ".sha256")
+    # each file is complete in a private folder of the cache (same file system) and renamed into place
+    assert [dst for _, dst in renames] == [library, sidecar]
+    assert all(src.parent.parent == cache and src.parent.name.startswith(".build-") for src, _ in renames)
+    assert not mode(library) & 0o022 and not mode(sidecar) & 0o022
+    assert load_probe(probe).bppsa_probe(41) == 42 and not refusals(caplog)  # our own files are trusted
