@@ -40,6 +40,10 @@ aten = torch.ops.aten
 _LINEAR = (aten.mm.default, aten.addmm.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 
+#: pointwise ops that some supported torch release does not tag ``pointwise`` (2.11 leaves leaky_relu untagged,
+#: 2.13 tags it): what factors must not depend on the release's tags
+_UNTAGGED_POINTWISE = frozenset({aten.leaky_relu.default})
+
 _CONST, _INPUT, _STATE = 0, 1, 2  # what a node depends on: parameters only, x too, the state too
 
 
@@ -516,7 +520,7 @@ def _factor(
             start = args[2] if len(args) > 2 and args[2] is not None else 0
             if reason := piece(node, args[0], start + shape(args[0])[-1] if start < 0 else start):
                 return reason, []
-        elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        elif _pointwise(target):
             stateful = [a for a in node.all_input_nodes if origin[a] == _STATE]
             if shape(node) != full or any(a not in smooth or shape(a) != full for a in stateful):
                 return f"the state reaches {target} with operands that are not per-coordinate (rows, H)", []
@@ -526,6 +530,11 @@ def _factor(
     if any(origin[o] == _STATE and o not in smooth for o in outputs):
         return "a new state tensor is not the result of a pointwise op", []
     return None, pieces
+
+
+def _pointwise(target: object) -> bool:
+    """Whether ``target`` computes each output coordinate from the same coordinate of its operands."""
+    return target in _UNTAGGED_POINTWISE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
 
 
 def _last_dim(dim: int, node: fx.Node) -> bool:

@@ -132,6 +132,21 @@ def test_compiled_loop_equals_autograd_through_the_loop_in_float64(cell_type, al
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_what_factors_does_not_depend_on_the_releases_pointwise_tags(monkeypatch):
+    # torch 2.11 does not tag leaky_relu pointwise (2.13 does): PiecewiseOps then fell back to dense Jacobians
+    op = torch.ops.aten.leaky_relu.default
+    monkeypatch.setattr(op, "_tags", [tag for tag in op.tags if tag != torch.Tag.pointwise])
+    torch.manual_seed(10)
+    cell = PiecewiseOps(3, 5).to(F64)
+    x = torch.randn(6, 2, 3, dtype=F64, requires_grad=True)
+    module = Recurrence(cell, algorithm="linear")
+    ours = _grads(lambda: module(x)[0], [x, *cell.parameters()], False)
+    assert module.last_stats["jacobians"] == "factored", module.last_stats["dense_reason"]
+    assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
+    for a, b in zip(ours, _grads(lambda: _loop(cell, x), [x, *cell.parameters()], False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_compiled_loop_float32_within_float32_tolerance_and_backward_twice():
     torch.manual_seed(1)
     cell = SmoothOps(3, 16)
