@@ -60,6 +60,10 @@ class SeqModel(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.loss(batch))
 
+    def predict_step(self, batch, batch_idx):
+        out, _ = self.rnn(self.embed(batch[0]))
+        return self.head(out[:, -1])
+
     def configure_optimizers(self):
         if self.two_optimizers:
             rnn_params = list(self.rnn.parameters())
@@ -326,11 +330,28 @@ def test_checkpoint_moves_between_strategies_and_plain_torch(tmp_path):
 
 
 def test_validation_and_predict_loops_run():
+    """Validation inside fit, then validate and predict: what they return is torch's module's answer on the
+    trained weights (the converted GRU runs its forward kernel there: no gradient is needed)."""
     pl.seed_everything(0, verbose=False)
     model = SeqModel(cell="gru")
     t = trainer("bppsa", limit_val_batches=2, val_check_interval=2, max_steps=4)
     t.fit(model, loader(), loader())
-    t.validate(model, loader(), verbose=False)
+    assert t.global_step == 4 and "val_loss" in t.callback_metrics  # validation ran inside fit
+    twin = nn.GRU(5, 6, batch_first=True, dtype=torch.float64)
+    twin.load_state_dict(model.rnn.state_dict())
+    batches = list(loader())
+
+    def torch_logits(tokens):
+        with torch.no_grad():
+            return model.head(twin(model.embed(tokens))[0][:, -1])
+
+    (validated,) = t.validate(model, loader(), verbose=False)
+    assert model.rnn.last_stats["path"] == "forward kernel"
+    losses = [nn.functional.cross_entropy(torch_logits(x), y) for x, y in batches[:2]]  # limit_val_batches
+    torch.testing.assert_close(validated["val_loss"], torch.stack(losses).mean().item(), rtol=1e-12, atol=0)
+    predicted = t.predict(model, loader())
+    assert len(predicted) == len(batches)
+    torch.testing.assert_close(torch.cat(predicted), torch.cat([torch_logits(x) for x, _ in batches]))
 
 
 def logged_tables(monkeypatch):
