@@ -30,7 +30,9 @@ class GradientCheck(Callback):
     same graph (``retain_graph=True``): as configured (BPPSA modules use the scan) and inside
     :func:`lightning_bppsa.nn.reference_backward` (plain autograd); ``max |Δg| / max |g_ref|`` over
     parameters is logged as ``key``, and the seconds the check took as :data:`SECONDS_KEY` (it runs inside
-    the training step: two extra backward passes). The real backward is untouched.
+    the training step: two extra backward passes). The real backward is untouched. The reference switch is
+    process-wide while the check runs (so autograd's GPU threads see it): other threads' backward passes in
+    that window take the reference path too.
 
     Args:
         every_n_steps: check on optimizer steps 0, N, 2N, ... (the first backward of that step).
