@@ -300,11 +300,19 @@ def test_launch_config_is_what_cuda_uses():
 
 
 def test_a_launch_that_does_not_finish_is_aborted():
-    """The emulator's deadlock guard: every wait checks the abort flag, so a stuck launch raises."""
+    """The emulator's deadlock guard: every wait checks the abort flag, so a stuck launch raises. Stuck
+    whatever the machine's speed (no race against the timeout): the ticket counter starts at 1, so the
+    one resident block takes chunk 1 and waits for chunk 0, which no block ever takes."""
     gen = torch.Generator().manual_seed(9)
-    jt, grad = make_dense(4, 40, 8, True, gen)
-    with pytest.raises(emulated.LaunchTimeout, match="did not finish"):
-        emulated.scan_dense(jt, grad, "chunked", 4, resident=1, timeout=1e-4)
+    jt, grad = make_dense(1, 40, 8, True, gen)
+    launch = emulated._launcher(resident=1, timeout=0.5, seed=0, jitter_us=0.0)
+
+    def without_chunk_0(config, args, device):
+        ctypes.c_uint32.from_address(args[6]).value = 1  # sync word 0: the ticket counter
+        launch(config, args, device)
+
+    with pytest.raises(emulated.LaunchTimeout, match="1 resident\\) did not finish in 0.5 s"):
+        cuda.run(jt, None, None, grad, algorithm="chunked", chunk_size=4, launcher=without_chunk_0)
 
 
 def test_wide_dense_sweep_takes_several_passes_and_tiles():
