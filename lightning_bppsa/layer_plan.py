@@ -109,13 +109,21 @@ def device_timer(device: torch.device) -> Timer:
 
 def time_candidates(candidates: dict[str, Callable[[], object]], timer: Timer, repeats: int = 2) -> dict[str, float]:
     """The fastest of ``repeats`` timed runs of each candidate, taking turns, after one untimed warm-up run each
-    (kernel builds, allocator, caches)."""
-    for run in candidates.values():
-        run()
+    (kernel builds, allocator, caches). A candidate whose warm-up raises gets ``inf`` (e.g. torch's CPU LSTM
+    under float16 autocast: oneDNN has no primitive for it), unless every candidate raises."""
+    failures: dict[str, Exception] = {}
+    for name, run in candidates.items():
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001  (any failure rules the candidate out, the others decide)
+            failures[name] = error
+    if len(failures) == len(candidates):
+        raise next(iter(failures.values()))
     best = dict.fromkeys(candidates, math.inf)
     for _ in range(repeats):
         for name, run in candidates.items():
-            best[name] = min(best[name], timer(run))
+            if name not in failures:
+                best[name] = min(best[name], timer(run))
     return best
 
 

@@ -103,3 +103,13 @@ def test_the_module_runs_what_the_measurement_chose_and_the_call_draws_the_same_
         torch.testing.assert_close(got, want)
     ours(x)  # the same shape again: no second measurement
     assert len(timed) == 4
+
+
+def test_a_candidate_that_raises_is_ruled_out_and_all_raising_raises():
+    def broken():
+        raise RuntimeError("could not create a primitive descriptor")
+
+    times = time_candidates({"scan": lambda: None, "autograd": broken}, lambda fn: (fn(), 1.0)[1])
+    assert times == {"scan": 1.0, "autograd": float("inf")}
+    with pytest.raises(RuntimeError, match="primitive descriptor"):
+        time_candidates({"scan": broken, "autograd": broken}, lambda fn: 1.0)
