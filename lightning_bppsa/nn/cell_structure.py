@@ -8,6 +8,13 @@ dependent Python control flow and ``.item()`` raise instead of being baked in) a
 - the *state part*: nodes depending on the state, which it runs per step (calling torch's own functions
   rather than the aten overloads: several µs less per op).
 
+Before the split the graph is rewritten into one canonical form (:func:`_canonical`), so that a cell factors
+the same whichever way it is written and on every supported torch release: ``lerp`` / ``addcmul`` /
+``addcdiv`` become the adds and products they are, and pointwise ops on a whole ``(rows, m H)`` gate block
+split into ``(rows, H)`` pieces afterwards (``chunk``, ``split``, slicing, ``unbind`` of a ``(rows, m, H)``
+view) are written per piece; which ops are pointwise is the tag ``pointwise`` plus the ops some supported
+release leaves untagged.
+
 The cell is *factorable* when the state reaches the new state only through (a) linear maps by weights
 that depend on parameters only (``mm`` / ``addmm`` of a state tensor, or of a ``cat`` of state tensors and
 input-only tensors along the last dimension, optionally split or sliced along the last dimension into
@@ -72,12 +79,7 @@ class CellStructure:
         tensor_nodes = placeholders[:n_tensors]
         x_node, states = placeholders[n_tensors], placeholders[n_tensors + 1 :]
         outputs = list(next(n for n in nodes if n.op == "output").args[0])
-        origin: dict[fx.Node, int] = {x_node: _INPUT, **{s: _STATE for s in states}}
-        for node in nodes:
-            if node.op == "get_attr" or node in tensor_nodes:
-                origin[node] = _CONST
-            elif node.op == "call_function":
-                origin[node] = max((origin[a] for a in node.all_input_nodes), default=_CONST)
+        origin = _origins(gm, n_tensors)
         state_part = [n for n in nodes if n.op == "call_function" and origin[n] == _STATE]
         # the input part's values the state part (or the output) reads: computed once for all rows
         frontier = list(dict.fromkeys(a for n in state_part for a in n.all_input_nodes if origin[a] != _STATE))
@@ -261,8 +263,7 @@ def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple:
         except Exception as error:  # noqa: BLE001 - any failure to trace keeps calling the cell
             raise NotTraceable(f"tracing failed ({describe(error)})") from None
         _check_pure(gm)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
+        _canonical(gm, len(tensors), states[0].shape[-1])
         graphs.append(gm)
     if _signature(graphs[0]) != _signature(graphs[1]):
         raise NotTraceable("the traced step depends on the row count")
@@ -292,6 +293,161 @@ def _check_pure(gm: fx.GraphModule) -> None:
                 raise NotTraceable(f"the cell modifies a tensor in place ({target})")
             if torch.Tag.nondeterministic_seeded in target.tags:
                 raise NotTraceable(f"the cell draws random numbers ({target})")
+
+
+def _origins(gm: fx.GraphModule, n_tensors: int) -> dict[fx.Node, int]:
+    """What each node depends on (``_CONST``, ``_INPUT``, ``_STATE``): the placeholders are the cell's
+    ``n_tensors`` tensors, then ``x``, then the state tensors."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    origin = {n: _CONST if i < n_tensors else _INPUT if i == n_tensors else _STATE for i, n in enumerate(placeholders)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            origin[node] = _CONST
+        elif node.op == "call_function":
+            origin[node] = max((origin[a] for a in node.all_input_nodes), default=_CONST)
+    return origin
+
+
+def _canonical(gm: fx.GraphModule, n_tensors: int, width: int) -> None:
+    """Rewrite the traced step in place into the one form the analysis reads, whatever the cell's style or the
+    torch release: ``lerp`` / ``addcmul`` / ``addcdiv`` as the adds, products and quotients they are (which the
+    compiled loop generates), and the gate-block-first style (pointwise ops on a ``(rows, m H)`` block of the
+    state's linear maps, split into ``(rows, H)`` pieces afterwards) written per piece (:class:`_Blocks`)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target in _DECOMPOSED:
+            with graph.inserting_before(node):
+                node.replace_all_uses_with(_DECOMPOSED[node.target](graph, *node.args, **node.kwargs))
+            graph.erase_node(node)
+    _Blocks(gm, _origins(gm, n_tensors), width).rewrite()
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
+    """A new node ``target(*args, **kwargs)`` at the graph's insertion point, its ``val`` from its operands'."""
+    node = graph.call_function(target, args, kwargs)
+    vals, kw = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    node.meta["val"] = target(*vals, **kw)
+    return node
+
+
+def _scaled(graph: fx.Graph, a: fx.Node, value: object) -> fx.Node:
+    return a if value == 1 else _call(graph, aten.mul.Tensor, a, value)
+
+
+#: ops written as the adds, products and quotients they are: (graph, *args, **kwargs) -> the new node
+_DECOMPOSED = {
+    # torch's lerp switches formulas at |w| = 0.5 for rounding only: one form for both is exact to rounding
+    aten.lerp.Tensor: lambda g, a, b, w: _call(g, aten.add.Tensor, a, _call(g, aten.mul.Tensor, w, _call(g, aten.sub.Tensor, b, a))),
+    aten.lerp.Scalar: lambda g, a, b, w: _call(g, aten.add.Tensor, a, _call(g, aten.mul.Tensor, _call(g, aten.sub.Tensor, b, a), w)),
+    aten.addcmul.default: lambda g, a, b, c, value=1: _call(g, aten.add.Tensor, a, _scaled(g, _call(g, aten.mul.Tensor, b, c), value)),
+    aten.addcdiv.default: lambda g, a, b, c, value=1: _call(g, aten.add.Tensor, a, _scaled(g, _call(g, aten.div.Tensor, b, c), value)),
+}
+
+
+class _Blocks:
+    """The per-piece rewrite of gate-block-first cells.
+
+    A state-dependent value ``(rows, k H)`` is *blocked* when it is one of the state's linear maps, or a
+    pointwise op of blocked values and of values that broadcast per row or per coordinate: its ``k`` column
+    blocks ``(rows, H)`` are then the linear map's canonical split ``split_with_sizes(z, [H] * k, -1)``, or the
+    pointwise op applied to its operands' blocks (the input part's values and parameters split the same way).
+    Every ``(rows, H)`` block taken out of a blocked value (``chunk``, ``split``, slicing ``[:, j H:(j + 1) H]``,
+    ``select`` / ``unbind`` of its ``(rows, k, H)`` view; wider aligned ranges recursively) is replaced by that
+    block, so the wide pointwise ops become dead and the state reaches the pointwise part only as
+    ``(rows, H)`` pieces of its linear maps.
+    """
+
+    def __init__(self, gm: fx.GraphModule, origin: dict[fx.Node, int], width: int) -> None:
+        self.graph, self.origin, self.h = gm.graph, origin, width
+        self._blocks: dict[fx.Node, list[fx.Node] | None] = {}
+
+    def rewrite(self) -> None:
+        """Replace every ``(rows, H)`` block taken out of a blocked state-dependent value by the block."""
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or self.origin.get(node) != _STATE or self._width(node) != self.h:
+                continue
+            taken = self._taken(node)
+            if taken is None or self._width(taken[0]) == self.h:
+                continue
+            with self.graph.inserting_before(node):
+                blocks = self.blocks(taken[0])
+            if blocks is not None:
+                node.replace_all_uses_with(blocks[taken[1]])
+
+    def blocks(self, node: fx.Node) -> list[fx.Node] | None:
+        """``node``'s column blocks ``(rows, H)`` (new nodes at the insertion point), or ``None`` where it is not
+        blocked."""
+        if node not in self._blocks:
+            self._blocks[node] = self._make(node)
+        return self._blocks[node]
+
+    def _make(self, node: fx.Node) -> list[fx.Node] | None:
+        width = self._width(node)
+        if width is None or width % self.h:
+            return None
+        if width == self.h:
+            return [node]
+        taken = self._taken(node)
+        if taken is not None:
+            blocks = self.blocks(taken[0])
+            return None if blocks is None else blocks[taken[1] : taken[1] + width // self.h]
+        if self.origin.get(node, _CONST) != _STATE or node.target in _LINEAR:
+            sizes = [self.h] * (width // self.h)
+            split = _call(self.graph, aten.split_with_sizes.default, node, sizes, -1)
+            return [_call(self.graph, operator.getitem, split, j) for j in range(len(sizes))]
+        if not _pointwise(node.target) or node.meta["val"].dim() != 2 or any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+            return None
+        per_arg = []
+        for arg in node.args:
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if isinstance(val, Tensor) and val.dim() > 0 and val.shape[-1] == width:
+                blocks = self.blocks(arg)
+                if blocks is None:
+                    return None
+                per_arg.append(blocks)
+            elif isinstance(arg, fx.Node) and not isinstance(val, Tensor):
+                return None
+            else:  # a scalar, or a value broadcast over the columns
+                per_arg.append([arg] * (width // self.h))
+        return [_call(self.graph, node.target, *args, **node.kwargs) for args in zip(*per_arg, strict=True)]
+
+    def _width(self, node: fx.Node) -> int | None:
+        """The columns of a 2-D value (the last dimension of any value the blocks may split), else ``None``."""
+        val = node.meta.get("val")
+        return val.shape[-1] if isinstance(val, Tensor) and val.dim() > 0 else None
+
+    def _taken(self, node: fx.Node) -> tuple[fx.Node, int] | None:
+        """``(source, first block)`` where ``node`` is an aligned range of a 2-D source's column blocks."""
+        h, target, args = self.h, node.target, node.args
+        if target is operator.getitem and isinstance(args[0], fx.Node):
+            parent, i = args[0], args[1]
+            if parent.target in _SPLITS and _last_dim(parent.args[2] if len(parent.args) > 2 else 0, parent):
+                sizes = parent.args[1]
+                offset = sum(sizes[:i]) if isinstance(sizes, (list, tuple)) else i * sizes
+                return (parent.args[0], offset // h) if offset % h == 0 else None
+            if parent.target is aten.unbind.int and self._blocks_view(parent.args[0], parent.args[1] if len(parent.args) > 1 else 0):
+                return parent.args[0].args[0], i
+            return None
+        if target is aten.select.int and self._blocks_view(args[0], args[1]):
+            return args[0].args[0], args[2] % args[0].meta["val"].shape[1]
+        if target is aten.slice.Tensor and _last_dim(args[1] if len(args) > 1 else 0, node) and (len(args) < 5 or args[4] == 1):
+            size = self._width(args[0])
+            start = args[2] if len(args) > 2 and args[2] is not None else 0
+            start = max(start + size, 0) if start < 0 else min(start, size)
+            return (args[0], start // h) if start % h == 0 else None
+        return None
+
+    def _blocks_view(self, view: fx.Node, dim: int) -> bool:
+        """Whether ``view`` is a 2-D value ``(rows, k H)`` viewed ``(rows, k, H)``, taken apart along ``dim``."""
+        if view.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) or dim not in (1, -2):
+            return False
+        source, val = view.args[0].meta.get("val"), view.meta.get("val")
+        return (
+            isinstance(source, Tensor) and source.dim() == 2 and isinstance(val, Tensor) and val.dim() == 3
+            and tuple(val.shape) == (source.shape[0], source.shape[1] // self.h, self.h)
+        )
 
 
 def _signature(gm: fx.GraphModule) -> list[tuple]:

@@ -1,0 +1,288 @@
+"""Cells written the ways people write them (issue 30): each factors (``last_stats["jacobians"] ==
+"factored"``), runs the compiled loop on CPU, and equals autograd through the Python loop in float64; the
+cells whose Jacobians do not factor (a reduction over the state, a layer norm of it) fall back with a reason.
+
+Gate-block-first styles are the point: pointwise ops on the whole ``(rows, m H)`` gate block (biases, sums of
+the input's and the state's projections, activations) before it is split by ``chunk``, ``split``,
+``unbind`` of a ``(rows, m, H)`` view or slicing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning_bppsa.kernels import _native
+from torch import nn
+
+from lightning_bppsa.nn import Recurrence
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.skipif(not _native.build_expected(), reason="no C compiler: the loop is not compiled")
+
+
+class HandLSTM(nn.Module):
+    """torch's LSTMCell formula by hand: ``gates = ih(x) + hh(h)`` then ``chunk(4, 1)``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.ih, self.hh = nn.Linear(inputs, 4 * hidden), nn.Linear(hidden, 4 * hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        gates = self.ih(x) + self.hh(h)
+        i, f, g, o = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class MethodLSTM(nn.Module):
+    """An LSTM with activations as methods on the whole block, ``torch.split`` and ``torch.addcmul``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = (hidden, hidden)
+        self.w = nn.Linear(inputs + hidden, 4 * hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        gates = self.w(torch.cat([x, h], -1))
+        ifo = gates[:, : 3 * self.hidden].sigmoid()
+        i, f, o = torch.split(ifo, self.hidden, dim=-1)
+        g = gates[:, 3 * self.hidden :].tanh()
+        c = torch.addcmul(f * c, i, g)
+        return o * c.tanh(), c
+
+
+class HandGRU(nn.Module):
+    """torch's GRUCell formula by hand, the reset and update gates as one ``(rows, 2H)`` block."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, 3 * hidden), nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x, h):
+        gi, gh = self.ih(x), self.hh(h)
+        k = 2 * self.hidden
+        r, z = torch.sigmoid(gi[:, :k] + gh[:, :k]).chunk(2, 1)
+        n = torch.tanh(gi[:, k:] + r * gh[:, k:])
+        return (1 - z) * n + z * h
+
+
+class ViewGRU(nn.Module):
+    """A GRU whose gate block is viewed ``(rows, 3, H)`` and unbound."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, 3 * hidden), nn.Linear(hidden, 3 * hidden, bias=False)
+
+    def forward(self, x, h):
+        i_r, i_z, i_n = self.ih(x).view(-1, 3, self.hidden).unbind(1)
+        h_r, h_z, h_n = self.hh(h).view(-1, 3, self.hidden).unbind(1)
+        r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+        return torch.lerp(torch.tanh(i_n + r * h_n), h, z)
+
+
+class MinGRU(nn.Module):
+    """minGRU: gates from the input only, ``h' = (1 - z) h + z h~``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.lin = nn.Linear(inputs, 2 * hidden)
+
+    def forward(self, x, h):
+        z, candidate = self.lin(x).chunk(2, -1)
+        z = torch.sigmoid(z)
+        return (1 - z) * h + z * candidate
+
+
+class MinLSTM(nn.Module):
+    """minLSTM: normalised forget and input gates from the input only."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.lin = nn.Linear(inputs, 3 * hidden)
+
+    def forward(self, x, h):
+        f, i, candidate = self.lin(x).sigmoid().chunk(3, -1)
+        total = f + i
+        return (f / total) * h + (i / total) * candidate
+
+
+class LiGRU(nn.Module):
+    """Light GRU: one update gate and a ReLU candidate, ``a = W x + U h`` split in two."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.w, self.u = nn.Linear(inputs, 2 * hidden), nn.Linear(hidden, 2 * hidden, bias=False)
+
+    def forward(self, x, h):
+        a, c = (self.w(x) + self.u(h)).chunk(2, -1)
+        z = torch.sigmoid(a)
+        return z * h + (1 - z) * torch.relu(c)
+
+
+class IndRNN(nn.Module):
+    """IndRNN: ``h' = relu(x W + u ⊙ h + b)``, with a clamp on the recurrent weight."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.w = nn.Linear(inputs, hidden)
+        self.u = nn.Parameter(torch.rand(hidden))
+
+    def forward(self, x, h):
+        return F.relu(self.w(x) + self.u.clamp(-1, 1) * h)
+
+
+class PeepholeLSTM(nn.Module):
+    """A peephole LSTM: the gates see the cell state through per-coordinate weights."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.w = nn.Linear(inputs + hidden, 4 * hidden)
+        self.peep = nn.Parameter(torch.randn(3, hidden) * 0.3)
+
+    def forward(self, x, state):
+        h, c = state
+        i, f, g, o = self.w(torch.cat([x, h], -1)).chunk(4, -1)
+        i = torch.sigmoid(i + self.peep[0] * c)
+        f = torch.sigmoid(f + self.peep[1] * c)
+        c = f * c + i * torch.tanh(g)
+        return torch.sigmoid(o + self.peep[2] * c) * torch.tanh(c), c
+
+
+class CoupledGRU(nn.Module):
+    """A GRU with coupled gates as ``torch.lerp`` and the recurrent weights as ``F.linear(h, weight.t())``
+    (stored ``(in, out)``), the input's as ``x @ weight``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.wx = nn.Parameter(torch.randn(inputs, 3 * hidden) * 0.4)
+        self.wh = nn.Parameter(torch.randn(hidden, 3 * hidden) * 0.4)
+        self.b = nn.Parameter(torch.zeros(3 * hidden))
+
+    def forward(self, x, h):
+        gx = x @ self.wx + self.b
+        gh = F.linear(h, self.wh.t())
+        z, r, _ = (gx + gh).sigmoid().chunk(3, 1)
+        n = torch.tanh(gx.chunk(3, 1)[2] + r * gh.chunk(3, 1)[2])
+        return torch.lerp(h, n, z)
+
+
+class LeakyMemory(nn.Module):
+    """A gated cell with a leaky memory and a tuple state ``(h, m)``, the gate block through ``torch.addmm``
+    and sliced by hand."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = (hidden, hidden)
+        self.ih = nn.Linear(inputs, 3 * hidden)
+        self.whh = nn.Parameter(torch.randn(3 * hidden, hidden) * 0.4)
+        self.leak = nn.Parameter(torch.rand(hidden))
+
+    def forward(self, x, state):
+        h, m = state
+        H = self.hidden
+        gates = torch.addmm(self.ih(x), h, self.whh.t())
+        a, g, o = gates[:, :H], gates[:, H : 2 * H].sigmoid(), gates[:, 2 * H :]
+        decay = torch.sigmoid(self.leak)
+        m = decay * m + (1 - decay) * torch.tanh(a) * g
+        return torch.sigmoid(o) * torch.tanh(m) + 0.1 * h, m
+
+
+FACTORED = [HandLSTM, MethodLSTM, HandGRU, ViewGRU, MinGRU, MinLSTM, LiGRU, IndRNN, PeepholeLSTM, CoupledGRU, LeakyMemory]
+
+
+class ReducedOverState(nn.Module):
+    """A step that reads the mean over the state's coordinates: every coordinate depends on all of them."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x, h):
+        return torch.tanh(self.ih(x) + self.hh(h) - h.mean(-1, keepdim=True))
+
+
+class NormalisedState(nn.Module):
+    """A step with a layer norm of the state."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x, h):
+        return torch.tanh(self.ih(x) + self.hh(self.norm(h)))
+
+
+def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Every step's state (tuple states concatenated) by calling the cell in a Python loop from zero."""
+    size = cell.state_size
+    state = tuple(x.new_zeros(x.shape[1], s) for s in size) if isinstance(size, tuple) else x.new_zeros(x.shape[1], size)
+    outs = []
+    for x_t in x:
+        state = cell(x_t, state)
+        outs.append(torch.cat(state, -1) if isinstance(state, tuple) else state)
+    return torch.stack(outs)
+
+
+def _grads(forward, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = forward()
+    loss = (out.pow(2) * torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype)).sum()
+    return [out.detach(), *torch.autograd.grad(loss, leaves)]
+
+
+def _recurrence(cell: nn.Module, x: torch.Tensor) -> tuple[Recurrence, list[torch.Tensor]]:
+    """``Recurrence(cell)`` with the linear scan, and its outputs' and gradients' values."""
+    module = Recurrence(cell, algorithm="linear")
+    if isinstance(cell.state_size, tuple):  # every state tensor's gradient path: the loss reads all of them
+        cell.output_fn = lambda state: torch.cat(state, -1)
+    leaves = [x, *cell.parameters()]
+    return module, _grads(lambda: module(x)[0], leaves)
+
+
+@pytest.mark.parametrize("cell_type", FACTORED, ids=lambda c: c.__name__)
+def test_cells_written_by_style_factor_and_equal_autograd_through_the_loop(cell_type):
+    torch.manual_seed(0)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(7, 4, 3, dtype=F64, requires_grad=True)
+    module, ours = _recurrence(cell, x)
+    stats = module.last_stats
+    assert stats["jacobians"] == "factored", stats.get("dense_reason")
+    assert stats["cell_kernel"], stats["cell_kernel_reason"]
+    theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("cell_type", "reason"),
+    [(ReducedOverState, "aten.mean"), (NormalisedState, "layer_norm")],
+    ids=["reduction over H", "layer norm of h"],
+)
+def test_cells_that_do_not_factor_fall_back_with_a_reason_and_stay_exact(cell_type, reason):
+    torch.manual_seed(1)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(6, 2, 3, dtype=F64, requires_grad=True)
+    module, ours = _recurrence(cell, x)
+    stats = module.last_stats
+    assert stats["jacobians"] == "dense" and reason in stats["dense_reason"], stats.get("dense_reason")
+    theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
