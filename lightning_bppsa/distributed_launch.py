@@ -78,7 +78,12 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, path: str, name: 
 
 
 def spawn_gloo(
-    target: Callable, world: int, *args: object, timeout_s: float = 60.0, wall_limit_s: float = 600.0
+    target: Callable,
+    world: int,
+    *args: object,
+    timeout_s: float = 60.0,
+    wall_limit_s: float = 600.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Run ``target(rank, world, *args)`` on ``world`` new processes sharing one gloo group; wait for all.
 
@@ -93,6 +98,8 @@ def spawn_gloo(
         wall_limit_s: the longest the whole run may take; past it every child still running is
             terminated and ``TimeoutError`` is raised (a child stuck outside a collective never hangs
             the caller).
+        clock: the seconds ``wall_limit_s`` is measured in (tests inject one; waits between its
+            readings last at most a second of real time).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a child raised; its traceback is in the message
@@ -111,9 +118,9 @@ def spawn_gloo(
     context = mp.spawn(
         _entry, args=(world, _free_port(), timeout_s, path, name, args), nprocs=world, join=False
     )
-    deadline = time.monotonic() + wall_limit_s
-    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
+    deadline = clock() + wall_limit_s
+    while not context.join(timeout=max(0.0, min(1.0, deadline - clock()))):
+        if clock() >= deadline:
             for process in context.processes:
                 if process.is_alive():
                     process.terminate()

@@ -1,7 +1,8 @@
-"""``distributed_launch.spawn_gloo``: torchrun-like children on one gloo group, and a wall-clock limit."""
+"""``distributed_launch.spawn_gloo``: torchrun-like children on one gloo group, and a wall limit (on an injected clock)."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import time
@@ -32,12 +33,13 @@ def test_children_share_a_gloo_group_and_look_torchrun_launched(run_distributed)
 
 
 def test_a_stuck_child_is_terminated_at_the_wall_limit() -> None:
+    """An injected clock that advances 0.25 s a reading: the limit of 1 s is reached on the fourth reading
+    after the start, however long the children take to start or the machine is loaded."""
+    readings = itertools.count(0.0, 0.25)
     before = set(multiprocessing.active_children())
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match="_sleep_forever on 2 processes did not finish within wall_limit_s=1"):
-        spawn_gloo(_sleep_forever, 2, wall_limit_s=1.0)
-    # loose (a loaded machine must not fail it): it only tells termination from the child's hour of sleep
-    assert time.monotonic() - start < 120.0
+        spawn_gloo(_sleep_forever, 2, wall_limit_s=1.0, clock=lambda: next(readings))
+    assert next(readings) == 1.25  # start, then join timeout / limit check pairs: (0.25, 0.5), (0.75, 1.0)
     assert set(multiprocessing.active_children()) <= before, "a child outlived the wall limit"
 
 

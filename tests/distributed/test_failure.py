@@ -1,4 +1,4 @@
-"""A peer that dies or stalls makes the distributed scan fail with a clear error within the timeout."""
+"""A peer that dies or stalls makes the distributed scan fail with a clear error, after the group's timeout."""
 
 from __future__ import annotations
 
@@ -24,18 +24,13 @@ def _peers_fail(rank: int, world: int) -> None:
     if rank == 2:
         time.sleep(2 * TIMEOUT_S + 1)  # stalls past both scans' timeouts, then leaves
         return
-    for group, peer in ((with_dead, 1), (with_stalled, 2)):
-        start = time.monotonic()
+    # the stalled peer: gloo's error names the timeout it waited, the subgroup's (not its default 30 min)
+    waited = f"Timed out waiting {TIMEOUT_S * 1000:.0f}ms"
+    for group, peer, cause in ((with_dead, 1, ""), (with_stalled, 2, f".*{waited}")):
         with pytest.raises(
-            distributed.DistributedScanError, match=f"receiving from rank {peer} failed in round 0"
+            distributed.DistributedScanError, match=f"receiving from rank {peer} failed in round 0{cause}"
         ):
             distributed.distributed_backprop_scan(torch.eye(3).expand(1, 4, 3, 3), None, group=group)
-        elapsed = time.monotonic() - start
-        # a loose bound (a loaded machine must not fail it): it only tells the group's timeout
-        # from gloo's default of 30 minutes
-        assert elapsed < 30 * TIMEOUT_S, (
-            f"took {elapsed:.1f} s to notice rank {peer}, timeout is {TIMEOUT_S} s"
-        )
 
 
 @pytest.mark.slow
