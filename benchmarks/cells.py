@@ -1,7 +1,8 @@
 """User-written recurrent cells on CPU: autograd through the Python loop vs ``lightning_bppsa.nn.Recurrence``.
 
-Three cells written here the way a researcher would (a GRU-like gated cell, an IndRNN-style diagonal
-cell, an LSTM variant with a tuple state), looped over time in Python. Per row, same weights, both arms
+Five cells written here the way a researcher would (a GRU-like gated cell, an IndRNN-style diagonal
+cell, an LSTM variant with a tuple state, and two written gate block first as torch's own formulas are:
+an LSTM and a leaky-memory cell with a tuple state), looped over time in Python. Per row, same weights, both arms
 (the scan forced with ``algorithm="linear"``; and what ``"auto"`` picks)
 interleaved in one process: forward (the loop recorded by autograd vs ``Recurrence``'s unrecorded loop),
 backward alone (``torch.autograd.grad`` on a graph recorded once, ``retain_graph=True``) and a whole step
@@ -12,7 +13,7 @@ from batched cell gradients); peak = resident-set growth during one step. Loss o
     OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py          # the grid
     OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # headline rows
 
-Headline rows also run the same three cells in JAX (``jax.jit(jax.value_and_grad(...))`` over
+Headline rows also run the same cells in JAX (``jax.jit(jax.value_and_grad(...))`` over
 ``lax.scan``, the cell's math written in ``jax.numpy``, same weights and loss), interleaved with
 ``Recurrence``'s whole step; with ``OMP_NUM_THREADS=1`` XLA runs on one thread too
 (``XLA_FLAGS``). Without JAX (``pip install 'lightning-bppsa[bench]'``) the section says so.
@@ -82,7 +83,41 @@ class LSTMVariant(nn.Module):
         return torch.sigmoid(o) * torch.tanh(c), c
 
 
-CELLS = {"gated": GatedCell, "indrnn": IndRNNCell, "lstm": LSTMVariant}
+class BlockLSTMCell(nn.Module):
+    """torch's LSTMCell formula written by hand, gate block first: ``gates = ih(x) + hh(h)``, then
+    ``chunk(4, 1)`` (the bias and the sum on the whole ``(B, 4H)`` block)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.ih, self.hh = nn.Linear(inputs, 4 * hidden), nn.Linear(hidden, 4 * hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        i, f, g, o = (self.ih(x) + self.hh(h)).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class LeakyMemoryCell(nn.Module):
+    """A gated cell with a leaky memory and a tuple state ``(h, m)``, gate block first: the sigmoid of the
+    whole ``(B, 3H)`` block of ``cat([x, h])``'s projection, split afterwards."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.gates = nn.Linear(inputs + hidden, 3 * hidden)
+        self.leak = nn.Parameter(torch.rand(hidden))
+
+    def forward(self, x, state):
+        h, m = state
+        a, g, o = torch.sigmoid(self.gates(torch.cat([x, h], -1))).chunk(3, -1)
+        decay = torch.sigmoid(self.leak)
+        m = decay * m + (1 - decay) * g * (2 * a - 1)
+        return o * torch.tanh(m), m
+
+
+CELLS = {"gated": GatedCell, "indrnn": IndRNNCell, "lstm": LSTMVariant, "lstm-block": BlockLSTMCell, "leaky": LeakyMemoryCell}
 
 ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -109,16 +144,31 @@ def jax_step(kind: str, hidden: int, jax):
         c = f * c + (1 - f) * jnp.tanh(g)
         return sigmoid(o) * jnp.tanh(c), c
 
-    cell = {"gated": gated, "indrnn": indrnn, "lstm": lstm}[kind]
+    def lstm_block(p, state, x):
+        h, c = state
+        gates = x @ p["ih.weight"].T + p["ih.bias"] + h @ p["hh.weight"].T + p["hh.bias"]
+        i, f, g, o = jnp.split(gates, 4, -1)
+        c = sigmoid(f) * c + sigmoid(i) * jnp.tanh(g)
+        return sigmoid(o) * jnp.tanh(c), c
+
+    def leaky(p, state, x):
+        h, m = state
+        a, g, o = jnp.split(sigmoid(jnp.concatenate([x, h], -1) @ p["gates.weight"].T + p["gates.bias"]), 3, -1)
+        decay = sigmoid(p["leak"])
+        m = decay * m + (1 - decay) * g * (2 * a - 1)
+        return o * jnp.tanh(m), m
+
+    cell = {"gated": gated, "indrnn": indrnn, "lstm": lstm, "lstm-block": lstm_block, "leaky": leaky}[kind]
+    pair = isinstance(CELLS[kind](INPUTS, hidden).state_size, tuple)  # (h, c): the output is h
 
     def loss(params, xs):
         h0 = jnp.zeros((xs.shape[1], hidden), xs.dtype)
 
         def body(state, x):
             state = cell(params, state, x)
-            return state, state[0] if kind == "lstm" else state
+            return state, state[0] if pair else state
 
-        _, outs = jax.lax.scan(body, (h0, h0) if kind == "lstm" else h0, xs)
+        _, outs = jax.lax.scan(body, (h0, h0) if pair else h0, xs)
         return jnp.mean(outs**2)
 
     return jax.jit(jax.value_and_grad(loss))
@@ -155,7 +205,10 @@ def measure_jax(kind: str, hidden: int, batch: int, steps: int, min_run_time: fl
         for name, fn in arms.items():
             result.setdefault(name, []).append(median_seconds(fn, min_run_time))
     return {**result, "ours": min(result["ours"]), "jax": min(result["jax"])}
-HEADLINE = [("gated", 32, 16, 1000), ("indrnn", 32, 16, 1000), ("lstm", 32, 16, 1000), ("gated", 32, 1, 1000)]
+HEADLINE = [
+    ("gated", 32, 16, 1000), ("indrnn", 32, 16, 1000), ("lstm", 32, 16, 1000), ("lstm-block", 32, 16, 1000),
+    ("leaky", 32, 16, 1000), ("gated", 32, 1, 1000),
+]
 GRID = [(c, h, b, t) for c in CELLS for h in (16, 32, 64) for b in (1, 16) for t in (100, 1000)]
 
 
