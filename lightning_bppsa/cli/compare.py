@@ -6,23 +6,39 @@ spread of the per-block speedups), each comparison into its own folder ``<save-d
 runs ``autograd/`` and ``bppsa/``, the table ``compare.md`` and the plot ``loss_vs_time.png``. A folder
 holds an ``INCOMPLETE`` marker until its comparison has finished: an interrupted one (Ctrl-C, a crash)
 keeps it, and later comparisons take the next number instead of mixing their events into it.
+
+Before its first step each run does one warm-up step that leaves its training untouched
+(:class:`~lightning_bppsa.bench.trial.WarmUp`): kernel builds get a row of their own in the table instead
+of sitting in the first step. Without ``--threads`` the torch thread count is measured first
+(:func:`torch_threads`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import move_data_to_device
 from typing_extensions import override
 
-from lightning_bppsa.bench.measure import load_average, set_threads
+from lightning_bppsa.bench.measure import (
+    default_threads,
+    fastest_threads,
+    load_average,
+    set_threads,
+    thread_counts,
+    usable_cpus,
+)
+from lightning_bppsa.bench.trial import NotMeasurable, WarmUp, rng_kept, synchronize, trial_step
 from lightning_bppsa.callbacks import GradientCheck
 from lightning_bppsa.cli.config import CLIError, find_recipe
 from lightning_bppsa.cli.errors import closest
@@ -41,9 +57,11 @@ __all__ = [
     "INCOMPLETE",
     "Interrupted",
     "Turns",
+    "autograd_step_timer",
     "compare",
     "incomplete_comparisons",
     "main",
+    "torch_threads",
 ]
 
 DEFAULT_COMPARE_STEPS = 1000
@@ -52,6 +70,7 @@ DEFAULT_BLOCK_STEPS_WITH_EPOCHS = 50
 DEFAULT_CHECK_EVERY_WITH_EPOCHS = 250
 INCOMPLETE = "INCOMPLETE"
 RUNS = (("autograd", "auto"), ("bppsa", "bppsa"))  # (label, strategy)
+MEASURED_STEPS = 3  # timed steps of the baseline per thread count (after one untimed)
 
 #: Trainer options ``compare`` sets itself, and why an override cannot be honoured.
 SET_BY_COMPARE = {
@@ -169,6 +188,68 @@ def _build_run(strategy: str, args: Sequence[str], save_dir: str, check_every: i
     return cli
 
 
+def autograd_step_timer(
+    cli: BPPSACLI, steps: int = MEASURED_STEPS, clock: Callable[[], float] = time.perf_counter
+) -> Callable[[int], float]:
+    """``threads -> seconds``: the median of ``steps`` forward + backward passes (:func:`trial_step`) of
+    ``cli``'s model on its first training batch, on the device it will train on, after one untimed pass.
+
+    It runs a copy of the model and of the datamodule, with every generator restored (:func:`rng_kept`):
+    the run itself trains as if nothing had been measured.
+
+    Raises:
+        NotMeasurable: without a datamodule to take the batch from, or under manual optimization.
+    """
+    if cli.datamodule is None:
+        raise NotMeasurable("no datamodule to take a training batch from")
+    device = cli.trainer.strategy.root_device
+    with rng_kept(device):  # a datamodule may draw its data or its shuffle from the global generators
+        data = copy.deepcopy(cli.datamodule)
+        data.prepare_data()
+        data.setup("fit")
+        batch = move_data_to_device(next(iter(data.train_dataloader())), device)
+    model = copy.deepcopy(cli.model).to(device)
+
+    def seconds_at(threads: int) -> float:
+        set_threads(threads)
+        times = []
+        for _ in range(steps + 1):  # the first untimed: it starts the new thread pool
+            start = clock()
+            trial_step(model, lambda: model.training_step(batch, 0))
+            synchronize(device)
+            times.append(clock() - start)
+        return statistics.median(times[1:])
+
+    return seconds_at
+
+
+def torch_threads(
+    threads: int | None,
+    cli: BPPSACLI,
+    timer: Callable[[BPPSACLI], Callable[[int], float]] = autograd_step_timer,
+    cpus: int | None = None,
+) -> tuple[int, str]:
+    """The torch thread count for both runs, and the line that says why.
+
+    ``threads`` given (``--threads``): that, unmeasured. Otherwise the fastest count for the autograd
+    run's step, ``timer(cli)(n)`` seconds at each ``n`` of :func:`thread_counts` over ``cpus`` (default:
+    the CPUs this process may use). Measured, because the core count misleads: on a 2-vCPU machine two
+    threads ran the baseline 6.5x slower than one (359 vs 55 ms a step) and inflated the speedup 7x.
+    Where no step can be measured (:class:`NotMeasurable`), one thread per physical core.
+    """
+    if threads is not None:
+        return threads, f"torch threads: {threads} (--threads)"
+    cpus = len(usable_cpus()) if cpus is None else cpus
+    try:
+        return fastest_threads(timer(cli), thread_counts(cpus), "autograd forward + backward")
+    except NotMeasurable as why:
+        count = default_threads()
+        return (
+            count,
+            f"torch threads: {count} (one per physical core; not measured: {why}; --threads to override)",
+        )
+
+
 def _run_in_turns(clis: Sequence[tuple[str, BPPSACLI]], block_steps: int, threads: int) -> list[RunSummary]:
     """Fit and validate every run in its own thread, taking turns every ``block_steps`` steps."""
     turns = Turns(len(clis))
@@ -189,6 +270,8 @@ def _run_in_turns(clis: Sequence[tuple[str, BPPSACLI]], block_steps: int, thread
     for run, (_, cli) in enumerate(clis):
         # first: the turn is handed on before BackwardTimer starts the step's clock
         cli.trainer.callbacks.insert(0, TakeTurns(turns, run, clis[run][0], block_steps))
+        # before that: the warm-up runs in the run's turn, outside its first block and its step's clock
+        cli.trainer.callbacks.insert(0, WarmUp())
     workers = [
         threading.Thread(target=work, args=(run, label, cli), name=f"compare-{label}", daemon=True)
         for run, (label, cli) in enumerate(clis)
@@ -241,8 +324,8 @@ def compare(
             (:class:`~lightning_bppsa.callbacks.GradientCheck`, logged as ``bppsa/grad_rel_diff``);
             default: 4 checks over ``max_steps``, or every 250 steps with ``max_epochs``; 0 = none. A
             check's seconds are left out of the medians and the plot's clock.
-        threads: torch's intra-op threads for both runs (default: one per physical core this process
-            may use, :func:`~lightning_bppsa.bench.measure.default_threads`).
+        threads: torch's intra-op threads for both runs (default: the fastest for a few autograd steps,
+            measured, :func:`torch_threads`).
         block_steps: the runs take turns every ``block_steps`` training steps (default: ``max_steps / 20``,
             or 50 with ``max_epochs``); the table gives the median and range of the per-block speedups.
         overrides: further LightningCLI arguments, applied to both runs (not the options in
@@ -296,10 +379,11 @@ def compare(
                 "This comparison has not finished (interrupted, crashed or still running); its logs are "
                 "partial. `lightning-bppsa compare` never reads them: each comparison has its own folder.\n"
             )
-    threads = set_threads(threads)  # once both configs are valid: a refused one changes nothing
-    print(f"training in turns of {block_steps} steps, {threads} torch thread(s)", flush=True)
-    load_start = load_average()
     try:
+        threads, why = torch_threads(threads, clis[0][1])  # once both configs are valid
+        set_threads(threads)
+        print(f"{why}\ntraining in turns of {block_steps} steps, {threads} torch thread(s)", flush=True)
+        load_start = load_average()
         autograd, bppsa = _run_in_turns(clis, block_steps, threads)
     except BaseException:  # Ctrl-C included
         print(f"\ncompare: {out} stays marked {INCOMPLETE}", file=sys.stderr, flush=True)
@@ -362,7 +446,8 @@ def main(argv: Sequence[str]) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=None,
-        help="torch threads (default: one per physical core this process may use)",
+        help="torch threads (default: the fastest of 1, 2, 4, ... up to the usable CPUs, measured on a few "
+        "autograd steps)",
     )  # fmt: skip
     parser.add_argument(
         "--block-steps", type=int, default=None,

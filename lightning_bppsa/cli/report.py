@@ -3,7 +3,8 @@
 The clock: :class:`~lightning_bppsa.callbacks.BackwardTimer` logs ``time/step``, the time of every
 training step (forward, backward, optimizer and hooks; not data loading, validation or logging). The
 comparison table reports its medians, and the loss-vs-time plot draws the loss against its running
-sum, so both use the same clock.
+sum, so both use the same clock. The one-time warm-up before the first step
+(:class:`~lightning_bppsa.bench.trial.WarmUp`: kernel builds) is in neither; the table gives it a row.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lightning_bppsa.bench.trial import WARM_UP_KEY
 from lightning_bppsa.callbacks.gradient_check import DEFAULT_KEY as GRAD_REL_DIFF
 from lightning_bppsa.callbacks.gradient_check import SECONDS_KEY as CHECK_SECONDS
 
@@ -24,6 +26,7 @@ __all__ = [
     "FELL_BACK",
     "GRAD_REL_DIFF",
     "TIMING_KEYS",
+    "WARM_UP_KEY",
     "Conditions",
     "LossPlot",
     "RunSummary",
@@ -56,7 +59,9 @@ class RunSummary:
     ``final``: final metrics (``train/loss`` averaged over the last steps, ``val/loss``, ``val/acc``);
     ``grad_rel_diff``: ``(step, value)`` of every gradient check (:data:`GRAD_REL_DIFF`);
     ``per_step``: ``key -> {step: seconds}`` for ``backward`` and ``step`` (the medians' steps);
-    ``check_seconds``: the seconds those checks took in all.
+    ``check_seconds``: the seconds those checks took in all;
+    ``warm_up_seconds``: the one-time warm-up before the first step (:data:`WARM_UP_KEY`), ``None`` if
+    there was none.
     """
 
     label: str
@@ -67,6 +72,7 @@ class RunSummary:
     grad_rel_diff: list[tuple[int, float]] = field(default_factory=list)
     per_step: dict[str, dict[int, float]] = field(default_factory=dict)
     check_seconds: float = 0.0
+    warm_up_seconds: float | None = None
 
 
 @dataclass
@@ -99,13 +105,16 @@ def summarise_run(label: str, log_dir: str, final: Mapping[str, float], warmup: 
 
     The first ``min(warmup, steps // 5)`` steps are left out of the medians, and so are the steps with a
     gradient check (:data:`CHECK_SECONDS`: their step time holds two extra backward passes); the clock
-    of the loss curve subtracts the checks' seconds. Loss points of steps without a ``time/step`` value
+    of the loss curve subtracts the checks' seconds. The warm-up (:data:`WARM_UP_KEY`) is kept apart, in
+    ``warm_up_seconds``: it is no step's time. Loss points of steps without a ``time/step`` value
     (none when ``log_every_n_steps=1``) are left out of the curve.
     """
     scalars = read_scalars(log_dir)
     summary = RunSummary(label, log_dir, final=dict(final))
     checks = {step: value for _, step, value in scalars.get(CHECK_SECONDS, [])}
     summary.check_seconds = sum(checks.values())
+    warm_up = scalars.get(WARM_UP_KEY)
+    summary.warm_up_seconds = warm_up[-1][2] if warm_up else None
     for key in TIMING_KEYS:
         values = sorted((step, v) for _, step, v in scalars.get(f"time/{key}", []))
         kept = [(step, v) for step, v in values[min(warmup, len(values) // 5) :] if step not in checks]
@@ -204,8 +213,8 @@ def loss_plot_data(runs: Sequence[RunSummary]) -> LossPlot:
 
 def format_comparison(baseline: RunSummary, bppsa: RunSummary, conditions: Conditions | None = None) -> str:
     """The comparison as a markdown table: per-step times (ms), speedups and their spread over the blocks,
-    the time to a common loss, final losses, accuracies, the agreement of the two runs (loss gap at the
-    same step, gradient checks) and the conditions (threads, load average)."""
+    the time to a common loss, the one-time warm-up, final losses, accuracies, the agreement of the two
+    runs (loss gap at the same step, gradient checks) and the conditions (threads, load average)."""
 
     def ms(summary: RunSummary, key: str) -> str:
         return f"{1000 * summary.seconds[key]:.2f}" if key in summary.seconds else "-"
@@ -235,6 +244,12 @@ def format_comparison(baseline: RunSummary, bppsa: RunSummary, conditions: Condi
             f"seconds to smoothed train/loss <= {plot.target:.3f}", f"{slow:.3g}", f"{fast:.3g}",
             f"{slow / fast:.2f}x" if fast > 0 else "",
         ))  # fmt: skip
+    if baseline.warm_up_seconds is not None or bppsa.warm_up_seconds is not None:
+        warm_ups = [
+            f"{s.warm_up_seconds:.3g}" if s.warm_up_seconds is not None else "-" for s in (baseline, bppsa)
+        ]
+        rows.append(("one-time warm-up s (kernel builds: a forward + backward before step 0, outside the "
+                     "medians and the clock)", *warm_ups, ""))  # fmt: skip
     for metric in ("train/loss", "val/loss", "val/acc"):
         values = [f"{s.final[metric]:.4f}" if metric in s.final else "-" for s in (baseline, bppsa)]
         rows.append((f"final {metric}", *values, ""))

@@ -12,10 +12,12 @@ import torch
 from lightning_bppsa.bench import measure
 from lightning_bppsa.bench.measure import (
     default_threads,
+    fastest_threads,
     interleaved_medians,
     median_seconds,
     peak_memory_bytes,
     set_threads,
+    thread_counts,
 )
 
 
@@ -82,3 +84,41 @@ def test_importing_the_cli_does_not_tune_the_allocator() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_thread_counts_double_up_to_the_usable_cpus() -> None:
+    assert [thread_counts(n) for n in (1, 2, 3, 6, 16)] == [
+        [1],
+        [1, 2],
+        [1, 2, 3],
+        [1, 2, 4, 6],
+        [1, 2, 4, 8, 16],
+    ]
+    with pytest.raises(ValueError, match="cpus must be >= 1; got 0"):
+        thread_counts(0)
+
+
+def test_fastest_threads_follows_the_measurements_and_names_them() -> None:
+    asked: list[int] = []
+
+    def seconds_at(measured: dict[int, float]):
+        def at(threads: int) -> float:
+            asked.append(threads)
+            return measured[threads]
+
+        return at
+
+    # the 2-vCPU machine of the issue: two threads collapsed the baseline
+    best, why = fastest_threads(seconds_at({1: 0.055, 2: 0.359}), [1, 2], "autograd step")
+    assert best == 1 and asked == [1, 2]
+    assert (
+        why
+        == "torch threads: 1 (measured autograd step 55 ms at 1 thread, 359 ms at 2; --threads to override)"
+    )
+    best, why = fastest_threads(seconds_at({1: 0.04, 2: 0.02, 4: 0.03}), [4, 1, 2])
+    assert best == 2 and why.startswith(
+        "torch threads: 2 (measured step 40 ms at 1 thread, 20 ms at 2, 30 ms at 4;"
+    )
+    assert fastest_threads(seconds_at({1: 0.01, 2: 0.01}), [1, 2])[0] == 1  # a tie: the fewer threads
+    with pytest.raises(ValueError, match="at least one thread count"):
+        fastest_threads(seconds_at({}), [])

@@ -8,17 +8,43 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from lightning_bppsa.callbacks import BackwardTimer
 
-from lightning_bppsa.cli.compare import INCOMPLETE, Interrupted, Turns, compare
-from lightning_bppsa.cli.config import CLIError
+from lightning_bppsa.bench import measure
+from lightning_bppsa.bench.trial import WARM_UP_KEY, NotMeasurable, WarmUp
+from lightning_bppsa.cli.compare import (
+    INCOMPLETE,
+    Interrupted,
+    TakeTurns,
+    Turns,
+    _build_run,
+    autograd_step_timer,
+    compare,
+    torch_threads,
+)
+from lightning_bppsa.cli.config import CLIError, find_recipe
 from lightning_bppsa.cli.report import CHECK_SECONDS, read_scalars
+
+
+def _recorded(hooked: type, calls: list[tuple[str, str]]):
+    """``hooked.on_train_batch_start``, recording (thread name, class name) before it runs."""
+    hook = hooked.on_train_batch_start
+
+    def recorded(self, *args) -> None:
+        calls.append((threading.current_thread().name, hooked.__name__))
+        hook(self, *args)
+
+    return recorded
 
 
 @pytest.mark.slow
 def test_compare_writes_both_runs_the_table_the_plot_and_the_scalars(
-    workdir: Path, tiny: list[str], capsys: pytest.CaptureFixture
+    workdir: Path, tiny: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    starts: list[tuple[str, str]] = []  # (run's thread, hook) of every step's first hooks, in call order
+    for hooked in (WarmUp, TakeTurns, BackwardTimer):
+        monkeypatch.setattr(hooked, "on_train_batch_start", _recorded(hooked, starts))
     autograd, bppsa = compare(
         "rnn_bitstream", max_steps=6, check_every=3, threads=1, block_steps=2, save_dir="runs", overrides=tiny
     )
@@ -51,6 +77,20 @@ def test_compare_writes_both_runs_the_table_the_plot_and_the_scalars(
     ) < 1e-4
     out_text = capsys.readouterr().out
     assert "backward ms/step" in out_text and "training in turns of 2 steps, 1 torch thread(s)" in out_text
+    assert "torch threads: 1 (--threads)" in out_text  # given: not measured
+    # each run warmed up before its first step, outside the medians and the clock, and says so in a row
+    for run in (autograd, bppsa):
+        assert len(read_scalars(run.log_dir)[WARM_UP_KEY]) == 1 and run.warm_up_seconds > 0
+    for run in ("compare-autograd", "compare-bppsa"):  # outside the first block and the first step's clock
+        assert [hook for thread, hook in starts if thread == run][:3] == [
+            "WarmUp",
+            "TakeTurns",
+            "BackwardTimer",
+        ]
+    assert (
+        "| one-time warm-up s (kernel builds: a forward + backward before step 0, outside the medians and the clock) |"
+        in table
+    )
     assert "autograd: step 2/6" in out_text and "bppsa: step 4/6" in out_text
     assert out_text.count("BPPSA conversion") <= 1  # fit then validate: the table once (it is logged)
     assert (out / "loss_vs_time.png").read_bytes().startswith(b"\x89PNG")
@@ -82,7 +122,9 @@ def test_an_interrupted_comparison_stays_marked_and_the_next_one_gets_its_own_fo
         compare("rnn_bitstream", max_steps=5, check_every=0, block_steps=1, save_dir="runs", overrides=tiny)
     root = workdir / "runs" / "rnn_bitstream" / "compare"
     assert (root / "version_0" / INCOMPLETE).exists()
-    assert "version_0 stays marked INCOMPLETE" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "version_0 stays marked INCOMPLETE" in err
+    assert "measured autograd forward + backward " in out  # no --threads: the thread count was measured
     monkeypatch.undo()
     monkeypatch.chdir(workdir)
 
@@ -162,3 +204,52 @@ def test_compare_refuses_bad_threads_and_blocks(workdir: Path) -> None:
         compare("rnn_bitstream", max_steps=2, threads=0)
     with pytest.raises(CLIError, match="--block-steps must be >= 1; got 0"):
         compare("rnn_bitstream", max_steps=2, block_steps=0)
+
+
+def test_threads_given_are_not_measured_and_measured_ones_follow_the_measurements(capsys) -> None:
+    def no_timer(cli: object):
+        raise AssertionError("--threads was given: nothing may be measured")
+
+    assert torch_threads(3, object(), timer=no_timer) == (3, "torch threads: 3 (--threads)")
+    timed: list[object] = []
+
+    def timer(cli: object):
+        timed.append(cli)
+        return {1: 0.055, 2: 0.359, 3: 0.02}.__getitem__  # the issue's 2-vCPU collapse at 2 threads
+
+    cli = object()
+    assert torch_threads(None, cli, timer=timer, cpus=2) == (
+        1, "torch threads: 1 (measured autograd forward + backward 55 ms at 1 thread, 359 ms at 2; "
+        "--threads to override)",
+    )  # fmt: skip
+    assert torch_threads(None, cli, timer=timer, cpus=3)[0] == 3 and timed == [cli, cli]
+
+
+def test_threads_fall_back_to_the_physical_cores_where_no_step_can_be_measured(monkeypatch) -> None:
+    def unmeasurable(cli: object):
+        raise NotMeasurable("manual optimization: its training_step steps the optimizers itself")
+
+    monkeypatch.setattr("lightning_bppsa.cli.compare.default_threads", lambda: 2)
+    assert torch_threads(None, object(), timer=unmeasurable, cpus=4) == (
+        2, "torch threads: 2 (one per physical core; not measured: manual optimization: its training_step "
+        "steps the optimizers itself; --threads to override)",
+    )  # fmt: skip
+
+
+def test_the_thread_measurement_times_a_copy_and_leaves_the_run_untouched(
+    workdir: Path, tiny: list[str]
+) -> None:
+    path = find_recipe("rnn_bitstream")
+    cli = _build_run("auto", ["--config", str(path), *tiny, "--trainer.logger=false"], "runs", 0, path)
+    weights = {k: v.clone() for k, v in cli.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    readings = iter([0.0, 5.0, 10.0, 10.5, 20.0, 22.0, 30.0, 30.1])  # step times 5 (untimed), 0.5, 2, 0.1
+    threads = torch.get_num_threads()
+    try:
+        seconds_at = autograd_step_timer(cli, steps=3, clock=lambda: next(readings))
+        assert seconds_at(1) == 0.5 and torch.get_num_threads() == 1  # the median of the timed steps
+    finally:
+        measure.set_threads(threads)
+    assert torch.equal(torch.get_rng_state(), rng) and cli.datamodule.tensors is None  # its data not set up
+    assert all(torch.equal(v, weights[k]) for k, v in cli.model.state_dict().items())
+    assert all(p.grad is None for p in cli.model.parameters())

@@ -10,6 +10,7 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_bppsa.cli import report
 from lightning_bppsa.cli.report import (
     CHECK_SECONDS,
+    WARM_UP_KEY,
     Conditions,
     RunSummary,
     block_speedups,
@@ -27,8 +28,11 @@ def _write_run(
     losses: list[float],
     checks: dict[int, float],
     check_seconds: dict[int, float] | None = None,
+    warm_up: float | None = None,
 ) -> str:
     writer = SummaryWriter(str(folder))
+    if warm_up is not None:
+        writer.add_scalar(WARM_UP_KEY, warm_up, 0)
     for step, (seconds, loss) in enumerate(zip(step_seconds, losses, strict=True)):
         writer.add_scalar("time/step", seconds, step)
         writer.add_scalar("time/backward", seconds / 2, step)
@@ -78,6 +82,19 @@ def test_gradient_checks_are_left_out_of_the_medians_and_the_clock(tmp_path: Pat
     assert summary.seconds["step"] == pytest.approx(0.1)  # median of steps 1, 3, 4, 5
     assert sorted(summary.per_step["step"]) == [1, 3, 4, 5] and summary.check_seconds == pytest.approx(0.8)
     assert [s for _, s, _ in summary.loss_curve] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9, 1.2])
+
+
+def test_the_warm_up_is_its_own_row_outside_the_medians_and_the_clock(tmp_path: Path) -> None:
+    seconds, losses = [0.1, 0.2, 0.1, 0.3, 0.1, 0.2], [2.0, 1.9, 1.8, 1.7, 1.6, 1.5]
+    autograd = summarise_run("autograd", _write_run(tmp_path / "a", seconds, losses, {}, warm_up=0.5), {})
+    bppsa = summarise_run("bppsa", _write_run(tmp_path / "b", seconds, losses, {}, warm_up=8.0), {})
+    assert (autograd.warm_up_seconds, bppsa.warm_up_seconds) == (0.5, 8.0)
+    assert bppsa.seconds["step"] == pytest.approx(0.2) and sorted(bppsa.per_step["step"]) == [1, 2, 3, 4, 5]
+    assert [s for _, s, _ in bppsa.loss_curve] == pytest.approx([0.1, 0.3, 0.4, 0.7, 0.8, 1.0])
+    table = format_comparison(autograd, bppsa)
+    assert "before step 0, outside the medians and the clock) | 0.5 | 8 |  |" in table
+    to_loss = next(row for row in table.splitlines() if row.startswith("| seconds to smoothed train/loss"))
+    assert to_loss.endswith(" | 1.00x |")  # the same curves on the same clock: 8 s against 0.5 s left out
 
 
 def _run(label: str, step_ms: list[float], losses: list[float]) -> RunSummary:
