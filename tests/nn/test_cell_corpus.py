@@ -8,6 +8,8 @@ the input's and the state's projections, activations) before it is split by ``ch
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from lightning_bppsa.kernels import _native
 from torch import nn
 
 from lightning_bppsa.nn import Recurrence
+from lightning_bppsa.nn.cell_structure import trace_cell
 
 F64 = torch.float64
 
@@ -203,7 +206,58 @@ class LeakyMemory(nn.Module):
         return torch.sigmoid(o) * torch.tanh(m) + 0.1 * h, m
 
 
-FACTORED = [HandLSTM, MethodLSTM, HandGRU, ViewGRU, MinGRU, MinLSTM, LiGRU, IndRNN, PeepholeLSTM, CoupledGRU, LeakyMemory]
+class SizesGRU(nn.Module):
+    """A GRU whose gate block is split by a list of sizes ``[2H, H]``, viewed ``(rows, 2, H)`` and indexed
+    (a negative index too), and sliced from the end (``[:, -H:]``)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = hidden
+        self.ih = nn.Linear(inputs, 3 * hidden)
+        self.hh = nn.Parameter(torch.randn(hidden, 3 * hidden) * 0.4)
+
+    def forward(self, x, h):
+        H = self.hidden
+        gi, gh = self.ih(x), h @ self.hh
+        rz, _ = torch.split(gi + gh, [2 * H, H], dim=1)
+        gates = torch.sigmoid(rz).view(-1, 2, H)
+        r, z = gates[:, 0], gates[:, -1]
+        n = torch.tanh(gi[:, -H:] + r * gh[:, -H:])
+        return z * h + (1 - z) * n
+
+
+class SlicedWeights(nn.Module):
+    """One weight matrix sliced per use: ``F.linear`` with its blocks, ``torch.matmul`` and ``@`` with transposed
+    blocks."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = hidden
+        self.w = nn.Parameter(torch.randn(2 * hidden, hidden + inputs) * 0.4)
+
+    def forward(self, x, h):
+        H = self.hidden
+        z = torch.sigmoid(F.linear(h, self.w[:H, :H]) + F.linear(x, self.w[:H, H:]))
+        n = torch.tanh(torch.matmul(h, self.w[H:, :H].t()) + x @ self.w[H:, H:].t())
+        return z * h + (1 - z) * n
+
+
+FACTORED = [
+    HandLSTM, MethodLSTM, HandGRU, ViewGRU, SizesGRU, MinGRU, MinLSTM, LiGRU, IndRNN, PeepholeLSTM, CoupledGRU,
+    LeakyMemory, SlicedWeights,
+]
+
+
+class PerPieceLSTM(HandLSTM):
+    """:class:`HandLSTM` written per piece: each gate's sum of its own column blocks."""
+
+    def forward(self, x, state):
+        h, c = state
+        i, f, g, o = (a + b for a, b in zip(self.ih(x).chunk(4, 1), self.hh(h).chunk(4, 1), strict=True))
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
 
 
 class ReducedOverState(nn.Module):
@@ -286,3 +340,19 @@ def test_cells_that_do_not_factor_fall_back_with_a_reason_and_stay_exact(cell_ty
     theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_gate_block_first_cell_factors_as_if_written_per_piece():
+    """The same pieces of the same weights, and the same pointwise ops, as the cell written per piece."""
+    structures = []
+    for cell_type in (HandLSTM, PerPieceLSTM):
+        torch.manual_seed(2)
+        cell = cell_type(3, 5).to(F64)
+        states = (torch.zeros(4, 5, dtype=F64), torch.zeros(4, 5, dtype=F64))
+        structures.append(trace_cell(cell, torch.randn(4, 3, dtype=F64), states, is_tuple=True))
+    block, per_piece = structures
+    assert block.reason is None and per_piece.reason is None
+    assert [(p.offset, p.reads) for p in block.pieces] == [(p.offset, p.reads) for p in per_piece.pieces]
+    assert len(block.pieces) == 4 and block.factor_elements == per_piece.factor_elements
+    ops = [Counter(str(n.target) for n in s.pointwise.graph.nodes if n.op == "call_function") for s in structures]
+    assert ops[0] == ops[1]
