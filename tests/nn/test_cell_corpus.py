@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lightning_bppsa.kernels import _native
 from torch import nn
 
-from lightning_bppsa.nn import Recurrence
+from lightning_bppsa.nn import Recurrence, cell_kernel
 from lightning_bppsa.nn.cell_structure import trace_cell
 
 F64 = torch.float64
@@ -356,3 +356,19 @@ def test_a_gate_block_first_cell_factors_as_if_written_per_piece():
     assert len(block.pieces) == 4 and block.factor_elements == per_piece.factor_elements
     ops = [Counter(str(n.target) for n in s.pointwise.graph.nodes if n.op == "call_function") for s in structures]
     assert ops[0] == ops[1]
+
+
+@pytest.mark.parametrize("cell_type", [HandLSTM, SizesGRU, CoupledGRU], ids=lambda c: c.__name__)
+def test_per_piece_rewrite_is_exact_on_the_torch_path(cell_type, monkeypatch):
+    """Where nothing is compiled (as on a GPU) the rewritten step runs in torch: factored and exact."""
+    monkeypatch.setenv("BPPSA_NATIVE", "0")
+    monkeypatch.setattr(cell_kernel, "_LIBRARIES", {})
+    torch.manual_seed(3)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(6, 3, 3, dtype=F64, requires_grad=True)
+    module, ours = _recurrence(cell, x)
+    stats = module.last_stats
+    assert stats["jacobians"] == "factored" and stats["traced_forward"] and not stats["cell_kernel"]
+    theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
