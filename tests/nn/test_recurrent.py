@@ -310,20 +310,41 @@ def test_everyday_mistakes_raise_torchs_own_error(cell, mistake):
         ours(x, hx)
 
 
-def test_auto_falls_back_to_autograd_and_records_it():
-    # two steps of one row: torch's RNN (386 µs measured) beats the kernels' fixed cost per call (457 µs)
-    short = bnn.RNN(1, 20, batch_first=True)
-    short(torch.randn(1, 2, 1, requires_grad=True))[0].sum().backward()
-    assert short.last_stats["path"] == "autograd" and "cost model" in short.last_stats["plan"]
-    lstm = bnn.LSTM(12, 20, batch_first=True)
-    lstm(torch.randn(16, 100, 12, requires_grad=True))[0].sum().backward()
-    assert lstm.last_stats["path"] == "scan"
-    rnn = bnn.RNN(1, 20, batch_first=True)
-    rnn(torch.randn(16, 1000, 1))[0][:, -1].sum().backward()
-    assert rnn.last_stats["path"] == "scan" and rnn.last_stats["algorithm"] == "auto"
+@pytest.fixture
+def injected_cost_model(monkeypatch):
+    """``cost_model.recurrent_seconds`` (what "auto" asks on CPU) replaced: it predicts
+    ``predictions[(batch, n, hidden)]`` = ``(scan, autograd)`` seconds and records each question, so that what
+    "auto" is expected to do follows from the model it asks, not from measured constants that move whenever
+    the model is re-fitted (tests/conftest.py forgets the layers' decisions around every test)."""
+    from lightning_bppsa import cost_model
+
+    predictions, asked = {}, []
+
+    def recurrent_seconds(cost, *, n, hidden, batch, width, device, native, fused=False):
+        asked.append((batch, n, hidden, device))
+        return predictions[(batch, n, hidden)]
+
+    monkeypatch.setattr(cost_model, "recurrent_seconds", recurrent_seconds)
+    return predictions, asked
+
+
+@pytest.mark.parametrize("answer", ["scan", "autograd"])
+@pytest.mark.parametrize(("cell", "batch", "length"), [("RNN", 1, 2), ("LSTM", 16, 100)])
+def test_auto_takes_the_cost_models_path_and_records_it(injected_cost_model, answer, cell, batch, length):
+    predictions, asked = injected_cost_model
+    fast, slow = 1e-3, 1e-2  # ten times apart: the model is sure, nothing is measured
+    predictions[(batch, length, 20)] = (fast, slow) if answer == "scan" else (slow, fast)
+    layer = getattr(bnn, cell)(3, 20, batch_first=True)
+    for _ in range(2):
+        layer(torch.randn(batch, length, 3, requires_grad=True))[0].sum().backward()
+        assert layer.last_stats["path"] == answer and layer.last_stats["algorithm"] == "auto"
+    assert asked == [(batch, length, 20, "cpu")]  # asked once for the shape
+    if answer == "autograd":
+        assert "cost model" in layer.last_stats["plan"], layer.last_stats
     with torch.no_grad():
-        rnn(torch.randn(2, 10, 1))
-    assert rnn.last_stats["path"] == "forward kernel"  # inference: the forward kernel, nothing to scan
+        layer(torch.randn(2, 10, 3))
+    assert layer.last_stats["path"] == "forward kernel"  # inference: the forward kernel, nothing to scan
+    assert len(asked) == 1  # and the cost model is not asked
 
 
 @pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
