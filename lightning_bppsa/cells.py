@@ -58,7 +58,7 @@ class RecurrentCell:
     # ---- forward ---------------------------------------------------------------------------------
     def torch_forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> tuple:
         """Torch's fused forward (no factors): ``(out,)`` or ``(out, c_n)``; differentiable by autograd."""
-        out, _ = _VF_FORWARD[self.name](x, h0[None], tuple(weights), len(weights) == 4, 1, 0.0, False, False, True)
+        out, _ = _VF_FORWARD[self.name](x, h0[None], tuple(weights), len(weights) == 4, 1, 0.0, True, False, True)
         return (out,)
 
     def forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> list[Tensor]:
@@ -440,7 +440,7 @@ class LSTMCell(RecurrentCell):
         return 10 * hidden
 
     def torch_forward(self, x, h0, c0, weights):
-        out, _, c_n = torch._VF.lstm(x, (h0[None], c0[None]), tuple(weights), len(weights) == 4, 1, 0.0, False,
+        out, _, c_n = torch._VF.lstm(x, (h0[None], c0[None]), tuple(weights), len(weights) == 4, 1, 0.0, True,
                                      False, True)  # fmt: skip
         return out, c_n[0]
 

@@ -6,7 +6,8 @@
 and, for cells with a cell state, ``c_n``:
 
 - forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass,
-  :mod:`lightning_bppsa.cells`); under autocast it computes in the autocast dtype, as torch's layers do;
+  :mod:`lightning_bppsa.cells`); under autocast it computes in the parameters' dtype and rounds its outputs to the
+  autocast dtype (exact states for the backward, as cuDNN keeps its state in float32);
 - backward: ``bppsa::recurrent_backward`` (scan, gate gradients and the GEMMs of Eq. 2, in the
   parameters' dtype; its plan is decided inside the op, at run time), with autocast off whatever autocast
   state ``backward()`` is called under; a recomputed forward runs under the forward's
@@ -58,31 +59,45 @@ def _dispatched(tensors) -> bool:
 
 
 
-def _forward_op(cell: str, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list[Tensor]:
-    """``bppsa::recurrent_forward`` on the layer's inputs, cast to ``low`` if given (autocast)."""
-    args = [x, h0, c0, *weights] if low is None else [None if t is None else t.to(low) for t in (x, h0, c0, *weights)]
+def _lowered(x: Tensor, weights) -> torch.dtype | None:
+    """The dtype autocast gives this layer's outputs, ``None`` where they keep the parameters' dtype.
+
+    Under autocast the layer computes its states and Jacobian factors in the parameters' dtype and rounds
+    only its outputs: the backward then reads exact states, as cuDNN's half-precision layers keep their
+    state in float32 (states rounded to bfloat16 each step made the gradients 3-20x less accurate than
+    cuDNN's on an H100)."""
+    low = _autocast_dtype(x.device.type)
+    return None if low == weights[0].dtype else low
+
+
+def _forward_op(cell: str, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list[Tensor]:
+    """``bppsa::recurrent_forward`` on the layer's inputs, cast to ``dtype`` if given (autocast)."""
+    args = [x, h0, c0, *weights] if dtype is None else [None if t is None else t.to(dtype) for t in (x, h0, c0, *weights)]
     op = torch.ops.bppsa.recurrent_forward if _dispatched(args) else recurrent_forward
     return op(cell, args[0], args[1], args[2], list(args[3:]))
 
 
-def _timed_forward(cell: str, stats: dict, low: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights):
+def _timed_forward(cell: str, stats: dict, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights):
     """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode)."""
     start = clock()
-    results = _forward_op(cell, low, x, h0, c0, weights)
+    results = _forward_op(cell, dtype, x, h0, c0, weights)
     record(stats, "forward_seconds", clock() - start, add=True)
     return results
 
 
-def _outputs(cell: str, out: Tensor, results: list[Tensor]) -> tuple[Tensor, ...]:
-    """The layer's outputs: ``out``, ``h_n`` (a copy of ``out[:, -1]``) and for a cell state ``c_n``."""
-    return (out, out[:, -1].clone(), *results[1 : 2 if CELLS[cell].has_cell_state else 1])
+def _outputs(cell: str, out: Tensor, results: list[Tensor], low: torch.dtype | None) -> tuple[Tensor, ...]:
+    """The layer's outputs: ``out``, ``h_n`` (a copy of ``out[:, -1]``) and for a cell state ``c_n`` (rounded
+    to ``low`` if given)."""
+    cell_state = [c if low is None else c.to(low) for c in results[1 : 2 if CELLS[cell].has_cell_state else 1]]
+    return (out, out[:, -1].clone(), *cell_state)
 
 
 def forward_only(cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
     """:class:`LayerFunction`'s outputs where no gradient is needed (inference, also under
     ``torch.inference_mode``): the forward op alone, nothing kept for a backward. Same arguments."""
-    results = _timed_forward(cell, stats, _autocast_dtype(x.device.type), x, h0, c0, weights)
-    return _outputs(cell, results[0], results)
+    low = _lowered(x, weights)
+    results = _timed_forward(cell, stats, None if low is None else weights[0].dtype, x, h0, c0, weights)
+    return _outputs(cell, results[0] if low is None else results[0].to(low), results, low)
 
 
 class LayerFunction(torch.autograd.Function):
@@ -92,16 +107,19 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
-        low = _autocast_dtype(x.device.type)
-        results = _timed_forward(cell, stats, low, x, h0, c0, weights)
+        low = _lowered(x, weights)
+        ctx.compute = None if low is None else weights[0].dtype
+        results = _timed_forward(cell, stats, ctx.compute, x, h0, c0, weights)
         outputs = 2 if CELLS[cell].has_cell_state else 1
-        ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, low
+        ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, _autocast_dtype(x.device.type)
         ctx.autocast = autocast_state(x.device.type)
         out = results[0]
         # The backward needs the states as the forward left them; torch's RNN / GRU let the caller modify
         # their output in place. Eagerly the caller gets out itself and the backward recomputes the states
         # if out's version moved (rare; a copy each step costs more). Compiled graphs keep a copy.
-        if torch.compiler.is_compiling():
+        if low is not None:  # the caller gets the rounded copy
+            saved, returned, ctx.out = out, out.to(low), None
+        elif torch.compiler.is_compiling():
             saved, returned, ctx.out = out, out.clone(), None
         else:
             saved, returned = None, out
@@ -109,7 +127,7 @@ class LayerFunction(torch.autograd.Function):
         ctx.save_for_backward(x, h0, c0, saved, *weights, *results[outputs:])
         ctx.weights = len(weights)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, no zeros (B, n, H)
-        return _outputs(cell, returned, results)
+        return _outputs(cell, returned, results, low)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None = None):
@@ -122,7 +140,7 @@ class LayerFunction(torch.autograd.Function):
         if out is None:  # eager: out itself, unless modified in place since the forward (then recomputed)
             kept, ctx.out = ctx.out, None  # released here: a second backward (retain_graph) recomputes
             unchanged = kept is not None and kept._version == ctx.out_version
-            out = kept if unchanged else _forward_op(ctx.cell, ctx.low, x, h0, c0, rest[: ctx.weights])[0]
+            out = kept if unchanged else _forward_op(ctx.cell, ctx.compute, x, h0, c0, rest[: ctx.weights])[0]
         weights, factors = rest[: ctx.weights], rest[ctx.weights :]
         needs = ctx.needs_input_grad[3:]
         cell = CELLS[ctx.cell]

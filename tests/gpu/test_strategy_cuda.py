@@ -52,8 +52,8 @@ def test_training_matches_autograd(backend, precision, rtol):
     precision = backend.mixed_precision if precision == "mixed" else precision
     ours, ref = fit(BPPSAStrategy(algorithm="chunked"), precision, backend), fit("auto", precision, backend)
     assert ours.rnn.last_stats["path"] == "scan"
+    # the device the steps ran on is checked inside training_step: after fit Lightning moves the model to the CPU
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
-        assert a.device.type == backend.device.type
         assert ((a - b).norm() / b.norm()).item() <= rtol
 
 
