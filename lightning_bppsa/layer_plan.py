@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "UNSURE", "device_timer", "forget", "measurements",
-           "plan_layer", "time_candidates"]  # fmt: skip
+           "cached", "generation", "plan_layer", "time_candidates"]  # fmt: skip
 
 #: the model is "unsure" where its two predictions are within this factor of each other
 UNSURE = 2.0
@@ -67,6 +67,8 @@ class LayerPlan:
 
 _decisions: dict[LayerShape, LayerPlan] = {}
 _measuring = {"on": True}
+#: bumped by :func:`forget`: a caller's memo of a decision (``generation()``, plan) is stale once it moves
+_generation = [0]
 
 
 @contextmanager
@@ -82,6 +84,17 @@ def measurements(enabled: bool) -> Iterator[None]:
 def forget() -> None:
     """Drop every cached decision (the next call of each shape decides again)."""
     _decisions.clear()
+    _generation[0] += 1
+
+
+def generation() -> int:
+    """The cache's generation: a decision memoised under an older one may have been forgotten."""
+    return _generation[0]
+
+
+def cached(shape: LayerShape) -> bool:
+    """Whether a decision for ``shape`` is in the cache (one a caller may memoise)."""
+    return shape in _decisions
 
 
 def device_timer(device: torch.device) -> Timer:

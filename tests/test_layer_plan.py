@@ -113,3 +113,23 @@ def test_a_candidate_that_raises_is_ruled_out_and_all_raising_raises():
     assert times == {"scan": 1.0, "autograd": float("inf")}
     with pytest.raises(RuntimeError, match="primitive descriptor"):
         time_candidates({"scan": broken, "autograd": broken}, lambda fn: 1.0)
+
+
+def test_a_module_asks_the_plan_once_per_shape_until_the_cache_is_forgotten(monkeypatch):
+    asked = []
+    real = layer_plan.plan_layer
+
+    def counting(shape, predict, measure):
+        asked.append(shape)
+        return real(shape, predict, measure)
+
+    monkeypatch.setattr(layer_plan, "plan_layer", counting)
+    rnn = bnn.RNN(2, 4, batch_first=True)
+    x = torch.randn(3, 5, 2, requires_grad=True)
+    for _ in range(3):
+        rnn(x)
+    assert len(asked) == 1
+    rnn(torch.randn(3, 6, 2, requires_grad=True))  # another shape: asked
+    layer_plan.forget()
+    rnn(x)  # forgotten: asked again
+    assert len(asked) == 3

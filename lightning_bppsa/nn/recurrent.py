@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from lightning_bppsa import cost_model, cuda_step_model
+from lightning_bppsa import cost_model, cuda_step_model, layer_plan
 from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import cell_of, forward_kernel_runs
-from lightning_bppsa.layer_plan import LayerShape, device_timer, plan_layer, time_candidates
+from lightning_bppsa.layer_plan import LayerShape, device_timer, time_candidates
 from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.plan import check_algorithm
@@ -124,6 +124,12 @@ class _ScanRecurrent:
             return ("forward kernel", "") if kernel else ("autograd", "no gradient needed")
         if self.algorithm != "auto":
             return "scan", f"algorithm={self.algorithm!r} as asked"
+        # the decision of the last shape this module saw, while the cache still holds it: a training loop
+        # asks with one shape every step, and torch's layer must not pay for asking (~30 µs of Python)
+        key = (input.shape, input.dtype, input.device, layer_plan.generation())
+        memo = getattr(self, "_plan_memo", None)
+        if memo is not None and memo[0] == key:
+            return memo[1].path, memo[1].reason
         batch_dim = 0 if self.batch_first else 1
         batch = input.shape[batch_dim] if input.dim() == 3 else 1
         length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
@@ -131,7 +137,9 @@ class _ScanRecurrent:
             self.mode, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1],
             self.hidden_size, input.dtype, str(input.device),
         )  # fmt: skip
-        plan = plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
+        plan = layer_plan.plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
+        if layer_plan.cached(shape):
+            self._plan_memo = (key, plan)
         return plan.path, plan.reason
 
     def _measure(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
