@@ -73,7 +73,9 @@ class Backend:
         """:func:`lightning_bppsa.kernels.cuda.scan_dense` on this backend."""
         if self.is_cuda:
             return kernels.scan_dense(jacobians_t, grad, algorithm, chunk_size)
-        return emulated.scan_dense(jacobians_t, grad, algorithm, chunk_size, shared_limit=self.shared_limit)
+        return emulated.scan_dense(
+            jacobians_t, grad, algorithm, chunk_size, shared_limit=self.shared_limit, timeout=EMULATED_TIMEOUT_S
+        )
 
     def scan_factored(
         self, weight: Tensor, scales: Tensor, diagonal: Tensor | None, grad: Tensor, algorithm: str, chunk: int
@@ -81,8 +83,10 @@ class Backend:
         """:func:`lightning_bppsa.kernels.cuda.scan_factored` on this backend."""
         if self.is_cuda:
             return kernels.scan_factored(weight, scales, diagonal, grad, algorithm, chunk)
-        limit = self.shared_limit
-        return emulated.scan_factored(weight, scales, diagonal, grad, algorithm, chunk, shared_limit=limit)
+        return emulated.scan_factored(
+            weight, scales, diagonal, grad, algorithm, chunk, shared_limit=self.shared_limit,
+            timeout=EMULATED_TIMEOUT_S,
+        )  # fmt: skip
 
     def side_stream(self) -> AbstractContextManager:
         """A CUDA side stream made current (``torch.cuda.stream``); the current thread when emulated."""
@@ -113,6 +117,10 @@ def make_backend(name: str) -> Backend:
         pytest.skip("no CUDA device, and no g++ to build the host emulation of the kernels")
     return Backend("emulated", torch.device("cpu"), recurrent_emulated, SM80_OPTIN_SHARED_BYTES)
 
+
+#: an emulated launch is aborted as deadlocked after this long: generous, since a loaded machine (thousands of
+#: OS threads on two cores) must not fail a test that checks values, not the deadlock guard
+EMULATED_TIMEOUT_S = 600.0
 
 #: decided once per session: a CUDA machine runs the GPU, any other the emulation (the id says which)
 BACKEND = "cuda" if torch.cuda.is_available() else "emulated"

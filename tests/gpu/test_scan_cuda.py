@@ -7,7 +7,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from lightning_bppsa.kernels import cuda as kernels
-from lightning_bppsa.kernels import emulated
 
 from lightning_bppsa import FactoredJacobians, backprop_scan, plan, scan_ref
 from lightning_bppsa.testing import assert_derived_close
@@ -27,7 +26,7 @@ def device(backend, monkeypatch) -> Iterator[torch.device]:
     def counted(scan):
         def run(*args):
             launches.append(scan.__name__)
-            return scan(*args, shared_limit=backend.shared_limit)
+            return scan(*args)
 
         return run
 
@@ -38,8 +37,8 @@ def device(backend, monkeypatch) -> Iterator[torch.device]:
 
     monkeypatch.setattr(plan, "choose", choose)
     monkeypatch.setattr(kernels, "available", lambda: (True, ""))
-    monkeypatch.setattr(kernels, "scan_dense", counted(emulated.scan_dense))
-    monkeypatch.setattr(kernels, "scan_factored", counted(emulated.scan_factored))
+    monkeypatch.setattr(kernels, "scan_dense", counted(backend.scan_dense))  # the emulation's
+    monkeypatch.setattr(kernels, "scan_factored", counted(backend.scan_factored))
     plan._choose.cache_clear()  # plans cached for "cuda" without kernels (or with the stand-in) must not leak
     yield backend.device
     plan._choose.cache_clear()
@@ -49,10 +48,10 @@ def device(backend, monkeypatch) -> Iterator[torch.device]:
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch", "chunked", "auto"])
 @pytest.mark.parametrize("hidden", [1, 20, 33, 128])
 def test_factored_matches_cpu_float64(backend, device, algorithm, hidden):
-    steps = backend.size(cuda=301, emulated=23)
+    rows, steps = backend.size(cuda=3, emulated=1), backend.size(cuda=301, emulated=11)
     weight = torch.randn(hidden, hidden, dtype=torch.float64) / hidden**0.5
-    scales = torch.rand(3, steps, hidden, dtype=torch.float64)
-    grad = torch.randn(3, steps + 1, hidden, dtype=torch.float64)
+    scales = torch.rand(rows, steps, hidden, dtype=torch.float64)
+    grad = torch.randn(rows, steps + 1, hidden, dtype=torch.float64)
     reference = scan_ref(FactoredJacobians(weight, scales), grad)  # plain torch: no plan, no kernel
     jacobians = FactoredJacobians(weight.to(device), scales.to(device))
     out = backprop_scan(jacobians, grad.to(device), algorithm=algorithm)
