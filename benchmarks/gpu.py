@@ -122,7 +122,7 @@ COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
 CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "plan", "note")
 #: the share of the time left at the start that each stage of ``--all`` may use at most; the paper's
 #: grids, last, get what the others leave
-STAGE_SHARES = {"tests": 0.2, "step": 0.2, "calib": 0.45}
+STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "calib": 0.4}
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
 TESTS_SECONDS = 90.0
@@ -143,6 +143,7 @@ class Shapes:
     paper: tuple[tuple[str, int, int, int], ...]  # (cell, B, T, input)
     paper_hidden: int
     max_steps: int  # timed calls of each function per round, at most
+    chain: tuple[tuple[str, int, int], ...] = ()  # VGG-11's conv chain: (weights, B, channel divisor)
     rounds: int = 3
 
 
@@ -159,6 +160,7 @@ GPU_SHAPES = Shapes(
     paper=tuple(rows(quick=False)),
     paper_hidden=HIDDEN,
     max_steps=20,
+    chain=(("dense", 1, 1), ("dense", 16, 1), ("pruned 97%", 1, 1), ("pruned 97%", 16, 1)),
 )  # fmt: skip
 #: the smoke mode (``--device cpu --tiny``): every stage, on shapes a CPU runs in seconds
 TINY_SHAPES = Shapes(
@@ -170,6 +172,7 @@ TINY_SHAPES = Shapes(
     paper=(("RNN", 2, 6, 1), ("GRU", 2, 5, 3)),
     paper_hidden=4,
     max_steps=2,
+    chain=(("dense", 1, 16), ("pruned 97%", 2, 16)),
 )
 
 
@@ -484,6 +487,42 @@ def _step_table(runner: Runner, done: list[list[str]], total: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Stage 2b: layer chains (SparseChain, VGG-11's convolutions)
+# --------------------------------------------------------------------------------------------------
+
+CHAIN_COLUMNS = ("weights", "B", "cuDNN fwd+bwd ms", "SparseChain fwd+bwd ms", "speedup", "SparseChain path")
+
+
+def chain_stage(runner: Runner) -> list[list[str]]:
+    """cuDNN autograd vs ``convert``'s SparseChain (``algorithm="auto"``) on VGG-11's conv chain (32x32 input,
+    paper Sec. 5.3), forward + backward of a fixed output gradient; ``cuda-chain.md`` rewritten after each row."""
+    from lightning_bppsa.bench.vgg import _step as chain_step
+    from lightning_bppsa.bench.vgg import build_case
+    from lightning_bppsa.nn import SparseChain
+
+    done: list[list[str]] = []
+    for index, (weights, batch, divisor) in enumerate(runner.shapes.chain):
+        model, x, grad = build_case(weights, batch, width=divisor)
+        ref = model.to(runner.device)
+        ours = SparseChain.from_sequential(copy.deepcopy(ref))
+        x, grad = x.detach().to(runner.device).requires_grad_(), grad.to(runner.device)
+        budget = max(runner.left(), 0) / (len(runner.shapes.chain) - index)
+        times = interleaved(runner, {"cudnn": chain_step(ref, x, grad), "bppsa": chain_step(ours, x, grad)}, 0.9 * budget)
+        stats = ours.last_stats
+        path = stats.get("path", "") + (f" ({stats['reason']})" if stats.get("reason") else "")
+        done.append([weights, str(batch), _ms(times["cudnn"]), _ms(times["bppsa"]),
+                     _ratio(times["cudnn"], times["bppsa"]), path])  # fmt: skip
+        print("chain " + " | ".join(done[-1]), flush=True)
+        _write(runner, "cuda-chain.md", header(runner, "Layer chains: cuDNN autograd vs SparseChain (auto)") + (
+            "VGG-11's 8 convolutions + ReLUs + 5 max-pools (`lightning_bppsa.bench.vgg.build_case`), float32, "
+            f"median of {runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up calls, {runner.timer}.\n\n"
+            "| " + " | ".join(CHAIN_COLUMNS) + " |\n|" + " --- |" * len(CHAIN_COLUMNS) + "\n"
+            + "".join("| " + " | ".join(row) + " |\n" for row in done)
+        ))  # fmt: skip
+    return done
+
+
+# --------------------------------------------------------------------------------------------------
 # Stage 3: the calibration grid
 # --------------------------------------------------------------------------------------------------
 
@@ -789,6 +828,7 @@ def run_all(
     total = max(runner.left(), 0)
     tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
     step_stage(runner.until(STAGE_SHARES["step"] * total))
+    chain_stage(runner.until(STAGE_SHARES["chain"] * total))
     calib_stage(runner.until(STAGE_SHARES["calib"] * total), times)
     write_measurements(runner)
 

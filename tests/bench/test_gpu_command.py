@@ -86,7 +86,7 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_file_has_the_header(full_run: Path) -> None:
-    for name in ("cuda-tests.md", "cuda-step.md", "cuda-calib.md", "cuda-gpu.md"):
+    for name in ("cuda-tests.md", "cuda-step.md", "cuda-chain.md", "cuda-calib.md", "cuda-gpu.md"):
         line = _read(full_run, name).splitlines()[2]
         for part in ("Device CPU", "torch ", "cuDNN ", "CuPy ", "commit abc1234", " UTC", "gpu.py"):
             assert part in line, (name, part, line)
@@ -265,3 +265,9 @@ def test_the_command_line_builds_the_smoke_runner(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--within", "0", "--device", "cpu"])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+def test_the_chain_table_has_both_weights_and_says_which_path_ran(full_run: Path) -> None:
+    rows = _table_rows(_read(full_run, "cuda-chain.md"))
+    assert [row[:2] for row in rows] == [["dense", "1"], ["pruned 97%", "2"]]
+    assert all(row[-1].startswith(("scan", "autograd")) and row[3] != "" for row in rows)
