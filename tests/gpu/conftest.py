@@ -129,8 +129,3 @@ BACKEND = "cuda" if torch.cuda.is_available() else "emulated"
 @pytest.fixture(params=[BACKEND])
 def backend(request: pytest.FixtureRequest) -> Backend:
     return make_backend(request.param)
-
-
-@pytest.fixture
-def cuda() -> torch.device:
-    return require_kernels()
