@@ -128,8 +128,9 @@ def test_cost_model_plan_is_dtype_aware():
 
 
 def test_chunked_that_cannot_fit_becomes_the_sweep_in_the_plan_not_in_the_launch():
-    from lightning_bppsa import plan
     from lightning_bppsa.kernels import cuda
+
+    from lightning_bppsa import plan
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda, "available", lambda *a, **k: (True, ""))
