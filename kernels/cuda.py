@@ -41,9 +41,10 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from lightning_bppsa.kernels._build import kernel_path
@@ -58,6 +59,7 @@ __all__ = [
     "fits",
     "kernel_args",
     "launch_config",
+    "launch_on_torch_stream",
     "prepare",
     "warp_resident",
     "warp_weight_bytes",
@@ -115,6 +117,7 @@ def _threads(work_items: int) -> int:
     return min(MAX_THREADS, 32 * max(1, math.ceil(work_items / 32)))
 
 
+@functools.lru_cache(maxsize=256)
 def launch_config(
     *,
     factored: bool,
@@ -132,7 +135,7 @@ def launch_config(
 
     ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient;
     ``shared_limit`` is the shared memory a block may use, static + dynamic (48 KiB, or the device's
-    opt-in maximum).
+    opt-in maximum). Cached: a training loop asks with the same shape every step.
     Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64 at 48 KiB).
     """
     if n < 1 or batch < 1 or d < 1:
@@ -233,15 +236,14 @@ def run(
 
     ``mat`` is ``jacobians_t`` (``scales is None``) or the factored ``weight``. Returns ``(B, n + 1, d)``
     in ``grad``'s dtype. ``shared_limit``: see :func:`launch_config`. Shared by the CUDA path and the host
-    emulation.
+    emulation. Per call it allocates the output and, for the chunked kernel only, its scratch and zeroed
+    flags (torch's caching allocator, on the current stream: capturable in a CUDA graph, and the flags
+    are zero at every launch, which the kernel's ticket order relies on); the launch itself is computed
+    once per shape (:func:`launch_config` is cached).
     """
     compute = compute_dtype(grad.dtype)
     factored = scales is not None
-
-    def prepared(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.to(compute).contiguous()
-
-    mat, scales, diagonal, grad_c = (prepared(t) for t in (mat, scales, diagonal, grad))
+    mat, scales, diagonal, grad_c = (_prepared(t, compute) for t in (mat, scales, diagonal, grad))
     batch, d = grad.shape[0], grad.shape[-1]
     n = scales.shape[1] if factored else mat.shape[1]
     m = mat.shape[0] if factored else d
@@ -262,21 +264,18 @@ def run(
         chunk_size=chunk_size,
         shared_limit=shared_limit,
     )
-    work = torch.empty(launch.work_elements, dtype=compute, device=grad.device)
-    sync = torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device)
-
-    def address(t: Tensor | None) -> int:
-        return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
+    # the sweeps use neither: no allocation, no fill
+    work = torch.empty(launch.work_elements, dtype=compute, device=grad.device) if launch.work_elements else None
+    sync = torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device) if launch.sync_words else None
     args = kernel_args(
         launch,
-        mat=address(mat),
-        scales=address(scales),
-        diagonal=address(diagonal),
-        grad=address(grad_c),
-        out=address(out),
-        work=address(work),
-        sync=address(sync),
+        mat=_address(mat),
+        scales=_address(scales),
+        diagonal=_address(diagonal),
+        grad=_address(grad_c),
+        out=_address(out),
+        work=_address(work),
+        sync=_address(sync),
         n=n,
         batch=batch,
         d=d,
@@ -284,7 +283,19 @@ def run(
         affine=affine,
     )
     launcher(launch, args, grad.device)
-    return out.to(grad.dtype)
+    return out if out.dtype == grad.dtype else out.to(grad.dtype)
+
+
+def _prepared(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` in ``dtype`` and contiguous; ``t`` itself (no call into torch) when it already is."""
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
+        return t
+    return t.to(dtype).contiguous()
+
+
+def _address(t: Tensor | None) -> int:
+    """A kernel's pointer argument: the data address, 0 for none."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,15 +402,49 @@ class _TorchStream:
         return 0, self.handle
 
 
-def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
-    import cupy
-    import numpy
+class LaunchShape(Protocol):
+    """What :func:`launch_on_torch_stream` reads of a launch (this module's and the recurrent kernels' ``Launch``)."""
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = prepare(index)[launch.kernel]
-    stream = cupy.cuda.Stream.from_external(_TorchStream(torch.cuda.current_stream(device).cuda_stream))
-    with cupy.cuda.Device(index), stream:
-        kernel((launch.grid,), (launch.block,), tuple(numpy.uint64(a) for a in args), shared_mem=launch.shared_bytes)
+    grid: int
+    block: int
+    shared_bytes: int
+
+
+#: (device index, torch stream handle) -> CuPy's wrapper of that stream: made once per stream, not per launch
+_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def launch_on_torch_stream(kernel, device_index: int, launch: LaunchShape, args: Sequence[int]) -> None:
+    """Queue a loaded CuPy ``kernel`` with ``launch``'s ``grid``, ``block`` and ``shared_bytes`` on torch's
+    current stream of ``device_index`` (also while torch captures a CUDA graph: no sync, no allocation).
+
+    CuPy's wrapper of the stream is made once per torch stream. ``args`` are Python ints (pointers and sizes,
+    all below 2**63): CuPy packs them in C as 64-bit words, bit for bit the kernels' ``uint64`` / pointer
+    parameters, with no per-argument Python object of ours.
+    """
+    handle = torch._C._cuda_getCurrentRawStream(device_index)  # torch.cuda.current_stream's handle, no Stream object
+    stream = _STREAMS.get((device_index, handle))
+    if stream is None:
+        import cupy
+
+        stream = _STREAMS[(device_index, handle)] = cupy.cuda.Stream.from_external(_TorchStream(handle))
+    grid, block = (launch.grid,), (launch.block,)
+    if device_index == torch.cuda.current_device():
+        kernel(grid, block, tuple(args), shared_mem=launch.shared_bytes, stream=stream)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device_index):  # the kernel's module lives in that device's context
+        kernel(grid, block, tuple(args), shared_mem=launch.shared_bytes, stream=stream)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
+    index = _device_index(device)
+    launch_on_torch_stream(prepare(index)[launch.kernel], index, launch, args)
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:
@@ -416,7 +461,7 @@ def fits(d: int, element_bytes: int) -> tuple[bool, str]:
 
 
 def _device_limit(t: Tensor) -> int:
-    return device_shared_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return device_shared_limit(_device_index(t.device))
 
 
 def scan_dense(jacobians_t: Tensor, grad: Tensor, algorithm: str, chunk_size: int) -> Tensor:

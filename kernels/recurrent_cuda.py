@@ -150,14 +150,15 @@ def prepare(
     if batch == 0 or steps == 0 or hidden == 0:
         return None, outputs
 
-    inputs = [None if t is None else t.detach().contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
+    # no detach: a pointer is all a launch takes, and detach() is one more torch call per tensor
+    inputs = [None if t is None else t.contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
     pointers = [0 if t is None else t.data_ptr() for t in inputs]
     factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
-    suffix = _SUFFIX[gi.dtype] + ("_regs" if _weights_in_registers(hidden, gi.element_size()) else "")
+    kernel, block = _kernel_and_block(cell, gi.dtype, hidden)
     launch = Launch(
-        kernel=f"bppsa_{cell}_forward_{suffix}",
+        kernel=kernel,
         grid=batch,
-        block=32 * math.ceil(hidden / 32),
+        block=block,
         shared_bytes=nbytes,
         args=(*pointers, outputs[0].data_ptr(), *factors, batch, steps, hidden),
         buffers=(*(t for t in inputs if t is not None), *outputs),
@@ -165,6 +166,14 @@ def prepare(
     # After the launch is queued the copies may be freed: torch's caching allocator hands a freed block
     # only to work queued later on the same stream, so the kernel still reads valid memory.
     return launch, outputs
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_and_block(cell: str, dtype: torch.dtype, hidden: int) -> tuple[str, int]:
+    """The entry point and threads per block of a layer (once per shape: a training loop asks every step)."""
+    element_bytes = torch.finfo(dtype).bits // 8
+    suffix = _SUFFIX[dtype] + ("_regs" if _weights_in_registers(hidden, element_bytes) else "")
+    return f"bppsa_{cell}_forward_{suffix}", 32 * math.ceil(hidden / 32)
 
 
 Launcher = Callable[[Launch, torch.device], None]
@@ -247,18 +256,26 @@ def _shared_limit(device_index: int) -> int:
     return getattr(props, "shared_memory_per_block_optin", PORTABLE_SHARED_BYTES)
 
 
-def _launch_cuda(launch: Launch, device: torch.device) -> None:
-    import cupy
-    import numpy
+#: (device index, kernel) -> [loaded cupy Function, dynamic shared memory it is opted in to]
+_FUNCTIONS: dict[tuple[int, str], list] = {}
 
+
+def _function(device_index: int, launch: Launch):
+    """The loaded kernel of ``launch``, fetched once per device; opted in beyond 48 KiB of shared memory
+    the first time a launch needs more (not a driver query per launch)."""
+    entry = _FUNCTIONS.get((device_index, launch.kernel))
+    if entry is None:
+        function = _module(device_index).get_function(launch.kernel)
+        entry = _FUNCTIONS[(device_index, launch.kernel)] = [function, PORTABLE_SHARED_BYTES]
+    if launch.shared_bytes > entry[1]:
+        entry[0].max_dynamic_shared_size_bytes = launch.shared_bytes
+        entry[1] = launch.shared_bytes
+    return entry[0]
+
+
+def _launch_cuda(launch: Launch, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _module(index).get_function(launch.kernel)
-    if launch.shared_bytes > PORTABLE_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < launch.shared_bytes:
-        kernel.max_dynamic_shared_size_bytes = launch.shared_bytes  # opt in beyond 48 KiB
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
-    args = tuple(numpy.uint64(a) for a in launch.args)
-    with cupy.cuda.Device(index), stream:
-        kernel((launch.grid,), (launch.block,), args, shared_mem=launch.shared_bytes)
+    cuda.launch_on_torch_stream(_function(index, launch), index, launch, launch.args)
 
 
 def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None):

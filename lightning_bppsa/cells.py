@@ -104,23 +104,35 @@ class RecurrentCell:
         """The step Jacobians of the chain, factored (the scan state is ``state_factor * H``)."""
         raise NotImplementedError
 
-    def gate_gradients(self, g: Tensor, out: Tensor, factors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    def gate_gradients(
+        self, g: Tensor, out: Tensor, factors: Sequence[Tensor], jac: FactoredJacobians
+    ) -> tuple[Tensor, Tensor]:
         """``(d_gi, d_gh)``, the gradients of ``x W_ihᵀ + b_ih`` and ``h W_hhᵀ + b_hh`` from the scan's
-        state gradients ``g`` ``(B, n, d)`` of ``x_1..x_n`` (``out``: the layer's states)."""
+        state gradients ``g`` ``(B, n, d)`` of ``x_1..x_n`` (``out``: the layer's states; ``jac``: what
+        :meth:`jacobians` gave the scan, whose scales hold the local derivatives: not computed twice)."""
         raise NotImplementedError
 
     def direct_gradients(
         self, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None, like: Tensor
     ) -> Tensor:
-        """``(B, n + 1, d)`` direct gradients of the scan states ``x_0..x_n`` (zero at ``x_0``)."""
+        """``(B, n + 1, d)`` direct gradients of the scan states ``x_0..x_n`` (zero at ``x_0``).
+
+        Where ``grad_out`` covers the whole state (``d = H``) only ``x_0``'s row is zeroed (one launch less
+        and no pass over the whole buffer on a GPU)."""
         batch, n, hidden = like.shape
-        direct = like.new_zeros(batch, n + 1, self.state_factor * hidden)
-        if grad_out is not None:
-            direct[:, 1:, :hidden] = grad_out
+        d = self.state_factor * hidden
+        if grad_out is not None and d == hidden:
+            direct = like.new_empty(batch, n + 1, d)
+            direct[:, 0].zero_()
+            direct[:, 1:].copy_(grad_out)
+        else:
+            direct = like.new_zeros(batch, n + 1, d)
+            if grad_out is not None:
+                direct[:, 1:, :hidden].copy_(grad_out)
         if grad_hn is not None:
-            direct[:, n, :hidden] += grad_hn
+            direct[:, n, :hidden].add_(grad_hn)  # add_ on the view: `+=` would also copy it back onto itself
         if grad_cn is not None:
-            direct[:, n, hidden:] = grad_cn
+            direct[:, n, hidden:].copy_(grad_cn)
         return direct
 
     def plan(self, algorithm: str, *, batch: int, n: int, hidden: int, device: str, dtype: torch.dtype) -> plan.Plan:
@@ -175,8 +187,9 @@ class RecurrentCell:
         if fused is None and self._needs_torch_semantics(out_, grad_out, grad_hn):
             fused = self._select_sweep(out_, factors, weights[1], direct)
         if fused is None:
-            g = ops.execute_factored(chosen, self.jacobians(out_, factors, weights[1]), direct)
-            d_gi, d_gh = self.gate_gradients(g[:, 1:], out_, factors)
+            jac = self.jacobians(out_, factors, weights[1])
+            g = ops.execute_factored(chosen, jac, direct)
+            d_gi, d_gh = self.gate_gradients(g[:, 1:], out_, factors, jac)
             fused = d_gi, d_gh, g[:, 0].split(hidden, -1), None
         d_gi, d_gh, starts, param_grads = fused
         grad_x = _cast((d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape), x.dtype) if need_x else x.new_empty(0)
@@ -233,34 +246,19 @@ class RecurrentCell:
         by_id = {id(t): g for t, g in zip(wanted, found, strict=True)}
         return [None if t is None else by_id.get(id(t)) for t in leaves]
 
-    #: the gate block from which ``d_gi`` differs from ``d_gh`` (GRU: the n gate), ``None`` where equal
-    _input_gate_differs_from: int | None = None
-
     def _parameter_gradients(
         self, d_gi: Tensor, d_gh: Tensor, x: Tensor, h0: Tensor, out: Tensor, bias: bool
     ) -> list[Tensor]:
-        """Eq. 2 in one GEMM over all ``B n`` steps: ``d_ghᵀ [x | 1 | h_prev]`` holds ``W_ih``'s, the biases'
-        and ``W_hh``'s gradients (GEMMs this thin are memory-bound: one pass over ``d_gh``, not four)."""
-        batch, n, inputs = x.shape
-        hidden, ones = h0.shape[-1], int(bias)
-        operand = x.new_empty(batch, n, inputs + ones + hidden)
-        operand[..., :inputs] = x
+        """Eq. 2 as two GEMMs over all ``B n`` steps at once, ``d_giᵀ x`` (``W_ih``) and ``d_ghᵀ h_prev``
+        (``W_hh``), and the biases' gradients as the column sums of ``d_gi`` and ``d_gh``: each result a new
+        contiguous tensor (an op's outputs may not share storage), no operand assembled beyond ``h_prev``."""
+        inputs, hidden = x.shape[-1], h0.shape[-1]
+        flat_gi, flat_gh = d_gi.reshape(-1, d_gi.shape[-1]), d_gh.reshape(-1, d_gh.shape[-1])
+        h_prev = torch.cat([h0.unsqueeze(1), out[:, :-1]], 1)
+        grads = [torch.mm(flat_gi.T, x.reshape(-1, inputs)), torch.mm(flat_gh.T, h_prev.view(-1, hidden))]
         if bias:
-            operand[..., inputs] = 1
-        operand[:, 0, inputs + ones :] = h0
-        operand[:, 1:, inputs + ones :] = out[:, :-1]
-        flat = operand.view(-1, operand.shape[-1])
-        product = (flat.T @ d_gh.reshape(-1, d_gh.shape[-1])).T  # (G H, I [+ 1] + H); this order runs faster
-        input_side = product[:, : inputs + ones]
-        if self._input_gate_differs_from is not None:  # the rows where d_gi differs: one thin GEMM more
-            start = self._input_gate_differs_from * hidden
-            input_side = input_side.clone()
-            input_side[start:] = (flat[:, : inputs + ones].T @ d_gi[..., start:].reshape(-1, d_gi.shape[-1] - start)).T
-        # copies, not views: an op's outputs may not share storage (they are tiny)
-        grads = [input_side[:, :inputs].clone(), product[:, inputs + ones :].clone()]
-        if bias:
-            grads += [input_side[:, inputs].clone(), product[:, inputs].clone()]
-        return [g.contiguous() for g in grads]
+            grads += [flat_gi.sum(0), flat_gh.sum(0)]
+        return grads
 
 
 def _native_ok(device: str, dtype: torch.dtype) -> bool:
@@ -336,9 +334,9 @@ class RNNCell(RecurrentCell):
     def jacobians(self, out, factors, w_hh):
         return FactoredJacobians(w_hh, self.slope(out))
 
-    def gate_gradients(self, g, out, factors):
+    def gate_gradients(self, g, out, factors, jac):
         # select, not multiply, for ReLU: torch's backward gives 0 there even for a NaN gradient
-        d_a = torch.where(out <= 0, 0.0, g) if self.relu else g * self.slope(out)
+        d_a = torch.where(out <= 0, 0.0, g) if self.relu else g * jac.scales  # jac.scales: the slope
         return d_a, d_a
 
     def _needs_torch_semantics(self, out, grad_out, grad_hn):
@@ -372,7 +370,6 @@ class GRUCell(RecurrentCell):
 
     name = "gru"
     gates = 3
-    _input_gate_differs_from = 2
     _folds_hidden_bias = False  # b_hh's n block sits inside r ⊙ (.)
 
     def __init__(self) -> None:
@@ -397,7 +394,7 @@ class GRUCell(RecurrentCell):
     def jacobians(self, out, factors, w_hh):
         return FactoredJacobians(w_hh, factors[0], factors[1])
 
-    def gate_gradients(self, g, out, factors):
+    def gate_gradients(self, g, out, factors, jac):
         scales, _, dn = factors
         hidden = g.shape[-1]
         d_gh = torch.cat([g, g, g], -1) * scales  # cat: 2x faster than repeat
@@ -486,15 +483,15 @@ class LSTMCell(RecurrentCell):
 
     def jacobians(self, out, factors, w_hh):
         local_h, local_c, carry = self._locals(factors)
-        hidden = w_hh.shape[1]
-        tiles = [torch.cat([h, c], -1) for h, c in zip(local_h.split(hidden, -1), local_c.split(hidden, -1), strict=True)]
-        return FactoredJacobians(_joint_weight(w_hh), torch.cat([*tiles, carry], -1))
+        batch, n, hidden = out.shape
+        tiles = torch.stack([local_h.view(batch, n, 4, hidden), local_c.view(batch, n, 4, hidden)], 3)
+        return FactoredJacobians(_joint_weight(w_hh), torch.cat([tiles.view(batch, n, 8 * hidden), carry], -1))
 
-    def gate_gradients(self, g, out, factors):
-        local_h, local_c, _ = self._locals(factors)
-        hidden = g.shape[-1] // 2
-        gh, gc = g[..., :hidden], g[..., hidden:]
-        d_gates = torch.cat([gh] * 4, -1) * local_h + torch.cat([gc] * 4, -1) * local_c
+    def gate_gradients(self, g, out, factors, jac):
+        # tile q of jac's scales is [local_h_q, local_c_q]: d_gates_q = g_h local_h_q + g_c local_c_q
+        batch, n, hidden = out.shape
+        tiles = jac.scales[..., : 8 * hidden].view(batch, n, 4, 2, hidden)
+        d_gates = (g.view(batch, n, 1, 2, hidden) * tiles).sum(3).view(batch, n, 4 * hidden)
         return d_gates, d_gates
 
     def _native_backward(self, out, h0, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums, need_x):
@@ -517,10 +514,10 @@ def _joint_weight(w_hh: Tensor) -> Tensor:
     """``W5`` ``(10 H, 2 H)`` of :class:`LSTMCell`: ``[[W_q, 0], [W_q, 0]]`` for each gate q, then
     ``[[0, I], [0, I]]``."""
     hidden = w_hh.shape[1]
-    zeros = w_hh.new_zeros(hidden, hidden)
-    eye = torch.eye(hidden, dtype=w_hh.dtype, device=w_hh.device)
-    blocks = [torch.cat([w, zeros], 1) for w in w_hh.split(hidden, 0) for _ in range(2)]
-    return torch.cat([*blocks, torch.cat([zeros, eye], 1), torch.cat([zeros, eye], 1)], 0)
+    joint = w_hh.new_zeros(5, 2, hidden, 2 * hidden)  # (tile, row half, row, column): three launches in all
+    joint[:4, :, :, :hidden] = w_hh.view(4, 1, hidden, hidden)
+    joint[4, :, :, hidden:].diagonal(dim1=-2, dim2=-1).fill_(1)
+    return joint.view(10 * hidden, 2 * hidden)
 
 
 #: every built-in cell by the name the ``bppsa::recurrent_*`` ops carry

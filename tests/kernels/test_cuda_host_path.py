@@ -1,0 +1,240 @@
+"""The host side of a recurrent layer's CUDA training step: what it launches and which torch ops it calls.
+
+On a GPU the step's Python, allocations and launches cost more than its kernels (H100, RNN B=16 T=1000
+H=20: 1.6-2.0 ms eager, 0.74 ms CUDA-graphed), so the ops per step are counted here, on the CPU: the
+layer's CUDA path (forward kernel, scan planned as on CUDA, ``cuda.run`` and its launcher) runs on CPU
+tensors with both launchers replaced by the host emulation of the same kernels, and a dispatch mode counts
+every aten op of one step (forward, ``out.sum()``, backward). The counts are capped at what the path does
+now: a new op or launch fails here. The gradients of the counted step are checked against torch's own
+layer in float64.
+
+The CuPy launchers are checked with a stand-in ``cupy``: one stream wrapper per torch stream, one kernel
+lookup per device, not one per launch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import types
+from collections import Counter
+from contextlib import nullcontext
+
+import pytest
+import torch
+from lightning_bppsa.kernels import cuda, emulated, recurrent_cuda, recurrent_emulated
+from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_bppsa.nn as bnn
+from lightning_bppsa import cells, plan
+from lightning_bppsa.nn import _scan_layer
+from lightning_bppsa.testing import assert_derived_close
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+
+#: ops that queue no kernel on a GPU: views and allocations (of the caching allocator: no launch either)
+_NO_LAUNCH = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "detach"}
+
+#: the most aten ops / kernel-launching aten ops one step may make, by (cell, algorithm); kernel launches are
+#: always 2 (forward kernel, scan). Before the host-path work of issue 29 the same steps made RNN 67 / 26,
+#: GRU 79 / 27, LSTM 156 / 95 (either algorithm).
+MAX_OPS = {
+    ("RNN", "chunked"): (48, 18),
+    ("RNN", "linear"): (46, 17),
+    ("GRU", "chunked"): (52, 18),
+    ("GRU", "linear"): (50, 17),
+    ("LSTM", "chunked"): (103, 49),
+    ("LSTM", "linear"): (101, 48),
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher's Python key, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def launching(self) -> int:
+        """The ops that queue at least one kernel on a GPU (not views, not allocations)."""
+        views = {name for name in self.ops if _is_view(name)}
+        return sum(count for name, count in self.ops.items() if name not in _NO_LAUNCH and name not in views)
+
+
+def _is_view(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name)
+    return any(getattr(packet, overload).is_view for overload in packet.overloads())
+
+
+@pytest.fixture
+def launches(monkeypatch) -> Counter:
+    """The CUDA path of the recurrent layers on CPU tensors, both launchers emulated; counts launches by kernel.
+
+    Everything between the layer and the launchers is the CUDA path's own code: ``cells`` picks the CUDA
+    forward kernels (``recurrent_cuda.forward``), ``plan.choose`` answers as for a CUDA tensor, the scan runs
+    ``cuda.scan_factored`` -> ``cuda.run``, and ``_scan_layer`` calls the ops directly as in an eager GPU step
+    (the counting mode would otherwise route them through the dispatcher).
+    """
+    counted: Counter = Counter()
+
+    def counting(launch_fn):
+        def launch(config, *rest):
+            counted[config.kernel] += 1
+            return launch_fn(config, *rest)
+
+        return launch
+
+    real_launcher = recurrent_emulated._launcher
+    monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: counting(real_launcher(*a)))
+    forward_kernels = types.SimpleNamespace(
+        rnn_forward=recurrent_emulated.rnn_forward,
+        gru_forward=recurrent_emulated.gru_forward,
+        lstm_forward=recurrent_emulated.lstm_forward,
+    )
+    monkeypatch.setattr(cells, "_forward_kernels", lambda x: forward_kernels)
+    real_choose = plan.choose
+    monkeypatch.setattr(plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape))
+    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
+    monkeypatch.setattr(cuda, "_launch_cuda", counting(emulated._launcher(None, 600.0, 1, 0.0)))
+    monkeypatch.setattr(cuda, "_device_limit", lambda t: SM80_OPTIN_SHARED_BYTES)
+    monkeypatch.setattr(_scan_layer, "_dispatched", lambda tensors: False)
+    plan._choose.cache_clear()  # plans cached for "cpu" must not answer, nor these leak
+    yield counted
+    plan._choose.cache_clear()
+
+
+@needs_gxx
+@pytest.mark.parametrize("algorithm", ["chunked", "linear"])
+@pytest.mark.parametrize("kind", ["RNN", "GRU", "LSTM"])
+def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm):
+    torch.manual_seed(0)
+    batch, steps, inputs, hidden = 2, 9, 3, 5
+    layer = getattr(bnn, kind)(inputs, hidden, batch_first=True, algorithm=algorithm).double()
+    reference = getattr(torch.nn, kind)(inputs, hidden, batch_first=True).double()
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(batch, steps, inputs, dtype=torch.float64)
+
+    counter = OpCounter()
+    with counter:
+        layer(x)[0].sum().backward()
+    assert dict(launches) == {
+        f"bppsa_{cells.cell_of(layer.mode).name}_forward_f64": 1,
+        f"bppsa_{'chunked' if algorithm == 'chunked' else 'warpsweep'}_factored_f64": 1,
+    }
+    assert layer.last_stats["plan"].endswith("[cuda]")
+    total, launching = sum(counter.ops.values()), counter.launching()
+    cap_total, cap_launching = MAX_OPS[(kind, algorithm)]
+    assert total <= cap_total and launching <= cap_launching, (
+        f"{kind} {algorithm}: {total} aten ops ({launching} launching) per step, cap {cap_total} ({cap_launching}): "
+        f"{dict(sorted(counter.ops.items()))}"
+    )
+
+    reference(x)[0].sum().backward()
+    for name, param in layer.named_parameters():
+        assert_derived_close(param.grad, getattr(reference, name).grad, name=name)
+
+
+class _FakeStream:
+    def __init__(self, handle: int) -> None:
+        self.ptr = handle
+
+    def __enter__(self) -> _FakeStream:  # made current by a `with` block (how the launchers once used it)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _FakeCupy(types.ModuleType):
+    """What the launchers use of ``cupy``, counting the stream wrappers they make."""
+
+    def __init__(self) -> None:
+        super().__init__("cupy")
+        self.streams_made = 0
+        fake = self
+
+        class Stream:
+            @staticmethod
+            def from_external(obj):
+                fake.streams_made += 1
+                return _FakeStream(obj.__cuda_stream__()[1])
+
+        def external_stream(handle, device_index):
+            fake.streams_made += 1
+            return _FakeStream(handle)
+
+        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=external_stream, Device=lambda index: nullcontext())
+
+
+class _FakeKernel:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.max_dynamic_shared_size_bytes = 0
+        self.opt_ins = 0
+
+    def __setattr__(self, name, value):
+        if name == "max_dynamic_shared_size_bytes" and hasattr(self, "opt_ins"):
+            self.opt_ins += 1
+        super().__setattr__(name, value)
+
+    def __call__(self, grid, block, args, *, shared_mem, stream=None):
+        self.calls.append((grid, block, args, shared_mem, None if stream is None else stream.ptr))
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """A stand-in CUDA device 0 whose current stream handle the test sets, and a stand-in ``cupy``."""
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    current = {"stream": 0x1000}
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current["stream"], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=current["stream"]))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "_STREAMS", {}, raising=False)
+    return fake, current
+
+
+def test_scan_launcher_makes_one_stream_wrapper_per_torch_stream(fake_device, monkeypatch):
+    fake, current = fake_device
+    kernel = _FakeKernel()
+    monkeypatch.setitem(cuda._MODULES, 0, {"bppsa_warpsweep_factored_f32": kernel})
+    launch = cuda.launch_config(factored=True, element_bytes=4, n=7, batch=2, d=4, m=4, affine=True,
+                                algorithm="linear", chunk_size=1)  # fmt: skip
+    args = [11, 12, 0, 13, 14, 0, 0, 7, 2, 4, 4, 7, 1, 4]
+    device = torch.device("cuda", 0)
+    for handle in (0x1000, 0x1000, 0x2000, 0x1000):
+        current["stream"] = handle
+        cuda._launch_cuda(launch, args, device)
+    assert fake.streams_made == 2  # one per torch stream, not one per launch
+    assert [call[-1] for call in kernel.calls] == [0x1000, 0x1000, 0x2000, 0x1000]
+    assert kernel.calls[0][:4] == ((2,), (32,), tuple(args), launch.shared_bytes)
+    assert all(type(word) is int for word in kernel.calls[0][2])  # no per-argument object of ours
+
+
+def test_recurrent_launcher_fetches_each_kernel_once(fake_device, monkeypatch):
+    fake, current = fake_device
+    kernels: dict[str, _FakeKernel] = {}
+    fetched = Counter()
+
+    class Module:
+        def get_function(self, name):
+            fetched[name] += 1
+            return kernels.setdefault(name, _FakeKernel())
+
+    monkeypatch.setattr(recurrent_cuda, "_module", lambda index: Module())
+    monkeypatch.setattr(recurrent_cuda, "_FUNCTIONS", {}, raising=False)
+    device = torch.device("cuda", 0)
+    small = recurrent_cuda.Launch("bppsa_gru_forward_f64", 2, 64, 1024, (1, 2, 3))
+    large = recurrent_cuda.Launch("bppsa_gru_forward_f64", 2, 128, 100 * 1024, (4, 5, 6))
+    for launch in (small, small, large, large, small):
+        recurrent_cuda._launch_cuda(launch, device)
+    kernel = kernels["bppsa_gru_forward_f64"]
+    assert fetched == {"bppsa_gru_forward_f64": 1}
+    assert kernel.opt_ins == 1 and kernel.max_dynamic_shared_size_bytes == 100 * 1024  # opted in once, when needed
+    assert [call[2] for call in kernel.calls] == [(1, 2, 3), (1, 2, 3), (4, 5, 6), (4, 5, 6), (1, 2, 3)]
+    assert fake.streams_made == 1
