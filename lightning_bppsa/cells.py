@@ -397,8 +397,9 @@ class GRUCell(RecurrentCell):
 
     def gate_gradients(self, g, out, factors, jac):
         scales, _, dn = factors
-        hidden = g.shape[-1]
-        d_gh = torch.cat([g, g, g], -1) * scales  # cat: 2x faster than repeat
+        batch, n, hidden = g.shape
+        # g broadcast over the three gates: one launch (a concatenation first would be two)
+        d_gh = (g.unsqueeze(2) * scales.reshape(batch, n, 3, hidden)).view(batch, n, 3 * hidden)
         d_gi = d_gh.clone()
         torch.mul(g, dn, out=d_gi[..., 2 * hidden :])
         return d_gi, d_gh
