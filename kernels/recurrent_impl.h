@@ -19,7 +19,7 @@
             const REAL* restrict wj = w + j * ld;                                                    \
             for (int r = 0; r < ROWS; ++r) {                                                         \
                 const REAL v = x[r][j];                                                              \
-                for (int c = 0; c < NB * LANES; ++c) acc[r][c] += v * wj[c];                         \
+                for (int c = 0; c < NB * LANES; ++c) acc[r][c] = FMA(v, wj[c], acc[r][c]);           \
             }                                                                                        \
         }                                                                                            \
         for (int r = 0; r < ROWS; ++r)                                                               \

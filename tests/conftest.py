@@ -10,6 +10,15 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _threads():
+    """torch's thread count as each test found it (``compare`` measures and sets it, for instance)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _model_decisions():
     """``algorithm="auto"`` decides by the model in tests: a measured decision would make the path depend on
     the machine's speed (tests/test_layer_plan.py measures with an injected timer)."""

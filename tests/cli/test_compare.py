@@ -110,14 +110,21 @@ def test_compare_writes_both_runs_the_table_the_plot_and_the_scalars(
 def test_an_interrupted_comparison_stays_marked_and_the_next_one_gets_its_own_folder(
     workdir: Path, tiny: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    timer_end = BackwardTimer.on_train_batch_end
+    timer_end, abort, aborted = BackwardTimer.on_train_batch_end, Turns.abort, threading.Event()
 
     def ctrl_c_in_the_bppsa_run(self, trainer, pl_module, *args) -> None:
         timer_end(self, trainer, pl_module, *args)
         if trainer.strategy.strategy_name == "bppsa" and trainer.global_step == 2:
             _thread.interrupt_main()  # Ctrl-C: a KeyboardInterrupt in the main thread
+            # the run goes on only once the main thread has answered it (else a fast run could finish first)
+            assert aborted.wait(timeout=60), "the main thread did not answer Ctrl-C"
+
+    def noted_abort(self) -> None:
+        aborted.set()
+        abort(self)
 
     monkeypatch.setattr(BackwardTimer, "on_train_batch_end", ctrl_c_in_the_bppsa_run)
+    monkeypatch.setattr(Turns, "abort", noted_abort)
     with pytest.raises(SystemExit):  # compare answers Ctrl-C as Lightning does, with sys.exit(1)
         compare("rnn_bitstream", max_steps=5, check_every=0, block_steps=1, save_dir="runs", overrides=tiny)
     root = workdir / "runs" / "rnn_bitstream" / "compare"
