@@ -156,6 +156,7 @@ class _FakeCupy(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("cupy")
         self.streams_made = 0
+        self.devices_entered: list[int] = []
         fake = self
 
         class Stream:
@@ -168,7 +169,11 @@ class _FakeCupy(types.ModuleType):
             fake.streams_made += 1
             return _FakeStream(handle)
 
-        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=external_stream, Device=lambda index: nullcontext())
+        def device(index):
+            fake.devices_entered.append(index)
+            return nullcontext()
+
+        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=external_stream, Device=device)
 
 
 class _FakeKernel:
@@ -238,3 +243,16 @@ def test_recurrent_launcher_fetches_each_kernel_once(fake_device, monkeypatch):
     assert kernel.opt_ins == 1 and kernel.max_dynamic_shared_size_bytes == 100 * 1024  # opted in once, when needed
     assert [call[2] for call in kernel.calls] == [(1, 2, 3), (1, 2, 3), (4, 5, 6), (4, 5, 6), (1, 2, 3)]
     assert fake.streams_made == 1
+
+
+def test_scan_launcher_enters_another_device_only(fake_device, monkeypatch):
+    fake, _ = fake_device
+    kernel = _FakeKernel()
+    monkeypatch.setitem(cuda._MODULES, 0, {"bppsa_warpsweep_factored_f32": kernel})
+    monkeypatch.setitem(cuda._MODULES, 1, {"bppsa_warpsweep_factored_f32": kernel})
+    launch = cuda.launch_config(factored=True, element_bytes=4, n=3, batch=1, d=2, m=2, affine=False,
+                                algorithm="linear", chunk_size=1)  # fmt: skip
+    for device in (torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)):
+        cuda._launch_cuda(launch, [0] * 14, device)
+    assert fake.devices_entered == [1]  # the current device (0) needs no switch; device 1's module lives there
+    assert len(kernel.calls) == 3
