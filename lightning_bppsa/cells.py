@@ -257,7 +257,9 @@ class RecurrentCell:
         h_prev = torch.cat([h0.unsqueeze(1), out[:, :-1]], 1)
         grads = [torch.mm(flat_gi.T, x.reshape(-1, inputs)), torch.mm(flat_gh.T, h_prev.view(-1, hidden))]
         if bias:
-            grads += [flat_gi.sum(0), flat_gh.sum(0)]
+            b_hh = flat_gh.sum(0)
+            # RNN, LSTM: d_gi is d_gh, and copying its sum reads H values, summing again B n H
+            grads += [b_hh.clone() if d_gi is d_gh else flat_gi.sum(0), b_hh]
         return grads
 
 
