@@ -126,8 +126,6 @@ class SparseChain(nn.Sequential):
             return "no values to scan (an empty batch or the meta device)"
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return "torch.func / torch.compile: the sparse scan has no functorch rules and no trace"
-        if x.device.type == "cuda" and self.algorithm == "auto":
-            return _CUDA_AUTO
         ndim = x.dim()
         for i, layer in enumerate(self):
             reason = _unscannable(layer, runtime=True)
@@ -140,8 +138,11 @@ class SparseChain(nn.Sequential):
         return None
 
     def forward(self, input: Tensor) -> Tensor:  # named as nn.Sequential's, which callers may pass by name
-        params = tuple(p for p in self.parameters() if p.requires_grad)
-        reason = self._why_autograd(input, params)
+        if self.algorithm == "auto" and isinstance(input, Tensor) and input.device.type == "cuda":
+            params, reason = (), _CUDA_AUTO  # decided first: cuDNN's chain pays nothing for the other checks
+        else:
+            params = tuple(p for p in self.parameters() if p.requires_grad)
+            reason = self._why_autograd(input, params)
         # a fresh dict per call: the backward of this forward updates the one it was given
         self.last_stats = {
             "path": "scan" if reason is None else "autograd",

@@ -23,5 +23,6 @@ def test_float32_scan_against_autograd_reports_a_small_nonzero_difference(backen
     loss = rnn(torch.randn(8, 64, 4, device=backend.device))[0].pow(2).sum()
     difference = gradient_difference(loss, rnn.parameters())
     assert rnn.last_stats["path"] == "scan"
-    # float32 rounding differs between the scan and autograd's backward: nonzero, near float32's eps
-    assert 0.0 < difference < 1e-4
+    # nonzero (the two backwards round differently), and small: on a GPU the reference is cuDNN, whose RNN
+    # computes in TF32 (measured on an H100: 7e-5 to 3e-4 from float64; this check read 1.1e-4 there)
+    assert 0.0 < difference < 1e-3

@@ -421,10 +421,14 @@ class _OnCuda(torch.Tensor):
 
 
 def test_auto_on_cuda_keeps_cudnn_autograd_with_the_reason_and_an_algorithm_forces_the_scan():
-    params = ()
-    x = torch.Tensor._make_subclass(_OnCuda, torch.randn(2, 3, 8, 8), True)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    on_cuda = torch.Tensor._make_subclass(_OnCuda, x.detach(), True)
     auto = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
-    reason = auto._why_autograd(x, params)
-    assert reason is not None and reason.startswith("auto on CUDA: cuDNN autograd") and "13-65x" in reason
-    assert SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), algorithm="chunked")._why_autograd(x, params) is None
-    assert auto._why_autograd(torch.randn(2, 3, 8, 8, requires_grad=True), params) is None  # CPU: the scan
+    auto(on_cuda)  # runs on the CPU: the rule reads the device the tensor reports
+    reason = auto.last_stats["reason"]
+    assert auto.last_stats["path"] == "autograd" and reason.startswith("auto on CUDA: cuDNN autograd")
+    assert "13-65x" in reason
+    forced = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), algorithm="chunked")
+    assert forced._why_autograd(on_cuda, tuple(forced.parameters())) is None  # the scan (not run: no GPU)
+    auto(x)
+    assert auto.last_stats["path"] == "scan"  # CPU: the scan
