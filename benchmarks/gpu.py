@@ -126,7 +126,7 @@ STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "calib": 0.4}
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
 TESTS_SECONDS = 90.0
-TESTS_COMMAND = (sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider")
+TESTS_COMMAND = (sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider")  # -q: pyproject's addopts (-qq hides the count)
 
 Workload = tuple[str, int, int, int, int]  # (cell, B, T, input, H)
 
