@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 from pathlib import Path
@@ -108,7 +109,8 @@ def test_compare_writes_both_runs_the_table_the_plot_and_the_scalars(
 
 @pytest.mark.slow
 def test_an_interrupted_comparison_stays_marked_and_the_next_one_gets_its_own_folder(
-    workdir: Path, tiny: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    workdir: Path, tiny: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+    request: pytest.FixtureRequest,
 ) -> None:
     timer_end, abort, aborted = BackwardTimer.on_train_batch_end, Turns.abort, threading.Event()
 
@@ -125,6 +127,10 @@ def test_an_interrupted_comparison_stays_marked_and_the_next_one_gets_its_own_fo
 
     monkeypatch.setattr(BackwardTimer, "on_train_batch_end", ctrl_c_in_the_bppsa_run)
     monkeypatch.setattr(Turns, "abort", noted_abort)
+    # Python's Ctrl-C handler even where SIGINT came ignored (a job started with `&`): interrupt_main does
+    # nothing to an ignored signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     with pytest.raises(SystemExit):  # compare answers Ctrl-C as Lightning does, with sys.exit(1)
         compare("rnn_bitstream", max_steps=5, check_every=0, block_steps=1, save_dir="runs", overrides=tiny)
     root = workdir / "runs" / "rnn_bitstream" / "compare"
