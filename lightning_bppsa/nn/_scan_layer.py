@@ -78,9 +78,14 @@ def _forward_op(cell: str, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0:
 
 
 def _timed_forward(cell: str, stats: dict, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights):
-    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode)."""
+    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode). With ``dtype`` (under
+    autocast) the op runs with autocast off: its input projection, a torch GEMM, computes in ``dtype`` too."""
     start = clock()
-    results = _forward_op(cell, dtype, x, h0, c0, weights)
+    if dtype is None:
+        results = _forward_op(cell, dtype, x, h0, c0, weights)
+    else:
+        with without_autocast(x.device.type):
+            results = _forward_op(cell, dtype, x, h0, c0, weights)
     record(stats, "forward_seconds", clock() - start, add=True)
     return results
 

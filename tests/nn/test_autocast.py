@@ -177,3 +177,19 @@ def test_chain_gradients_do_not_depend_on_where_backward_runs(algorithm, dtype):
     check_autocast_gradients(
         chain, reference, torch.randn(2, 1, 9, 9), ("cpu", dtype), path=lambda: chain.last_stats["path"]
     )
+
+
+@pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
+def test_under_autocast_a_layer_computes_in_its_parameters_dtype_and_rounds_only_its_outputs(cell):
+    # input 64: the input projection is a torch GEMM (not the CPU kernel's own), which autocast would lower
+    torch.manual_seed(0)
+    layer = getattr(bnn, cell)(64, 8, batch_first=True, algorithm="linear")
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, state = layer(x)
+    ref_out, ref_state = layer(x)
+    states = state if cell == "LSTM" else (state,)
+    ref_states = ref_state if cell == "LSTM" else (ref_state,)
+    for got, want in zip((out, *states), (ref_out, *ref_states), strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want.to(torch.bfloat16))
