@@ -11,7 +11,8 @@ A :class:`RecurrentCell` owns, for one layer in one direction over a batch-first
   all steps at once (Eq. 2);
 - its row of the cost model (:class:`~lightning_bppsa.cost_model.CellCost`).
 
-The layer runs as two ``torch.library`` ops, opaque to ``torch.compile`` (one node each, nothing unrolled):
+The layer runs as two ``torch.library`` ops (defined with the scan's in :mod:`lightning_bppsa.ops`), opaque to
+``torch.compile`` (one node each, nothing unrolled):
 
 - ``bppsa::recurrent_forward(cell, x, h0, c0, weights) -> [out, (c_n,) *factors]``
 - ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
@@ -541,61 +542,3 @@ CELLS: dict[str, RecurrentCell] = {
 def cell_of(mode: str) -> RecurrentCell:
     """The cell of a torch ``nn.RNNBase`` ``mode`` (``"RNN_TANH"``, ``"RNN_RELU"``, ``"GRU"``, ``"LSTM"``)."""
     return CELLS[mode.lower()]
-
-
-# --------------------------------------------------------------------------------------------------
-# The layer's two ops: one node each for torch.compile; the plan is decided inside, at run time.
-# --------------------------------------------------------------------------------------------------
-
-
-# Defined through torch.library.Library rather than torch.library.custom_op: a custom_op's Python autograd
-# layer costs ~17 µs more per call (measured), twice per training step on the recurrent layers' hot path.
-_LIBRARY = torch.library.Library("bppsa", "FRAGMENT")
-_LIBRARY.define("recurrent_forward(str cell, Tensor x, Tensor h0, Tensor? c0, Tensor[] weights) -> Tensor[]")
-_LIBRARY.define(
-    "recurrent_backward(str cell, str algorithm, Tensor x, Tensor h0, Tensor? c0, Tensor[] weights, Tensor out, "
-    "Tensor[] factors, Tensor? grad_out, Tensor? grad_hn, Tensor? grad_cn, bool need_x) -> Tensor[]"
-)
-
-
-def recurrent_forward(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
-    """``[out, (c_n,) *factors]`` of one layer (see :meth:`RecurrentCell.forward`); batch-first ``x``."""
-    return CELLS[cell].forward(x, h0, c0, weights)
-
-
-@torch.library.register_fake("bppsa::recurrent_forward", lib=_LIBRARY)
-def _(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
-    kind = CELLS[cell]
-    batch, n, hidden = x.shape[0], x.shape[1], h0.shape[-1]
-    outputs = [x.new_empty(batch, n, hidden)] + ([x.new_empty(batch, hidden)] if kind.has_cell_state else [])
-    return outputs + [x.new_empty(shape) for shape in kind.factor_shapes(batch, n, hidden)]
-
-
-def recurrent_backward(
-    cell: str,
-    algorithm: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    out: Tensor,
-    factors: list[Tensor],
-    grad_out: Tensor | None,
-    grad_hn: Tensor | None,
-    grad_cn: Tensor | None,
-    need_x: bool,
-) -> list[Tensor]:
-    """Every input gradient of one layer (see :meth:`RecurrentCell.backward`)."""
-    grads = CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
-    return [g.clone() if g._is_view() else g for g in grads]  # outputs must not alias each other
-
-
-@torch.library.register_fake("bppsa::recurrent_backward", lib=_LIBRARY)
-def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x) -> list[Tensor]:
-    states = [h0] + ([c0] if c0 is not None else [])
-    grad_x = torch.empty_like(x) if need_x else x.new_empty(0)
-    return [grad_x] + [torch.empty_like(s) for s in states] + [torch.empty_like(w) for w in weights]
-
-
-_LIBRARY.impl("recurrent_forward", recurrent_forward, "CompositeExplicitAutograd")
-_LIBRARY.impl("recurrent_backward", recurrent_backward, "CompositeExplicitAutograd")

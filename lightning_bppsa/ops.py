@@ -1,7 +1,11 @@
-"""The ``bppsa`` torch.library ops of the scan: schema, fake (meta) kernels, and the one dispatch by plan.
+"""Every ``bppsa`` torch.library op: schema, fake (meta) kernels, and the scans' one dispatch by plan.
 
 - ``bppsa::scan_dense(jacobians_t, grad, algorithm, chunk_size) -> Tensor``
 - ``bppsa::scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size) -> Tensor``
+- ``bppsa::recurrent_forward(cell, x, h0, c0, weights) -> [out, (c_n,) *factors]`` and
+  ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn,
+  need_x) -> [grad_x, grad_h0, (grad_c0,) *grad_weights]``: one recurrent layer in one direction, the work
+  done by its cell (:mod:`lightning_bppsa.cells`), the backward's plan decided inside, at run time
 
 Both return the ``(B, n + 1, d)`` gradients of :func:`lightning_bppsa.scan.backprop_scan`, the validating
 entry point; call the ops directly only with valid inputs. ``algorithm`` may be ``"auto"``: the plan
@@ -25,12 +29,12 @@ import warnings
 import torch
 from torch import Tensor
 
-from lightning_bppsa import algorithms, plan
+from lightning_bppsa import algorithms, cells, plan
 from lightning_bppsa._chains import Chain, DenseChain
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.kernels import cpu, cuda
 
-__all__ = ["execute_dense", "execute_factored", "scan_dense", "scan_factored"]
+__all__ = ["execute_dense", "execute_factored", "recurrent_backward", "recurrent_forward", "scan_dense", "scan_factored"]
 
 
 def _empty_out(grad: Tensor, n: int) -> Tensor:
@@ -115,3 +119,62 @@ def _compiled_sweep(chain: Chain, out: Tensor, direct: Tensor | None) -> None:
         ran = cpu.linear_factored(chain.weight, chain.scales, chain.diagonal, direct, out)
     if not ran:
         algorithms.torch_sweep(chain, out, direct)
+
+
+# --------------------------------------------------------------------------------------------------
+# The layer's two ops: one node each for torch.compile; the plan is decided inside, at run time.
+# --------------------------------------------------------------------------------------------------
+
+
+# Defined through torch.library.Library rather than torch.library.custom_op: a custom_op's Python autograd
+# layer costs ~17 µs more per call (measured), twice per training step on the recurrent layers' hot path.
+_LIBRARY = torch.library.Library("bppsa", "FRAGMENT")
+_LIBRARY.define("recurrent_forward(str cell, Tensor x, Tensor h0, Tensor? c0, Tensor[] weights) -> Tensor[]")
+_LIBRARY.define(
+    "recurrent_backward(str cell, str algorithm, Tensor x, Tensor h0, Tensor? c0, Tensor[] weights, Tensor out, "
+    "Tensor[] factors, Tensor? grad_out, Tensor? grad_hn, Tensor? grad_cn, bool need_x) -> Tensor[]"
+)
+
+
+def recurrent_forward(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
+    """``[out, (c_n,) *factors]`` of one layer (see :meth:`~lightning_bppsa.cells.RecurrentCell.forward`); batch-first
+    ``x``."""
+    return cells.CELLS[cell].forward(x, h0, c0, weights)
+
+
+@torch.library.register_fake("bppsa::recurrent_forward", lib=_LIBRARY)
+def _(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
+    kind = cells.CELLS[cell]
+    batch, n, hidden = x.shape[0], x.shape[1], h0.shape[-1]
+    outputs = [x.new_empty(batch, n, hidden)] + ([x.new_empty(batch, hidden)] if kind.has_cell_state else [])
+    return outputs + [x.new_empty(shape) for shape in kind.factor_shapes(batch, n, hidden)]
+
+
+def recurrent_backward(
+    cell: str,
+    algorithm: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    out: Tensor,
+    factors: list[Tensor],
+    grad_out: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    need_x: bool,
+) -> list[Tensor]:
+    """Every input gradient of one layer (see :meth:`~lightning_bppsa.cells.RecurrentCell.backward`)."""
+    grads = cells.CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
+    return [g.clone() if g._is_view() else g for g in grads]  # outputs must not alias each other
+
+
+@torch.library.register_fake("bppsa::recurrent_backward", lib=_LIBRARY)
+def _(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x) -> list[Tensor]:
+    states = [h0] + ([c0] if c0 is not None else [])
+    grad_x = torch.empty_like(x) if need_x else x.new_empty(0)
+    return [grad_x] + [torch.empty_like(s) for s in states] + [torch.empty_like(w) for w in weights]
+
+
+_LIBRARY.impl("recurrent_forward", recurrent_forward, "CompositeExplicitAutograd")
+_LIBRARY.impl("recurrent_backward", recurrent_backward, "CompositeExplicitAutograd")

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_bppsa.cells import CELLS, recurrent_backward, recurrent_forward
+from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.ops import recurrent_backward, recurrent_forward
 
 __all__ = ["LayerFunction", "forward_only"]
 
