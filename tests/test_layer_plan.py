@@ -133,3 +133,16 @@ def test_a_module_asks_the_plan_once_per_shape_until_the_cache_is_forgotten(monk
     layer_plan.forget()
     rnn(x)  # forgotten: asked again
     assert len(asked) == 3
+
+
+def test_on_cuda_without_the_scans_kernels_auto_keeps_torchs_layer_and_says_why(monkeypatch):
+    from lightning_bppsa import plan as plan_module
+
+    rnn = bnn.RNN(2, 4, batch_first=True)
+    x = torch.randn(3, 5, 2, requires_grad=True)
+    # the layer on a CPU tensor, planned as if it were on a CUDA device whose kernels cannot load
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(recurrent, "_predict", lambda shape: pytest.fail("no model without the kernels"))
+    path, reason = rnn._path(x, None)
+    plan_module._choose.cache_clear()
+    assert path == "autograd" and reason.startswith("auto on CUDA without the scan's kernels (torch implementation")

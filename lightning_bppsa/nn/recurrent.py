@@ -35,7 +35,6 @@ Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Any
 
@@ -137,9 +136,15 @@ class _ScanRecurrent:
             self.mode, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1],
             self.hidden_size, input.dtype, str(input.device),
         )  # fmt: skip
-        plan = layer_plan.plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
-        if layer_plan.cached(shape):
+        kernels = cell_of(self.mode).plan("auto", batch=batch, n=length, hidden=self.hidden_size,
+                                          device=input.device.type, dtype=input.dtype)  # fmt: skip
+        if input.device.type == "cuda" and kernels.kernel != "cuda":  # the scan would run op by op in torch
+            plan = layer_plan.LayerPlan("autograd", f"auto on CUDA without the scan's kernels ({kernels.reason})")
             self._plan_memo = (key, plan)
+        else:
+            plan = layer_plan.plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
+            if layer_plan.cached(shape):
+                self._plan_memo = (key, plan)
         return plan.path, plan.reason
 
     def _measure(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
@@ -231,15 +236,13 @@ def _without_dynamo() -> Any:
 
 def _predict(shape: LayerShape) -> tuple[float, float]:
     """The model's ``(scan, autograd)`` seconds of a training step of ``shape``: on CUDA the calibrated model of
-    cuDNN vs the CUDA kernels (the scan is never predicted faster where those kernels cannot load); elsewhere
+    cuDNN vs the CUDA kernels (asked only where those kernels load); elsewhere
     :func:`~lightning_bppsa.cost_model.recurrent_seconds`."""
     cell = cell_of(shape.cell)
     layers = shape.layers * shape.directions
     device = torch.device(shape.device).type
     chosen = cell.plan("auto", batch=shape.batch, n=shape.steps, hidden=shape.hidden, device=device, dtype=shape.dtype)
     if device == "cuda":
-        if chosen.kernel != "cuda":
-            return math.inf, 0.0
         common = dict(gates=cell.gates, hidden=shape.hidden, d=cell.state_factor * shape.hidden,
                       m=cell.jacobian_width(shape.hidden), batch=shape.batch, n=shape.steps,
                       element_bytes=torch.finfo(compute_dtype(shape.dtype)).bits // 8)  # fmt: skip
