@@ -60,15 +60,15 @@ def _dispatched(tensors) -> bool:
 
 
 
-def _lowered(x: Tensor, weights) -> torch.dtype | None:
-    """The dtype autocast gives this layer's outputs, ``None`` where they keep the parameters' dtype.
+def _lowered(autocast: torch.dtype | None, weights) -> torch.dtype | None:
+    """The dtype autocast (``autocast``: :func:`_autocast_dtype`) gives this layer's outputs, ``None`` where
+    they keep the parameters' dtype.
 
     Under autocast the layer computes its states and Jacobian factors in the parameters' dtype and rounds
     only its outputs: the backward then reads exact states, as cuDNN's half-precision layers keep their
     state in float32 (states rounded to bfloat16 each step made the gradients 3-20x less accurate than
     cuDNN's on an H100)."""
-    low = _autocast_dtype(x.device.type)
-    return None if low == weights[0].dtype else low
+    return None if autocast == weights[0].dtype else autocast
 
 
 def _forward_op(cell: str, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list[Tensor]:
@@ -101,7 +101,7 @@ def _outputs(cell: str, out: Tensor, results: list[Tensor], low: torch.dtype | N
 def forward_only(cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
     """:class:`LayerFunction`'s outputs where no gradient is needed (inference, also under
     ``torch.inference_mode``): the forward op alone, nothing kept for a backward. Same arguments."""
-    low = _lowered(x, weights)
+    low = _lowered(_autocast_dtype(x.device.type), weights)
     results = _timed_forward(cell, stats, None if low is None else weights[0].dtype, x, h0, c0, weights)
     return _outputs(cell, results[0] if low is None else results[0].to(low), results, low)
 
@@ -113,11 +113,12 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
-        low = _lowered(x, weights)
+        ctx.low = _autocast_dtype(x.device.type)  # the reference backward recomputes torch's forward in it
+        low = _lowered(ctx.low, weights)
         ctx.compute = None if low is None else weights[0].dtype
         results = _timed_forward(cell, stats, ctx.compute, x, h0, c0, weights)
         outputs = 2 if CELLS[cell].has_cell_state else 1
-        ctx.cell, ctx.algorithm, ctx.stats, ctx.low = cell, algorithm, stats, _autocast_dtype(x.device.type)
+        ctx.cell, ctx.algorithm, ctx.stats = cell, algorithm, stats
         ctx.autocast = autocast_state(x.device.type)
         out = results[0]
         # The backward needs the states as the forward left them; torch's RNN / GRU let the caller modify
