@@ -26,10 +26,10 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
 
 Float16 / bfloat16 inputs run in float32 (as the torch implementation does); other inputs are made
 contiguous (a copy only when they are not). CuPy (>= 14, with NVRTC: the ``cuda12`` / ``cuda13`` extras)
-is imported inside the functions only, the module is compiled once per process and device (NVRTC;
-CuPy keeps the binary in ``$CUPY_CACHE_DIR``) by :func:`available` or :func:`prepare`, never inside a
-CUDA graph capture (a first call there raises), and a launch uses raw data pointers on
-``torch.cuda.current_stream()``: no copies, no synchronisation.
+is used through the package's one loader (:mod:`lightning_bppsa.kernels.cupy_loader`): the module is
+compiled once per process and device (NVRTC; CuPy keeps the binary in ``$CUPY_CACHE_DIR``) by
+:func:`available` or :func:`prepare`, never inside a CUDA graph capture (a first call there raises), and a
+launch passes raw data pointers on ``torch.cuda.current_stream()``: no copies, no synchronisation.
 
 :func:`launch_config` and :func:`kernel_args` are the one place that computes a launch (kernel name,
 grid, block, shared memory, buffers, argument words); the host emulation in
@@ -41,12 +41,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
+from lightning_bppsa.kernels import cupy_loader
 from lightning_bppsa.kernels._build import kernel_path
 from torch import Tensor
 
@@ -59,7 +59,6 @@ __all__ = [
     "fits",
     "kernel_args",
     "launch_config",
-    "launch_on_torch_stream",
     "prepare",
     "warp_resident",
     "warp_weight_bytes",
@@ -69,7 +68,7 @@ __all__ = [
     "scan_factored",
 ]
 
-SHARED_BYTES = 48 * 1024  # shared memory per block (static + dynamic) without the opt-in attribute
+SHARED_BYTES = cupy_loader.PORTABLE_SHARED_BYTES  # shared memory per block (static + dynamic) without the opt-in
 #: static shared memory of each kernel family (ptxas / NVRTC report it: the compile gate and the CuPy
 #: loader check these figures); a launch's dynamic part gets the limit minus this
 STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16, "warpsweep": 0}
@@ -299,41 +298,18 @@ def _address(t: Tensor | None) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# CuPy: availability, the compiled module, the launch.
+# CuPy (through the package's one loader, :mod:`.cupy_loader`): availability, the kernels, the launch.
 # --------------------------------------------------------------------------------------------------
 
 
-_AVAILABLE: dict[str, tuple[bool, str]] = {}  # the answer of the first eager call
-
-
 def available() -> tuple[bool, str]:
-    """``(True, "")`` when CuPy and a CUDA device are usable, else ``(False, why)``.
+    """``(True, "")`` when CuPy and a CUDA device are usable and the kernels load, else ``(False, why)``.
 
     The first eager call compiles the kernels (:func:`prepare`; CuPy caches the binary on disk). While
     ``torch.compile`` traces (the cost model asks from inside ``backprop_scan``), it only reports what
     an earlier eager call found, so tracing never imports CuPy or compiles.
     """
-    if "answer" not in _AVAILABLE:
-        if torch.compiler.is_compiling():
-            return False, "not checked yet (first asked while torch.compile traces)"
-        _AVAILABLE["answer"] = _check_available()
-    return _AVAILABLE["answer"]
-
-
-def _check_available() -> tuple[bool, str]:
-    try:
-        import cupy
-    except ImportError as err:
-        return False, f"CuPy is not installed ({err}); install lightning-bppsa[cuda12] or [cuda13] (see README)"
-    if not hasattr(cupy.cuda.Stream, "from_external"):
-        return False, f"CuPy {cupy.__version__} is too old: the CUDA kernels need CuPy >= 14"
-    if not torch.cuda.is_available():
-        return False, "torch sees no CUDA device"
-    try:  # a driver / CuPy mismatch, or NVRTC missing, shows here, once, instead of in the first scan
-        prepare(torch.cuda.current_device())
-    except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
-        return False, f"the CUDA kernels do not compile or load here ({type(err).__name__}: {err})"
-    return True, ""
+    return cupy_loader.family_available("the CUDA kernels", prepare)
 
 
 def source_path(name: str) -> Path:
@@ -349,13 +325,12 @@ def source() -> str:
     return source_path("scan.cu").read_text().replace('#include "cuda_host_emulation.h"', header)
 
 
-@functools.cache
 def device_shared_limit(device_index: int) -> int:
     """Shared memory a block may use on the device, static + dynamic: its opt-in maximum."""
-    return max(SHARED_BYTES, torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin)
+    return cupy_loader.shared_limit(device_index)
 
 
-_MODULES: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy Function}
+_KERNELS_ON: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy Function}
 
 
 def prepare(device_index: int) -> dict:
@@ -365,77 +340,22 @@ def prepare(device_index: int) -> dict:
     Returns ``{kernel name: cupy Function}``. Call it before capturing a CUDA graph: inside a capture
     the first scan raises instead of compiling (loading a module is not a capturable operation).
     """
-    if device_index in _MODULES:
-        return _MODULES[device_index]
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "the BPPSA CUDA kernels are not compiled yet and cannot be inside a CUDA graph capture: "
-            "run one scan (or lightning_bppsa.kernels.cuda.prepare(device)) before capturing"
-        )
-    import cupy
-
+    functions = _KERNELS_ON.get(device_index)
+    if functions is not None:
+        return functions
+    code = source()
+    functions = {name: cupy_loader.load_function(device_index, code, name) for name in KERNELS}
     limit = device_shared_limit(device_index)
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=source(), options=("-std=c++17",))
-        functions = {}
-        for name in KERNELS:
-            function = module.get_function(name)
-            static = STATIC_SHARED_BYTES[name.split("_")[1]]
-            if function.shared_size_bytes > static:
-                raise RuntimeError(
-                    f"{name} has {function.shared_size_bytes} B of static shared memory here, launch_config "
-                    f"budgets {static} B (STATIC_SHARED_BYTES)"
-                )
-            function.max_dynamic_shared_size_bytes = limit - static
-            functions[name] = function
-    _MODULES[device_index] = functions
+    for name, function in functions.items():
+        static = STATIC_SHARED_BYTES[name.split("_")[1]]
+        if function.shared_size_bytes > static:
+            raise RuntimeError(
+                f"{name} has {function.shared_size_bytes} B of static shared memory here, launch_config "
+                f"budgets {static} B (STATIC_SHARED_BYTES)"
+            )
+        cupy_loader.reserve_shared(function, limit - static)  # here, not in a launch a graph may capture
+    _KERNELS_ON[device_index] = functions
     return functions
-
-
-class _TorchStream:
-    """torch's stream handle in the CUDA stream protocol (what ``cupy.cuda.Stream.from_external`` takes)."""
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return 0, self.handle
-
-
-class LaunchShape(Protocol):
-    """What :func:`launch_on_torch_stream` reads of a launch (this module's and the recurrent kernels' ``Launch``)."""
-
-    grid: int
-    block: int
-    shared_bytes: int
-
-
-#: (device index, torch stream handle) -> CuPy's wrapper of that stream: made once per stream, not per launch
-_STREAMS: dict[tuple[int, int], object] = {}
-
-
-def launch_on_torch_stream(kernel, device_index: int, launch: LaunchShape, args: Sequence[int]) -> None:
-    """Queue a loaded CuPy ``kernel`` with ``launch``'s ``grid``, ``block`` and ``shared_bytes`` on torch's
-    current stream of ``device_index`` (also while torch captures a CUDA graph: no sync, no allocation).
-
-    CuPy's wrapper of the stream is made once per torch stream. ``args`` are Python ints (pointers and sizes,
-    all below 2**63): CuPy packs them in C as 64-bit words, bit for bit the kernels' ``uint64`` / pointer
-    parameters, with no per-argument Python object of ours.
-    """
-    handle = torch._C._cuda_getCurrentRawStream(device_index)  # torch.cuda.current_stream's handle, no Stream object
-    stream = _STREAMS.get((device_index, handle))
-    if stream is None:
-        import cupy
-
-        stream = _STREAMS[(device_index, handle)] = cupy.cuda.Stream.from_external(_TorchStream(handle))
-    grid, block = (launch.grid,), (launch.block,)
-    if device_index == torch.cuda.current_device():
-        kernel(grid, block, tuple(args), shared_mem=launch.shared_bytes, stream=stream)
-        return
-    import cupy
-
-    with cupy.cuda.Device(device_index):  # the kernel's module lives in that device's context
-        kernel(grid, block, tuple(args), shared_mem=launch.shared_bytes, stream=stream)
 
 
 def _device_index(device: torch.device) -> int:
@@ -444,7 +364,8 @@ def _device_index(device: torch.device) -> int:
 
 def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
     index = _device_index(device)
-    launch_on_torch_stream(prepare(index)[launch.kernel], index, launch, args)
+    functions = _KERNELS_ON.get(index) or prepare(index)
+    cupy_loader.launch(functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, args)
 
 
 def fits(d: int, element_bytes: int) -> tuple[bool, str]:

@@ -27,7 +27,8 @@ per block (opt-in limit: 163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond about
     ===========  =====  =====  =====
 
 A malformed shape raises ``ValueError`` naming the argument. :func:`available` says whether CuPy and a
-device are usable. CuPy is imported lazily, the source is compiled once per process and device with
+device are usable. The kernels load through the package's one CuPy loader
+(:mod:`lightning_bppsa.kernels.cupy_loader`): the source is compiled once per process and device with
 NVRTC (CuPy caches the binary on disk), and a launch passes raw data pointers on
 ``torch.cuda.current_stream()``: no copy (but of non-contiguous inputs), no synchronisation.
 
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from lightning_bppsa.kernels import cuda
+from lightning_bppsa.kernels import cuda, cupy_loader
 from lightning_bppsa.kernels._build import kernel_path
 from torch import Tensor
 
@@ -68,7 +69,7 @@ _FACTORS = {"rnn_tanh": (), "rnn_relu": (), "gru": (3, 1, 1), "lstm": (1, 4)}
 KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64", "f32_regs"))
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
 REGISTER_HIDDEN = 32  # float32 with H <= 32: the *_f32_regs kernels keep W_hh in registers (kRegsF32 float4s)
-PORTABLE_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch gets without the opt-in attribute
+PORTABLE_SHARED_BYTES = cupy_loader.PORTABLE_SHARED_BYTES  # shared memory a block gets without the opt-in
 SM80_OPTIN_SHARED_BYTES = 163 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an A100
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -202,10 +203,8 @@ def forward(
 
 
 # --------------------------------------------------------------------------------------------------
-# CuPy: availability, the compiled module, the launch.
+# CuPy (through the package's one loader, :mod:`.cupy_loader`): availability, the kernels, the launch.
 # --------------------------------------------------------------------------------------------------
-
-_AVAILABLE: dict[str, tuple[bool, str]] = {}  # the answer of the first eager call
 
 
 def available() -> tuple[bool, str]:
@@ -214,22 +213,8 @@ def available() -> tuple[bool, str]:
     The first eager call compiles the module (once; CuPy caches the binary on disk). While ``torch.compile``
     traces it only reports what an earlier eager call found: tracing never imports CuPy or compiles.
     """
-    if "answer" not in _AVAILABLE:
-        if torch.compiler.is_compiling():
-            return False, "not checked yet (first asked while torch.compile traces)"
-        _AVAILABLE["answer"] = _check_available()
-    return _AVAILABLE["answer"]
-
-
-def _check_available() -> tuple[bool, str]:
-    ok, reason = cuda.available()  # CuPy >= 14, a device, NVRTC: what the scan's kernels need too
-    if not ok:
-        return ok, reason
-    try:
-        _module(torch.cuda.current_device())
-    except Exception as err:  # CuPy raises several unrelated types (CompileException, CUDADriverError, ...)
-        return False, f"the recurrent CUDA kernels do not compile or load here ({type(err).__name__}: {err})"
-    return True, ""
+    ok, reason = cuda.available()  # the scan's kernels: a layer's backward runs them
+    return cupy_loader.family_available("the recurrent CUDA kernels", _functions) if ok else (ok, reason)
 
 
 def source() -> str:
@@ -240,51 +225,32 @@ def source() -> str:
     return text
 
 
-@functools.cache
-def _module(device_index: int):
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=source(), options=("-std=c++17",))
-        module.compile()
-    return module
+_KERNELS_ON: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy Function}
 
 
-@functools.cache
-def _shared_limit(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return getattr(props, "shared_memory_per_block_optin", PORTABLE_SHARED_BYTES)
-
-
-#: (device index, kernel) -> [loaded cupy Function, dynamic shared memory it is opted in to]
-_FUNCTIONS: dict[tuple[int, str], list] = {}
-
-
-def _function(device_index: int, launch: Launch):
-    """The loaded kernel of ``launch``, fetched once per device; opted in beyond 48 KiB of shared memory
-    the first time a launch needs more (not a driver query per launch)."""
-    entry = _FUNCTIONS.get((device_index, launch.kernel))
-    if entry is None:
-        function = _module(device_index).get_function(launch.kernel)
-        entry = _FUNCTIONS[(device_index, launch.kernel)] = [function, PORTABLE_SHARED_BYTES]
-    if launch.shared_bytes > entry[1]:
-        entry[0].max_dynamic_shared_size_bytes = launch.shared_bytes
-        entry[1] = launch.shared_bytes
-    return entry[0]
+def _functions(device_index: int) -> dict:
+    """Every entry point of ``recurrent.cu``, compiled and loaded on a device once (each launch opts its
+    kernel in beyond 48 KiB of shared memory the first time it needs more: :func:`cupy_loader.launch`)."""
+    functions = _KERNELS_ON.get(device_index)
+    if functions is None:
+        code = source()
+        functions = {name: cupy_loader.load_function(device_index, code, name) for name in KERNELS}
+        _KERNELS_ON[device_index] = functions
+    return functions
 
 
 def _launch_cuda(launch: Launch, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cuda.launch_on_torch_stream(_function(index, launch), index, launch, launch.args)
+    functions = _KERNELS_ON.get(index) or _functions(index)
+    cupy_loader.launch(functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, launch.args)
 
 
 def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None):
     if gi.device.type != "cuda" or not available()[0]:
         return None
     index = gi.device.index if gi.device.index is not None else torch.cuda.current_device()
-    return forward(
-        cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda", shared_limit=_shared_limit(index)
-    )
+    limit = cupy_loader.shared_limit(index)
+    return forward(cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda", shared_limit=limit)
 
 
 def rnn_forward(gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool) -> tuple[Tensor] | None:

@@ -8,17 +8,15 @@ every aten op of one step (forward, ``out.sum()``, backward). The counts are cap
 now: a new op or launch fails here. The gradients of the counted step are checked against torch's own
 layer in float64.
 
-The CuPy launchers are checked with a stand-in ``cupy``: one stream wrapper per torch stream, one kernel
-lookup per device, not one per launch.
+The CuPy launchers are checked with a stand-in ``cupy`` (``conftest.py``): one stream wrapper per torch
+stream, one kernel lookup per device, not one per launch.
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 import types
 from collections import Counter
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -139,75 +137,9 @@ def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm):
         assert_derived_close(param.grad, getattr(reference, name).grad, name=name)
 
 
-class _FakeStream:
-    def __init__(self, handle: int) -> None:
-        self.ptr = handle
-
-    def __enter__(self) -> _FakeStream:  # made current by a `with` block (how the launchers once used it)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-class _FakeCupy(types.ModuleType):
-    """What the launchers use of ``cupy``, counting the stream wrappers they make."""
-
-    def __init__(self) -> None:
-        super().__init__("cupy")
-        self.streams_made = 0
-        self.devices_entered: list[int] = []
-        fake = self
-
-        class Stream:
-            @staticmethod
-            def from_external(obj):
-                fake.streams_made += 1
-                return _FakeStream(obj.__cuda_stream__()[1])
-
-        def external_stream(handle, device_index):
-            fake.streams_made += 1
-            return _FakeStream(handle)
-
-        def device(index):
-            fake.devices_entered.append(index)
-            return nullcontext()
-
-        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=external_stream, Device=device)
-
-
-class _FakeKernel:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.max_dynamic_shared_size_bytes = 0
-        self.opt_ins = 0
-
-    def __setattr__(self, name, value):
-        if name == "max_dynamic_shared_size_bytes" and hasattr(self, "opt_ins"):
-            self.opt_ins += 1
-        super().__setattr__(name, value)
-
-    def __call__(self, grid, block, args, *, shared_mem, stream=None):
-        self.calls.append((grid, block, args, shared_mem, None if stream is None else stream.ptr))
-
-
-@pytest.fixture
-def fake_device(monkeypatch):
-    """A stand-in CUDA device 0 whose current stream handle the test sets, and a stand-in ``cupy``."""
-    fake = _FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    current = {"stream": 0x1000}
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current["stream"], raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=current["stream"]))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda, "_STREAMS", {}, raising=False)
-    return fake, current
-
-
-def test_scan_launcher_makes_one_stream_wrapper_per_torch_stream(fake_device, monkeypatch):
+def test_scan_launcher_makes_one_stream_wrapper_per_torch_stream(fake_device):
     fake, current = fake_device
-    kernel = _FakeKernel()
-    monkeypatch.setitem(cuda._MODULES, 0, {"bppsa_warpsweep_factored_f32": kernel})
+    kernel = cuda.prepare(0)["bppsa_warpsweep_factored_f32"]
     launch = cuda.launch_config(factored=True, element_bytes=4, n=7, batch=2, d=4, m=4, affine=True,
                                 algorithm="linear", chunk_size=1)  # fmt: skip
     args = [11, 12, 0, 13, 14, 0, 0, 7, 2, 4, 4, 7, 1, 4]
@@ -219,40 +151,30 @@ def test_scan_launcher_makes_one_stream_wrapper_per_torch_stream(fake_device, mo
     assert [call[-1] for call in kernel.calls] == [0x1000, 0x1000, 0x2000, 0x1000]
     assert kernel.calls[0][:4] == ((2,), (32,), tuple(args), launch.shared_bytes)
     assert all(type(word) is int for word in kernel.calls[0][2])  # no per-argument object of ours
+    assert sum(fake.compiled.values()) == 1 and max(fake.lookups.values()) == 1  # compiled and fetched once
 
 
-def test_recurrent_launcher_fetches_each_kernel_once(fake_device, monkeypatch):
+def test_recurrent_launcher_fetches_each_kernel_once(fake_device):
     fake, current = fake_device
-    kernels: dict[str, _FakeKernel] = {}
-    fetched = Counter()
-
-    class Module:
-        def get_function(self, name):
-            fetched[name] += 1
-            return kernels.setdefault(name, _FakeKernel())
-
-    monkeypatch.setattr(recurrent_cuda, "_module", lambda index: Module())
-    monkeypatch.setattr(recurrent_cuda, "_FUNCTIONS", {}, raising=False)
     device = torch.device("cuda", 0)
     small = recurrent_cuda.Launch("bppsa_gru_forward_f64", 2, 64, 1024, (1, 2, 3))
     large = recurrent_cuda.Launch("bppsa_gru_forward_f64", 2, 128, 100 * 1024, (4, 5, 6))
     for launch in (small, small, large, large, small):
         recurrent_cuda._launch_cuda(launch, device)
-    kernel = kernels["bppsa_gru_forward_f64"]
-    assert fetched == {"bppsa_gru_forward_f64": 1}
+    kernel = fake.kernels[(0, "bppsa_gru_forward_f64")]
+    assert set(fake.lookups.values()) == {1} and len(fake.lookups) == len(recurrent_cuda.KERNELS)
     assert kernel.opt_ins == 1 and kernel.max_dynamic_shared_size_bytes == 100 * 1024  # opted in once, when needed
     assert [call[2] for call in kernel.calls] == [(1, 2, 3), (1, 2, 3), (4, 5, 6), (4, 5, 6), (1, 2, 3)]
     assert fake.streams_made == 1
 
 
-def test_scan_launcher_enters_another_device_only(fake_device, monkeypatch):
+def test_scan_launcher_enters_another_device_only(fake_device):
     fake, _ = fake_device
-    kernel = _FakeKernel()
-    monkeypatch.setitem(cuda._MODULES, 0, {"bppsa_warpsweep_factored_f32": kernel})
-    monkeypatch.setitem(cuda._MODULES, 1, {"bppsa_warpsweep_factored_f32": kernel})
+    cuda.prepare(0), cuda.prepare(1)
+    fake.devices_entered.clear()
     launch = cuda.launch_config(factored=True, element_bytes=4, n=3, batch=1, d=2, m=2, affine=False,
                                 algorithm="linear", chunk_size=1)  # fmt: skip
     for device in (torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)):
         cuda._launch_cuda(launch, [0] * 14, device)
     assert fake.devices_entered == [1]  # the current device (0) needs no switch; device 1's module lives there
-    assert len(kernel.calls) == 3
+    assert len(fake.kernels[(0, launch.kernel)].calls) == 2 and len(fake.kernels[(1, launch.kernel)].calls) == 1
