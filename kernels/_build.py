@@ -34,6 +34,11 @@ another user or writable by group or others (``BPPSA_CACHE_DIR`` pointed at ``/t
 space) is refused with one warning naming it and why, and a private directory is used instead for the rest
 of the process: the default cache where that one is safe, else a fresh ``tempfile.mkdtemp``. Files this
 builder writes are never writable by group or others, whatever the umask.
+
+The package's other on-disk caches (:mod:`lightning_bppsa.layer_plan`'s measured decisions) use the same
+directory and rules: :func:`trusted_path` (a file in the cache, refused with one warning and a private
+fallback where another user could have planted or replaced it), :func:`exclusive` (an ``flock``),
+:func:`write_private` (an atomic, private write) and :func:`cpu_name`.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BuildError", "cache_dir", "kernel_path", "load_library"]
+__all__ = ["BuildError", "cache_dir", "cpu_name", "exclusive", "kernel_path", "load_library", "trusted_path",
+           "write_private"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +134,10 @@ def _refuse(directory: Path, path: Path, reason: str) -> Path:
     return fallback
 
 
-def _trusted_target(filename: str) -> Path:
+def trusted_path(filename: str) -> Path:
     """``filename`` in the cache, where neither it nor its sidecar is refused (a planted file moves the
-    cache to the private fallback)."""
+    cache to the private fallback, with one warning). Other caches of the package (e.g. the layer plan's
+    measured decisions) keep their files here too."""
     while True:
         directory = cache_dir()
         target = directory / filename
@@ -165,12 +172,14 @@ def load_library(
         raise BuildError(f"compiler {compiler[0]!r} not found on PATH")
     argv = [executable, *compiler[1:]]
     source_paths = [kernel_path(s) for s in sources]  # an absolute path stays as it is
-    target = _trusted_target(f"{name}_{_cache_key(argv, flag_sets, [*source_paths, *map(kernel_path, depends)])}.so")
+    target = trusted_path(
+        f"{name}_{_cache_key(argv, flag_sets, [*source_paths, *map(kernel_path, depends)])}.so"
+    )
 
     lib, _ = _load_verified(target, symbols)
     if lib is not None:
         return lib
-    with _exclusive(target.with_name(target.name + ".lock")):
+    with exclusive(target.with_name(target.name + ".lock")):
         lib, reason = _load_verified(target, symbols)  # another process may have built it meanwhile
         if lib is not None:
             return lib
@@ -185,14 +194,15 @@ def load_library(
 
 def _cache_key(argv: list[str], flag_sets: Sequence[Sequence[str]], files: list[Path]) -> str:
     digest = hashlib.sha256()
-    for part in [*argv, repr([list(f) for f in flag_sets]), platform.machine(), _cpu_name()]:
+    for part in [*argv, repr([list(f) for f in flag_sets]), platform.machine(), cpu_name()]:
         digest.update(part.encode() + b"\0")
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s line; ``platform.processor()`` where there is none)."""
     try:
         with open("/proc/cpuinfo") as info:
             return next((line for line in info if line.startswith("model name")), "")
@@ -201,7 +211,8 @@ def _cpu_name() -> str:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` of ``lock_path`` (created if missing) for the block: one process at a time."""
     with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -229,7 +240,10 @@ def _load_verified(target: Path, symbols: Sequence[str]) -> tuple[ctypes.CDLL | 
     except (OSError, ValueError) as err:
         return None, f"cannot read it or its checksum ({err})"
     if recorded != actual:
-        return None, f"it is {actual['size']} bytes with a checksum that does not match {_sidecar(target).name}"
+        return (
+            None,
+            f"it is {actual['size']} bytes with a checksum that does not match {_sidecar(target).name}",
+        )
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as err:
@@ -265,11 +279,25 @@ def _compile(
             if result.returncode == 0:
                 sidecar_tmp = Path(tmp) / "sidecar"
                 sidecar_tmp.write_text(json.dumps(_fingerprint(built)))
-                for path in (built, sidecar_tmp):  # never group- or world-writable (a umask of 002 would make them so)
-                    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
-                os.replace(built, target)
-                os.replace(sidecar_tmp, _sidecar(target))
+                _publish(built, target)
+                _publish(sidecar_tmp, _sidecar(target))
                 return
             tail = "\n    ".join(result.stderr.strip().splitlines()[-5:]) or "(nothing on stderr)"
             failures.append(f"`{shlex.join(cmd)}` exited with status {result.returncode}:\n    {tail}")
     raise BuildError("\n".join(failures))
+
+
+def _publish(path: Path, target: Path) -> None:
+    """Rename a finished ``path`` onto ``target`` (same file system: atomic), never group- or world-writable
+    (a umask of 002 would make it so)."""
+    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+    os.replace(path, target)
+
+
+def write_private(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` atomically: complete in a private folder beside it, then renamed into
+    place (a reader sees the old file or the new one, never a part), not writable by group or others."""
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        written = Path(tmp) / target.name
+        written.write_text(text)
+        _publish(written, target)

@@ -16,17 +16,37 @@ CUDA, oneDNN / ATen on CPU; the module then runs exactly torch's code) and the s
 Decisions under tracing or capture are never cached (a model answer there must not freeze a shape that an
 eager call could measure). :func:`measurements` turns measuring off or on for the process (tests: to make a
 path deterministic), :func:`forget` drops the cache.
+
+**Measured decisions persist on disk** (on by default, as the compiled kernels do; ``BPPSA_PLAN_CACHE=0``
+turns it off), so a later process of the same setup runs the same path without measuring again: one JSON
+file per setup, ``layer-plans-<hash>.json`` in the package's private cache directory
+(:func:`lightning_bppsa.kernels._build.cache_dir`: ``$BPPSA_CACHE_DIR`` or ``~/.cache/lightning_bppsa``,
+``0700``, files another user owns or could write are refused with one warning), written atomically under a
+lock (processes of one job merge their decisions). A setup is the device's name, the torch, CUDA and CuPy
+versions (torch's thread count on a CPU), the package's version and a digest of its source files (a
+kernel edit changes what is faster): any change reads another file, so the shape is measured again. A file
+that does not parse, or is not of this setup, is ignored with one warning and rewritten. Only measured
+decisions are kept (the model's are recomputed), only where a call would measure (so never while tracing,
+nor under ``measurements(False)``); ``forget(disk=True)`` deletes the files.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from lightning_bppsa.kernels import _build, cupy_loader
 
 __all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "UNSURE", "device_timer", "forget", "measurements",
            "cached", "generation", "plan_layer", "time_candidates"]  # fmt: skip
@@ -39,6 +59,8 @@ MEASURE_BUDGET_SECONDS = 8.0
 
 #: ``timer(fn)``: the seconds one call of ``fn`` takes
 Timer = Callable[[Callable[[], object]], float]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,10 +103,15 @@ def measurements(enabled: bool) -> Iterator[None]:
         _measuring["on"] = previous
 
 
-def forget() -> None:
-    """Drop every cached decision (the next call of each shape decides again)."""
+def forget(disk: bool = False) -> None:
+    """Drop every cached decision (the next call of each shape decides again); ``disk=True`` also deletes the
+    measured decisions kept on disk (every setup's), so that they are measured again."""
     _decisions.clear()
+    _read_files.clear()
     _generation[0] += 1
+    if disk:
+        for path in _build.cache_dir().glob(f"{_FILE_PREFIX}*.json"):
+            path.unlink(missing_ok=True)
 
 
 def generation() -> int:
@@ -101,6 +128,7 @@ def device_timer(device: torch.device) -> Timer:
     """A :data:`Timer` for work on ``device``: CUDA events on a CUDA device (the queue drained first, so the
     events also count the host's time where the GPU waits for it), ``time.perf_counter`` elsewhere."""
     if device.type != "cuda":
+
         def wall(fn: Callable[[], object]) -> float:
             start = time.perf_counter()
             fn()
@@ -120,7 +148,9 @@ def device_timer(device: torch.device) -> Timer:
     return events
 
 
-def time_candidates(candidates: dict[str, Callable[[], object]], timer: Timer, repeats: int = 2) -> dict[str, float]:
+def time_candidates(
+    candidates: dict[str, Callable[[], object]], timer: Timer, repeats: int = 2
+) -> dict[str, float]:
     """The fastest of ``repeats`` timed runs of each candidate, taking turns, after one untimed warm-up run each
     (kernel builds, allocator, caches). A candidate whose warm-up raises gets ``inf`` (e.g. torch's CPU LSTM
     under float16 autocast: oneDNN has no primitive for it), unless every candidate raises."""
@@ -167,17 +197,185 @@ def plan_layer(
     unsure = max(scan, torch_) < UNSURE * min(scan, torch_)
     affordable = 3 * (scan + torch_) <= MEASURE_BUDGET_SECONDS
     if _tracing():
-        return LayerPlan(faster, f"cost model (while tracing): scan {_ms(scan)} vs torch {_ms(torch_)} a step")
+        return LayerPlan(
+            faster, f"cost model (while tracing): scan {_ms(scan)} vs torch {_ms(torch_)} a step"
+        )
     if unsure and affordable and measure is not None and _measuring["on"]:
-        times = measure()
-        faster = min(times, key=times.__getitem__)
-        plan = LayerPlan(faster, f"measured: scan {_ms(times['scan'])} vs torch {_ms(times['autograd'])} a step")
+        plan = _measured(shape, measure)
     else:
-        why = "" if not unsure else " (not measured: " + ("too large to time twice)" if not affordable else "off)")
+        why = (
+            ""
+            if not unsure
+            else " (not measured: " + ("too large to time twice)" if not affordable else "off)")
+        )
         plan = LayerPlan(faster, f"cost model: scan {_ms(scan)} vs torch {_ms(torch_)} a step{why}")
     _decisions[shape] = plan
     return plan
 
 
+def _measured(shape: LayerShape, measure: Callable[[], dict[str, float]]) -> LayerPlan:
+    """The faster path as measured: by this call, or by an earlier process of the same setup (on disk)."""
+    disk = _disk_on()
+    times = _disk_read(shape) if disk else None
+    where = " (on-disk plan cache)"
+    if times is None:
+        times, where = measure(), ""
+        if disk:
+            _disk_write(shape, times)
+    faster = "autograd" if times["autograd"] < times["scan"] else "scan"  # a tie: the scan, read or measured
+    return LayerPlan(
+        faster, f"measured: scan {_ms(times['scan'])} vs torch {_ms(times['autograd'])} a step{where}"
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured decisions on disk (see the module docstring).
+# --------------------------------------------------------------------------------------------------
+
+_FILE_PREFIX = "layer-plans-"
+_FORMAT = 1
+_PATHS = ("scan", "autograd")
+#: plan file -> its entries as read once by this process, with what it wrote since
+_read_files: dict[Path, dict[str, dict[str, float]]] = {}
+_warned: set[str] = set()  # one warning per problem and file
+
+
+def _disk_on() -> bool:
+    return os.environ.get("BPPSA_PLAN_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _disk_read(shape: LayerShape) -> dict[str, float] | None:
+    """The measured times of ``shape`` kept on disk for this setup, or ``None``."""
+    try:
+        environment = _environment(shape.device)
+        path = _build.trusted_path(_file_name(environment))
+        entries = _read_files.get(path)
+        if entries is None:
+            entries = _read_files[path] = _read(path, environment)
+        return entries.get(_entry_key(shape))
+    except Exception as err:  # noqa: BLE001  (a cache must never fail a model: it measures instead)
+        _warn(
+            "read",
+            f"lightning_bppsa: the layer plan cache cannot be read ({type(err).__name__}: {err}); measuring",
+        )
+        return None
+
+
+def _disk_write(shape: LayerShape, times: dict[str, float]) -> None:
+    """Add ``shape``'s measured ``times`` to this setup's file, merged with what other processes wrote."""
+    try:
+        environment = _environment(shape.device)
+        path = _build.trusted_path(_file_name(environment))
+        with _build.exclusive(path.with_name(path.name + ".lock")):
+            entries = _read(path, environment)
+            entries[_entry_key(shape)] = {name: float(times[name]) for name in _PATHS}
+            document = {"format": _FORMAT, "environment": environment, "decisions": entries}
+            _build.write_private(path, json.dumps(document, indent=1, sort_keys=True))
+        _read_files[path] = entries
+    except Exception as err:  # noqa: BLE001  (a read-only or full disk: the decision stays in this process)
+        _warn(
+            "write", f"lightning_bppsa: the layer plan cache cannot be written ({type(err).__name__}: {err})"
+        )
+
+
+def _read(path: Path, environment: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The valid entries of ``path``; a file that does not parse or is not of ``environment``: none, with one
+    warning (its next write replaces it)."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        _warn(str(path), f"lightning_bppsa: ignoring the layer plan cache {path}: it does not parse ({err})")
+        return {}
+    if not isinstance(document, dict) or document.get("format") != _FORMAT:
+        _warn(str(path), f"lightning_bppsa: ignoring the layer plan cache {path}: not format {_FORMAT}")
+        return {}
+    if document.get("environment") != environment:
+        _warn(str(path), f"lightning_bppsa: ignoring the layer plan cache {path}: written for another setup")
+        return {}
+    decisions = document.get("decisions")
+    entries = (
+        {key: times for key, times in decisions.items() if _valid(times)}
+        if isinstance(decisions, dict)
+        else {}
+    )
+    if not isinstance(decisions, dict) or len(entries) < len(decisions):
+        _warn(str(path), f"lightning_bppsa: ignoring malformed entries of the layer plan cache {path}")
+    return entries
+
+
+def _valid(times: object) -> bool:
+    """An entry is the two paths' seconds: numbers, not NaN, not negative (``inf``: that path raised)."""
+    return (
+        isinstance(times, dict)
+        and set(times) == set(_PATHS)
+        and all(type(t) in (int, float) and t >= 0 for t in times.values())  # NaN >= 0 is False
+    )
+
+
+def _warn(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _entry_key(shape: LayerShape) -> str:
+    """``shape`` without the device's index (the file is per device name)."""
+    return (
+        f"{shape.cell} layers={shape.layers} directions={shape.directions} B={shape.batch} T={shape.steps} "
+        f"input={shape.input_size} H={shape.hidden} {shape.dtype}"
+    )
+
+
+def _file_name(environment: dict[str, str]) -> str:
+    digest = hashlib.sha256(json.dumps(environment, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{_FILE_PREFIX}{digest}.json"
+
+
+def _environment(device: str) -> dict[str, str]:
+    """What a measured decision depends on beside its shape (see the module docstring)."""
+    kind = torch.device(device).type
+    environment = {
+        "package": _package_version(),
+        "code": _code_digest(),
+        "torch": str(torch.__version__),
+        "device": _device_name(device),
+    }
+    if kind == "cuda":
+        environment |= {"cuda": str(torch.version.cuda), "cupy": cupy_loader.cupy_version()}
+    else:  # torch's CPU kernels run on its intra-op threads: another count, another contest
+        environment["threads"] = str(torch.get_num_threads())
+    return environment
+
+
+@functools.cache
+def _device_name(device: str) -> str:
+    device_ = torch.device(device)
+    if device_.type == "cuda":
+        return torch.cuda.get_device_name(device_)
+    if device_.type == "cpu":
+        return _build.cpu_name().partition(":")[2].strip() or "cpu"
+    return device_.type
+
+
+@functools.cache
+def _package_version() -> str:
+    from lightning_bppsa import __version__
+
+    return __version__
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A digest of the package's Python and kernel sources (an edit changes the plan file; ~25 ms, once)."""
+    digest = hashlib.sha256()
+    for root in (Path(__file__).resolve().parent, _build.kernel_path("")):
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".cu", ".h", ".c") and "__pycache__" not in path.parts:
+                digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
+from lightning_bppsa.kernels import _build, cupy_loader
 
 from lightning_bppsa import layer_plan
 from lightning_bppsa import nn as bnn
@@ -25,7 +33,9 @@ class Counter:
 
 
 @pytest.fixture
-def measuring():
+def measuring(monkeypatch):
+    """Measured decisions allowed, in this process only (the on-disk cache has its own tests below)."""
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "0")
     with layer_plan.measurements(True):
         yield
     layer_plan.forget()
@@ -48,7 +58,9 @@ def test_sure_or_too_large_shapes_are_not_measured(measuring):
     assert large.path == "scan" and "too large to time twice" in large.reason
 
 
-def test_nothing_is_measured_or_cached_while_tracing_and_a_cached_decision_survives_it(monkeypatch, measuring):
+def test_nothing_is_measured_or_cached_while_tracing_and_a_cached_decision_survives_it(
+    monkeypatch, measuring
+):
     measure = Counter({"scan": 2e-3, "autograd": 1e-3})
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     traced = plan_layer(SHAPE, lambda: (1.0e-3, 1.2e-3), measure)
@@ -72,7 +84,9 @@ def test_time_candidates_warms_up_then_keeps_each_ones_fastest_run_taking_turns(
     assert times == {"a": 4.0, "b": 3.0}
 
 
-def test_the_module_runs_what_the_measurement_chose_and_the_call_draws_the_same_dropout(monkeypatch, measuring):
+def test_the_module_runs_what_the_measurement_chose_and_the_call_draws_the_same_dropout(
+    monkeypatch, measuring
+):
     timed = []
 
     def timer_for(device):
@@ -145,4 +159,267 @@ def test_on_cuda_without_the_scans_kernels_auto_keeps_torchs_layer_and_says_why(
     monkeypatch.setattr(recurrent, "_predict", lambda shape: pytest.fail("no model without the kernels"))
     path, reason = rnn._path(x, None)
     plan_module._choose.cache_clear()
-    assert path == "autograd" and reason.startswith("auto on CUDA without the scan's kernels (torch implementation")
+    assert path == "autograd" and reason.startswith(
+        "auto on CUDA without the scan's kernels (torch implementation"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured decisions on disk
+# --------------------------------------------------------------------------------------------------
+
+CPU_SHAPE = LayerShape("GRU", 1, 1, 16, 300, 4, 64, torch.float32, "cpu")
+
+
+@pytest.fixture
+def disk(monkeypatch, tmp_path):
+    """Measuring on, the on-disk plan cache on, in a private cache directory of this test (the fallback for a
+    refused one too); the process's memory of the cache's files and warnings emptied."""
+    monkeypatch.delenv("BPPSA_PLAN_CACHE", raising=False)
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # _build's fallback for a refused cache: ~/.cache/...
+    monkeypatch.setattr(_build, "_REPLACED", {})
+    monkeypatch.setattr(layer_plan, "_warned", set())
+    layer_plan.forget()
+    with layer_plan.measurements(True):
+        yield tmp_path / "cache"
+    layer_plan.forget()
+
+
+class Clocked:
+    """``measure`` of :func:`plan_layer`: both paths timed by :func:`time_candidates` with an injected clock
+    (scan 2 ms, torch 1 ms); counts the measurements."""
+
+    def __init__(self, scan: float = 2e-3, autograd: float = 1e-3) -> None:
+        self.seconds, self.calls = {"scan": scan, "autograd": autograd}, 0
+
+    def __call__(self) -> dict[str, float]:
+        self.calls += 1
+        ran = []
+
+        def timer(fn) -> float:
+            fn()
+            return self.seconds[ran[-1]]
+
+        return time_candidates({name: (lambda name=name: ran.append(name)) for name in self.seconds}, timer)
+
+
+def unsure() -> tuple[float, float]:
+    return 1.0e-3, 1.2e-3  # the model leans to the scan, unsure: a call measures
+
+
+def never() -> dict[str, float]:
+    pytest.fail("measured although the decision is on disk")
+
+
+def plan_files(cache) -> list:
+    return sorted(cache.glob("layer-plans-*.json"))
+
+
+def test_a_measured_decision_is_read_back_from_disk_without_measuring(disk):
+    clocked = Clocked()
+    first = plan_layer(CPU_SHAPE, unsure, clocked)
+    assert clocked.calls == 1 and first == LayerPlan("autograd", "measured: scan 2 ms vs torch 1 ms a step")
+    (path,) = plan_files(disk)
+    assert stat.S_IMODE(os.stat(disk).st_mode) == 0o700 and not stat.S_IMODE(os.stat(path).st_mode) & 0o022
+    layer_plan.forget()  # this process forgets: the disk still knows
+    again = plan_layer(CPU_SHAPE, unsure, never)
+    assert again == LayerPlan("autograd", "measured: scan 2 ms vs torch 1 ms a step (on-disk plan cache)")
+    assert layer_plan.cached(CPU_SHAPE)  # and kept in memory: the next call reads no file
+    other = dataclasses.replace(CPU_SHAPE, batch=32)
+    assert plan_layer(other, unsure, Clocked(scan=1e-3, autograd=3e-3)).path == "scan"  # a new shape measures
+    layer_plan.forget()
+    assert plan_layer(other, unsure, never).path == "scan" and plan_files(disk) == [
+        path
+    ]  # one file per setup
+
+
+def test_a_second_process_reads_the_decision_without_measuring(disk):
+    plan_layer(CPU_SHAPE, unsure, Clocked())
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        torch.set_num_threads({torch.get_num_threads()})  # the thread count is part of a CPU setup
+        from lightning_bppsa import layer_plan
+        from lightning_bppsa.layer_plan import LayerShape
+        shape = LayerShape("GRU", 1, 1, 16, 300, 4, 64, torch.float32, "cpu")
+        def measure():
+            sys.exit("measured")
+        print(layer_plan.plan_layer(shape, lambda: (1.0e-3, 1.2e-3), measure))
+        """
+    )
+    env = {**os.environ, "BPPSA_CACHE_DIR": str(disk)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    expected = LayerPlan("autograd", "measured: scan 2 ms vs torch 1 ms a step (on-disk plan cache)")
+    assert result.stdout.strip() == repr(expected)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["torch", "package", "code", "threads", "cpu"],
+)
+def test_a_changed_setup_measures_again(disk, monkeypatch, change):
+    plan_layer(CPU_SHAPE, unsure, Clocked())
+    layer_plan.forget()
+    if change == "torch":
+        monkeypatch.setattr(torch, "__version__", "99.0.0")
+    elif change == "package":
+        monkeypatch.setattr(layer_plan, "_package_version", lambda: "0.2.0")
+    elif change == "code":
+        monkeypatch.setattr(layer_plan, "_code_digest", lambda: "an-edited-kernel")
+    elif change == "threads":
+        threads = torch.get_num_threads() + 1
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    else:
+        monkeypatch.setattr(layer_plan, "_device_name", lambda device: "Another CPU")
+    clocked = Clocked(scan=1e-3, autograd=2e-3)  # faster scan on the new setup
+    assert plan_layer(CPU_SHAPE, unsure, clocked).path == "scan" and clocked.calls == 1
+    assert len(plan_files(disk)) == 2  # the first setup's file stays for it
+    monkeypatch.undo()  # back to the first setup (and its fixture's cache directory)
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(disk))
+    layer_plan.forget()
+    with layer_plan.measurements(True):
+        assert plan_layer(CPU_SHAPE, unsure, never).path == "autograd"
+
+
+def test_a_cuda_setup_is_keyed_by_device_name_and_cuda_and_cupy_versions(disk, monkeypatch):
+    shape = dataclasses.replace(CPU_SHAPE, device="cuda:0")
+    monkeypatch.setattr(layer_plan, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cupy_loader, "cupy_version", lambda: "14.0.0")
+    plan_layer(shape, unsure, Clocked())
+    (path,) = plan_files(disk)
+    environment = json.loads(path.read_text())["environment"]
+    assert environment["device"] == "NVIDIA H100 80GB HBM3" and environment["cupy"] == "14.0.0"
+    assert {"cuda", "torch", "package", "code"} <= set(environment) and "threads" not in environment
+    layer_plan.forget()
+    assert (
+        plan_layer(dataclasses.replace(shape, device="cuda:1"), unsure, never).path == "autograd"
+    )  # same name
+    layer_plan.forget()
+    monkeypatch.setattr(cupy_loader, "cupy_version", lambda: "14.1.0")
+    clocked = Clocked()
+    plan_layer(shape, unsure, clocked)
+    assert clocked.calls == 1 and len(plan_files(disk)) == 2
+
+
+def refusals(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ['{"format": 1, "environment": {', "not utf-8", "[]", '{"format": 2}', "environment", "entries"],
+)
+def test_a_corrupted_file_is_ignored_with_one_warning_and_rewritten(disk, caplog, damage):
+    plan_layer(CPU_SHAPE, unsure, Clocked())
+    (path,) = plan_files(disk)
+    document = json.loads(path.read_text())
+    if damage == "environment":  # a file of another setup under this setup's name
+        document["environment"]["torch"] = "0.0.1"
+        path.write_text(json.dumps(document))
+    elif damage == "entries":
+        (key,) = document["decisions"]
+        document["decisions"][key] = {"scan": float("nan"), "autograd": 1e-3}
+        document["decisions"]["bad"] = {"scan": -1.0, "autograd": 1e-3}
+        document["decisions"]["worse"] = "fast"
+        path.write_text(json.dumps(document))
+    elif damage == "not utf-8":
+        path.write_bytes(b"\xff\xfe not text")
+    else:
+        path.write_text(damage)
+    layer_plan.forget()
+    caplog.set_level(logging.WARNING, logger="lightning_bppsa.layer_plan")
+    clocked = Clocked(scan=1e-3, autograd=2e-3)
+    assert plan_layer(CPU_SHAPE, unsure, clocked).path == "scan" and clocked.calls == 1  # measured again
+    (message,) = refusals(caplog)
+    assert message.startswith("lightning_bppsa: ignoring ") and str(path) in message
+    rewritten = json.loads(path.read_text())  # replaced by a valid file holding the new measurement
+    assert list(rewritten["decisions"].values()) == [{"scan": 1e-3, "autograd": 2e-3}]
+    layer_plan.forget()
+    assert plan_layer(CPU_SHAPE, unsure, never).path == "scan" and len(refusals(caplog)) == 1
+
+
+@pytest.mark.parametrize("foreign", ["writable by others", "owned by another user"])
+def test_a_file_another_user_could_have_planted_is_refused_with_a_warning(disk, caplog, monkeypatch, foreign):
+    if foreign == "owned by another user" and os.geteuid() != 0:
+        pytest.skip("making a file another user's needs root")
+    plan_layer(CPU_SHAPE, unsure, Clocked(scan=1e-3, autograd=2e-3))  # the scan, on disk
+    (path,) = plan_files(disk)
+    if foreign == "writable by others":
+        path.chmod(0o666)
+    else:
+        os.chown(path, 4242, 4242)
+    planted = path.read_bytes()
+    layer_plan.forget()
+    caplog.set_level(logging.WARNING)
+    clocked = Clocked()
+    assert (
+        plan_layer(CPU_SHAPE, unsure, clocked).path == "autograd" and clocked.calls == 1
+    )  # not read: measured
+    (message,) = refusals(caplog)
+    assert f"refusing the kernel cache {path}" in message
+    assert (
+        path.read_bytes() == planted
+    )  # left alone; this process now keeps its cache in the private fallback
+    fallback = _build.cache_dir()
+    assert fallback != disk and plan_files(fallback)
+
+
+def test_off_by_the_environment_nothing_is_read_or_written(disk, monkeypatch):
+    plan_layer(CPU_SHAPE, unsure, Clocked())
+    layer_plan.forget()
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "0")
+    before = plan_files(disk)[0].read_bytes()
+    clocked = Clocked(scan=1e-3, autograd=2e-3)
+    assert plan_layer(CPU_SHAPE, unsure, clocked).path == "scan" and clocked.calls == 1  # not read
+    assert plan_files(disk)[0].read_bytes() == before  # not written
+
+
+def test_nothing_is_read_from_disk_while_tracing_or_with_measurements_off(disk, monkeypatch):
+    plan_layer(CPU_SHAPE, unsure, Clocked())  # autograd measured faster; the model leans to the scan
+    layer_plan.forget()
+    monkeypatch.setattr(layer_plan, "_disk_read", lambda shape: pytest.fail("read the disk"))
+    with layer_plan.measurements(False):
+        assert plan_layer(CPU_SHAPE, unsure, never).path == "scan"  # the model: deterministic in tests
+    layer_plan.forget()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "while tracing" in plan_layer(CPU_SHAPE, unsure, never).reason
+
+
+def test_decisions_of_other_processes_are_merged_not_overwritten(disk):
+    plan_layer(CPU_SHAPE, unsure, Clocked())
+    (path,) = plan_files(disk)
+    document = json.loads(path.read_text())  # another process adds a shape after this one read the file
+    document["decisions"]["LSTM layers=1 directions=1 B=1 T=9 input=1 H=1 torch.float64"] = {
+        "scan": 1.0,
+        "autograd": 2.0,
+    }
+    path.write_text(json.dumps(document))
+    plan_layer(dataclasses.replace(CPU_SHAPE, batch=8), unsure, Clocked())
+    assert len(json.loads(path.read_text())["decisions"]) == 3
+
+
+def test_an_unwritable_cache_warns_once_and_keeps_the_decision_in_memory(disk, monkeypatch, caplog):
+    def full(target, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_build, "write_private", full)
+    caplog.set_level(logging.WARNING, logger="lightning_bppsa.layer_plan")
+    for batch in (CPU_SHAPE.batch, 2):
+        plan = plan_layer(dataclasses.replace(CPU_SHAPE, batch=batch), unsure, Clocked())
+        assert plan.path == "autograd"
+    (message,) = refusals(caplog)
+    assert "cannot be written (OSError: [Errno 28] No space left on device)" in message
+    assert plan_layer(CPU_SHAPE, unsure, never).path == "autograd" and not plan_files(disk)
+
+
+def test_forget_disk_deletes_the_measured_decisions(disk):
+    plan_layer(CPU_SHAPE, unsure, Clocked())
+    layer_plan.forget(disk=True)
+    assert not plan_files(disk)
+    clocked = Clocked()
+    plan_layer(CPU_SHAPE, unsure, clocked)
+    assert clocked.calls == 1
