@@ -27,13 +27,15 @@ control flow, ``.item()``, in-place ops, random numbers, a row count baked into 
 a check is called per step and gets dense Jacobians. ``last_stats`` says which: ``jacobians``
 (``"factored"`` / ``"dense"``), ``dense_reason``, ``traced_forward``, ``trace_reason``.
 
-**The compiled loop** (:mod:`~lightning_bppsa.nn.cell_kernel`, CPU, float32 / float64). A factored step's
+**The compiled loop** (:mod:`~lightning_bppsa.nn.cell_kernel` on the CPU, :mod:`~lightning_bppsa.nn.cell_cuda`
+on CUDA: the same generated step as kernels built with NVRTC; float32 / float64). A factored step's
 pointwise part is generated as C with its forward-mode partials and built once (cached on disk): the forward
 loop writes the states and the factors in one pass, and the backward is one C sweep (the linear scan fused
 with the products the parameter VJP needs; ``"blelloch"`` / ``"chunked"``, or a plan that picks them, run
 :func:`~lightning_bppsa.backprop_scan` instead), then the weights' GEMMs. It is checked once per trace
 against the traced step (states, factors, VJP); an op it does not generate, a failed build or a failed
-check keeps the torch path (``last_stats["cell_kernel"]``, ``cell_kernel_reason``). Without gradients
+check keeps the torch path (``last_stats["cell_kernel"]``: ``"cpu"``, ``"cuda"`` or ``None``; ``cell_kernel_reason``
+says why none, e.g. CuPy missing on a GPU). Without gradients
 (``torch.no_grad``, evaluation) the compiled loop runs the forward alone (``path == "compiled loop"``;
 under ``inference_mode`` only with a trace made before for the batch shape, since the checks need
 autograd).
@@ -94,6 +96,7 @@ from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn.cell_cuda import CudaCellKernel
 from lightning_bppsa.nn.cell_kernel import CellFactors, CellKernel, Unsupported
 from lightning_bppsa.nn.cell_structure import CellStructure, NotTraceable, cell_tensors, describe, trace_cell
 from lightning_bppsa.plan import check_algorithm, choose
@@ -302,7 +305,7 @@ class Recurrence(nn.Module):
             self.last_stats.update(
                 jacobians="factored" if traced.factored else "dense", dense_reason=traced.dense_reason,
                 traced_forward=traced.structure is not None, trace_reason=traced.reason,
-                cell_kernel=traced.kernel is not None, cell_kernel_reason=traced.kernel_reason,
+                cell_kernel=_platform(traced.kernel), cell_kernel_reason=traced.kernel_reason,
             )
         outputs = self._outputs(new_states, spec)
         final = spec.unflatten(final_flat)
@@ -381,7 +384,7 @@ class Recurrence(nn.Module):
         if needed), or ``None``: the cell is called per step. Under ``inference_mode`` a trace is not made
         (its checks need autograd) but one made before is used."""
         batch, steps = x.shape[:2]
-        if batch == 0 or steps == 0 or x.device.type != "cpu" or self._unbatchable is not None:
+        if batch == 0 or steps == 0 or x.device.type not in ("cpu", "cuda") or self._unbatchable is not None:
             return None
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return None
@@ -844,23 +847,24 @@ def _checked_kernel(
 ) -> tuple[CellKernel | None, str | None]:
     """The compiled loop of a factored structure, checked on the batch's first steps against the cell's loop
     (``expected``) and the traced step's factors and parameter VJP; ``(None, why not)`` where it is not used."""
-    if x.device.type != "cpu":
-        return None, f"the compiled loop runs on the CPU, not {x.device.type}"
     try:
-        kernel = CellKernel(structure, spec.dtype)
+        kernel = _compiled_loop(structure, spec.dtype, x.device)
     except Unsupported as error:
         return None, f"not compiled: {error}"
-    except RuntimeError as error:  # no compiler, BPPSA_NATIVE=0, a failed build (logged)
+    except RuntimeError as error:  # no compiler, BPPSA_NATIVE=0, a failed build (logged); no CuPy / NVRTC
         return None, str(error)
     rows = x.shape[0] * x.shape[1]
-    states, factors = _kernel_forward(module, kernel, x.detach().requires_grad_(), s0)
+    try:
+        states, factors = _kernel_forward(module, kernel, x.detach().requires_grad_(), s0)
+    except Exception as error:  # noqa: BLE001 - a launch the device refuses (CuPy's errors are no RuntimeErrors)
+        return None, f"the compiled loop's first run failed ({describe(error)})"
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_()
     reference, new = _factored_pass(module, structure, spec, x_flat, expected)
     tolerance = torch.finfo(spec.dtype).eps ** 0.75
     close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(1.0, b.abs().max().item()))  # noqa: E731
     params = [p for p in module.cell.parameters() if p.requires_grad]
     leaves = [x_flat, *params]
-    cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype).view_as(new)
+    cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype, device=new.device).view_as(new)
     grad = torch.cat([torch.zeros_like(expected[:, :1]), cotangent.view(x.shape[0], x.shape[1], -1)], 1)
     ours = kernel.vjp(factors, expected, kernel.products(factors, grad), [factors.x_flat, *params])
     theirs = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else [None] * len(leaves)
@@ -870,6 +874,16 @@ def _checked_kernel(
     return kernel, None
 
 
+def _compiled_loop(structure: CellStructure, dtype: torch.dtype, device: torch.device) -> CellKernel:
+    """The compiled loop on ``device``: C on the CPU, CUDA kernels on a GPU; :class:`Unsupported` elsewhere or
+    where the graph or the state does not fit it, ``RuntimeError`` where it does not build or load."""
+    if device.type == "cpu":
+        return CellKernel(structure, dtype)
+    if device.type == "cuda":
+        return CudaCellKernel(structure, dtype, device)
+    raise Unsupported(f"no compiled loop on {device.type}")
+
+
 def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor) -> Tensor:
     """The loop's states ``(B, T + 1, d)`` from the traced step (no cell calls)."""
     batch, steps = x.shape[:2]
@@ -877,6 +891,11 @@ def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec,
     news = structure.loop(cell_tensors(module.cell), x_tb, spec.tensors(spec.unflatten(s0)), steps)
     flats = [spec.flatten(tuple(new)) if spec.is_tuple else new[0] for new in news]
     return torch.stack([s0, *flats], 1)
+
+
+def _platform(kernel: CellKernel | None) -> str | None:
+    """``last_stats["cell_kernel"]``: where the compiled loop runs (``"cpu"``, ``"cuda"``), ``None`` without one."""
+    return None if kernel is None else getattr(kernel, "platform", "cpu")
 
 
 def _chunk_rows(d: int) -> int:

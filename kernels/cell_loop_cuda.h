@@ -1,0 +1,171 @@
+/* The CUDA twin of cell_loop.h: the loop over time of a user-written recurrent cell (lightning_bppsa.nn.Recurrence)
+   as three kernels, compiled from its traced step by lightning_bppsa/nn/cell_cuda.py. The generated source is the
+   C source lightning_bppsa/nn/cell_kernel.py makes (its defines and the step's pointwise part, cell_values and
+   cell_partials, run by one thread per coordinate j), then this file. Besides cell_loop.h's defines (REAL, H, M,
+   D, NK, KH, NI, CLO, CHI) it defines:
+
+     CELL_INPUT_PARAMS, CELL_INPUT_POINTERS, CELL_INPUT_STRIDES, CELL_INPUT_HOST_ARGS(base)
+                          the NI input-part values as kernel parameters (pointer, row stride) and their host words
+     CELL_DIRECT_TILE(q)  with several states: the identity tile of state q read directly (-1: none), a constant
+
+   Every parameter is a 64-bit word (pointers and long long: CuPy packs Python ints so). States are (B, T + 1, D);
+   rows of the other arrays are (b, t) flattened, as on the CPU.
+
+   bppsa_cell_cuda_forward: one block per batch row, thread j < H owns coordinate j of every state and piece.
+     The pieces' weights (the rows [CLO, CHI) of wc = (D, KH)) are staged once in shared memory; the state lives
+     in two shared buffers (step t reads one, writes the other: one barrier per step); thread j computes its
+     pieces' coordinate (offsets + prev @ wc), puts them in shared memory for the generated step (which indexes
+     piece[k H + j]), runs the step (values, and with partials the scales, diagonal and input partials straight
+     to global memory) and copies its new coordinates to the states.
+   bppsa_cell_cuda_backward: the reverse linear sweep of the factored Jacobians fused with the products the
+     parameter VJP needs, one block per batch row: thread j keeps g_t at its coordinates (M registers); per step
+     it writes its products (g times the partials by every piece and input value, summed over the new states),
+     the pieces' ones also to shared memory (double-buffered: one barrier per step), then forms g_{t-1} at its
+     coordinates: the pieces' products times the staged wt = (KH, D) columns [CLO, CHI), plus the diagonal (one
+     state) or the identity tiles of the states read directly, plus the direct gradient.
+   bppsa_cell_cotangent: the products of every row from a states' gradient the scan made elsewhere
+     (a grid-stride loop over (row, j)). */
+
+typedef long long i64;
+
+#define CELL_MAX_THREADS 256 /* H <= 256: one thread per coordinate (lightning_bppsa/nn/cell_cuda.py checks) */
+#define CELL_CW (CHI - CLO)  /* the state columns the pieces read */
+
+/* One coordinate's products: o[k] = Σ_p partial_k[p H + j] g[p] for the pieces k < NK (their scales s) and the
+   input values (their partials f), written to out[k H]; the pieces' also to shared[k H] (when not null). */
+__device__ __forceinline__ void cell_products(const REAL (&g)[M], const REAL* __restrict__ s, const REAL* __restrict__ f,
+                                              int j, REAL* __restrict__ out, REAL* __restrict__ shared) {
+#pragma unroll
+    for (int k = 0; k < NK + NI; ++k) {
+        const REAL* partial = (k < NK ? s + k * M * H : f + (k - NK) * M * H) + j;
+        REAL acc = partial[0] * g[0];
+#pragma unroll
+        for (int p = 1; p < M; ++p) acc += partial[p * H] * g[p];
+        out[k * H + j] = acc;
+        if (shared != nullptr && k < NK) shared[k * H + j] = acc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
+    bppsa_cell_cuda_forward(i64 batch, i64 steps, const REAL* __restrict__ wc, const REAL* __restrict__ offsets,
+                            REAL* __restrict__ states, i64 partials, REAL* __restrict__ scales,
+                            REAL* __restrict__ diagonal, REAL* __restrict__ fpart CELL_INPUT_PARAMS) {
+    (void)batch;
+    BPPSA_DYNAMIC_SHARED(smem);
+    REAL* w = reinterpret_cast<REAL*>(smem);  // CELL_CW x KH
+    REAL* state = w + CELL_CW * KH;            // 2 x D
+    REAL* piece = state + 2 * D;               // KH
+    const i64 b = blockIdx.x;
+    const int j = threadIdx.x;
+    for (int e = j; e < CELL_CW * KH; e += blockDim.x) w[e] = wc[CLO * KH + e];
+    REAL* own = states + b * (steps + 1) * D;
+    for (int e = j; e < D; e += blockDim.x) state[e] = own[e];
+    const REAL* in[NI > 0 ? NI : 1] = {CELL_INPUT_POINTERS};
+    const int64_t stride[NI > 0 ? NI : 1] = {CELL_INPUT_STRIDES};
+    __syncthreads();
+    for (i64 t = 0; t < steps; ++t) {
+        const i64 row = b * steps + t;
+        const REAL* prev = state + (t & 1) * D;
+        REAL* next = state + ((t + 1) & 1) * D;
+        if (j < H) {
+            REAL acc[NK > 0 ? NK : 1];
+#pragma unroll
+            for (int k = 0; k < NK; ++k) acc[k] = offsets != nullptr ? offsets[row * KH + k * H + j] : REAL(0);
+            for (int i = 0; i < CELL_CW; ++i) {
+                const REAL v = prev[CLO + i];
+                const REAL* wi = w + i * KH + j;
+#pragma unroll
+                for (int k = 0; k < NK; ++k) acc[k] += v * wi[k * H];
+            }
+#pragma unroll
+            for (int k = 0; k < NK; ++k) piece[k * H + j] = acc[k];
+            if (partials)
+                cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart);
+            else
+                cell_values(row, prev, piece, in, stride, next);
+#pragma unroll
+            for (int p = 0; p < M; ++p) own[(t + 1) * D + p * H + j] = next[p * H + j];
+        }
+        __syncthreads();  // next is complete before step t + 1 reads it; prev is read by nobody any more
+    }
+}
+BPPSA_ENTRY(bppsa_cell_cuda_forward, (),
+            ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (REAL*)a[4], (i64)a[5], (REAL*)a[6],
+             (REAL*)a[7], (REAL*)a[8] CELL_INPUT_HOST_ARGS(9)))
+
+/* direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T, else unused; final: (B, D),
+   a further direct gradient of s_T, or null; out: (B, D), the gradient of s_0; products: (B T, (NK + NI) H). */
+extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
+    bppsa_cell_cuda_backward(i64 batch, i64 steps, const REAL* __restrict__ wt, const REAL* __restrict__ scales,
+                             i64 scale_width, const REAL* __restrict__ diagonal, const REAL* __restrict__ fpart,
+                             const REAL* __restrict__ direct, i64 per_step, const REAL* __restrict__ final,
+                             REAL* __restrict__ out, REAL* __restrict__ products) {
+    (void)batch;
+    BPPSA_DYNAMIC_SHARED(smem);
+    REAL* w = reinterpret_cast<REAL*>(smem);  // KH x CELL_CW
+    REAL* o = w + KH * CELL_CW;               // 2 x KH: the pieces' products of a step
+    const i64 b = blockIdx.x;
+    const int j = threadIdx.x;
+    for (int e = j; e < KH * CELL_CW; e += blockDim.x) w[e] = wt[(e / CELL_CW) * D + CLO + e % CELL_CW];
+    REAL g[M];
+#pragma unroll
+    for (int p = 0; p < M; ++p) {
+        const int c = p * H + j;
+        g[p] = j < H ? (per_step ? direct[(b * steps + steps - 1) * D + c] : REAL(0)) + (final ? final[b * D + c] : REAL(0))
+                     : REAL(0);
+    }
+    __syncthreads();
+    for (i64 t = steps; t >= 1; --t) {
+        const i64 row = b * steps + t - 1;
+        const REAL* s = scales + row * scale_width;
+        REAL* ob = o + (t & 1) * KH;
+        if (j < H) cell_products(g, s, fpart + row * NI * D, j, products + row * (NK + NI) * H, ob);
+        __syncthreads();  // ob complete; the other buffer is written next step while late threads read this one
+        if (j < H) {
+            REAL carry[M];
+#pragma unroll
+            for (int q = 0; q < M; ++q) {
+                REAL acc = REAL(0);
+                if (q * H >= CLO && q * H < CHI) {
+                    const REAL* wc = w + (q * H - CLO) + j;
+                    for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * CELL_CW];
+                }
+                if (M == 1 && diagonal != nullptr) acc += g[0] * diagonal[row * D + j];
+                const int tile = CELL_DIRECT_TILE(q);
+                if (tile >= 0) {
+                    const REAL* u = s + (NK + tile) * M * H + j;
+#pragma unroll
+                    for (int p = 0; p < M; ++p) acc += u[p * H] * g[p];
+                }
+                carry[q] = acc;
+            }
+            const REAL* d = per_step && t >= 2 ? direct + (b * steps + t - 2) * D + j : nullptr;
+#pragma unroll
+            for (int q = 0; q < M; ++q) g[q] = (d ? d[q * H] : REAL(0)) + carry[q];
+        }
+    }
+    if (j < H)
+#pragma unroll
+        for (int q = 0; q < M; ++q) out[b * D + q * H + j] = g[q];
+}
+BPPSA_ENTRY(bppsa_cell_cuda_backward, (),
+            ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (i64)a[4], (const REAL*)a[5],
+             (const REAL*)a[6], (const REAL*)a[7], (i64)a[8], (const REAL*)a[9], (REAL*)a[10], (REAL*)a[11]))
+
+/* grad: (B, T + 1, D), a scan's states' gradient; row (b, t) reads it at (b, t + 1). */
+extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
+    bppsa_cell_cuda_cotangent(i64 batch, i64 steps, const REAL* __restrict__ grad, const REAL* __restrict__ scales,
+                              i64 scale_width, const REAL* __restrict__ fpart, REAL* __restrict__ out) {
+    const i64 total = batch * steps * H;
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+        const i64 r = e / H;
+        const int j = (int)(e % H);
+        const REAL* gr = grad + (r + r / steps + 1) * D + j;
+        REAL g[M];
+#pragma unroll
+        for (int p = 0; p < M; ++p) g[p] = gr[p * H];
+        cell_products(g, scales + r * scale_width, fpart + r * NI * D, j, out + r * (NK + NI) * H, nullptr);
+    }
+}
+BPPSA_ENTRY(bppsa_cell_cuda_cotangent, (),
+            ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (i64)a[4], (const REAL*)a[5], (REAL*)a[6]))

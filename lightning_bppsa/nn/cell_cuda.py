@@ -1,0 +1,361 @@
+"""A factored cell's compiled loop on CUDA: the CPU loop's generated step (:mod:`~lightning_bppsa.nn.cell_kernel`)
+run by CUDA kernels (``kernels/cell_loop_cuda.h``).
+
+The step's pointwise part is the same C text :mod:`~lightning_bppsa.nn.cell_kernel` generates from the traced
+graph (values and forward-mode partials, per coordinate ``j``), made device code: its loop over ``j`` becomes
+one thread per coordinate, ``activations.h`` becomes ``kernels/cell_cuda_prologue.h``, ``cell_loop.h`` becomes
+``kernels/cell_loop_cuda.h``. Three kernels, launched on torch's current stream:
+
+- the forward loop (one block per batch row): the states and, with partials, the Jacobians' factors and the
+  partials by the input part's values, in one pass (the input projection is one torch GEMM before it, as on
+  the CPU);
+- the backward (one block per batch row): the reverse linear sweep of the factored Jacobians fused with the
+  products the parameter VJP needs; the weights' GEMMs then run in torch (:meth:`CellKernel.vjp`);
+- the products alone, after a scan that ran elsewhere (``"blelloch"`` / ``"chunked"``).
+
+:class:`CudaCellKernel` is a :class:`~lightning_bppsa.nn.cell_kernel.CellKernel` whose compiled library is
+these launches: its forward, scan, products and VJP are the CPU kernel's own code, tensors and all. The
+kernels are built by a :class:`Backend`: NVRTC through CuPy (:class:`CupyBackend`, the default, through the package's CuPy loader
+:mod:`lightning_bppsa.kernels.cupy_loader`), or the host emulation
+(:mod:`lightning_bppsa.kernels.cell_cuda_emulated`: the same source through g++, the same launches, on CPU
+tensors). Where the source cannot be made (a C spelling this module does not know), the state is too wide
+(``H > 256``, or the staged weights beyond the device's shared memory) or the kernels do not build,
+construction raises :class:`~lightning_bppsa.nn.cell_kernel.Unsupported` or :class:`RuntimeError` and
+:class:`~lightning_bppsa.nn.Recurrence` keeps the torch path with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lightning_bppsa.kernels._build import kernel_path
+from lightning_bppsa.nn import cell_kernel
+from lightning_bppsa.nn.cell_kernel import CellKernel, Unsupported
+from lightning_bppsa.nn.cell_structure import CellStructure
+
+__all__ = [
+    "Backend",
+    "CellSource",
+    "CudaCellKernel",
+    "CupyBackend",
+    "Launch",
+    "KERNELS",
+    "generate",
+    "launch_config",
+]
+
+KERNELS = ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward", "bppsa_cell_cuda_cotangent")
+MAX_THREADS = 256  # CELL_MAX_THREADS in cell_loop_cuda.h: one thread per coordinate of a state tensor
+#: the cotangent kernel's grid-stride launch: threads per block and at most this many blocks
+COTANGENT_BLOCK, COTANGENT_GRID = 256, 4096
+_HEADERS = ("cuda_host_emulation.h", "cell_cuda_prologue.h", "cell_loop_cuda.h")
+
+
+@dataclass(frozen=True)
+class CellSource:
+    """A cell's generated CUDA source (headers inlined: CuPy's cache key is the text) and what launches need."""
+
+    text: str
+    digest: str  # of the text: names the built module
+    n_inputs: int  # NI: input-part values, each a (pointer, row stride) pair of kernel parameters
+    width: int  # H
+    n_states: int  # M
+    pieces: int  # NK
+    read_columns: int  # CHI - CLO: the state columns the pieces' weights read (the staged rows)
+    element_bytes: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch (what :func:`lightning_bppsa.kernels.cuda.launch_on_torch_stream` reads)."""
+
+    kernel: str
+    grid: int
+    block: int
+    shared_bytes: int
+
+
+def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, list]:
+    """The CUDA source of ``structure``'s loop in ``dtype`` and the input-part values it reads, in order (the
+    C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list); :class:`Unsupported` where the C
+    generator does not compile the graph or its source is not spelled as this module expects."""
+    c_text, inputs = cell_kernel._generate(structure, dtype)
+    text = _device_code(c_text, structure, len(inputs))
+    for header in _HEADERS:
+        # inlined once each: their include guards would only warn in the main file
+        text = text.replace(
+            f'#include "{header}"', kernel_path(header).read_text().replace("#pragma once", "")
+        )
+    read = [q for piece in structure.pieces for q, _ in piece.reads]
+    h = structure.width
+    source = CellSource(
+        text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16], n_inputs=len(inputs), width=h,
+        n_states=structure.n_states, pieces=len(structure.pieces),
+        read_columns=(max(read) - min(read) + 1) * h if read else 0, element_bytes=dtype.itemsize,
+    )  # fmt: skip
+    return source, inputs
+
+
+#: what the C text of cell_kernel._generate must contain (each spelling -> its CUDA replacement); a missing one
+#: means the C generator changed and this module must follow it (Unsupported until then)
+_LOOP = re.compile(r"for \(int64_t j = 0; j < \d+; \+\+j\) \{")
+_DIRECT = re.compile(r"static const int64_t DIRECT_STATES\[\] = \{[^}]*\};")
+
+
+def _device_code(c_text: str, structure: CellStructure, n_inputs: int) -> str:
+    """The C source made a CUDA translation unit: device functions, one coordinate per thread, the CUDA
+    headers, the kernels' parameter macros."""
+    checks = {
+        '#include "activations.h"': 1,
+        '#include "cell_loop.h"': 1,
+        "static inline void cell_values(": 1,
+        "static inline void cell_partials(": 1,
+    }
+    for spelling, count in checks.items():
+        if c_text.count(spelling) != count:
+            raise Unsupported(
+                f"the C generator's source does not read {spelling!r} once (cell_cuda.py must follow it)"
+            )
+    if len(_LOOP.findall(c_text)) != 2 or len(_DIRECT.findall(c_text)) != 1:
+        raise Unsupported(
+            "the C generator's loop over j or DIRECT_STATES is spelled differently (cell_cuda.py must follow it)"
+        )
+    m = structure.n_states
+    direct = (
+        structure.direct_states if m > 1 else []
+    )  # as cell_kernel: one state read directly is the diagonal
+    tile = "".join(f"(q) == {q} ? {i} : " for i, q in enumerate(direct)) + "-1"
+    pointers = ", ".join(f"in{k}" for k in range(n_inputs))
+    strides = ", ".join(f"st{k}" for k in range(n_inputs))
+    params = "".join(f", const REAL* __restrict__ in{k}, int64_t st{k}" for k in range(n_inputs))
+    host = "".join(
+        f", (const REAL*)a[base + {2 * k}], (int64_t)a[base + {2 * k + 1}]" for k in range(n_inputs)
+    )
+    kernels = "\n".join(
+        [
+            f"#define CELL_DIRECT_TILE(q) ({tile})",
+            f"#define CELL_INPUT_PARAMS {params}",
+            f"#define CELL_INPUT_POINTERS {pointers}",
+            f"#define CELL_INPUT_STRIDES {strides}",
+            f"#define CELL_INPUT_HOST_ARGS(base) {host}",
+            '#include "cell_loop_cuda.h"',
+        ]
+    )
+    text = c_text.replace(
+        "/* Generated by lightning_bppsa/nn/cell_kernel.py",
+        "/* Generated by lightning_bppsa/nn/cell_cuda.py (from cell_kernel.py's C)",
+    )
+    text = text.replace(
+        '#include "activations.h"', '#include "cuda_host_emulation.h"\n#include "cell_cuda_prologue.h"'
+    )
+    text = _DIRECT.sub("/* DIRECT_STATES: CELL_DIRECT_TILE below */", text)
+    text = text.replace("static inline void cell_", "__device__ __forceinline__ void cell_")
+    text = _LOOP.sub("{ const int64_t j = threadIdx.x;", text)
+    return text.replace('#include "cell_loop.h"', kernels)
+
+
+def launch_config(source: CellSource, kernel: str, batch: int, steps: int) -> Launch:
+    """The launch of ``kernel`` over ``batch`` rows of ``steps`` steps: the ONE place that computes it (the
+    GPU and the host emulation both launch what it says)."""
+    h, m, k, columns, size = (
+        source.width,
+        source.n_states,
+        source.pieces,
+        source.read_columns,
+        source.element_bytes,
+    )
+    block = 32 * math.ceil(h / 32)
+    if kernel == "bppsa_cell_cuda_forward":  # staged weights, two state buffers, the pieces
+        return Launch(kernel, batch, block, (columns * k * h + 2 * m * h + k * h) * size)
+    if kernel == "bppsa_cell_cuda_backward":  # staged weights, two buffers of the pieces' products
+        return Launch(kernel, batch, block, (k * h * columns + 2 * k * h) * size)
+    if kernel == "bppsa_cell_cuda_cotangent":
+        work = batch * steps * h
+        block = min(COTANGENT_BLOCK, 32 * max(1, math.ceil(work / 32)))
+        return Launch(kernel, max(1, min(COTANGENT_GRID, math.ceil(work / block))), block, 0)
+    raise ValueError(f"no such kernel {kernel!r}; one of {KERNELS}")
+
+
+class Backend(Protocol):
+    """What builds and launches a cell's kernels: ``platform`` names it in ``last_stats["cell_kernel"]``."""
+
+    platform: str
+
+    def shared_limit(self, device: torch.device) -> int:
+        """The dynamic shared memory a block may use on ``device``."""
+        ...
+
+    def load(self, source: CellSource, device: torch.device) -> None:
+        """Build and load ``source`` for ``device`` (once); ``RuntimeError`` saying why where it cannot."""
+        ...
+
+    def launch(self, source: CellSource, launch: Launch, args: list[int], device: torch.device) -> None:
+        """Queue ``launch`` with the 64-bit argument words ``args`` (pointers as addresses)."""
+        ...
+
+
+class CudaCellKernel(CellKernel):
+    """The compiled loop of one factored :class:`CellStructure` in one dtype on one CUDA device (or, with the
+    emulated backend, on CPU tensors through the host emulation).
+
+    Raises :class:`Unsupported` where the graph cannot be compiled or the state does not fit the kernels, and
+    :class:`RuntimeError` where the kernels do not build or load (the backend says why).
+    """
+
+    def __init__(
+        self,
+        structure: CellStructure,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: Backend | None = None,
+    ) -> None:
+        # CellKernel's own checks, without its C build
+        if structure.reason is not None:
+            raise Unsupported(f"the Jacobians do not factor ({structure.reason})")
+        if dtype not in (torch.float32, torch.float64):
+            raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
+        if not structure.input_terms_separate:
+            raise Unsupported("the pieces' input-only terms do not separate from the states")
+        if structure.width > MAX_THREADS:
+            raise Unsupported(
+                f"the state tensors are {structure.width} wide; the CUDA loop takes at most {MAX_THREADS}"
+            )
+        backend = CupyBackend() if backend is None else backend
+        source, self._inputs = generate(structure, dtype)
+        limit = backend.shared_limit(device)
+        for name in KERNELS:
+            need = launch_config(source, name, 1, 1).shared_bytes
+            if need > limit:
+                raise Unsupported(
+                    f"{name} needs {need} bytes of shared memory for the staged weights; the device gives {limit}"
+                )
+        backend.load(source, device)
+        self.structure, self.dtype, self.source, self.platform = structure, dtype, source, backend.platform
+        self._library = _Launches(source, backend, device)
+        self._buffers = threading.local()
+        #: elements per step of the partials by the input values that a forward with partials keeps
+        self.input_partial_elements = len(self._inputs) * structure.n_states * structure.width
+
+
+def _address(value: int | None) -> int:
+    return 0 if value is None else int(value)
+
+
+class _Launches:
+    """The compiled loop's "library" as :class:`CellKernel` calls it (the C functions' arguments, pointers as
+    ints or ``None``), each call one kernel launch of :func:`launch_config` through the backend."""
+
+    def __init__(self, source: CellSource, backend: Backend, device: torch.device) -> None:
+        self._source, self._backend, self._device = source, backend, device
+
+    def _launch(self, kernel: str, batch: int, steps: int, args: list[int]) -> None:
+        if batch > 0 and steps > 0:
+            self._backend.launch(
+                self._source, launch_config(self._source, kernel, batch, steps), args, self._device
+            )
+
+    def bppsa_cell_forward(
+        self, batch, steps, threads, wc, offsets, pointers, strides, states, partials, scales, diagonal, fpart
+    ) -> int:
+        inputs = []
+        for k in range(self._source.n_inputs):  # the ctypes arrays CellKernel.forward filled
+            inputs += [_address(pointers[k]), int(strides[k])]
+        words = [
+            batch,
+            steps,
+            _address(wc),
+            _address(offsets),
+            _address(states),
+            int(partials),
+            _address(scales),
+            _address(diagonal),
+            _address(fpart),
+        ]
+        self._launch("bppsa_cell_cuda_forward", batch, steps, words + inputs)
+        return 0
+
+    def bppsa_cell_backward(
+        self,
+        batch,
+        steps,
+        threads,
+        wt,
+        scales,
+        scale_width,
+        diagonal,
+        fpart,
+        direct,
+        per_step,
+        final,
+        out,
+        products,
+    ) -> int:
+        words = [batch, steps, _address(wt), _address(scales), scale_width, _address(diagonal), _address(fpart),
+                 _address(direct), int(per_step), _address(final), _address(out), _address(products)]  # fmt: skip
+        self._launch("bppsa_cell_cuda_backward", batch, steps, words)
+        return 0
+
+    def bppsa_cell_cotangent(self, batch, steps, threads, grad, scales, scale_width, fpart, out) -> int:
+        words = [batch, steps, _address(grad), _address(scales), scale_width, _address(fpart), _address(out)]
+        self._launch("bppsa_cell_cuda_cotangent", batch, steps, words)
+        return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# NVRTC through CuPy: the package's one loader (lightning_bppsa.kernels.cupy_loader), imported when a kernel is
+# built on a GPU (a machine without it keeps the torch path with the reason).
+# --------------------------------------------------------------------------------------------------
+
+
+class CupyBackend:
+    """The kernels compiled with NVRTC by CuPy (once per source and device; CuPy caches the binary on disk) and
+    launched on torch's current stream (no sync), through :mod:`lightning_bppsa.kernels.cupy_loader`."""
+
+    platform = "cuda"
+
+    def __init__(self) -> None:
+        self._functions: dict[tuple[int, str, str], object] = {}  # (device, digest, kernel) -> CuPy Function
+
+    def shared_limit(self, device: torch.device) -> int:
+        return _loader().shared_limit(_index(device))
+
+    def load(self, source: CellSource, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise RuntimeError(f"the CUDA cell loop takes CUDA tensors, not {device.type}")
+        loader = _loader()
+        ok, reason = loader.available()  # CuPy >= 14, NVRTC, a device: what every CUDA kernel here needs
+        if not ok:
+            raise RuntimeError(f"the CUDA cell loop cannot run here: {reason}")
+        index = _index(device)
+        try:
+            for name in KERNELS:
+                self._functions[(index, source.digest, name)] = loader.load_function(index, source.text, name)
+        except Exception as err:  # noqa: BLE001 - CuPy raises unrelated types (CompileException, CUDADriverError, ...)
+            raise RuntimeError(
+                f"the CUDA cell loop does not compile or load here ({type(err).__name__}: {err})"
+            ) from err
+
+    def launch(self, source: CellSource, launch: Launch, args: list[int], device: torch.device) -> None:
+        index = _index(device)
+        function = self._functions[(index, source.digest, launch.kernel)]
+        _loader().launch(function, index, launch.grid, launch.block, launch.shared_bytes, args)
+
+
+def _loader():
+    """The package's CuPy loader; ``RuntimeError`` where this installation has none."""
+    try:
+        from lightning_bppsa.kernels import cupy_loader
+    except ImportError as err:
+        raise RuntimeError(f"the CUDA cell loop needs lightning_bppsa.kernels.cupy_loader ({err})") from err
+    return cupy_loader
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -1,0 +1,237 @@
+"""The compiled cell loop's CUDA twin (nn/cell_cuda.py) on this machine: its kernels through the host emulation
+(the generated CUDA source built with g++, the GPU's launches) against the CPU compiled loop, the falls back to
+the torch path with their reasons, and the generated source through nvcc (compile only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_bppsa.kernels import _native
+from lightning_bppsa.kernels.cell_cuda_emulated import EmulatedBackend
+
+from lightning_bppsa.nn import Recurrence, cell_cuda, cell_kernel, recurrence
+from lightning_bppsa.nn.cell_cuda import CudaCellKernel, Launch, generate, launch_config
+from lightning_bppsa.nn.cell_kernel import CellKernel, Unsupported
+from lightning_bppsa.nn.cell_structure import cell_tensors, trace_cell
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the host emulation"),
+    pytest.mark.skipif(
+        not _native.build_expected(), reason="no C compiler: no CPU compiled loop to compare with"
+    ),
+]
+
+
+def _cells():
+    """The cells of tests/nn/test_cell_kernel.py: every op the generator emits, one to three states."""
+    path = Path(__file__).resolve().parent / "test_cell_kernel.py"
+    spec = importlib.util.spec_from_file_location("_cell_kernel_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CASES = _cells()
+CELLS = [CASES.SmoothOps, CASES.PiecewiseOps, CASES.ThreeStates]
+
+
+def _structure(cell, batch, dtype=F64):
+    sizes = cell.state_size if isinstance(cell.state_size, tuple) else (cell.state_size,)
+    states = tuple(torch.randn(batch, s, dtype=dtype) for s in sizes)
+    return trace_cell(
+        cell, torch.randn(batch, 3, dtype=dtype), states, isinstance(cell.state_size, tuple)
+    ), torch.cat(states, -1)
+
+
+@pytest.mark.parametrize("hidden", [5, 33])  # one warp, two warps per block
+@pytest.mark.parametrize("cell_type", CELLS)
+def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden):
+    """Forward (states, scales, diagonal, input partials), the fused sweep for each gradient form, and the
+    products after a scan: the CUDA kernels' results are the CPU loop's to float64 rounding."""
+    torch.manual_seed(hidden)
+    cell = cell_type(3, hidden).to(F64)
+    batch, steps = 2, 4
+    structure, s0 = _structure(cell, batch)
+    backend = EmulatedBackend()
+    ours, theirs = CudaCellKernel(structure, F64, CPU, backend), CellKernel(structure, F64)
+    x_flat = torch.randn(batch * steps, 3, dtype=F64)
+    states, factors = ours.forward(cell_tensors(cell), x_flat, s0, batch, True)
+    states_c, factors_c = theirs.forward(cell_tensors(cell), x_flat, s0, batch, True)
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # noqa: E731
+    close(states, states_c)
+    close(factors.jacobians.scales, factors_c.jacobians.scales)
+    close(factors.input_partials, factors_c.input_partials)
+    assert (factors.jacobians.diagonal is None) == (factors_c.jacobians.diagonal is None)
+    if factors.jacobians.diagonal is not None:
+        close(factors.jacobians.diagonal, factors_c.jacobians.diagonal)
+    d = s0.shape[-1]
+    per_step, final = torch.randn(batch, steps, d, dtype=F64), torch.randn(batch, d, dtype=F64)
+    for grads in ((per_step, final), (None, final), (per_step, None)):
+        g0, products = (t.clone() for t in ours.scan(factors, *grads))
+        g0_c, products_c = theirs.scan(factors_c, *grads)
+        close(g0, g0_c)
+        close(products, products_c)
+    grad = torch.randn(batch, steps + 1, d, dtype=F64)
+    close(ours.products(factors, grad), theirs.products(factors_c, grad))
+    without, none = ours.forward(cell_tensors(cell), x_flat, s0, batch, False)
+    assert none is None
+    close(without, states_c)
+    block = 32 * -(-hidden // 32)
+    assert [launch[:3] for launch in backend.launches[:2]] == [
+        ("bppsa_cell_cuda_forward", batch, block),
+        ("bppsa_cell_cuda_backward", batch, block),
+    ]
+
+
+def test_launches_stage_the_read_weight_rows_and_the_products_grid_covers_every_row():
+    # pieces f, g of [x, h] and kk(k): they read states 0 and 2, so state columns [0, 3 H) are staged
+    structure, _ = _structure(CASES.ThreeStates(3, 40).to(F64), 2)
+    source, _ = generate(structure, F64)
+    assert (source.width, source.n_states, source.pieces, source.read_columns) == (40, 3, 3, 120)
+    forward = launch_config(source, "bppsa_cell_cuda_forward", 7, 9)
+    assert forward == Launch("bppsa_cell_cuda_forward", 7, 64, (120 * 120 + 2 * 120 + 120) * 8)
+    assert launch_config(source, "bppsa_cell_cuda_backward", 7, 9).shared_bytes == (120 * 120 + 2 * 120) * 8
+    products = launch_config(source, "bppsa_cell_cuda_cotangent", 7, 9)
+    assert products.grid * products.block >= 7 * 9 * 40 and products.block % 32 == 0
+    with pytest.raises(ValueError, match="no such kernel"):
+        launch_config(source, "bppsa_cell_forward", 1, 1)
+
+
+def _recurrence_with(monkeypatch, backend) -> None:
+    """Recurrence's compiled loop on CPU tensors made the CUDA one, run through ``backend``."""
+    monkeypatch.setattr(
+        recurrence,
+        "_compiled_loop",
+        lambda structure, dtype, device: CudaCellKernel(structure, dtype, device, backend),
+    )
+
+
+def _torch_path(cell, reason: str) -> None:
+    """``Recurrence(cell)`` keeps the torch path saying ``reason`` and equals autograd through the loop."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    if isinstance(cell.state_size, tuple):  # the loss reads every state tensor
+        cell.output_fn = lambda state: torch.cat(state, -1)
+    module = Recurrence(cell, algorithm="linear")
+    ours = CASES._grads(lambda: module(x)[0], leaves, False)
+    stats = module.last_stats
+    assert stats["jacobians"] == "factored" and stats["cell_kernel"] is None, stats
+    assert reason in stats["cell_kernel_reason"], stats["cell_kernel_reason"]
+    for a, b in zip(ours, CASES._grads(lambda: CASES._loop(cell, x), leaves, False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_weights_beyond_the_devices_shared_memory_keep_the_torch_path(monkeypatch):
+    # 5 x 10 float64 weights staged, two state buffers, the pieces: 560 bytes > 512
+    _recurrence_with(monkeypatch, EmulatedBackend(shared_limit=512))
+    _torch_path(CASES.SmoothOps(3, 5).to(F64), "bytes of shared memory")
+
+
+def test_kernels_that_do_not_load_keep_the_torch_path(monkeypatch):
+    class NoDevice(EmulatedBackend):
+        def load(self, source, device):
+            raise RuntimeError("the CUDA cell loop cannot run here: torch sees no CUDA device")
+
+    _recurrence_with(monkeypatch, NoDevice())
+    _torch_path(CASES.PiecewiseOps(3, 5).to(F64), "torch sees no CUDA device")
+
+
+def test_a_first_run_that_fails_keeps_the_torch_path(monkeypatch):
+    class Refused(EmulatedBackend):
+        def launch(self, source, launch, args, device):
+            raise OSError(
+                "too many resources requested for launch"
+            )  # CuPy's CUDADriverError is no RuntimeError
+
+    _recurrence_with(monkeypatch, Refused())
+    _torch_path(CASES.ThreeStates(3, 4).to(F64), "first run failed")
+
+
+def test_a_state_wider_than_a_block_is_not_compiled():
+    structure, _ = _structure(CASES.PiecewiseOps(3, cell_cuda.MAX_THREADS + 1).to(F64), 2)
+    with pytest.raises(Unsupported, match="at most 256"):
+        CudaCellKernel(structure, F64, CPU, EmulatedBackend())
+
+
+def test_a_c_spelling_it_does_not_know_is_unsupported(monkeypatch):
+    generated = cell_kernel._generate
+
+    def renamed(structure, dtype):
+        text, inputs = generated(structure, dtype)
+        return text.replace("for (int64_t j = 0;", "for (long j = 0;"), inputs
+
+    monkeypatch.setattr(cell_kernel, "_generate", renamed)
+    structure, _ = _structure(CASES.SmoothOps(3, 4).to(F64), 2)
+    with pytest.raises(Unsupported, match="loop over j"):
+        generate(structure, F64)
+
+
+def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_loader(monkeypatch):
+    """With a stand-in for kernels/cupy_loader: each kernel of the generated text loaded once, a launch queued
+    with launch_config's grid, block and shared memory; a CPU device or an unusable CuPy is a RuntimeError."""
+    calls = []
+
+    class Loader:
+        answer = (True, "")
+
+        def available(self):
+            return self.answer
+
+        def load_function(self, index, text, name):
+            calls.append(("load", index, name, text))
+            return f"function {name}"
+
+        def launch(self, function, index, grid, block, shared, args):
+            calls.append(("launch", function, index, grid, block, shared, tuple(args)))
+
+    loader = Loader()
+    monkeypatch.setattr(cell_cuda, "_loader", lambda: loader)
+    structure, _ = _structure(CASES.SmoothOps(3, 4).to(F64), 2)
+    source, _ = generate(structure, F64)
+    backend = cell_cuda.CupyBackend()
+    backend.load(source, torch.device("cuda", 1))
+    assert [(c[1], c[2]) for c in calls] == [(1, name) for name in cell_cuda.KERNELS]
+    assert all(c[3] is source.text for c in calls)
+    launch = launch_config(source, "bppsa_cell_cuda_backward", 3, 8)
+    backend.launch(source, launch, [1, 2, 3], torch.device("cuda", 1))
+    assert calls[-1] == (
+        "launch",
+        "function bppsa_cell_cuda_backward",
+        1,
+        3,
+        launch.block,
+        launch.shared_bytes,
+        (1, 2, 3),
+    )
+    with pytest.raises(RuntimeError, match="takes CUDA tensors"):
+        backend.load(source, CPU)
+    loader.answer = (False, "CuPy is not installed")
+    with pytest.raises(RuntimeError, match="CuPy is not installed"):
+        backend.load(source, torch.device("cuda", 1))
+
+
+@pytest.mark.slow  # ~1-2 s of nvcc per source
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_nvcc_compiles_the_generated_source(tmp_path, dtype):
+    """The text NVRTC gets on a GPU, through nvcc for sm_90 (no GPU needed): every cell of the op corpus."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH: the CUDA compile check needs the CUDA toolkit (no GPU needed)")
+    for cell_type in CELLS:
+        structure, _ = _structure(cell_type(3, 5).to(dtype), 2, dtype)
+        source, _ = generate(structure, dtype)
+        path = tmp_path / f"{cell_type.__name__}.cu"
+        path.write_text(source.text)
+        cmd = [nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-o", str(path.with_suffix(".cubin")), str(path)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        assert result.returncode == 0, f"{cell_type.__name__} {dtype}:\n{result.stderr[-3000:]}"
+        assert "warning" not in result.stderr, result.stderr[-3000:]
