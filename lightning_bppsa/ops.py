@@ -4,8 +4,10 @@
 - ``bppsa::scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size) -> Tensor``
 - ``bppsa::recurrent_forward(cell, x, h0, c0, weights) -> [out, (c_n,) *factors]`` and
   ``bppsa::recurrent_backward(cell, algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn,
-  need_x) -> [grad_x, grad_h0, (grad_c0,) *grad_weights]``: one recurrent layer in one direction, the work
-  done by its cell (:mod:`lightning_bppsa.cells`), the backward's plan decided inside, at run time
+  need_x) -> [grad_x, grad_h0, (grad_c0,) *grad_weights]``: one recurrent layer in one direction, run by
+  the backends of :mod:`lightning_bppsa.backends` on its cell's math (:mod:`lightning_bppsa.cells`). An eager
+  layer passes its call's plan (:func:`~lightning_bppsa.backends.plan_call`, made once in its forward) to
+  the Python implementations; dispatched (traced, profiled), each op plans at run time from its inputs
 
 Both return the ``(B, n + 1, d)`` gradients of :func:`lightning_bppsa.scan.backprop_scan`, the validating
 entry point; call the ops directly only with valid inputs. ``algorithm`` may be ``"auto"``: the plan
@@ -29,7 +31,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from lightning_bppsa import algorithms, cells, plan
+from lightning_bppsa import algorithms, backends, cells, plan
 from lightning_bppsa._chains import Chain, DenseChain
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.kernels import cpu, cuda
@@ -122,7 +124,7 @@ def _compiled_sweep(chain: Chain, out: Tensor, direct: Tensor | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# The layer's two ops: one node each for torch.compile; the plan is decided inside, at run time.
+# The layer's two ops: one node each for torch.compile; the plan is the caller's (eager) or made at run time.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -136,10 +138,14 @@ _LIBRARY.define(
 )
 
 
-def recurrent_forward(cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor]) -> list[Tensor]:
-    """``[out, (c_n,) *factors]`` of one layer (see :meth:`~lightning_bppsa.cells.RecurrentCell.forward`); batch-first
-    ``x``."""
-    return cells.CELLS[cell].forward(x, h0, c0, weights)
+def recurrent_forward(
+    cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], call: backends.LayerCall | None = None
+) -> list[Tensor]:
+    """``[out, (c_n,) *factors]`` of one layer over batch-first ``x``, on ``call``'s forward backend (the
+    backend :func:`~lightning_bppsa.backends.forward_backend` gives the inputs where ``None``)."""
+    kind = cells.CELLS[cell]
+    backend = call.forward if call is not None else backends.forward_backend(kind, h0.shape[-1], (x, h0, c0, *weights))[0]
+    return backend.forward(kind, x, h0, c0, weights)
 
 
 @torch.library.register_fake("bppsa::recurrent_forward", lib=_LIBRARY)
@@ -163,9 +169,12 @@ def recurrent_backward(
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     need_x: bool,
+    call: backends.LayerCall | None = None,
 ) -> list[Tensor]:
-    """Every input gradient of one layer (see :meth:`~lightning_bppsa.cells.RecurrentCell.backward`)."""
-    grads = cells.CELLS[cell].backward(algorithm, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
+    """Every input gradient of one layer (see :func:`lightning_bppsa.backends.backward`), under ``call`` (the
+    forward's plan; planned here where ``None``)."""
+    grads = backends.backward(cells.CELLS[cell], algorithm, call, x, h0, c0, weights, out, factors, grad_out, grad_hn,
+                              grad_cn, need_x)  # fmt: skip
     return [g.clone() if g._is_view() else g for g in grads]  # outputs must not alias each other
 
 

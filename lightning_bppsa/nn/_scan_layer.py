@@ -5,13 +5,15 @@
 (a copy of ``out[:, -1]``: its gradient reaches the kernel on its own, never added into a ``(B, n, H)`` one)
 and, for cells with a cell state, ``c_n``:
 
-- forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass,
-  :mod:`lightning_bppsa.cells`); under autocast it computes in the parameters' dtype and rounds its outputs to the
-  autocast dtype (exact states for the backward, as cuDNN keeps its state in float32);
-- backward: ``bppsa::recurrent_backward`` (scan, gate gradients and the GEMMs of Eq. 2, in the
-  parameters' dtype; its plan is decided inside the op, at run time), with autocast off whatever autocast
-  state ``backward()`` is called under; a recomputed forward runs under the forward's
-  (:mod:`~lightning_bppsa.nn._autocast`);
+- the call's plan (:func:`~lightning_bppsa.backends.plan_call`: forward and backward backends, the scan's
+  plan), made once, eagerly, before the forward op runs, kept on the autograd context and reported in
+  ``stats["plan"]``; while ``torch.compile`` traces nothing is planned, and each op plans at run time;
+- forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass); under autocast it computes
+  in the parameters' dtype and rounds its outputs to the autocast dtype (exact states for the backward, as
+  cuDNN keeps its state in float32);
+- backward: ``bppsa::recurrent_backward`` (scan, gate gradients and the GEMMs of Eq. 2, in the parameters'
+  dtype), with autocast off whatever autocast state ``backward()`` is called under; a recomputed forward
+  runs under the forward's (:mod:`~lightning_bppsa.nn._autocast`);
 - inside :func:`~lightning_bppsa.nn.reference_backward`, and under ``create_graph=True`` (double
   backward): plain autograd through the cell's torch forward, recomputed.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_bppsa.backends import LayerCall, plan_call
 from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
@@ -71,22 +74,29 @@ def _lowered(autocast: torch.dtype | None, weights) -> torch.dtype | None:
     return None if autocast == weights[0].dtype else autocast
 
 
-def _forward_op(cell: str, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list[Tensor]:
-    """``bppsa::recurrent_forward`` on the layer's inputs, cast to ``dtype`` if given (autocast)."""
-    args = [x, h0, c0, *weights] if dtype is None else [None if t is None else t.to(dtype) for t in (x, h0, c0, *weights)]
-    op = torch.ops.bppsa.recurrent_forward if _dispatched(args) else recurrent_forward
-    return op(cell, args[0], args[1], args[2], list(args[3:]))
+def _op_inputs(dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list:
+    """``[x, h0, c0, *weights]`` as the forward op takes them: cast to ``dtype`` if given (autocast)."""
+    tensors = [x, h0, c0, *weights]
+    return tensors if dtype is None else [None if t is None else t.to(dtype) for t in tensors]
 
 
-def _timed_forward(cell: str, stats: dict, dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights):
-    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode). With ``dtype`` (under
-    autocast) the op runs with autocast off: its input projection, a torch GEMM, computes in ``dtype`` too."""
+def _forward_op(cell: str, call: LayerCall | None, args: list) -> list[Tensor]:
+    """``bppsa::recurrent_forward`` on ``args`` (:func:`_op_inputs`), eagerly under ``call``."""
+    if _dispatched(args):
+        return torch.ops.bppsa.recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]))
+    return recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]), call)
+
+
+def _timed_forward(cell: str, call: LayerCall | None, stats: dict, lowered: bool, args: list):
+    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode). ``lowered`` (under
+    autocast): the op runs with autocast off, so its input projection, a torch GEMM, computes in the
+    parameters' dtype too."""
     start = clock()
-    if dtype is None:
-        results = _forward_op(cell, dtype, x, h0, c0, weights)
+    if not lowered:
+        results = _forward_op(cell, call, args)
     else:
-        with without_autocast(x.device.type):
-            results = _forward_op(cell, dtype, x, h0, c0, weights)
+        with without_autocast(args[0].device.type):
+            results = _forward_op(cell, call, args)
     record(stats, "forward_seconds", clock() - start, add=True)
     return results
 
@@ -102,7 +112,8 @@ def forward_only(cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, 
     """:class:`LayerFunction`'s outputs where no gradient is needed (inference, also under
     ``torch.inference_mode``): the forward op alone, nothing kept for a backward. Same arguments."""
     low = _lowered(_autocast_dtype(x.device.type), weights)
-    results = _timed_forward(cell, stats, None if low is None else weights[0].dtype, x, h0, c0, weights)
+    args = _op_inputs(None if low is None else weights[0].dtype, x, h0, c0, weights)
+    results = _timed_forward(cell, None, stats, low is not None, args)
     return _outputs(cell, results[0] if low is None else results[0].to(low), results, low)
 
 
@@ -116,7 +127,12 @@ class LayerFunction(torch.autograd.Function):
         ctx.low = _autocast_dtype(x.device.type)  # the reference backward recomputes torch's forward in it
         low = _lowered(ctx.low, weights)
         ctx.compute = None if low is None else weights[0].dtype
-        results = _timed_forward(cell, stats, ctx.compute, x, h0, c0, weights)
+        args = _op_inputs(ctx.compute, x, h0, c0, weights)
+        ctx.call = None
+        if not torch.compiler.is_compiling():  # traced: each op plans when it runs, never in the graph
+            ctx.call = plan_call(CELLS[cell], algorithm, args[0], args[1], args[2], args[3:])
+            stats["scan_algorithm"], stats["plan"] = str(ctx.call.scan), str(ctx.call)
+        results = _timed_forward(cell, ctx.call, stats, low is not None, args)
         outputs = 2 if CELLS[cell].has_cell_state else 1
         ctx.cell, ctx.algorithm, ctx.stats = cell, algorithm, stats
         ctx.autocast = autocast_state(x.device.type)
@@ -147,10 +163,9 @@ class LayerFunction(torch.autograd.Function):
         if out is None:  # eager: out itself, unless modified in place since the forward (then recomputed)
             kept, ctx.out = ctx.out, None  # released here: a second backward (retain_graph) recomputes
             unchanged = kept is not None and kept._version == ctx.out_version
-            out = kept if unchanged else _forward_op(ctx.cell, ctx.compute, x, h0, c0, rest[: ctx.weights])[0]
+            out = kept if unchanged else _forward_op(ctx.cell, ctx.call, _op_inputs(ctx.compute, x, h0, c0, rest[: ctx.weights]))[0]
         weights, factors = rest[: ctx.weights], rest[ctx.weights :]
         needs = ctx.needs_input_grad[3:]
-        cell = CELLS[ctx.cell]
         # grad mode is on in a backward only under create_graph=True (double backward, e.g. a gradient
         # penalty): the scan's result is not differentiable, autograd's through the recomputed forward is
         create_graph = torch.is_grad_enabled()
@@ -158,21 +173,18 @@ class LayerFunction(torch.autograd.Function):
             if grad_hn is not None:  # differentiably: under create_graph the gradients are functions of it
                 last = torch.cat([torch.zeros_like(out[:, :-1]), grad_hn.unsqueeze(1)], 1)
                 grad_out = last if grad_out is None else grad_out + last
-            grads = cell.autograd_gradients(ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
+            grads = CELLS[ctx.cell].autograd_gradients(ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
         else:
             start = clock()
             tensors = (x, h0, c0, *weights, out, *factors, grad_out, grad_hn, grad_cn)
-            op = torch.ops.bppsa.recurrent_backward if _dispatched(tensors) else recurrent_backward
+            args = (ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out, grad_hn, grad_cn,
+                    needs[0])  # fmt: skip
             with without_autocast(x.device.type):  # it computes in the dtypes it chose, not autocast's
-                grads = op(ctx.cell, ctx.algorithm, x, h0, c0, list(weights), out, list(factors), grad_out,
-                           grad_hn, grad_cn, needs[0])  # fmt: skip
+                if _dispatched(tensors):
+                    grads = torch.ops.bppsa.recurrent_backward(*args)
+                else:
+                    grads = recurrent_backward(*args, ctx.call)
             if c0 is None:
                 grads = [*grads[:2], None, *grads[2:]]
             record(ctx.stats, "scan_seconds", clock() - start, add=True)
-            if not torch.compiler.is_compiling():
-                batch, n, hidden = out.shape
-                chosen = cell.plan(ctx.algorithm, batch=batch, n=n, hidden=hidden, device=x.device.type,
-                                   dtype=weights[0].dtype)  # fmt: skip
-                ctx.stats["scan_algorithm"] = str(chosen)
-                ctx.stats["plan"] = f"scan {chosen}"
         return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))

@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from lightning_bppsa import cost_model, cuda_step_model, layer_plan
+from lightning_bppsa import backends, cost_model, cuda_step_model, layer_plan
 from lightning_bppsa.algorithms import compute_dtype
-from lightning_bppsa.cells import cell_of, forward_kernel_runs
+from lightning_bppsa.cells import cell_of
+from lightning_bppsa.kernels import recurrent as native_kernels
 from lightning_bppsa.layer_plan import LayerShape, device_timer, time_candidates
 from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
@@ -116,10 +117,13 @@ class _ScanRecurrent:
             return "autograd", f"dtype {input.dtype}: the scan takes real floating dtypes (complex: torch's code)"
         if torch._C._are_functorch_transforms_active():
             return "autograd", "torch.func transform: the scan's Function has no functorch rules"
+        cell = cell_of(self.mode)
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
-            # inference: the forward kernel alone (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms)
-            # where it runs as it does in training, else torch's forward
-            kernel = not torch.compiler.is_compiling() and forward_kernel_runs(input, params)
+            # inference: the CPU forward kernel alone (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms)
+            # where it runs as it does in training (not under CPU autocast, which casts to bfloat16), else
+            # torch's forward
+            kernel = not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
+            kernel = kernel and backends.forward_backend(cell, self.hidden_size, (input, *params))[0] is backends.NATIVE
             return ("forward kernel", "") if kernel else ("autograd", "no gradient needed")
         if self.algorithm != "auto":
             return "scan", f"algorithm={self.algorithm!r} as asked"
@@ -136,10 +140,9 @@ class _ScanRecurrent:
             self.mode, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1],
             self.hidden_size, input.dtype, str(input.device),
         )  # fmt: skip
-        kernels = cell_of(self.mode).plan("auto", batch=batch, n=length, hidden=self.hidden_size,
-                                          device=input.device.type, dtype=input.dtype)  # fmt: skip
-        if input.device.type == "cuda" and kernels.kernel != "cuda":  # the scan would run op by op in torch
-            plan = layer_plan.LayerPlan("autograd", f"auto on CUDA without the scan's kernels ({kernels.reason})")
+        without = input.device.type == "cuda" and _without_cuda_kernels(cell, batch, length, self.hidden_size, params)
+        if without:  # the scan would run op by op in torch, or its states by torch's forward: never faster
+            plan = layer_plan.LayerPlan("autograd", f"auto on CUDA without the scan's kernels ({without})")
             self._plan_memo = (key, plan)
         else:
             plan = layer_plan.plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
@@ -234,6 +237,16 @@ def _without_dynamo() -> Any:
     return torch.compiler.disable(lambda fn, *args: fn(*args))
 
 
+def _without_cuda_kernels(cell, batch: int, length: int, hidden: int, params: list[Tensor]) -> str:
+    """Why a layer of ``params`` on CUDA would run without the CUDA kernels (``""``: it runs them): the scan's
+    plan is not ``[cuda]``, or the forward kernel cannot launch (:meth:`~lightning_bppsa.backends.CudaBackend.refuses`)."""
+    scan = backends.scan_plan(cell, "auto", batch=batch, n=length, hidden=hidden, device="cuda", dtype=params[0].dtype)
+    if scan.kernel != "cuda":
+        return scan.reason
+    forward, why = backends.forward_backend(cell, hidden, params)
+    return f"forward: {why}" if forward is backends.TORCH else ""
+
+
 def _predict(shape: LayerShape) -> tuple[float, float]:
     """The model's ``(scan, autograd)`` seconds of a training step of ``shape``: on CUDA the calibrated model of
     cuDNN vs the CUDA kernels (asked only where those kernels load); elsewhere
@@ -241,7 +254,8 @@ def _predict(shape: LayerShape) -> tuple[float, float]:
     cell = cell_of(shape.cell)
     layers = shape.layers * shape.directions
     device = torch.device(shape.device).type
-    chosen = cell.plan("auto", batch=shape.batch, n=shape.steps, hidden=shape.hidden, device=device, dtype=shape.dtype)
+    chosen = backends.scan_plan(cell, "auto", batch=shape.batch, n=shape.steps, hidden=shape.hidden, device=device,
+                                dtype=shape.dtype)  # fmt: skip
     if device == "cuda":
         common = dict(gates=cell.gates, hidden=shape.hidden, d=cell.state_factor * shape.hidden,
                       m=cell.jacobian_width(shape.hidden), batch=shape.batch, n=shape.steps,
@@ -250,7 +264,7 @@ def _predict(shape: LayerShape) -> tuple[float, float]:
     else:
         scan, torch_ = cost_model.recurrent_seconds(
             cell.cost, n=shape.steps, hidden=shape.hidden, batch=shape.batch, width=cell.jacobian_width(shape.hidden),
-            device=device, native=chosen.kernel == "c", fused=cell.fused_backward(chosen, device, shape.dtype),
+            device=device, native=chosen.kernel == "c", fused=backends.NATIVE.takes(chosen) and native_kernels.available(),
         )  # fmt: skip
     return layers * scan, layers * torch_
 

@@ -376,7 +376,7 @@ def test_inference_runs_the_forward_kernel_and_equals_torch(cell, batch_first):
 
 
 def test_inference_without_the_kernels_runs_torchs_forward(monkeypatch):
-    from lightning_bppsa.cells import native
+    from lightning_bppsa.kernels import recurrent as native
 
     monkeypatch.setattr(native, "available", lambda: False)
     rnn = bnn.GRU(3, 5)

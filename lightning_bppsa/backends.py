@@ -1,0 +1,349 @@
+"""Where one recurrent layer call runs: device backends behind one interface, chosen once per call.
+
+A backend runs the layer of a built-in cell (:mod:`lightning_bppsa.cells`, the math) on one kind of device,
+forward and backward (:class:`Backend`):
+
+- :data:`TORCH`: torch's fused forward with the Jacobian factors recomputed by torch ops; backward: the
+  factored scan its plan names (:func:`lightning_bppsa.ops.execute_factored`: C sweeps, CUDA kernels or
+  torch), then the cell's gate gradients. Runs anywhere: the reference of the other two.
+- :data:`NATIVE`: the compiled CPU kernels (:mod:`lightning_bppsa.kernels.recurrent`): a forward emitting
+  states and factors in one pass; a backward fusing the linear scan, the gate gradients and, for small
+  layers, the parameter sums of Eq. 2 (only under the plan ``linear [c]``).
+- :data:`CUDA`: the CUDA forward kernels (:mod:`lightning_bppsa.kernels.recurrent_cuda`); its backward is
+  :data:`TORCH`'s, with the scan on the CUDA scan kernels (``[cuda]`` plans).
+
+:func:`plan_call` decides, once per layer call and before anything runs, which backend runs the forward
+and which the backward, and the scan's plan (:class:`LayerCall`): a kernel that cannot launch as planned
+(a dtype, ``H`` beyond the threads of a block, weights beyond its shared memory) is planned as torch's
+forward there, and the record says why; nothing falls back silently later. :func:`backward` runs a call's
+backward (casts, the backend's gradients, the GEMMs of Eq. 2). :data:`DEVICE_BACKENDS` maps a device type
+to its kernels' backend (tests register :class:`CudaBackend` over the host emulation for ``"cpu"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_bppsa import ops, plan
+from lightning_bppsa.cells import RecurrentCell
+from lightning_bppsa.kernels import cuda as cuda_scan
+from lightning_bppsa.kernels import recurrent as native
+from lightning_bppsa.kernels import recurrent_cuda
+
+__all__ = [
+    "CUDA", "DEVICE_BACKENDS", "NATIVE", "TORCH", "Backend", "CudaBackend", "LayerCall", "NativeBackend",
+    "TorchBackend", "backward", "forward_backend", "plan_call", "scan_plan",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+#: a backend's backward: ``(d_gi, d_gh, [∇h_0(, ∇c_0)], parameter gradients or None)`` (``None``: Eq. 2's GEMMs
+#: run after it; ``d_gi`` / ``d_gh`` may be ``None`` where the backend summed the parameter gradients itself)
+Gradients = tuple[Tensor | None, Tensor | None, Sequence[Tensor], list[Tensor] | None]
+
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+class Backend(Protocol):
+    """One way to run a built-in cell's layer, forward and backward, on one kind of device."""
+
+    #: ``"torch"``, ``"cpu"`` (the compiled CPU kernels) or ``"cuda"`` (the CUDA kernels)
+    name: str
+
+    def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
+        """Why this backend cannot run a layer of ``cell`` (hidden size ``hidden``) on ``tensors`` (the op's
+        inputs, ``None`` skipped), ``""`` where it can. From shapes, dtypes and devices: never reads values."""
+        ...
+
+    def takes(self, scan: plan.Plan) -> bool:
+        """Whether this backend's backward runs a scan planned as ``scan``."""
+        ...
+
+    def forward(
+        self, cell: RecurrentCell, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+    ) -> list[Tensor]:
+        """``[out, (c_n,) *factors]`` of the layer over batch-first ``x`` (``cell.factor_shapes``)."""
+        ...
+
+    def backward(
+        self, cell: RecurrentCell, scan: plan.Plan, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor],
+        out: Tensor, factors: Sequence[Tensor], grad_out: Tensor | None, grad_hn: Tensor | None,
+        grad_cn: Tensor | None, need_x: bool,
+    ) -> Gradients:  # fmt: skip
+        """:data:`Gradients` from the gradients of ``out``, ``h_n`` and ``c_n`` (each may be ``None``); every
+        tensor in the parameters' dtype."""
+        ...
+
+
+class TorchBackend:
+    """Torch ops throughout (the scan: whatever kernel its plan names). See the module docstring."""
+
+    name = "torch"
+
+    def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
+        return ""
+
+    def takes(self, scan: plan.Plan) -> bool:
+        return True
+
+    def forward(
+        self, cell: RecurrentCell, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+    ) -> list[Tensor]:
+        return list(cell.torch_forward_with_factors(x, h0, c0, weights))
+
+    def backward(
+        self, cell, scan, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x
+    ) -> Gradients:
+        direct = cell.direct_gradients(grad_out, grad_hn, grad_cn, out)
+        # values are read on the CPU only (on CUDA a sync; there a NaN may spread further than torch's)
+        if out.device.type == "cpu" and cell.needs_select_sweep(out, grad_out, grad_hn):
+            return cell.select_sweep(out, factors, weights[1], direct)
+        jac = cell.jacobians(out, factors, weights[1])
+        g = ops.execute_factored(scan, jac, direct)
+        d_gi, d_gh = cell.gate_gradients(g[:, 1:], out, factors, jac)
+        return d_gi, d_gh, g[:, 0].split(out.shape[-1], -1), None
+
+
+def _mixed(tensors: Sequence[Tensor | None], device_type: str) -> str:
+    """Why ``tensors`` are not one float32 / float64 strided set on one ``device_type`` device (``""``: they are)."""
+    first = next(t for t in tensors if t is not None)
+    for t in tensors:  # a plain loop: asked on every call of a layer
+        if t is None:
+            continue
+        if t.dtype != first.dtype or t.device != first.device or t.layout != torch.strided:
+            return "inputs of mixed dtypes, devices or layouts"
+    if first.device.type != device_type:
+        return f"tensors on {first.device.type}, not {device_type}"
+    if first.dtype not in _KERNEL_DTYPES:
+        return f"dtype {first.dtype} (the compiled cell kernels take float32 / float64)"
+    return ""
+
+
+def _ran(result: tuple | None, backend: str, cell: RecurrentCell) -> tuple:
+    """``result``, or a one-line error where a kernel the plan accepted declined to run (never a silent fallback)."""
+    if result is None:
+        raise RuntimeError(
+            f"lightning_bppsa: the {backend} kernels declined a {cell.name} layer their plan accepted"
+        )
+    return result
+
+
+class NativeBackend:
+    """The compiled CPU cell kernels. See the module docstring."""
+
+    name = "cpu"
+
+    def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
+        why = _mixed(tensors, "cpu")
+        if not why and not native.available():
+            why = "the compiled CPU cell kernels are unavailable (see the build log)"
+        return why
+
+    def takes(self, scan: plan.Plan) -> bool:
+        return scan.kernel == "c" and scan.algorithm == "linear"
+
+    def forward(
+        self, cell: RecurrentCell, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+    ) -> list[Tensor]:
+        gi = cell.input_projection(x, weights, in_kernel=native.projects_inputs(x.shape[-1]))
+        return list(_ran(cell.kernel_forward(native, gi, h0, c0, weights), self.name, cell))
+
+    def backward(
+        self, cell, scan, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x
+    ) -> Gradients:
+        hidden = out.shape[-1]
+        sums = None
+        if native.sums_parameters(hidden, x.shape[-1], cell.gates, out.dtype):
+            sums = native.ParameterSums(x, out, h0, len(weights) == 4)
+        result = cell.kernel_backward(
+            native, out, c0, weights[1], factors, grad_out, grad_hn, grad_cn, sums, need_x
+        )
+        return _ran(result, self.name, cell)
+
+
+def _device_limit(device: torch.device) -> int:
+    return cuda_scan.device_shared_limit(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
+class CudaBackend(TorchBackend):
+    """The CUDA forward kernels; the backward is :class:`TorchBackend`'s (its scan on the CUDA scan kernels).
+
+    Args:
+        kernels: ``rnn_forward`` / ``gru_forward`` / ``lstm_forward`` with the signatures of
+            :mod:`~lightning_bppsa.kernels.recurrent_cuda` (tests: :mod:`~lightning_bppsa.kernels.recurrent_emulated`).
+        device_type: where ``kernels`` take their tensors.
+        shared_limit: the shared memory a block may use on a device (what ``kernels`` launch with).
+        available: ``(True, "")`` where ``kernels`` load, else ``(False, why)``.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self, kernels=recurrent_cuda, device_type: str = "cuda",
+        shared_limit: Callable[[torch.device], int] = _device_limit,
+        available: Callable[[], tuple[bool, str]] = recurrent_cuda.available,
+    ) -> None:  # fmt: skip
+        self.kernels, self.device_type, self.shared_limit, self.available = (
+            kernels,
+            device_type,
+            shared_limit,
+            available,
+        )
+
+    def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
+        """As :func:`~lightning_bppsa.kernels.recurrent_cuda.prepare` answers ``None`` (same sizes: one
+        thread per hidden unit, :func:`~lightning_bppsa.kernels.recurrent_cuda.shared_bytes` per block), with
+        the reason, and without allocating its outputs."""
+        why = _mixed(tensors, self.device_type)
+        if why:
+            return why
+        ok, why = self.available()
+        if not ok:
+            return why
+        if hidden > recurrent_cuda.MAX_THREADS:
+            return f"the CUDA forward kernel runs one thread per hidden unit, at most {recurrent_cuda.MAX_THREADS}: H={hidden}"
+        first = next(t for t in tensors if t is not None)
+        needed, limit = (
+            recurrent_cuda.shared_bytes(cell.name, hidden, first.element_size()),
+            self.shared_limit(first.device),
+        )
+        if needed > limit:
+            return f"the CUDA forward kernel of H={hidden} needs {needed} B of shared memory per block, the device has {limit} B"
+        return ""
+
+    def takes(self, scan: plan.Plan) -> bool:
+        return scan.kernel == "cuda"
+
+    def forward(
+        self, cell: RecurrentCell, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+    ) -> list[Tensor]:
+        gi = cell.input_projection(x, weights, in_kernel=False)
+        return list(_ran(cell.kernel_forward(self.kernels, gi, h0, c0, weights), self.name, cell))
+
+
+TORCH, NATIVE, CUDA = TorchBackend(), NativeBackend(), CudaBackend()
+
+#: the kernels' backend of each device type; a device type without one runs :data:`TORCH`
+DEVICE_BACKENDS: dict[str, Backend] = {"cpu": NATIVE, "cuda": CUDA}
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What one layer call runs, decided before it runs (:func:`plan_call`).
+
+    Attributes:
+        forward: the forward's backend.
+        backward: the backward's backend.
+        scan: the backward's scan plan (kernel, algorithm, chunk).
+        reason: why the forward runs torch's code where its device has kernels (``""`` otherwise).
+    """
+
+    forward: Backend
+    backward: Backend
+    scan: plan.Plan
+    reason: str = ""
+
+    def __str__(self) -> str:
+        """``"scan chunked(c=16) [cuda]"``, plus ``", torch forward: why"`` where a kernel could not launch."""
+        return f"scan {self.scan}" + (f", torch forward: {self.reason}" if self.reason else "")
+
+
+#: reasons already logged for a torch forward on a device with kernels: once per reason, not per call
+_LOGGED: set[str] = set()
+
+
+def forward_backend(
+    cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]
+) -> tuple[Backend, str]:
+    """The forward's backend of a layer on ``tensors`` (the op's inputs; ``None`` skipped) and, where its
+    device's kernels refuse them, :data:`TORCH` with why (logged once per reason)."""
+    device = next(t for t in tensors if t is not None).device.type
+    kernels = DEVICE_BACKENDS.get(device)
+    why = (
+        f"no compiled cell kernels for device {device}"
+        if kernels is None
+        else kernels.refuses(cell, hidden, tensors)
+    )
+    if not why:
+        return kernels, ""
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        log.info("lightning_bppsa: recurrent layers run torch's fused forward: %s", why)
+    return TORCH, why
+
+
+def scan_plan(
+    cell: RecurrentCell, algorithm: str, *, batch: int, n: int, hidden: int, device: str, dtype: torch.dtype
+) -> plan.Plan:
+    """The scan plan of a layer's backward (:func:`lightning_bppsa.plan.choose` over its factored Jacobians)."""
+    d, width = cell.state_factor * hidden, cell.jacobian_width(hidden)
+    return plan.choose(algorithm, n=n, d=d, batch=batch, width=width, device=device, dtype=dtype)
+
+
+def plan_call(
+    cell: RecurrentCell, algorithm: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+) -> LayerCall:
+    """The plan of one layer call on the op's inputs (batch-first ``x``; in the dtypes the op computes in).
+
+    The backward runs on the forward's backend where that takes the scan's plan (the CPU kernels' fused
+    backward: ``linear [c]``; the CUDA kernels: a ``[cuda]`` scan), else on :data:`TORCH`.
+    """
+    hidden = h0.shape[-1]
+    forward, why = forward_backend(cell, hidden, (x, h0, c0, *weights))
+    scan = scan_plan(cell, algorithm, batch=x.shape[0], n=x.shape[1], hidden=hidden, device=x.device.type,
+                     dtype=weights[0].dtype)  # fmt: skip
+    return LayerCall(forward, forward if forward.takes(scan) else TORCH, scan, why)
+
+
+def backward(
+    cell: RecurrentCell,
+    algorithm: str,
+    call: LayerCall | None,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: Sequence[Tensor],
+    out: Tensor,
+    factors: Sequence[Tensor],
+    grad_out: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    need_x: bool = True,
+) -> list[Tensor]:
+    """Every input gradient of one layer call: ``[grad_x, grad_h0, (grad_c0,) grad_W_ih, grad_W_hh, (grad_b_ih,
+    grad_b_hh)]`` (``grad_x`` empty when not ``need_x``: a first layer's input seldom needs one).
+
+    Runs ``call`` (the forward's plan; planned here from the inputs where ``None``: a dispatched op) in the
+    parameters' dtype (under autocast the forward rounded its outputs to half precision)."""
+    dtype = weights[0].dtype
+    x_, out_, h0_, c0_, grad_out, grad_hn, grad_cn = (
+        _cast(t, dtype) for t in (x, out, h0, c0, grad_out, grad_hn, grad_cn)
+    )
+    factors = [_cast(f, dtype) for f in factors]
+    if call is None:
+        call = plan_call(cell, algorithm, x_, h0_, c0_, weights)
+    d_gi, d_gh, starts, param_grads = call.backward.backward(
+        cell, call.scan, x_, h0_, c0_, weights, out_, factors, grad_out, grad_hn, grad_cn, need_x
+    )
+    grad_x = (
+        _cast((d_gi.reshape(-1, d_gi.shape[-1]) @ weights[0]).view(x.shape), x.dtype)
+        if need_x
+        else x.new_empty(0)
+    )
+    states = [_cast(starts[0], h0.dtype)] + ([_cast(starts[1], c0.dtype)] if c0 is not None else [])
+    if param_grads is None:
+        param_grads = cell.parameter_gradients(d_gi, d_gh, x_, h0_, out_, len(weights) == 4)
+    return [grad_x, *states, *param_grads]
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t.to(dtype)``, without its call where the dtype is already right (~2 µs each, ~8 per backward)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)

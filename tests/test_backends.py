@@ -1,0 +1,258 @@
+"""The recurrent layers' backends (lightning_bppsa.backends): each against the torch backend on the same inputs,
+the call's plan made once in the forward, and no silent fallback (a kernel that cannot launch is planned as
+torch's forward before anything runs, and the plan says why). The CUDA backend runs on CPU tensors through
+the host emulation of its kernels (kernels/recurrent_emulated.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from lightning_bppsa.kernels import recurrent as native
+from lightning_bppsa.kernels import recurrent_cuda, recurrent_emulated
+from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
+
+import lightning_bppsa.nn as bnn
+from lightning_bppsa import backends, plan
+from lightning_bppsa.backends import NATIVE, TORCH, CudaBackend, LayerCall
+from lightning_bppsa.cells import CELLS
+from lightning_bppsa.nn import _scan_layer, recurrent
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+needs_native = pytest.mark.skipif(not native.available(), reason="needs the compiled CPU cell kernels")
+F64 = torch.float64
+
+
+def emulated_cuda(shared_limit: int = SM80_OPTIN_SHARED_BYTES, device_type: str = "cpu") -> CudaBackend:
+    """The CUDA backend over the host emulation of its kernels (CPU tensors), as if on a device with
+    ``shared_limit`` bytes of shared memory per block."""
+    return CudaBackend(recurrent_emulated, device_type, lambda device: shared_limit, lambda: (True, ""))
+
+
+def layer_inputs(cell, *, batch=2, steps=5, inputs=3, hidden=4, bias=True, dtype=F64, seed=0):
+    """``(x, h0, c0, weights)`` of one layer of ``cell``, random, contracting like a trained layer's."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, dtype=dtype, generator=gen) * scale
+
+    gates = cell.gates * hidden
+    weights = [rand(gates, inputs, scale=0.4), rand(gates, hidden, scale=0.4)]
+    weights += [rand(gates, scale=0.1), rand(gates, scale=0.1)] if bias else []
+    c0 = rand(batch, hidden, scale=0.5) if cell.has_cell_state else None
+    return rand(batch, steps, inputs), rand(batch, hidden, scale=0.5), c0, weights
+
+
+def upstream(cell, out, seed=1):
+    """Random ``(grad_out, grad_hn, grad_cn)`` for a layer's outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, _, hidden = out.shape
+    grad_cn = torch.randn(batch, hidden, dtype=out.dtype, generator=gen) if cell.has_cell_state else None
+    return (
+        torch.randn(out.shape, dtype=out.dtype, generator=gen),
+        torch.randn(batch, hidden, dtype=out.dtype, generator=gen),
+        grad_cn,
+    )
+
+
+def autograd_reference(cell, x, h0, c0, weights, grad_out, grad_hn, grad_cn) -> list[torch.Tensor]:
+    """Torch autograd through the cell's fused torch forward: ``[grad_x, grad_h0, (grad_c0,) *grad_weights]``."""
+    total = grad_out.clone()
+    total[:, -1] += grad_hn  # h_n is out's last step
+    needs = [True, True, c0 is not None] + [True] * len(weights)
+    grads = cell.autograd_gradients(None, (x, h0, c0, *weights), needs, (total, grad_cn), False)
+    return [g for g in grads if g is not None]
+
+
+def split(cell, results):
+    """``(out, factors)`` of a forward's ``[out, (c_n,) *factors]``."""
+    return results[0], results[2 if cell.has_cell_state else 1 :]
+
+
+def assert_all_close(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+CELL_NAMES = sorted(CELLS)
+
+
+# inputs: the CPU kernel projects inputs up to 40 wide itself, wider ones take one GEMM
+@needs_native
+@pytest.mark.parametrize("inputs", [3, 41])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cpu_backend_forward_and_fused_backward_equal_the_torch_backend(name, bias, inputs):
+    cell = CELLS[name]
+    x, h0, c0, weights = layer_inputs(cell, inputs=inputs, bias=bias)
+    expected = TORCH.forward(cell, x, h0, c0, weights)
+    assert_all_close(NATIVE.forward(cell, x, h0, c0, weights), expected)
+
+    out, factors = split(cell, expected)
+    grads = upstream(cell, out)
+    linear = backends.scan_plan(cell, "linear", batch=2, n=5, hidden=4, device="cpu", dtype=F64)
+    assert linear.kernel == "c" and NATIVE.takes(linear)
+    fused = backends.backward(
+        cell, "linear", LayerCall(NATIVE, NATIVE, linear), x, h0, c0, weights, out, factors, *grads
+    )
+    torch_ = backends.backward(
+        cell, "linear", LayerCall(TORCH, TORCH, linear), x, h0, c0, weights, out, factors, *grads
+    )
+    assert_all_close(fused, torch_)
+    assert_all_close(torch_, autograd_reference(cell, x, h0, c0, weights, *grads))
+
+
+@pytest.mark.parametrize(
+    "scan", [plan.Plan("torch", "chunked", 2, "test"), plan.Plan("torch", "blelloch", 1, "test")]
+)
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_torch_backend_equals_autograd(name, scan):
+    cell = CELLS[name]
+    x, h0, c0, weights = layer_inputs(cell, steps=7, seed=2)
+    out, factors = split(cell, TORCH.forward(cell, x, h0, c0, weights))
+    torch.testing.assert_close(out, cell.torch_forward(x, h0, c0, weights)[0], rtol=0, atol=0)
+    grads = upstream(cell, out)
+    actual = backends.backward(
+        cell, scan.algorithm, LayerCall(TORCH, TORCH, scan), x, h0, c0, weights, out, factors, *grads
+    )
+    assert_all_close(actual, autograd_reference(cell, x, h0, c0, weights, *grads))
+
+
+@needs_gxx
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cuda_backend_forward_equals_the_torch_backend(name, bias):
+    cell = CELLS[name]
+    x, h0, c0, weights = layer_inputs(cell, bias=bias, seed=3)
+    cuda = emulated_cuda()
+    assert cuda.refuses(cell, 4, (x, h0, c0, *weights)) == ""
+    assert_all_close(cuda.forward(cell, x, h0, c0, weights), TORCH.forward(cell, x, h0, c0, weights))
+
+
+# limits: no opt-in, an A100's opt-in, and one where only the threads per block bind
+@pytest.mark.parametrize("limit", [48 * 1024, SM80_OPTIN_SHARED_BYTES, 1 << 30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cuda_backend_refuses_exactly_where_prepare_declines_and_says_why(name, dtype, limit):
+    """The plan's question (no allocation, with a reason) and the launch's own answer (``prepare``) agree."""
+    cell = CELLS[name]
+    backend = emulated_cuda(limit)
+    for hidden in (1, 32, 33, 71, 100, 142, 202, 256, 257):
+        gates = cell.gates * hidden
+        gi, w_hh, h0 = (
+            torch.zeros(1, 1, gates, dtype=dtype),
+            torch.zeros(gates, hidden, dtype=dtype),
+            torch.zeros(1, hidden, dtype=dtype),
+        )
+        c0 = torch.zeros(1, hidden, dtype=dtype) if cell.has_cell_state else None
+        declined = (
+            recurrent_cuda.prepare(name, gi, w_hh, None, h0, c0, device_type="cpu", shared_limit=limit)
+            is None
+        )
+        why = backend.refuses(cell, hidden, (gi, w_hh, h0, c0))
+        assert declined == bool(why), (name, dtype, limit, hidden, why)
+        if why:
+            assert f"H={hidden}" in why and ("shared memory" in why or "thread" in why), why
+    assert "dtype torch.float16" in backend.refuses(cell, 4, (torch.zeros(1, 4, dtype=torch.float16),))
+    assert "mixed" in backend.refuses(cell, 4, (torch.zeros(1, 4), torch.zeros(1, 4, dtype=F64)))
+
+
+@pytest.fixture
+def counted_plans(monkeypatch):
+    """How often a layer call plans (``plan_call``) and asks the scan's plan (``plan.choose``)."""
+    calls = {"plan_call": 0, "choose": 0}
+    real_plan_call, real_choose = _scan_layer.plan_call, plan.choose
+
+    def plan_call(*args):
+        calls["plan_call"] += 1
+        return real_plan_call(*args)
+
+    def choose(*args, **kwargs):
+        calls["choose"] += 1
+        return real_choose(*args, **kwargs)
+
+    monkeypatch.setattr(_scan_layer, "plan_call", plan_call)
+    monkeypatch.setattr(plan, "choose", choose)
+    return calls
+
+
+@pytest.mark.parametrize("algorithm", ["linear", "chunked"])
+def test_a_layer_call_is_planned_once_in_the_forward_and_the_backward_runs_that_plan(
+    counted_plans, algorithm
+):
+    layer = bnn.GRU(3, 4, num_layers=2, batch_first=True, algorithm=algorithm, dtype=F64)
+    out, _ = layer(torch.randn(2, 6, 3, dtype=F64, requires_grad=True))
+    assert counted_plans == {"plan_call": 2, "choose": 2}  # one per layer, before its forward op ran
+    reported = layer.last_stats["plan"]
+    assert (
+        reported.startswith(f"scan {algorithm}") and reported == f"scan {layer.last_stats['scan_algorithm']}"
+    )
+    out.pow(2).sum().backward()
+    assert counted_plans == {"plan_call": 2, "choose": 2}  # the backward asks nothing again
+    assert layer.last_stats["plan"] == reported
+
+
+@needs_gxx
+def test_a_forward_kernel_that_cannot_launch_is_planned_as_torchs_forward_before_anything_runs(monkeypatch):
+    """Weights beyond the (emulated) device's shared memory: the plan says so and torch's forward runs; the
+    kernel is never asked to launch. With room, the same layer launches the kernel once per call."""
+    launched = []
+    real_launcher = recurrent_emulated._launcher
+    monkeypatch.setattr(
+        recurrent_emulated, "_launcher", lambda *a: lambda launch, device: launched.append(launch)
+    )
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cpu": emulated_cuda(shared_limit=1024)})
+    torch.manual_seed(0)
+    ours = bnn.GRU(3, 20, batch_first=True, algorithm="linear", dtype=F64)
+    reference = torch.nn.GRU(3, 20, batch_first=True, dtype=F64)
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 5, 3, dtype=F64)
+    for module in (ours, reference):
+        module(x)[0].pow(2).sum().backward()
+    assert launched == []
+    assert "torch forward: the CUDA forward kernel of H=20 needs" in ours.last_stats["plan"], ours.last_stats
+    assert "shared memory per block, the device has 1024 B" in ours.last_stats["plan"]
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+    monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: _counting(real_launcher(*a), launched))
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cpu": emulated_cuda()})
+    ours(x)[0].pow(2).sum().backward()
+    assert [launch.kernel for launch in launched] == ["bppsa_gru_forward_f64"]
+    assert "torch forward" not in ours.last_stats["plan"]
+
+
+def _counting(launch_fn, launched):
+    def launch(config, device):
+        launched.append(config)
+        return launch_fn(config, device)
+
+    return launch
+
+
+def test_a_kernel_that_declines_what_its_plan_accepted_raises_instead_of_falling_back(monkeypatch):
+    cell = CELLS["rnn_tanh"]
+    monkeypatch.setattr(native, "rnn_forward", lambda *args: None)
+    x, h0, c0, weights = layer_inputs(cell)
+    with pytest.raises(RuntimeError, match="the cpu kernels declined a rnn_tanh layer their plan accepted"):
+        NATIVE.forward(cell, x, h0, c0, weights)
+
+
+def test_auto_on_cuda_keeps_torchs_layer_where_the_forward_kernel_cannot_launch(monkeypatch):
+    """On a (stand-in) CUDA device whose scan kernels load but whose forward kernel cannot launch for this H,
+    ``auto`` keeps torch's own layer (cuDNN) and says why, before the model is asked."""
+    rnn = bnn.LSTM(2, 120, batch_first=True)
+    x = torch.randn(3, 5, 2, requires_grad=True)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(plan, "choose", lambda algorithm, **shape: plan.Plan("cuda", "linear", 1, "stand-in"))
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cuda": emulated_cuda(48 * 1024, device_type="cuda")})
+    monkeypatch.setattr(
+        recurrent, "_predict", lambda shape: pytest.fail("no model where the kernels cannot run")
+    )
+    path, reason = rnn._path(x, None)
+    assert path == "autograd"
+    assert reason.startswith(
+        "auto on CUDA without the scan's kernels (forward: the CUDA forward kernel of H=120"
+    )
