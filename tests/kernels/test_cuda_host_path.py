@@ -15,7 +15,6 @@ stream, one kernel lookup per device, not one per launch.
 from __future__ import annotations
 
 import shutil
-import types
 from collections import Counter
 
 import pytest
@@ -25,7 +24,7 @@ from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_bppsa.nn as bnn
-from lightning_bppsa import cells, plan
+from lightning_bppsa import backends, cells, plan
 from lightning_bppsa.nn import _scan_layer
 from lightning_bppsa.testing import assert_derived_close
 
@@ -73,8 +72,9 @@ def _is_view(name: str) -> bool:
 def launches(monkeypatch) -> Counter:
     """The CUDA path of the recurrent layers on CPU tensors, both launchers emulated; counts launches by kernel.
 
-    Everything between the layer and the launchers is the CUDA path's own code: ``cells`` picks the CUDA
-    forward kernels (``recurrent_cuda.forward``), ``plan.choose`` answers as for a CUDA tensor, the scan runs
+    Everything between the layer and the launchers is the CUDA path's own code: the CUDA backend
+    (``backends.CudaBackend``, registered for the CPU tensors) runs the emulated forward kernels through
+    ``recurrent_cuda.forward``, ``plan.choose`` answers as for a CUDA tensor, the scan runs
     ``cuda.scan_factored`` -> ``cuda.run``, and ``_scan_layer`` calls the ops directly as in an eager GPU step
     (the counting mode would otherwise route them through the dispatcher).
     """
@@ -89,12 +89,10 @@ def launches(monkeypatch) -> Counter:
 
     real_launcher = recurrent_emulated._launcher
     monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: counting(real_launcher(*a)))
-    forward_kernels = types.SimpleNamespace(
-        rnn_forward=recurrent_emulated.rnn_forward,
-        gru_forward=recurrent_emulated.gru_forward,
-        lstm_forward=recurrent_emulated.lstm_forward,
+    emulated_cuda = backends.CudaBackend(
+        recurrent_emulated, "cpu", lambda device: SM80_OPTIN_SHARED_BYTES, lambda: (True, "")
     )
-    monkeypatch.setattr(cells, "_forward_kernels", lambda x: forward_kernels)
+    monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", emulated_cuda)  # CPU tensors get the CUDA backend
     real_choose = plan.choose
     monkeypatch.setattr(plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape))
     monkeypatch.setattr(cuda, "available", lambda: (True, ""))
