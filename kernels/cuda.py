@@ -68,7 +68,9 @@ __all__ = [
     "scan_factored",
 ]
 
-SHARED_BYTES = cupy_loader.PORTABLE_SHARED_BYTES  # shared memory per block (static + dynamic) without the opt-in
+SHARED_BYTES = (
+    cupy_loader.PORTABLE_SHARED_BYTES
+)  # shared memory per block (static + dynamic) without the opt-in
 #: static shared memory of each kernel family (ptxas / NVRTC report it: the compile gate and the CuPy
 #: loader check these figures); a launch's dynamic part gets the limit minus this
 STATIC_SHARED_BYTES = {"sweep": 0, "chunked": 16, "warpsweep": 0}
@@ -151,7 +153,11 @@ def launch_config(
     vectors = 2 * d * element_bytes
     row_bytes = d * element_bytes
     chunked_budget = shared_limit - STATIC_SHARED_BYTES["chunked"]
-    chunked = algorithm in ("chunked", "blelloch") and chunks > 1 and matrices + vectors + row_bytes <= chunked_budget
+    chunked = (
+        algorithm in ("chunked", "blelloch")
+        and chunks > 1
+        and matrices + vectors + row_bytes <= chunked_budget
+    )
     warp = warp_resident(factored=factored, d=d, m=m)
     weight_bytes = warp_weight_bytes(factored=factored, m=m, element_bytes=element_bytes) if warp else 0
     if chunked:
@@ -214,7 +220,22 @@ def kernel_args(
     affine: bool,
 ) -> list[int]:
     """The kernel's 14 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order."""
-    return [mat, scales, diagonal, grad, out, work, sync, n, batch, d, m, launch.chunk, int(affine), launch.tile_rows]
+    return [
+        mat,
+        scales,
+        diagonal,
+        grad,
+        out,
+        work,
+        sync,
+        n,
+        batch,
+        d,
+        m,
+        launch.chunk,
+        int(affine),
+        launch.tile_rows,
+    ]
 
 
 Launcher = Callable[[Launch, list, torch.device], None]
@@ -264,8 +285,12 @@ def run(
         shared_limit=shared_limit,
     )
     # the sweeps use neither: no allocation, no fill
-    work = torch.empty(launch.work_elements, dtype=compute, device=grad.device) if launch.work_elements else None
-    sync = torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device) if launch.sync_words else None
+    work = (
+        torch.empty(launch.work_elements, dtype=compute, device=grad.device) if launch.work_elements else None
+    )
+    sync = (
+        torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device) if launch.sync_words else None
+    )
     args = kernel_args(
         launch,
         mat=_address(mat),
@@ -373,8 +398,15 @@ def fits(d: int, element_bytes: int) -> tuple[bool, str]:
     back to the sweep where its matrices do not fit); ``(False, reason)`` otherwise."""
     try:
         launch_config(
-            factored=False, element_bytes=element_bytes, n=1, batch=1, d=d, m=d, affine=True,
-            algorithm="linear", chunk_size=1,
+            factored=False,
+            element_bytes=element_bytes,
+            n=1,
+            batch=1,
+            d=d,
+            m=d,
+            affine=True,
+            algorithm="linear",
+            chunk_size=1,
         )
     except ValueError as err:
         return False, str(err)

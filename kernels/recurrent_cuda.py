@@ -100,13 +100,17 @@ def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     return (weight_rows + 2) * padded * element_bytes
 
 
-def _check_shapes(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None) -> None:
+def _check_shapes(
+    cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None
+) -> None:
     gates = CELLS[cell]
     if w_hh.dim() != 2 or w_hh.shape[0] != gates * w_hh.shape[1]:
         raise ValueError(f"w_hh must be ({gates} H, H) for a {cell} cell; got {tuple(w_hh.shape)}")
     hidden = w_hh.shape[1]
     if gi.dim() != 3 or gi.shape[2] != gates * hidden:
-        raise ValueError(f"gi must be (B, T, {gates * hidden}) for hidden size {hidden}; got {tuple(gi.shape)}")
+        raise ValueError(
+            f"gi must be (B, T, {gates * hidden}) for hidden size {hidden}; got {tuple(gi.shape)}"
+        )
     batch = gi.shape[0]
     if b_hh is not None and tuple(b_hh.shape) != (gates * hidden,):
         raise ValueError(f"b_hh must be ({gates * hidden},) or None; got {tuple(b_hh.shape)}")
@@ -242,7 +246,9 @@ def _functions(device_index: int) -> dict:
 def _launch_cuda(launch: Launch, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     functions = _KERNELS_ON.get(index) or _functions(index)
-    cupy_loader.launch(functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, launch.args)
+    cupy_loader.launch(
+        functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, launch.args
+    )
 
 
 def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None):
@@ -250,10 +256,14 @@ def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: 
         return None
     index = gi.device.index if gi.device.index is not None else torch.cuda.current_device()
     limit = cupy_loader.shared_limit(index)
-    return forward(cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda", shared_limit=limit)
+    return forward(
+        cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda", shared_limit=limit
+    )
 
 
-def rnn_forward(gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool) -> tuple[Tensor] | None:
+def rnn_forward(
+    gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, relu: bool
+) -> tuple[Tensor] | None:
     """Elman RNN layer on CUDA: ``(out,)``, ``(B, T, H)``; ``None`` where the kernel cannot run."""
     return _forward_cuda("rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None)
 

@@ -11,7 +11,17 @@ from lightning_bppsa.kernels import cuda
 
 
 def config(**overrides):
-    args = dict(factored=True, element_bytes=4, n=1000, batch=16, d=20, m=20, affine=False, algorithm="chunked", chunk_size=32)
+    args = dict(
+        factored=True,
+        element_bytes=4,
+        n=1000,
+        batch=16,
+        d=20,
+        m=20,
+        affine=False,
+        algorithm="chunked",
+        chunk_size=32,
+    )
     return cuda.launch_config(**{**args, **overrides})
 
 
@@ -32,7 +42,12 @@ def test_parallel_algorithms_use_the_one_launch_kernel(algorithm):
 
 def test_linear_uses_one_block_per_row():
     launch = config(algorithm="linear", element_bytes=8, affine=True, factored=False, d=40)
-    assert (launch.kernel, launch.grid, launch.chunk, launch.sync_words) == ("bppsa_sweep_dense_f64", 16, 1000, 0)
+    assert (launch.kernel, launch.grid, launch.chunk, launch.sync_words) == (
+        "bppsa_sweep_dense_f64",
+        16,
+        1000,
+        0,
+    )
 
 
 @pytest.mark.parametrize("element_bytes", [4, 8])
@@ -73,7 +88,19 @@ def test_too_wide_state_is_refused_with_a_reason():
 def test_kernel_args_follow_the_kernel_signature():
     launch = config()
     args = cuda.kernel_args(
-        launch, mat=1, scales=2, diagonal=0, grad=3, out=4, work=5, sync=6, n=1000, batch=16, d=20, m=20, affine=False
+        launch,
+        mat=1,
+        scales=2,
+        diagonal=0,
+        grad=3,
+        out=4,
+        work=5,
+        sync=6,
+        n=1000,
+        batch=16,
+        d=20,
+        m=20,
+        affine=False,
     )
     assert args == [1, 2, 0, 3, 4, 5, 6, 1000, 16, 20, 20, launch.chunk, 0, launch.tile_rows]
 
@@ -87,7 +114,12 @@ def test_availability_says_why_not():
 @pytest.mark.slow  # a fresh interpreter importing torch
 def test_importing_the_loader_imports_no_cupy():
     code = "import sys, lightning_bppsa.kernels.cuda; print('cupy' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "False"
+    )
 
 
 def test_cost_model_rule_for_the_cuda_kernels():
@@ -195,5 +227,9 @@ def test_chunked_launch_holds_the_warp_step_weight(d, tiles, element_bytes):
     """For d <= 32 the chunk sweeps stage W (padded) over the chunk matrices: the launch gives the larger."""
     launch = config(d=d, m=tiles * d, element_bytes=element_bytes, affine=True)
     assert launch.kernel.startswith("bppsa_chunked_") and cuda.warp_resident(factored=True, d=d, m=tiles * d)
-    assert launch.shared_bytes >= cuda.warp_weight_bytes(factored=True, m=tiles * d, element_bytes=element_bytes)
-    assert not cuda.warp_resident(factored=True, d=33, m=33) and not cuda.warp_resident(factored=True, d=20, m=120)
+    assert launch.shared_bytes >= cuda.warp_weight_bytes(
+        factored=True, m=tiles * d, element_bytes=element_bytes
+    )
+    assert not cuda.warp_resident(factored=True, d=33, m=33) and not cuda.warp_resident(
+        factored=True, d=20, m=120
+    )

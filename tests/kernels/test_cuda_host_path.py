@@ -94,7 +94,9 @@ def launches(monkeypatch) -> Counter:
     )
     monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", emulated_cuda)  # CPU tensors get the CUDA backend
     real_choose = plan.choose
-    monkeypatch.setattr(plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape))
+    monkeypatch.setattr(
+        plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
+    )
     monkeypatch.setattr(cuda, "available", lambda: (True, ""))
     monkeypatch.setattr(cuda, "_launch_cuda", counting(emulated._launcher(None, 600.0, 1, 0.0)))
     monkeypatch.setattr(cuda, "_device_limit", lambda t: SM80_OPTIN_SHARED_BYTES)
@@ -161,7 +163,9 @@ def test_recurrent_launcher_fetches_each_kernel_once(fake_device):
         recurrent_cuda._launch_cuda(launch, device)
     kernel = fake.kernels[(0, "bppsa_gru_forward_f64")]
     assert set(fake.lookups.values()) == {1} and len(fake.lookups) == len(recurrent_cuda.KERNELS)
-    assert kernel.opt_ins == 1 and kernel.max_dynamic_shared_size_bytes == 100 * 1024  # opted in once, when needed
+    assert (
+        kernel.opt_ins == 1 and kernel.max_dynamic_shared_size_bytes == 100 * 1024
+    )  # opted in once, when needed
     assert [call[2] for call in kernel.calls] == [(1, 2, 3), (1, 2, 3), (4, 5, 6), (4, 5, 6), (1, 2, 3)]
     assert fake.streams_made == 1
 
@@ -174,5 +178,9 @@ def test_scan_launcher_enters_another_device_only(fake_device):
                                 algorithm="linear", chunk_size=1)  # fmt: skip
     for device in (torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)):
         cuda._launch_cuda(launch, [0] * 14, device)
-    assert fake.devices_entered == [1]  # the current device (0) needs no switch; device 1's module lives there
-    assert len(fake.kernels[(0, launch.kernel)].calls) == 2 and len(fake.kernels[(1, launch.kernel)].calls) == 1
+    assert fake.devices_entered == [
+        1
+    ]  # the current device (0) needs no switch; device 1's module lives there
+    assert (
+        len(fake.kernels[(0, launch.kernel)].calls) == 2 and len(fake.kernels[(1, launch.kernel)].calls) == 1
+    )
