@@ -27,10 +27,11 @@ A new kernel family needs nothing else::
     function = cupy_loader.load_function(index, source, "my_kernel")   # once, before the first launch
     cupy_loader.launch(function, index, grid, block, shared_bytes, (x.data_ptr(), out.data_ptr(), n))
 
-Host cost per launch (issue 29): one raw stream query, two dict lookups, the CuPy call. CuPy's wrapper of a
-torch stream is made once per stream; ``args`` (a tuple, or a list made into one) are Python ints that CuPy
-packs in C as 64-bit words, bit for bit the kernels' pointer and ``uint64`` parameters: no per-argument
-object of ours. CuPy is imported only by these functions, never at module import.
+Host cost per launch (issue 29): one raw stream query, one dict lookup, a current-device check, the CuPy
+call (a family keeps its functions: :func:`load_function` is for loading, not for every launch). CuPy's
+wrapper of a torch stream is made once per stream; ``args`` (a tuple, or a list made into one) are Python
+ints that CuPy packs in C as 64-bit words, bit for bit the kernels' pointer and ``uint64`` parameters: no
+per-argument object of ours. CuPy is imported only by these functions, never at module import.
 """
 
 from __future__ import annotations
