@@ -58,7 +58,8 @@ class Backend(Protocol):
 
     def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
         """Why this backend cannot run a layer of ``cell`` (hidden size ``hidden``) on ``tensors`` (the op's
-        inputs, ``None`` skipped), ``""`` where it can. From shapes, dtypes and devices: never reads values."""
+        inputs, ``x`` or a weight first, ``None`` skipped), ``""`` where it can. From shapes, dtypes and
+        devices: never reads values."""
         ...
 
     def takes(self, scan: plan.Plan) -> bool:
@@ -111,8 +112,9 @@ class TorchBackend:
 
 
 def _mixed(tensors: Sequence[Tensor | None], device_type: str) -> str:
-    """Why ``tensors`` are not one float32 / float64 strided set on one ``device_type`` device (``""``: they are)."""
-    first = next(t for t in tensors if t is not None)
+    """Why ``tensors`` (the first not ``None``) are not one float32 / float64 strided set on one ``device_type``
+    device (``""``: they are)."""
+    first = tensors[0]
     for t in tensors:  # a plain loop: asked on every call of a layer
         if t is None:
             continue
@@ -210,7 +212,7 @@ class CudaBackend(TorchBackend):
             return why
         if hidden > recurrent_cuda.MAX_THREADS:
             return f"the CUDA forward kernel runs one thread per hidden unit, at most {recurrent_cuda.MAX_THREADS}: H={hidden}"
-        first = next(t for t in tensors if t is not None)
+        first = tensors[0]
         needed, limit = (
             recurrent_cuda.shared_bytes(cell.name, hidden, first.element_size()),
             self.shared_limit(first.device),
@@ -253,7 +255,7 @@ class LayerCall:
 
     def __str__(self) -> str:
         """``"scan chunked(c=16) [cuda]"``, plus ``", torch forward: why"`` where a kernel could not launch."""
-        return f"scan {self.scan}" + (f", torch forward: {self.reason}" if self.reason else "")
+        return f"scan {self.scan.text}" + (f", torch forward: {self.reason}" if self.reason else "")
 
 
 #: reasons already logged for a torch forward on a device with kernels: once per reason, not per call
@@ -263,9 +265,10 @@ _LOGGED: set[str] = set()
 def forward_backend(
     cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]
 ) -> tuple[Backend, str]:
-    """The forward's backend of a layer on ``tensors`` (the op's inputs; ``None`` skipped) and, where its
+    """The forward's backend of a layer on ``tensors`` (the op's inputs, ``x`` or a weight first; ``None``
+    skipped) and, where its
     device's kernels refuse them, :data:`TORCH` with why (logged once per reason)."""
-    device = next(t for t in tensors if t is not None).device.type
+    device = tensors[0].device.type
     kernels = DEVICE_BACKENDS.get(device)
     why = (
         f"no compiled cell kernels for device {device}"
@@ -324,9 +327,9 @@ def backward(
     Runs ``call`` (the forward's plan; planned here from the inputs where ``None``: a dispatched op) in the
     parameters' dtype (under autocast the forward rounded its outputs to half precision)."""
     dtype = weights[0].dtype
-    x_, out_, h0_, c0_, grad_out, grad_hn, grad_cn = (
+    x_, out_, h0_, c0_, grad_out, grad_hn, grad_cn = [
         _cast(t, dtype) for t in (x, out, h0, c0, grad_out, grad_hn, grad_cn)
-    )
+    ]
     factors = [_cast(f, dtype) for f in factors]
     if call is None:
         call = plan_call(cell, algorithm, x_, h0_, c0_, weights)

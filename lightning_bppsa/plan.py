@@ -17,7 +17,7 @@ report what ran.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -56,6 +56,11 @@ class Plan:
     reason: str
 
     def __str__(self) -> str:
+        return self.text
+
+    @cached_property
+    def text(self) -> str:
+        """``"chunked(c=16) [cuda]"``: written once per plan (plans are cached; a layer reports one per call)."""
         algorithm = f"chunked(c={self.chunk})" if self.algorithm == "chunked" else self.algorithm
         return f"{algorithm} [{self.kernel}]"
 

@@ -131,7 +131,7 @@ class LayerFunction(torch.autograd.Function):
         ctx.call = None
         if not torch.compiler.is_compiling():  # traced: each op plans when it runs, never in the graph
             ctx.call = plan_call(CELLS[cell], algorithm, args[0], args[1], args[2], args[3:])
-            stats["scan_algorithm"], stats["plan"] = str(ctx.call.scan), str(ctx.call)
+            stats["scan_algorithm"], stats["plan"] = ctx.call.scan.text, str(ctx.call)
         results = _timed_forward(cell, ctx.call, stats, low is not None, args)
         outputs = 2 if CELLS[cell].has_cell_state else 1
         ctx.cell, ctx.algorithm, ctx.stats = cell, algorithm, stats
