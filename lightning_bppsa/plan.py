@@ -3,8 +3,8 @@
 :func:`choose` is the one place where a scan's kernel and algorithm are decided. The ``bppsa::`` ops
 (:mod:`lightning_bppsa.ops`) call it inside their kernels, i.e. when the scan actually runs, with concrete
 shapes, device and dtype: never while ``torch.compile`` traces (an answer there would be baked into the
-graph), and without reading tensor values (a device sync on CUDA). The modules call the same function to
-report what ran.
+graph), and without reading tensor values (a device sync on CUDA). A recurrent layer asks it once per call,
+eagerly, in its forward (:func:`lightning_bppsa.backends.plan_call`), runs that plan and reports it.
 
 - CUDA: the CuPy kernels (:mod:`lightning_bppsa.kernels.cuda`) where they load and the state fits them,
   with their own launch model (:mod:`lightning_bppsa.cuda_cost_model`); else the torch implementation.

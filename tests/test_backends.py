@@ -256,3 +256,24 @@ def test_auto_on_cuda_keeps_torchs_layer_where_the_forward_kernel_cannot_launch(
     assert reason.startswith(
         "auto on CUDA without the scan's kernels (forward: the CUDA forward kernel of H=120"
     )
+
+
+@needs_gxx
+def test_dispatched_ops_plan_at_run_time_as_the_eager_layer_does(monkeypatch):
+    """Under the profiler the layer's ops go through the dispatcher, without the layer's plan: each op plans
+    from its inputs and runs the same backends (here the emulated CUDA forward kernel, once)."""
+    launched = []
+    real_launcher = recurrent_emulated._launcher
+    monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: _counting(real_launcher(*a), launched))
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cpu": emulated_cuda()})
+    ours = bnn.RNN(3, 5, batch_first=True, algorithm="chunked", dtype=F64)
+    reference = torch.nn.RNN(3, 5, batch_first=True, dtype=F64)
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 6, 3, dtype=F64)
+    with torch.profiler.profile() as prof:
+        ours(x)[0].pow(2).sum().backward()
+    reference(x)[0].pow(2).sum().backward()
+    assert {"bppsa::recurrent_forward", "bppsa::recurrent_backward"} <= {e.key for e in prof.key_averages()}
+    assert [launch.kernel for launch in launched] == ["bppsa_rnn_tanh_forward_f64"]
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)

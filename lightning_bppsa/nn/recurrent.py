@@ -14,8 +14,9 @@ runs torch's own forward under plain autograd instead. Where no gradient is need
 inference, validation) on CPU in float32 / float64 the forward kernels run alone (no scan: B=16 T=1000
 H=20 RNN 1.2 ms against torch's fused forward 9.8 ms; float64 equal to torch's to ~1e-15).
 ``last_stats`` records what the last forward did:
-``path`` (``"scan"`` / ``"forward kernel"`` / ``"autograd"``), ``algorithm``, ``plan`` (``"scan linear [c]"`` after the backward:
-the algorithm and kernel the scan ran, see :class:`~lightning_bppsa.plan.Plan`; or ``"autograd (why)"``),
+``path`` (``"scan"`` / ``"forward kernel"`` / ``"autograd"``), ``algorithm``, ``plan`` (``"scan linear [c]"``: the
+algorithm and kernel the scan runs, planned before the forward, see :class:`~lightning_bppsa.backends.LayerCall`,
+with ``", torch forward: why"`` where the device's forward kernel cannot launch; or ``"autograd (why)"``),
 ``scan_algorithm`` (the plan without the word "scan"), ``forward_seconds`` (the layers' forward op: states
 and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only.
 
