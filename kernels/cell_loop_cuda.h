@@ -12,7 +12,8 @@
    rows of the other arrays are (b, t) flattened, as on the CPU.
 
    bppsa_cell_cuda_forward: one block per batch row, thread j < H owns coordinate j of every state and piece.
-     The pieces' weights (the rows [CLO, CHI) of wc = (D, KH)) are staged once in shared memory; the state lives
+     The pieces' weights (the rows [CLO, CHI) of wc = (D, KH)) are staged once in shared memory (staged = 0:
+     read from global memory, through L1, where they do not fit the device's shared memory); the state lives
      in two shared buffers (step t reads one, writes the other: one barrier per step); thread j computes its
      pieces' coordinate (offsets + prev @ wc), puts them in shared memory for the generated step (which indexes
      piece[k H + j]), runs the step (values, and with partials the scales, diagonal and input partials straight
@@ -21,7 +22,8 @@
      parameter VJP needs, one block per batch row: thread j keeps g_t at its coordinates (M registers); per step
      it writes its products (g times the partials by every piece and input value, summed over the new states),
      the pieces' ones also to shared memory (double-buffered: one barrier per step), then forms g_{t-1} at its
-     coordinates: the pieces' products times the staged wt = (KH, D) columns [CLO, CHI), plus the diagonal (one
+     coordinates: the pieces' products times the wt = (KH, D) columns [CLO, CHI) (staged as the forward's),
+     plus the diagonal (one
      state) or the identity tiles of the states read directly, plus the direct gradient.
    bppsa_cell_cotangent: the products of every row from a states' gradient the scan made elsewhere
      (a grid-stride loop over (row, j)). */
@@ -49,15 +51,17 @@ __device__ __forceinline__ void cell_products(const REAL (&g)[M], const REAL* __
 extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
     bppsa_cell_cuda_forward(i64 batch, i64 steps, const REAL* __restrict__ wc, const REAL* __restrict__ offsets,
                             REAL* __restrict__ states, i64 partials, REAL* __restrict__ scales,
-                            REAL* __restrict__ diagonal, REAL* __restrict__ fpart CELL_INPUT_PARAMS) {
+                            REAL* __restrict__ diagonal, REAL* __restrict__ fpart, i64 staged CELL_INPUT_PARAMS) {
     (void)batch;
     BPPSA_DYNAMIC_SHARED(smem);
-    REAL* w = reinterpret_cast<REAL*>(smem);  // CELL_CW x KH
-    REAL* state = w + CELL_CW * KH;            // 2 x D
-    REAL* piece = state + 2 * D;               // KH
+    REAL* state = reinterpret_cast<REAL*>(smem);  // 2 x D
+    REAL* piece = state + 2 * D;                   // KH
+    REAL* shared_w = piece + KH;                   // CELL_CW x KH where staged
+    const REAL* w = staged ? shared_w : wc + CLO * KH;
     const i64 b = blockIdx.x;
     const int j = threadIdx.x;
-    for (int e = j; e < CELL_CW * KH; e += blockDim.x) w[e] = wc[CLO * KH + e];
+    if (staged)
+        for (int e = j; e < CELL_CW * KH; e += blockDim.x) shared_w[e] = wc[CLO * KH + e];
     REAL* own = states + b * (steps + 1) * D;
     for (int e = j; e < D; e += blockDim.x) state[e] = own[e];
     const REAL* in[NI > 0 ? NI : 1] = {CELL_INPUT_POINTERS};
@@ -91,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
 }
 BPPSA_ENTRY(bppsa_cell_cuda_forward, (),
             ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (REAL*)a[4], (i64)a[5], (REAL*)a[6],
-             (REAL*)a[7], (REAL*)a[8] CELL_INPUT_HOST_ARGS(9)))
+             (REAL*)a[7], (REAL*)a[8], (i64)a[9] CELL_INPUT_HOST_ARGS(10)))
 
 /* direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T, else unused; final: (B, D),
    a further direct gradient of s_T, or null; out: (B, D), the gradient of s_0; products: (B T, (NK + NI) H). */
@@ -99,14 +103,17 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
     bppsa_cell_cuda_backward(i64 batch, i64 steps, const REAL* __restrict__ wt, const REAL* __restrict__ scales,
                              i64 scale_width, const REAL* __restrict__ diagonal, const REAL* __restrict__ fpart,
                              const REAL* __restrict__ direct, i64 per_step, const REAL* __restrict__ final,
-                             REAL* __restrict__ out, REAL* __restrict__ products) {
+                             REAL* __restrict__ out, REAL* __restrict__ products, i64 staged) {
     (void)batch;
     BPPSA_DYNAMIC_SHARED(smem);
-    REAL* w = reinterpret_cast<REAL*>(smem);  // KH x CELL_CW
-    REAL* o = w + KH * CELL_CW;               // 2 x KH: the pieces' products of a step
+    REAL* o = reinterpret_cast<REAL*>(smem);  // 2 x KH: the pieces' products of a step
+    REAL* shared_w = o + 2 * KH;              // KH x CELL_CW where staged
+    const REAL* w = staged ? shared_w : wt + CLO;  // row r of the read columns at w + r * ws
+    const int ws = staged ? CELL_CW : D;
     const i64 b = blockIdx.x;
     const int j = threadIdx.x;
-    for (int e = j; e < KH * CELL_CW; e += blockDim.x) w[e] = wt[(e / CELL_CW) * D + CLO + e % CELL_CW];
+    if (staged)
+        for (int e = j; e < KH * CELL_CW; e += blockDim.x) shared_w[e] = wt[(e / CELL_CW) * D + CLO + e % CELL_CW];
     REAL g[M];
 #pragma unroll
     for (int p = 0; p < M; ++p) {
@@ -128,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
                 REAL acc = REAL(0);
                 if (q * H >= CLO && q * H < CHI) {
                     const REAL* wc = w + (q * H - CLO) + j;
-                    for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * CELL_CW];
+                    for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * ws];
                 }
                 if (M == 1 && diagonal != nullptr) acc += g[0] * diagonal[row * D + j];
                 const int tile = CELL_DIRECT_TILE(q);
@@ -150,7 +157,8 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
 }
 BPPSA_ENTRY(bppsa_cell_cuda_backward, (),
             ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (i64)a[4], (const REAL*)a[5],
-             (const REAL*)a[6], (const REAL*)a[7], (i64)a[8], (const REAL*)a[9], (REAL*)a[10], (REAL*)a[11]))
+             (const REAL*)a[6], (const REAL*)a[7], (i64)a[8], (const REAL*)a[9], (REAL*)a[10], (REAL*)a[11],
+             (i64)a[12]))
 
 /* grad: (B, T + 1, D), a scan's states' gradient; row (b, t) reads it at (b, t + 1). */
 extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)

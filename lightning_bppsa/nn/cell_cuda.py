@@ -74,12 +74,13 @@ class CellSource:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch (what :func:`lightning_bppsa.kernels.cuda.launch_on_torch_stream` reads)."""
+    """One kernel launch, as :func:`launch_config` computed it."""
 
     kernel: str
     grid: int
     block: int
-    shared_bytes: int
+    shared_bytes: int  # dynamic shared memory per block
+    staged: bool = False  # the pieces' weights staged in shared memory (forward, backward)
 
 
 def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, list]:
@@ -161,21 +162,19 @@ def _device_code(c_text: str, structure: CellStructure, n_inputs: int) -> str:
     return text.replace('#include "cell_loop.h"', kernels)
 
 
-def launch_config(source: CellSource, kernel: str, batch: int, steps: int) -> Launch:
-    """The launch of ``kernel`` over ``batch`` rows of ``steps`` steps: the ONE place that computes it (the
-    GPU and the host emulation both launch what it says)."""
-    h, m, k, columns, size = (
-        source.width,
-        source.n_states,
-        source.pieces,
-        source.read_columns,
-        source.element_bytes,
-    )
+def launch_config(source: CellSource, kernel: str, batch: int, steps: int, shared_limit: int) -> Launch:
+    """The launch of ``kernel`` over ``batch`` rows of ``steps`` steps on a device whose blocks may use
+    ``shared_limit`` bytes of shared memory: the ONE place that computes it (the GPU and the host emulation
+    both launch what it says). The forward and the backward stage the pieces' weights in shared memory where
+    they fit, else read them from global memory (``Launch.staged``)."""
+    h, m, k, size = source.width, source.n_states, source.pieces, source.element_bytes
+    weights = source.read_columns * k * h * size
     block = 32 * math.ceil(h / 32)
-    if kernel == "bppsa_cell_cuda_forward":  # staged weights, two state buffers, the pieces
-        return Launch(kernel, batch, block, (columns * k * h + 2 * m * h + k * h) * size)
-    if kernel == "bppsa_cell_cuda_backward":  # staged weights, two buffers of the pieces' products
-        return Launch(kernel, batch, block, (k * h * columns + 2 * k * h) * size)
+    if kernel in ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward"):
+        # forward: two state buffers and the pieces; backward: two buffers of the pieces' products
+        buffers = (2 * m * h + k * h if kernel == "bppsa_cell_cuda_forward" else 2 * k * h) * size
+        staged = buffers + weights <= shared_limit
+        return Launch(kernel, batch, block, buffers + weights * staged, staged)
     if kernel == "bppsa_cell_cuda_cotangent":
         work = batch * steps * h
         block = min(COTANGENT_BLOCK, 32 * max(1, math.ceil(work / 32)))
@@ -231,11 +230,9 @@ class CudaCellKernel(CellKernel):
         source, self._inputs = generate(structure, dtype)
         limit = backend.shared_limit(device)
         for name in KERNELS:
-            need = launch_config(source, name, 1, 1).shared_bytes
-            if need > limit:
-                raise Unsupported(
-                    f"{name} needs {need} bytes of shared memory for the staged weights; the device gives {limit}"
-                )
+            need = launch_config(source, name, 1, 1, limit).shared_bytes
+            if need > limit:  # the weights are read from global memory then: a state this wide needs H > 256
+                raise Unsupported(f"{name} needs {need} bytes of shared memory; the device gives {limit}")
         backend.load(source, device)
         self.structure, self.dtype, self.source, self.platform = structure, dtype, source, backend.platform
         self._library = _Launches(source, backend, device)
@@ -250,61 +247,55 @@ def _address(value: int | None) -> int:
 
 class _Launches:
     """The compiled loop's "library" as :class:`CellKernel` calls it (the C functions' arguments, pointers as
-    ints or ``None``), each call one kernel launch of :func:`launch_config` through the backend."""
+    ints or ``None``; OpenMP's ``threads`` unused), each call one kernel launch of :func:`launch_config`
+    through the backend, its argument words in the kernel's order."""
 
     def __init__(self, source: CellSource, backend: Backend, device: torch.device) -> None:
         self._source, self._backend, self._device = source, backend, device
+        self._shared_limit = backend.shared_limit(device)
 
-    def _launch(self, kernel: str, batch: int, steps: int, args: list[int]) -> None:
-        if batch > 0 and steps > 0:
-            self._backend.launch(
-                self._source, launch_config(self._source, kernel, batch, steps), args, self._device
-            )
+    def _launch(self, kernel: str, batch: int, steps: int, words: list, tail: list[int] = ()) -> None:
+        """``words`` (pointers as ints or None), then the ``staged`` word (forward, backward), then ``tail``."""
+        if batch == 0 or steps == 0:
+            return
+        launch = launch_config(self._source, kernel, batch, steps, self._shared_limit)
+        args = [_address(w) for w in words]
+        if kernel != "bppsa_cell_cuda_cotangent":
+            args.append(int(launch.staged))
+        self._backend.launch(self._source, launch, [*args, *tail], self._device)
 
-    def bppsa_cell_forward(
-        self, batch, steps, threads, wc, offsets, pointers, strides, states, partials, scales, diagonal, fpart
-    ) -> int:
+    def bppsa_cell_forward(self, batch, steps, threads, wc, offsets, pointers, strides, states, partials, scales,
+                           diagonal, fpart) -> int:  # fmt: skip
         inputs = []
         for k in range(self._source.n_inputs):  # the ctypes arrays CellKernel.forward filled
             inputs += [_address(pointers[k]), int(strides[k])]
+        words = [batch, steps, wc, offsets, states, int(partials), scales, diagonal, fpart]
+        self._launch("bppsa_cell_cuda_forward", batch, steps, words, inputs)
+        return 0
+
+    def bppsa_cell_backward(self, batch, steps, threads, wt, scales, scale_width, diagonal, fpart, direct,
+                            per_step, final, out, products) -> int:  # fmt: skip
         words = [
             batch,
             steps,
-            _address(wc),
-            _address(offsets),
-            _address(states),
-            int(partials),
-            _address(scales),
-            _address(diagonal),
-            _address(fpart),
+            wt,
+            scales,
+            scale_width,
+            diagonal,
+            fpart,
+            direct,
+            int(per_step),
+            final,
+            out,
+            products,
         ]
-        self._launch("bppsa_cell_cuda_forward", batch, steps, words + inputs)
-        return 0
-
-    def bppsa_cell_backward(
-        self,
-        batch,
-        steps,
-        threads,
-        wt,
-        scales,
-        scale_width,
-        diagonal,
-        fpart,
-        direct,
-        per_step,
-        final,
-        out,
-        products,
-    ) -> int:
-        words = [batch, steps, _address(wt), _address(scales), scale_width, _address(diagonal), _address(fpart),
-                 _address(direct), int(per_step), _address(final), _address(out), _address(products)]  # fmt: skip
         self._launch("bppsa_cell_cuda_backward", batch, steps, words)
         return 0
 
     def bppsa_cell_cotangent(self, batch, steps, threads, grad, scales, scale_width, fpart, out) -> int:
-        words = [batch, steps, _address(grad), _address(scales), scale_width, _address(fpart), _address(out)]
-        self._launch("bppsa_cell_cuda_cotangent", batch, steps, words)
+        self._launch(
+            "bppsa_cell_cuda_cotangent", batch, steps, [batch, steps, grad, scales, scale_width, fpart, out]
+        )
         return 0
 
 

@@ -26,15 +26,16 @@ pytestmark = pytest.mark.cuda
 F64 = torch.float64
 
 
-def _cells():
-    path = Path(__file__).resolve().parents[1] / "nn" / "test_cell_kernel.py"
-    spec = importlib.util.spec_from_file_location("_cell_kernel_cases", path)
+def _load(name: str):
+    """A module of tests/nn (its cells) by path."""
+    path = Path(__file__).resolve().parents[1] / "nn" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_{name}_cases", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-CASES = _cells()
+CASES, CUDA_CASES = _load("test_cell_kernel"), _load("test_cell_cuda")
 
 
 class GateBlockGRU(nn.Module):
@@ -81,7 +82,7 @@ def _grads(module_or_cell, x, leaves, last_only: bool):
 
 @pytest.mark.parametrize("last_only", [False, True])
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch"])
-@pytest.mark.parametrize("cell_type", [CASES.SmoothOps, CASES.PiecewiseOps, CASES.ThreeStates, GateBlockGRU])
+@pytest.mark.parametrize("cell_type", [*CUDA_CASES.CELLS, GateBlockGRU])
 def test_gradients_equal_autograd_through_the_loop_in_float64(loop_backend, cell_type, algorithm, last_only):
     torch.manual_seed(0)
     hidden = loop_backend.size(cuda=40, emulated=5)  # two warps per block on the GPU

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from lightning_bppsa.kernels import _native
-from lightning_bppsa.kernels.cell_cuda_emulated import EmulatedBackend
+from lightning_bppsa.kernels.cell_cuda_emulated import H100_SHARED_BYTES, EmulatedBackend
+from torch import nn
 
 from lightning_bppsa.nn import Recurrence, cell_cuda, cell_kernel, recurrence
 from lightning_bppsa.nn.cell_cuda import CudaCellKernel, Launch, generate, launch_config
@@ -40,7 +41,25 @@ def _cells():
 
 
 CASES = _cells()
-CELLS = [CASES.SmoothOps, CASES.PiecewiseOps, CASES.ThreeStates]
+
+
+class MemoryFirst(nn.Module):
+    """A leaky memory before the hidden state, ``(m, h)``: the linear map reads only the second state tensor (the
+    kernels' staged weight rows start at ``H``), the memory is read directly."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.ih, self.hh = nn.Linear(inputs, 2 * hidden), nn.Linear(hidden, 2 * hidden, bias=False)
+
+    def forward(self, x, state):
+        m, h = state
+        a, b = (self.ih(x) + self.hh(h)).chunk(2, -1)
+        keep = torch.sigmoid(a)
+        return keep * m + (1 - keep) * h, torch.tanh(b + m)
+
+
+CELLS = [CASES.SmoothOps, CASES.PiecewiseOps, CASES.ThreeStates, MemoryFirst]
 
 
 def _structure(cell, batch, dtype=F64):
@@ -51,16 +70,20 @@ def _structure(cell, batch, dtype=F64):
     ), torch.cat(states, -1)
 
 
+@pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("hidden", [5, 33])  # one warp, two warps per block
 @pytest.mark.parametrize("cell_type", CELLS)
-def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden):
+def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged):
     """Forward (states, scales, diagonal, input partials), the fused sweep for each gradient form, and the
-    products after a scan: the CUDA kernels' results are the CPU loop's to float64 rounding."""
+    products after a scan: the CUDA kernels' results are the CPU loop's to float64 rounding, with the pieces'
+    weights staged in shared memory or (a device with room for the buffers only) read from global memory."""
     torch.manual_seed(hidden)
     cell = cell_type(3, hidden).to(F64)
     batch, steps = 2, 4
     structure, s0 = _structure(cell, batch)
-    backend = EmulatedBackend()
+    source, _ = generate(structure, F64)
+    buffers = max(launch_config(source, name, 1, 1, 0).shared_bytes for name in cell_cuda.KERNELS)
+    backend = EmulatedBackend(shared_limit=H100_SHARED_BYTES if staged else buffers)
     ours, theirs = CudaCellKernel(structure, F64, CPU, backend), CellKernel(structure, F64)
     x_flat = torch.randn(batch * steps, 3, dtype=F64)
     states, factors = ours.forward(cell_tensors(cell), x_flat, s0, batch, True)
@@ -84,10 +107,14 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden):
     without, none = ours.forward(cell_tensors(cell), x_flat, s0, batch, False)
     assert none is None
     close(without, states_c)
-    block = 32 * -(-hidden // 32)
-    assert [launch[:3] for launch in backend.launches[:2]] == [
-        ("bppsa_cell_cuda_forward", batch, block),
-        ("bppsa_cell_cuda_backward", batch, block),
+    expected = [
+        launch_config(source, name, batch, steps, backend.shared_limit(CPU)) for name in cell_cuda.KERNELS[:2]
+    ]
+    assert [(launch.grid, launch.block, launch.staged) for launch in expected] == [
+        (batch, 32 * -(-hidden // 32), staged)
+    ] * 2
+    assert backend.launches[:2] == [
+        (launch.kernel, launch.grid, launch.block, launch.shared_bytes) for launch in expected
     ]
 
 
@@ -96,13 +123,18 @@ def test_launches_stage_the_read_weight_rows_and_the_products_grid_covers_every_
     structure, _ = _structure(CASES.ThreeStates(3, 40).to(F64), 2)
     source, _ = generate(structure, F64)
     assert (source.width, source.n_states, source.pieces, source.read_columns) == (40, 3, 3, 120)
-    forward = launch_config(source, "bppsa_cell_cuda_forward", 7, 9)
-    assert forward == Launch("bppsa_cell_cuda_forward", 7, 64, (120 * 120 + 2 * 120 + 120) * 8)
-    assert launch_config(source, "bppsa_cell_cuda_backward", 7, 9).shared_bytes == (120 * 120 + 2 * 120) * 8
-    products = launch_config(source, "bppsa_cell_cuda_cotangent", 7, 9)
+    weights, limit = 120 * 120 * 8, H100_SHARED_BYTES
+    forward = launch_config(source, "bppsa_cell_cuda_forward", 7, 9, limit)
+    assert forward == Launch("bppsa_cell_cuda_forward", 7, 64, (2 * 120 + 120) * 8 + weights, staged=True)
+    backward = launch_config(source, "bppsa_cell_cuda_backward", 7, 9, limit)
+    assert backward == Launch("bppsa_cell_cuda_backward", 7, 64, 2 * 120 * 8 + weights, staged=True)
+    # a device without the room: the weights stay in global memory, the buffers alone in shared memory
+    small = launch_config(source, "bppsa_cell_cuda_forward", 7, 9, weights)
+    assert small == Launch("bppsa_cell_cuda_forward", 7, 64, (2 * 120 + 120) * 8, staged=False)
+    products = launch_config(source, "bppsa_cell_cuda_cotangent", 7, 9, limit)
     assert products.grid * products.block >= 7 * 9 * 40 and products.block % 32 == 0
     with pytest.raises(ValueError, match="no such kernel"):
-        launch_config(source, "bppsa_cell_forward", 1, 1)
+        launch_config(source, "bppsa_cell_forward", 1, 1, limit)
 
 
 def _recurrence_with(monkeypatch, backend) -> None:
@@ -130,9 +162,10 @@ def _torch_path(cell, reason: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_weights_beyond_the_devices_shared_memory_keep_the_torch_path(monkeypatch):
-    # 5 x 10 float64 weights staged, two state buffers, the pieces: 560 bytes > 512
-    _recurrence_with(monkeypatch, EmulatedBackend(shared_limit=512))
+def test_a_device_without_room_for_the_buffers_keeps_the_torch_path(monkeypatch):
+    _recurrence_with(
+        monkeypatch, EmulatedBackend(shared_limit=64)
+    )  # two 5-wide float64 state buffers: 80 bytes
     _torch_path(CASES.SmoothOps(3, 5).to(F64), "bytes of shared memory")
 
 
@@ -201,7 +234,7 @@ def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_l
     backend.load(source, torch.device("cuda", 1))
     assert [(c[1], c[2]) for c in calls] == [(1, name) for name in cell_cuda.KERNELS]
     assert all(c[3] is source.text for c in calls)
-    launch = launch_config(source, "bppsa_cell_cuda_backward", 3, 8)
+    launch = launch_config(source, "bppsa_cell_cuda_backward", 3, 8, H100_SHARED_BYTES)
     backend.launch(source, launch, [1, 2, 3], torch.device("cuda", 1))
     assert calls[-1] == (
         "launch",
