@@ -99,8 +99,10 @@ class TorchBackend:
         return list(cell.torch_forward_with_factors(x, h0, c0, weights))
 
     def backward(
-        self, cell, scan, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x
-    ) -> Gradients:
+        self, cell: RecurrentCell, scan: plan.Plan, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor],
+        out: Tensor, factors: Sequence[Tensor], grad_out: Tensor | None, grad_hn: Tensor | None,
+        grad_cn: Tensor | None, need_x: bool,
+    ) -> Gradients:  # fmt: skip
         direct = cell.direct_gradients(grad_out, grad_hn, grad_cn, out)
         # values are read on the CPU only (on CUDA a sync; there a NaN may spread further than torch's)
         if out.device.type == "cpu" and cell.needs_select_sweep(out, grad_out, grad_hn):
@@ -112,8 +114,8 @@ class TorchBackend:
 
 
 def _mixed(tensors: Sequence[Tensor | None], device_type: str) -> str:
-    """Why ``tensors`` (the first not ``None``) are not one float32 / float64 strided set on one ``device_type``
-    device (``""``: they are)."""
+    """Why ``tensors`` (the first a tensor, ``None`` skipped) are not one float32 / float64 strided set on one
+    ``device_type`` device (``""``: they are)."""
     first = tensors[0]
     for t in tensors:  # a plain loop: asked on every call of a layer
         if t is None:
@@ -157,8 +159,10 @@ class NativeBackend:
         return list(_ran(cell.kernel_forward(native, gi, h0, c0, weights), self.name, cell))
 
     def backward(
-        self, cell, scan, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x
-    ) -> Gradients:
+        self, cell: RecurrentCell, scan: plan.Plan, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor],
+        out: Tensor, factors: Sequence[Tensor], grad_out: Tensor | None, grad_hn: Tensor | None,
+        grad_cn: Tensor | None, need_x: bool,
+    ) -> Gradients:  # fmt: skip
         hidden = out.shape[-1]
         sums = None
         if native.sums_parameters(hidden, x.shape[-1], cell.gates, out.dtype):
