@@ -14,14 +14,15 @@ one thread per coordinate, ``activations.h`` becomes ``kernels/cell_cuda_prologu
 - the products alone, after a scan that ran elsewhere (``"blelloch"`` / ``"chunked"``).
 
 :class:`CudaCellKernel` is a :class:`~lightning_bppsa.nn.cell_kernel.CellKernel` whose compiled library is
-these launches: its forward, scan, products and VJP are the CPU kernel's own code, tensors and all. The
-kernels are built by a :class:`Backend`: NVRTC through CuPy (:class:`CupyBackend`, the default, through the package's CuPy loader
-:mod:`lightning_bppsa.kernels.cupy_loader`), or the host emulation
-(:mod:`lightning_bppsa.kernels.cell_cuda_emulated`: the same source through g++, the same launches, on CPU
-tensors). Where the source cannot be made (a C spelling this module does not know), the state is too wide
-(``H > 256``, or the staged weights beyond the device's shared memory) or the kernels do not build,
-construction raises :class:`~lightning_bppsa.nn.cell_kernel.Unsupported` or :class:`RuntimeError` and
-:class:`~lightning_bppsa.nn.Recurrence` keeps the torch path with the reason.
+these launches (:class:`_Launches` takes the C functions' arguments): its forward, scan, products and VJP are
+the CPU kernel's own code. The kernels are built by a :class:`Backend`: NVRTC through the package's CuPy
+loader :mod:`lightning_bppsa.kernels.cupy_loader` (:class:`CupyBackend`, the default), or the host emulation
+(:mod:`lightning_bppsa.kernels.cell_cuda_emulated`: the same source text through g++, the same launches, on
+CPU tensors). The pieces' weights are staged in shared memory where they fit the device's, else read from
+global memory. Where the source cannot be made (a C spelling this module does not know), ``H > 256`` (one
+thread per coordinate), the device has no room for the state buffers, or the kernels do not build or load
+(no CuPy, no NVRTC), construction raises :class:`~lightning_bppsa.nn.cell_kernel.Unsupported` or
+:class:`RuntimeError` and :class:`~lightning_bppsa.nn.Recurrence` keeps the torch path with the reason.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class CudaCellKernel(CellKernel):
         limit = backend.shared_limit(device)
         for name in KERNELS:
             need = launch_config(source, name, 1, 1, limit).shared_bytes
-            if need > limit:  # the weights are read from global memory then: a state this wide needs H > 256
+            if need > limit:  # the buffers alone: weights that do not fit stay in global memory
                 raise Unsupported(f"{name} needs {need} bytes of shared memory; the device gives {limit}")
         backend.load(source, device)
         self.structure, self.dtype, self.source, self.platform = structure, dtype, source, backend.platform
