@@ -48,10 +48,14 @@ class RecurrentCell:
     # ---- forward ---------------------------------------------------------------------------------
     def torch_forward(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> tuple:
         """Torch's fused forward (no factors): ``(out,)`` or ``(out, c_n)``; differentiable by autograd."""
-        out, _ = _VF_FORWARD[self.name](x, h0[None], tuple(weights), len(weights) == 4, 1, 0.0, True, False, True)
+        out, _ = _VF_FORWARD[self.name](
+            x, h0[None], tuple(weights), len(weights) == 4, 1, 0.0, True, False, True
+        )
         return (out,)
 
-    def input_projection(self, x: Tensor, weights: Sequence[Tensor], in_kernel: bool) -> Tensor | native.Projection:
+    def input_projection(
+        self, x: Tensor, weights: Sequence[Tensor], in_kernel: bool
+    ) -> Tensor | native.Projection:
         """A forward kernel's ``gi``: ``x W_ihᵀ + b_ih`` (``+ b_hh`` where it sits outside the nonlinearity's
         gating) by one GEMM, or with ``in_kernel`` a :class:`~lightning_bppsa.kernels.recurrent.Projection`
         that the (CPU) forward kernel computes row by row."""
@@ -68,14 +72,21 @@ class RecurrentCell:
     _folds_hidden_bias = True
 
     def kernel_forward(
-        self, kernels: ModuleType, gi: Tensor | native.Projection, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+        self,
+        kernels: ModuleType,
+        gi: Tensor | native.Projection,
+        h0: Tensor,
+        c0: Tensor | None,
+        weights: Sequence[Tensor],
     ) -> tuple | None:
         """``(out, (c_n,) *factors)`` from the forward kernel of ``kernels`` (a module with ``rnn_forward`` /
         ``gru_forward`` / ``lstm_forward``: :mod:`~lightning_bppsa.kernels.recurrent`,
         :mod:`~lightning_bppsa.kernels.recurrent_cuda`), or its ``None`` where it cannot run."""
         raise NotImplementedError
 
-    def torch_forward_with_factors(self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]) -> tuple:
+    def torch_forward_with_factors(
+        self, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+    ) -> tuple:
         """``(out, (c_n,) *factors)`` by torch's fused forward, the factors recomputed by torch ops."""
         raise NotImplementedError
 
@@ -232,7 +243,9 @@ class RNNCell(RecurrentCell):
         return d_a, d_a
 
     def needs_select_sweep(self, out, grad_out, grad_hn):
-        return self.relu and not all(bool(torch.isfinite(t).all()) for t in (out, grad_out, grad_hn) if t is not None)
+        return self.relu and not all(
+            bool(torch.isfinite(t).all()) for t in (out, grad_out, grad_hn) if t is not None
+        )
 
     def select_sweep(self, out, factors, w_hh, direct):
         """``d_a`` by torch's sequential ReLU backward, ``d_a = where(mask, g, 0)``."""
@@ -293,7 +306,9 @@ class GRUCell(RecurrentCell):
         return d_gi, d_gh
 
     def kernel_backward(self, kernels, out, c0, w_hh, factors, grad_out, grad_hn, grad_cn, sums, need_x):
-        result = kernels.gru_backward(*factors, w_hh, _contiguous(grad_out), sums, need_x, _contiguous(grad_hn))
+        result = kernels.gru_backward(
+            *factors, w_hh, _contiguous(grad_out), sums, need_x, _contiguous(grad_hn)
+        )
         return None if result is None else (result[0], result[1], [result[2]], result[3] if sums else None)
 
 
@@ -396,7 +411,9 @@ class LSTMCell(RecurrentCell):
         cells, gates, _ = factors
         result = kernels.lstm_backward(gates, cells, c0, w_hh, _contiguous(grad_out), _contiguous(grad_cn), sums,
                                        need_x, _contiguous(grad_hn))  # fmt: skip
-        return None if result is None else (result[0], result[0], list(result[1:3]), result[3] if sums else None)
+        return (
+            None if result is None else (result[0], result[0], list(result[1:3]), result[3] if sums else None)
+        )
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:

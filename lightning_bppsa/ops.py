@@ -36,7 +36,14 @@ from lightning_bppsa._chains import Chain, DenseChain
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.kernels import cpu, cuda
 
-__all__ = ["execute_dense", "execute_factored", "recurrent_backward", "recurrent_forward", "scan_dense", "scan_factored"]
+__all__ = [
+    "execute_dense",
+    "execute_factored",
+    "recurrent_backward",
+    "recurrent_forward",
+    "scan_dense",
+    "scan_factored",
+]
 
 
 def _empty_out(grad: Tensor, n: int) -> Tensor:
@@ -94,7 +101,9 @@ def execute_factored(chosen: plan.Plan, jac: FactoredJacobians, grad: Tensor) ->
         return cuda.scan_factored(jac.weight, jac.scales, jac.diagonal, grad, chosen.algorithm, chosen.chunk)
     _warn_torch_on_cuda(chosen, grad)
     sweep = _compiled_sweep if chosen.kernel == "c" else algorithms.torch_sweep
-    return algorithms.run_factored(jac.weight, jac.scales, jac.diagonal, grad, chosen.algorithm, chosen.chunk, sweep)
+    return algorithms.run_factored(
+        jac.weight, jac.scales, jac.diagonal, grad, chosen.algorithm, chosen.chunk, sweep
+    )
 
 
 #: reasons already warned about (the torch implementation on CUDA): once per reason, not per call
@@ -139,12 +148,21 @@ _LIBRARY.define(
 
 
 def recurrent_forward(
-    cell: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], call: backends.LayerCall | None = None
+    cell: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    call: backends.LayerCall | None = None,
 ) -> list[Tensor]:
     """``[out, (c_n,) *factors]`` of one layer over batch-first ``x``, on ``call``'s forward backend (the
     backend :func:`~lightning_bppsa.backends.forward_backend` gives the inputs where ``None``)."""
     kind = cells.CELLS[cell]
-    backend = call.forward if call is not None else backends.forward_backend(kind, h0.shape[-1], (x, h0, c0, *weights))[0]
+    backend = (
+        call.forward
+        if call is not None
+        else backends.forward_backend(kind, h0.shape[-1], (x, h0, c0, *weights))[0]
+    )
     return backend.forward(kind, x, h0, c0, weights)
 
 

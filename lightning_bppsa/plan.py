@@ -92,7 +92,9 @@ def _choose(
         if ok:
             ok, reason = cuda_kernel.fits(d, element_bytes)
         if ok:
-            name, chunk = cuda_choose(algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes)
+            name, chunk = cuda_choose(
+                algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes
+            )
             if algorithm in ("chunked", "blelloch") and name == "linear" and n > 1:  # said, not silent
                 return Plan("cuda", name, 1, f"CUDA kernels: {algorithm} asked, but no chunked launch of d={d} "
                                              "fits shared memory (or n is one chunk): the sweep")  # fmt: skip

@@ -23,8 +23,14 @@ def test_opcheck_dense(algorithm, per_step):
 @pytest.mark.parametrize("with_diagonal", [False, True])
 def test_opcheck_factored(algorithm, with_diagonal):
     diagonal = torch.rand(2, 9, 3, dtype=torch.float64) if with_diagonal else None
-    args = (torch.randn(6, 3, dtype=torch.float64), torch.rand(2, 9, 6, dtype=torch.float64), diagonal,
-            torch.randn(2, 3, dtype=torch.float64), algorithm, 4)
+    args = (
+        torch.randn(6, 3, dtype=torch.float64),
+        torch.rand(2, 9, 6, dtype=torch.float64),
+        diagonal,
+        torch.randn(2, 3, dtype=torch.float64),
+        algorithm,
+        4,
+    )
     torch.library.opcheck(torch.ops.bppsa.scan_factored.default, args)
 
 
@@ -49,7 +55,9 @@ def test_torchscript_calls_the_ops():
         return a + b
 
     jt, grad, w, s = torch.randn(2, 9, 3, 3), torch.randn(2, 3), torch.randn(3, 3), torch.rand(2, 9, 3)
-    expected = backprop_scan(jt, grad, algorithm="linear") + backprop_scan(FactoredJacobians(w, s), grad, algorithm="linear")
+    expected = backprop_scan(jt, grad, algorithm="linear") + backprop_scan(
+        FactoredJacobians(w, s), grad, algorithm="linear"
+    )
     torch.testing.assert_close(scripted(jt, grad, w, s), expected)
 
 
@@ -72,5 +80,18 @@ def test_opcheck_recurrent_layer_ops(cell):
     results = forward(cell, x, h0, c0, weights)
     out, factors = results[0], results[2 if kind.has_cell_state else 1 :]
     grad_cn = torch.randn(batch, hidden, dtype=torch.float64) if kind.has_cell_state else None
-    args = (cell, "auto", x, h0, c0, weights, out, factors, torch.randn_like(out), torch.randn_like(h0), grad_cn, True)
+    args = (
+        cell,
+        "auto",
+        x,
+        h0,
+        c0,
+        weights,
+        out,
+        factors,
+        torch.randn_like(out),
+        torch.randn_like(h0),
+        grad_cn,
+        True,
+    )
     torch.library.opcheck(torch.ops.bppsa.recurrent_backward.default, args)

@@ -36,14 +36,19 @@ def test_choose_returns_a_concrete_algorithm_and_a_valid_chunk(device):
 
 
 def test_an_explicit_algorithm_is_kept_and_a_bad_one_named():
-    assert plan.choose("blelloch", n=100, d=4, batch=1, width=None, device="cpu", dtype=torch.float64).algorithm == "blelloch"
+    assert (
+        plan.choose("blelloch", n=100, d=4, batch=1, width=None, device="cpu", dtype=torch.float64).algorithm
+        == "blelloch"
+    )
     with pytest.raises(ValueError, match="algorithm must be one of .*got 'fast'"):
         plan.choose("fast", n=100, d=4, batch=1, width=None, device="cpu", dtype=torch.float64)
 
 
 def test_half_precision_plans_like_float32():
     kwargs = dict(n=1000, d=20, batch=16, width=20, device="cpu")
-    assert plan.choose("auto", dtype=torch.bfloat16, **kwargs) == plan.choose("auto", dtype=torch.float32, **kwargs)
+    assert plan.choose("auto", dtype=torch.bfloat16, **kwargs) == plan.choose(
+        "auto", dtype=torch.float32, **kwargs
+    )
 
 
 def test_without_the_c_kernel_the_parallel_scan_pays_on_long_small_batch_chains(monkeypatch, fresh_plans):

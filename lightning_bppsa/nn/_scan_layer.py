@@ -62,7 +62,6 @@ def _dispatched(tensors) -> bool:
     )
 
 
-
 def _lowered(autocast: torch.dtype | None, weights) -> torch.dtype | None:
     """The dtype autocast (``autocast``: :func:`_autocast_dtype`) gives this layer's outputs, ``None`` where
     they keep the parameters' dtype.
@@ -104,7 +103,9 @@ def _timed_forward(cell: str, call: LayerCall | None, stats: dict, lowered: bool
 def _outputs(cell: str, out: Tensor, results: list[Tensor], low: torch.dtype | None) -> tuple[Tensor, ...]:
     """The layer's outputs: ``out``, ``h_n`` (a copy of ``out[:, -1]``) and for a cell state ``c_n`` (rounded
     to ``low`` if given)."""
-    cell_state = [c if low is None else c.to(low) for c in results[1 : 2 if CELLS[cell].has_cell_state else 1]]
+    cell_state = [
+        c if low is None else c.to(low) for c in results[1 : 2 if CELLS[cell].has_cell_state else 1]
+    ]
     return (out, out[:, -1].clone(), *cell_state)
 
 
@@ -123,7 +124,9 @@ class LayerFunction(torch.autograd.Function):
     ``c0`` ``(B, H)`` or ``None``, the weights. Returns ``(out, h_n)`` or ``(out, h_n, c_n)``."""
 
     @staticmethod
-    def forward(ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
+    def forward(
+        ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights
+    ):
         ctx.low = _autocast_dtype(x.device.type)  # the reference backward recomputes torch's forward in it
         low = _lowered(ctx.low, weights)
         ctx.compute = None if low is None else weights[0].dtype
@@ -163,7 +166,12 @@ class LayerFunction(torch.autograd.Function):
         if out is None:  # eager: out itself, unless modified in place since the forward (then recomputed)
             kept, ctx.out = ctx.out, None  # released here: a second backward (retain_graph) recomputes
             unchanged = kept is not None and kept._version == ctx.out_version
-            out = kept if unchanged else _forward_op(ctx.cell, ctx.call, _op_inputs(ctx.compute, x, h0, c0, rest[: ctx.weights]))[0]
+            if unchanged:
+                out = kept
+            else:
+                out = _forward_op(
+                    ctx.cell, ctx.call, _op_inputs(ctx.compute, x, h0, c0, rest[: ctx.weights])
+                )[0]
         weights, factors = rest[: ctx.weights], rest[ctx.weights :]
         needs = ctx.needs_input_grad[3:]
         # grad mode is on in a backward only under create_graph=True (double backward, e.g. a gradient
@@ -173,7 +181,9 @@ class LayerFunction(torch.autograd.Function):
             if grad_hn is not None:  # differentiably: under create_graph the gradients are functions of it
                 last = torch.cat([torch.zeros_like(out[:, :-1]), grad_hn.unsqueeze(1)], 1)
                 grad_out = last if grad_out is None else grad_out + last
-            grads = CELLS[ctx.cell].autograd_gradients(ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph)
+            grads = CELLS[ctx.cell].autograd_gradients(
+                ctx.low, (x, h0, c0, *weights), needs, (grad_out, grad_cn), create_graph
+            )
         else:
             start = clock()
             tensors = (x, h0, c0, *weights, out, *factors, grad_out, grad_hn, grad_cn)

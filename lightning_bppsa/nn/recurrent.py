@@ -115,7 +115,10 @@ class _ScanRecurrent:
         if input.numel() == 0 or input.device.type == "meta":
             return "autograd", "empty or meta input: nothing to scan"
         if not input.is_floating_point():
-            return "autograd", f"dtype {input.dtype}: the scan takes real floating dtypes (complex: torch's code)"
+            return (
+                "autograd",
+                f"dtype {input.dtype}: the scan takes real floating dtypes (complex: torch's code)",
+            )
         if torch._C._are_functorch_transforms_active():
             return "autograd", "torch.func transform: the scan's Function has no functorch rules"
         cell = cell_of(self.mode)
@@ -124,7 +127,10 @@ class _ScanRecurrent:
             # where it runs as it does in training (not under CPU autocast, which casts to bfloat16), else
             # torch's forward
             kernel = not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-            kernel = kernel and backends.forward_backend(cell, self.hidden_size, (input, *params))[0] is backends.NATIVE
+            kernel = (
+                kernel
+                and backends.forward_backend(cell, self.hidden_size, (input, *params))[0] is backends.NATIVE
+            )
             return ("forward kernel", "") if kernel else ("autograd", "no gradient needed")
         if self.algorithm != "auto":
             return "scan", f"algorithm={self.algorithm!r} as asked"
@@ -141,12 +147,16 @@ class _ScanRecurrent:
             self.mode, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1],
             self.hidden_size, input.dtype, str(input.device),
         )  # fmt: skip
-        without = input.device.type == "cuda" and _without_cuda_kernels(cell, batch, length, self.hidden_size, params)
+        without = input.device.type == "cuda" and _without_cuda_kernels(
+            cell, batch, length, self.hidden_size, params
+        )
         if without:  # the scan would run op by op in torch, or its states by torch's forward: never faster
             plan = layer_plan.LayerPlan("autograd", f"auto on CUDA without the scan's kernels ({without})")
             self._plan_memo = (key, plan)
         else:
-            plan = layer_plan.plan_layer(shape, functools.partial(_predict, shape), lambda: self._measure(input, hx))
+            plan = layer_plan.plan_layer(
+                shape, functools.partial(_predict, shape), lambda: self._measure(input, hx)
+            )
             if layer_plan.cached(shape):
                 self._plan_memo = (key, plan)
         return plan.path, plan.reason
@@ -203,7 +213,16 @@ class _ScanRecurrent:
         weights = [tuple(getattr(self, name) for name in names) for names in self._all_weights]
         dropout = self.dropout if self.training else 0.0
         output, h_n_t, c_n_t = _run_layers(
-            cell_of(self.mode).name, self.algorithm, self.last_stats, x, h0, c0, weights, dirs, dropout, self.batch_first,
+            cell_of(self.mode).name,
+            self.algorithm,
+            self.last_stats,
+            x,
+            h0,
+            c0,
+            weights,
+            dirs,
+            dropout,
+            self.batch_first,
             grads,
         )
         if unbatched:
@@ -241,7 +260,9 @@ def _without_dynamo() -> Any:
 def _without_cuda_kernels(cell, batch: int, length: int, hidden: int, params: list[Tensor]) -> str:
     """Why a layer of ``params`` on CUDA would run without the CUDA kernels (``""``: it runs them): the scan's
     plan is not ``[cuda]``, or the forward kernel cannot launch (:meth:`~lightning_bppsa.backends.CudaBackend.refuses`)."""
-    scan = backends.scan_plan(cell, "auto", batch=batch, n=length, hidden=hidden, device="cuda", dtype=params[0].dtype)
+    scan = backends.scan_plan(
+        cell, "auto", batch=batch, n=length, hidden=hidden, device="cuda", dtype=params[0].dtype
+    )
     if scan.kernel != "cuda":
         return scan.reason
     forward, why = backends.forward_backend(cell, hidden, params)
@@ -309,7 +330,11 @@ def _run_layers(
         if drop or (last and not batch_first):
             # time major (n, B, dirs H) and contiguous, as torch's stack lays it out: dropout then draws its
             # mask in torch's order, so the same seed gives the same mask
-            seq_out = torch.cat([o.transpose(0, 1) for o in outs], -1) if dirs == 2 else outs[0].transpose(0, 1).contiguous()
+            seq_out = (
+                torch.cat([o.transpose(0, 1) for o in outs], -1)
+                if dirs == 2
+                else outs[0].transpose(0, 1).contiguous()
+            )
             if drop:
                 seq_out = F.dropout(seq_out, dropout, True)
             x = seq_out.transpose(0, 1)
