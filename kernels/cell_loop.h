@@ -26,6 +26,10 @@
    against 1 and 2 on the gated cell and the LSTM variant, H = 32) */
 #define CARRY_SETS 4
 
+/* how many steps ahead the backward asks for the factors it reads (descending addresses, one dependent step
+   at a time: the hardware prefetcher alone left the sweep waiting on them; 2-8 measured alike, LSTM H = 32) */
+#define PREFETCH_STEPS 4
+
 /* The batch rows [*lo, *hi) of the calling thread: a contiguous block (rows are independent). */
 static inline void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
 #ifdef _OPENMP
@@ -142,6 +146,10 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                 const int64_t row = b * steps + t - 1;
                 const REAL* s = scales + row * scale_width;
                 REAL* o = products + row * (NK + NI) * H;
+                if (t > PREFETCH_STEPS) { /* the sweep reads the factors backwards, a row a step: ask for them early */
+                    const char* ahead = (const char*)(s - PREFETCH_STEPS * scale_width);
+                    for (int64_t e = 0; e < scale_width * (int64_t)sizeof(REAL); e += 64) __builtin_prefetch(ahead + e);
+                }
                 row_products(g, s, fpart + row * NI * D, o);
                 /* CARRY_SETS partial sums over the pieces' rows: as many independent FMA chains as that many
                    times the read columns' vectors (one set of a few vectors would be latency-bound) */

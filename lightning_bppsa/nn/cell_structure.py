@@ -84,6 +84,9 @@ class CellStructure:
         # the input part's values the state part (or the output) reads: computed once for all rows
         frontier = list(dict.fromkeys(a for n in state_part for a in n.all_input_nodes if origin[a] != _STATE))
         frontier += [o for o in dict.fromkeys(outputs) if origin[o] != _STATE and o not in frontier]
+        # a value whose column blocks the state part reads (the input projection's gates, split) joins them: the
+        # pieces' input-only terms are then made from it whole, and the compiled loop reads them as they are
+        frontier += [s for s in dict.fromkeys(_split_source(n) for n in frontier) if s is not None and s not in frontier]
         rows = x_node.meta["val"].shape[0]
         for node in frontier:
             val = node.meta.get("val")
@@ -92,6 +95,8 @@ class CellStructure:
         self._frontier_is_row = [origin[n] == _INPUT for n in frontier]
         self._precompute = _thin_aware(_extract(gm, [*tensor_nodes, x_node], frontier))
         self._step = _eager(_extract(gm, [*frontier, *states], outputs))
+        # the frontier values a step reads (the others are passed as None)
+        self._step_reads = [bool(n.users) for n in self._step.graph.nodes if n.op == "placeholder"][: len(frontier)]
         self.reason, self._pieces = _factor(state_part, outputs, origin, states, frontier, rows, width)
         if self.reason is None:
             computing = _ancestors([p for p, _ in self._pieces], set(state_part))
@@ -101,13 +106,21 @@ class CellStructure:
             # the pieces' input-only terms (a bias, input values concatenated with the states), without the states;
             # only the compiled loop needs them: a graph they do not separate from leaves it None
             self._input_terms: fx.GraphModule | None = None
+            self._kernel_inputs: fx.GraphModule | None = None
+            self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
             try:
-                self._input_terms = _thin_aware(_input_terms(gm, frontier, states, linear, [p for p, _ in self._pieces]))
+                terms_graph = _input_terms(gm, frontier, states, linear, [p for p, _ in self._pieces], width)
+                # what the compiled loop reads of the input part: the pieces' weights, the values the pointwise
+                # part reads, the pieces' input-only terms, in one graph from the cell's tensors and x
+                read = [bool(n.users) for n in self._pointwise.graph.nodes if n.op == "placeholder"][: len(frontier)]
+                needed = {piece.weight for _, piece in self._pieces} | {i for i, r in enumerate(read) if r}
+                precompute = _extract(gm, [*tensor_nodes, x_node], frontier)
+                self._kernel_inputs = _thin_aware(_folded_biases(_composed(gm, precompute, terms_graph, needed)))
+                self._input_terms = _thin_aware(terms_graph)
             except Exception:  # noqa: BLE001 - the torch path does not use them
                 pass
             terms = [] if self._input_terms is None else next(n for n in self._input_terms.graph.nodes if n.op == "output").args[0]
             self.has_offsets = any(t is not None for t in terms)
-            self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
         self.n_states, self.width, self.trace_rows = len(states), width, rows
         # the states the pointwise part reads (not only through the linear maps): each is one more tile
         inputs = [n for n in self._pointwise.graph.nodes if n.op == "placeholder"] if self.reason is None else []
@@ -153,6 +166,16 @@ class CellStructure:
             raise NotTraceable("the pieces' input-only terms do not separate from the states")
         return list(self._input_terms.forward(*frontier))
 
+    def kernel_inputs(self, tensors: list[Tensor], x: Tensor) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        """``(frontier, terms)``: the input part's values for all rows of ``x`` that the compiled loop reads (the
+        pieces' weights and the values the pointwise part reads; ``None`` for the others) and :meth:`input_terms`,
+        computed together (a bias added to an input projection's product is taken into its GEMM's bias)."""
+        if self._kernel_inputs is None:
+            raise NotTraceable("the pieces' input-only terms do not separate from the states")
+        values = list(self._kernel_inputs.forward(*tensors, x))
+        n = len(self._frontier_is_row)
+        return values[:n], values[n:]
+
     def loop(self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int) -> list[list[Tensor]]:
         """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
         so that a step's rows are contiguous), then only the state part per step."""
@@ -160,8 +183,8 @@ class CellStructure:
         frontier = self._precompute.forward(*tensors, x)
         # each step's arguments as one tuple, made in C: row-shaped values as T views, the others repeated
         columns = [
-            v.unflatten(0, (steps, batch)).unbind(0) if row else itertools.repeat(v, steps)
-            for v, row in zip(frontier, self._frontier_is_row, strict=True)
+            v.unflatten(0, (steps, batch)).unbind(0) if row and read else itertools.repeat(v if read else None, steps)
+            for v, row, read in zip(frontier, self._frontier_is_row, self._step_reads, strict=True)
         ]
         step, out = self._step.forward, []
         for args in zip(*columns, strict=True) if columns else itertools.repeat((), steps):
@@ -557,7 +580,8 @@ def _adjacent(grads: tuple[Tensor | None, ...]) -> bool:
 
 
 def _input_terms(
-    gm: fx.GraphModule, frontier: list[fx.Node], states: list[fx.Node], linear: list[fx.Node], pieces: list[fx.Node]
+    gm: fx.GraphModule, frontier: list[fx.Node], states: list[fx.Node], linear: list[fx.Node], pieces: list[fx.Node],
+    width: int,
 ) -> fx.GraphModule:
     """A graph ``(*frontier) -> [input-only term of each piece, or None]``: the linear part with the states
     dropped. A concatenation keeps its input-only parts and the product the weight rows they meet; a product
@@ -568,6 +592,11 @@ def _input_terms(
         env[node] = graph.placeholder(f"in_{i}")
         env[node].meta = node.meta
     env.update({s: None for s in states})
+    for node in frontier:  # a column block of another frontier value is taken from it here (blocks join: _wide)
+        source = _split_source(node)
+        if source in env:
+            env.setdefault(node.args[0], graph.node_copy(node.args[0], lambda n: env[n]))
+            env[node] = graph.node_copy(node, lambda n: env[n])
     kept: dict[fx.Node, list[tuple[int, int]]] = {}  # a concatenation -> the rows of its kept parts
     for node in linear:
         args = node.args
@@ -580,24 +609,138 @@ def _input_terms(
                     ranges.append((at, at + width))
                 at += width
             kept[node] = ranges
-            env[node] = None if not parts else parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, -1))
+            env[node] = None if not parts else parts[0] if len(parts) == 1 else _call(graph, aten.cat.default, parts, -1)
         elif node.target in _LINEAR:
             operand, weight = env[args[-2]], env[args[-1]]
             bias = env[args[0]] if node.target is aten.addmm.default else None
             if operand is None:
                 env[node] = bias
                 continue
-            rows = [graph.call_function(aten.slice.Tensor, (weight, 0, a, b)) for a, b in kept[args[-2]]]
-            weight = rows[0] if len(rows) == 1 else graph.call_function(aten.cat.default, (rows, 0))
+            rows = [_call(graph, aten.slice.Tensor, weight, 0, a, b) for a, b in kept[args[-2]]]
+            weight = rows[0] if len(rows) == 1 else _call(graph, aten.cat.default, rows, 0)
             call = (bias, operand, weight) if bias is not None else (operand, weight)
-            env[node] = graph.call_function(aten.addmm.default if bias is not None else aten.mm.default, call)
+            env[node] = _call(graph, aten.addmm.default if bias is not None else aten.mm.default, *call)
+        elif node.target in (aten.add.Tensor, aten.sub.Tensor):  # an input-only term taken into a piece
+            env[node] = _sum_of_terms(graph, node, env)
         elif env.get(args[0]) is None:  # a split, slice or getitem of zero
             env[node] = None
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output([env[p] for p in pieces])
+    terms = [env[p] for p in pieces]
+    vals = [getattr(t, "meta", {}).get("val") for t in terms]
+    if len(terms) > 1 and all(isinstance(v, Tensor) and v.dim() == 2 and v.shape == vals[0].shape and v.shape[-1] == width for v in vals):
+        # one tensor whose column blocks are the terms (ih(x) + b_hh rather than a sum per block): the compiled
+        # loop reads it as it is, not a concatenation of the blocks
+        wide = _wide(graph, terms, width)
+        if wide is not None:
+            split = _call(graph, aten.split_with_sizes.default, wide, [width] * len(terms), -1)
+            terms = [_call(graph, operator.getitem, split, k) for k in range(len(terms))]
+    graph.output(terms)
     graph.eliminate_dead_code()
     return fx.GraphModule(gm, graph)
+
+
+def _wide(graph: fx.Graph, blocks: list[fx.Node], width: int) -> fx.Node | None:
+    """A node (made at the graph's insertion point) whose consecutive column blocks of ``width`` are ``blocks``,
+    or ``None``: consecutive blocks of one split, or the same pointwise op of such blocks (and of values that
+    broadcast over the columns)."""
+    first = blocks[0]
+    if first.target is operator.getitem:
+        split = first.args[0]
+        if split.target not in _SPLITS or any(b.target is not operator.getitem or b.args[0] is not split for b in blocks):
+            return None
+        source, dim = split.args[0], split.args[2] if len(split.args) > 2 else 0
+        if dim not in (-1, source.meta["val"].dim() - 1):
+            return None
+        sizes = [v.shape[-1] for v in split.meta["val"]]
+        index = [b.args[1] for b in blocks]
+        if index != list(range(index[0], index[0] + len(blocks))) or any(sizes[j] != width for j in index):
+            return None
+        start = sum(sizes[: index[0]])
+        end = start + len(blocks) * width
+        return source if start == 0 and end == sum(sizes) else _call(graph, aten.slice.Tensor, source, -1, start, end)
+    if not _pointwise(first.target) or any(b.target is not first.target or b.kwargs != first.kwargs or len(b.args) != len(first.args) for b in blocks):
+        return None
+    args = []
+    for column in zip(*(b.args for b in blocks), strict=True):
+        val = column[0].meta.get("val") if isinstance(column[0], fx.Node) else None
+        if all(c is column[0] for c in column) and (val is None or (isinstance(val, Tensor) and (val.dim() == 0 or val.shape[-1] == 1))):
+            args.append(column[0])  # a constant, or a value broadcast over the columns
+        elif all(isinstance(c, fx.Node) for c in column) and (wide := _wide(graph, list(column), width)) is not None:
+            args.append(wide)
+        else:
+            return None
+    return _call(graph, first.target, *args, **first.kwargs)
+
+
+def _composed(gm: fx.GraphModule, first: fx.GraphModule, second: fx.GraphModule, keep: set[int]) -> fx.GraphModule:
+    """One graph: ``first``'s inputs -> its outputs at ``keep`` (``None`` for the others), then ``second``'s outputs
+    (``second`` reads ``first``'s outputs)."""
+    graph = fx.Graph()
+
+    def copy(part: fx.GraphModule, env: dict[fx.Node, fx.Node]) -> list:
+        for node in part.graph.nodes:
+            if node.op == "output":
+                return list(fx.node.map_arg(node.args[0], lambda n: env[n]))
+            if node not in env:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        raise AssertionError("a graph without an output")
+
+    values = copy(first, {})
+    terms = copy(second, dict(zip([n for n in second.graph.nodes if n.op == "placeholder"], values, strict=True)))
+    graph.output([v if i in keep else None for i, v in enumerate(values)] + terms)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph)
+
+
+def _folded_biases(gm: fx.GraphModule) -> fx.GraphModule:
+    """``mm(a, w) + b`` and ``addmm(c, a, w) + b`` (``b`` a bias, the product read nowhere else) as one
+    ``addmm(c + b, a, w)``: one pass over the ``(rows, n)`` product, not two (``ih(x) + b_hh``), and one bias
+    gradient, its column sum, for both biases."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+            continue
+        for product, bias in (node.args, node.args[::-1]):
+            if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)) or len(product.users) != 1:
+                continue
+            if product.target not in _LINEAR or product.kwargs:
+                continue
+            width = product.meta["val"].shape[-1]
+            shapes = [bias.meta["val"].shape] + ([product.args[0].meta["val"].shape] if product.target is aten.addmm.default else [])
+            if any(tuple(s) not in ((width,), (1, width)) for s in shapes) or bias.meta["val"].dtype != product.meta["val"].dtype:
+                continue
+            with graph.inserting_before(node):
+                total = bias if product.target is aten.mm.default else _call(graph, aten.add.Tensor, product.args[0], bias)
+                fused = _call(graph, aten.addmm.default, total, *product.args[-2:])
+            node.replace_all_uses_with(fused)
+            break
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _split_source(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` is a piece of, where it is an item of a split of an input-only value along its last
+    dimension."""
+    parent = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
+    if not isinstance(parent, fx.Node) or parent.target not in _SPLITS:
+        return None
+    source, dim = parent.args[0], parent.args[2] if len(parent.args) > 2 else 0
+    val = source.meta.get("val")
+    return source if isinstance(val, Tensor) and dim in (-1, val.dim() - 1) else None
+
+
+def _sum_of_terms(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node | None]) -> fx.Node | None:
+    """``a + alpha b`` / ``a - alpha b`` (``node``) in the input-terms graph, either operand maybe zero (``None``)."""
+    a, b = (env[x] for x in node.args)
+    alpha = node.kwargs.get("alpha", 1)
+    if b is None:
+        return a
+    if a is None:
+        scale = alpha if node.target is aten.add.Tensor else -alpha
+        return b if scale == 1 else _call(graph, aten.mul.Tensor, b, scale)
+    return graph.node_copy(node, lambda n: env[n])
 
 
 def _ancestors(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
@@ -685,7 +828,33 @@ def _factor(
             return f"the state reaches {target}, neither pointwise nor a linear map by parameters", []
     if any(origin[o] == _STATE and o not in smooth for o in outputs):
         return "a new state tensor is not the result of a pointwise op", []
-    return None, pieces
+    return None, [(_absorbed(node, origin, full), p) for node, p in pieces]
+
+
+def _absorbed(piece: fx.Node, origin: dict[fx.Node, int], full: tuple[int, int]) -> fx.Node:
+    """The piece with the input-only terms added to it taken in (``ih(x) + hh(h)`` per block): its only
+    user while that adds a value of the input part that broadcasts per row or per coordinate with coefficient
+    1 on the piece (``p + v``, ``v + p``, ``p - v``, ``alpha`` on ``v``). The terms then come with the piece's
+    offsets, computed once for all rows, and the pointwise part does not read them: no partials by them are
+    kept (they equal the piece's)."""
+    while len(piece.users) == 1:
+        user = next(iter(piece.users))
+        args, alpha = user.args, user.kwargs.get("alpha", 1)
+        if user.target not in (aten.add.Tensor, aten.sub.Tensor) or set(user.kwargs) - {"alpha"} or len(args) != 2:
+            break
+        other = args[1] if args[0] is piece else args[0]
+        first = args[0] is piece and args[1] is not piece
+        if not (first or (user.target is aten.add.Tensor and alpha == 1)):
+            break
+        val, own = getattr(other, "meta", {}).get("val"), user.meta.get("val")
+        if (
+            not isinstance(other, fx.Node) or origin[other] == _STATE or not isinstance(val, Tensor)
+            or not isinstance(own, Tensor) or tuple(own.shape) != full or val.dtype != own.dtype
+            or val.dim() > 2 or any(n not in (1, f) for n, f in zip(reversed(val.shape), reversed(full), strict=False))
+        ):
+            break
+        piece = user
+    return piece
 
 
 def _pointwise(target: object) -> bool:
