@@ -372,3 +372,19 @@ def test_per_piece_rewrite_is_exact_on_the_torch_path(cell_type, monkeypatch):
     theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_input_terms_added_to_pieces_are_taken_into_their_offsets_and_read_whole():
+    """``ih(x) + hh(h)`` per gate: the pointwise part reads no input value (no partials by them are kept), and the
+    pieces' terms are one ``(rows, 4H)`` tensor (``ih(x)`` with both biases in one GEMM) the loop reads as is."""
+    torch.manual_seed(4)
+    cell = HandLSTM(3, 5).to(F64)
+    states = (torch.zeros(4, 5, dtype=F64), torch.zeros(4, 5, dtype=F64))
+    structure = trace_cell(cell, torch.randn(4, 3, dtype=F64), states, is_tuple=True)
+    kernel = cell_kernel.CellKernel(structure, F64)
+    assert kernel.input_partial_elements == 0
+    x = torch.randn(6, 3, dtype=F64)
+    _, terms = structure.kernel_inputs(list(cell.parameters()), x)
+    joined = cell_kernel._joined(terms, 6, 5)
+    assert joined.data_ptr() == terms[0].data_ptr() and joined.shape == (6, 20)
+    torch.testing.assert_close(joined, cell.ih(x) + cell.hh.bias, rtol=1e-12, atol=1e-12)
