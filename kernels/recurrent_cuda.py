@@ -12,7 +12,8 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
   cells ``c_1..c_T`` and the activated gates ``[i, f, g, o]``.
 
 Float32 layers with ``H <= 32`` run kernels that keep ``W_hh`` in registers (``*_f32_regs``); the others keep
-it in shared memory. Each returns ``None`` where the kernels cannot run, so that the caller runs torch's (cuDNN) forward:
+it in shared memory. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
+forward there before anything runs); each function returns ``None`` where the kernels cannot run:
 a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
 (one thread per hidden unit), or the packed ``W_hh`` plus two state buffers above the device's shared memory
 per block (opt-in limit: 163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond about
@@ -57,6 +58,7 @@ __all__ = [
     "gru_forward",
     "lstm_forward",
     "prepare",
+    "refusal",
     "rnn_forward",
     "shared_bytes",
     "source",
@@ -100,6 +102,30 @@ def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     return (weight_rows + 2) * padded * element_bytes
 
 
+@functools.lru_cache(maxsize=256)
+def refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+    """Why the forward kernel of a ``cell`` layer of hidden size ``hidden`` in ``dtype`` cannot launch on a
+    device giving a block ``shared_limit`` bytes of shared memory (one line), ``None`` where it can.
+
+    The ONE statement of the kernels' limits: :func:`prepare` declines exactly where this refuses, and the
+    layer's plan (:meth:`lightning_bppsa.backends.CudaBackend.refuses`) asks it before anything runs.
+    Cached: a training loop asks with one shape every step.
+    """
+    if cell not in CELLS:
+        raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
+    if dtype not in _SUFFIX:
+        return f"dtype {dtype} (the CUDA forward kernels take float32 / float64)"
+    if hidden > MAX_THREADS:
+        return f"the CUDA forward kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
+    needed = shared_bytes(cell, hidden, torch.finfo(dtype).bits // 8)
+    if needed > shared_limit:
+        return (
+            f"the CUDA forward kernel of H={hidden} needs {needed} B of shared memory per block, "
+            f"the device has {shared_limit} B"
+        )
+    return None
+
+
 def _check_shapes(
     cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None
 ) -> None:
@@ -132,8 +158,8 @@ def prepare(
 ) -> tuple[Launch | None, tuple[Tensor, ...]] | None:
     """Check the inputs, allocate the outputs and compute the launch of one layer forward.
 
-    Returns ``None`` where the kernel cannot run (dtype, device other than ``device_type``, ``H`` too wide
-    for ``MAX_THREADS`` or for ``shared_limit`` bytes of shared memory per block); else ``(launch, outputs)``
+    Returns ``None`` where the kernel cannot run (tensors of mixed dtypes or not all on one ``device_type``
+    device, or what :func:`refusal` refuses); else ``(launch, outputs)``
     with ``outputs = (out, *factors)`` (empty tensors, filled by the launch) and ``launch = None`` when
     there is nothing to compute (``B``, ``T`` or ``H`` is 0). Raises ``ValueError`` on a malformed shape.
     """
@@ -148,8 +174,7 @@ def prepare(
     if any(t.device.type != device_type or t.device != gi.device for t in tensors):
         return None
     batch, steps, hidden = gi.shape[0], gi.shape[1], w_hh.shape[1]
-    nbytes = shared_bytes(cell, hidden, gi.element_size())
-    if hidden > MAX_THREADS or nbytes > shared_limit:
+    if refusal(cell, hidden, gi.dtype, shared_limit) is not None:
         return None
     outputs = tuple(gi.new_empty(batch, steps, k * hidden) for k in (1, *_FACTORS[cell]))
     if batch == 0 or steps == 0 or hidden == 0:
@@ -159,7 +184,7 @@ def prepare(
     inputs = [None if t is None else t.contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
     pointers = [0 if t is None else t.data_ptr() for t in inputs]
     factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
-    kernel, block = _kernel_and_block(cell, gi.dtype, hidden)
+    kernel, block, nbytes = _kernel_and_block(cell, gi.dtype, hidden)
     launch = Launch(
         kernel=kernel,
         grid=batch,
@@ -174,11 +199,13 @@ def prepare(
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_and_block(cell: str, dtype: torch.dtype, hidden: int) -> tuple[str, int]:
-    """The entry point and threads per block of a layer (once per shape: a training loop asks every step)."""
+def _kernel_and_block(cell: str, dtype: torch.dtype, hidden: int) -> tuple[str, int, int]:
+    """The entry point, threads per block and dynamic shared memory of a layer (once per shape: a training
+    loop asks every step)."""
     element_bytes = torch.finfo(dtype).bits // 8
     suffix = _SUFFIX[dtype] + ("_regs" if _weights_in_registers(hidden, element_bytes) else "")
-    return f"bppsa_{cell}_forward_{suffix}", 32 * math.ceil(hidden / 32)
+    nbytes = shared_bytes(cell, hidden, element_bytes)
+    return f"bppsa_{cell}_forward_{suffix}", 32 * math.ceil(hidden / 32), nbytes
 
 
 Launcher = Callable[[Launch, torch.device], None]

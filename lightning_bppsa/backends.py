@@ -114,7 +114,7 @@ class TorchBackend:
 
 
 def _mixed(tensors: Sequence[Tensor | None], device_type: str) -> str:
-    """Why ``tensors`` (the first a tensor, ``None`` skipped) are not one float32 / float64 strided set on one
+    """Why ``tensors`` (the first a tensor, ``None`` skipped) are not one strided set of one dtype on one
     ``device_type`` device (``""``: they are)."""
     first = tensors[0]
     for t in tensors:  # a plain loop: asked on every call of a layer
@@ -124,8 +124,6 @@ def _mixed(tensors: Sequence[Tensor | None], device_type: str) -> str:
             return "inputs of mixed dtypes, devices or layouts"
     if first.device.type != device_type:
         return f"tensors on {first.device.type}, not {device_type}"
-    if first.dtype not in _KERNEL_DTYPES:
-        return f"dtype {first.dtype} (the compiled cell kernels take float32 / float64)"
     return ""
 
 
@@ -145,6 +143,8 @@ class NativeBackend:
 
     def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
         why = _mixed(tensors, "cpu")
+        if not why and tensors[0].dtype not in _KERNEL_DTYPES:
+            why = f"dtype {tensors[0].dtype} (the compiled cell kernels take float32 / float64)"
         if not why and not native.available():
             why = "the compiled CPU cell kernels are unavailable (see the build log)"
         return why
@@ -205,25 +205,17 @@ class CudaBackend(TorchBackend):
         )
 
     def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
-        """As :func:`~lightning_bppsa.kernels.recurrent_cuda.prepare` answers ``None`` (same sizes: one
-        thread per hidden unit, :func:`~lightning_bppsa.kernels.recurrent_cuda.shared_bytes` per block), with
-        the reason, and without allocating its outputs."""
+        """The kernels' own answer (:func:`~lightning_bppsa.kernels.recurrent_cuda.refusal`, which their
+        ``prepare`` obeys) for the device's shared memory, after the tensors' dtypes and devices agree and
+        the kernels load; no allocation."""
         why = _mixed(tensors, self.device_type)
         if why:
             return why
         ok, why = self.available()
         if not ok:
             return why
-        if hidden > recurrent_cuda.MAX_THREADS:
-            return f"the CUDA forward kernel runs one thread per hidden unit, at most {recurrent_cuda.MAX_THREADS}: H={hidden}"
         first = tensors[0]
-        needed, limit = (
-            recurrent_cuda.shared_bytes(cell.name, hidden, first.element_size()),
-            self.shared_limit(first.device),
-        )
-        if needed > limit:
-            return f"the CUDA forward kernel of H={hidden} needs {needed} B of shared memory per block, the device has {limit} B"
-        return ""
+        return recurrent_cuda.refusal(cell.name, hidden, first.dtype, self.shared_limit(first.device)) or ""
 
     def takes(self, scan: plan.Plan) -> bool:
         return scan.kernel == "cuda"

@@ -159,6 +159,32 @@ def test_cuda_backend_refuses_exactly_where_prepare_declines_and_says_why(name, 
     assert "mixed" in backend.refuses(cell, 4, (torch.zeros(1, 4), torch.zeros(1, 4, dtype=F64)))
 
 
+def test_the_forward_kernels_limits_are_stated_once_by_refusal(monkeypatch):
+    """The plan's question and the launch's own check are both ``recurrent_cuda.refusal``: a limit changed
+    there (a stand-in refusing H=7 only) changes both, with its reason (no second copy of the limits)."""
+    cell = CELLS["gru"]
+    asked = []
+
+    def stand_in(name, hidden, dtype, shared_limit):
+        asked.append((name, hidden, dtype, shared_limit))
+        return "a stand-in limit: H=7" if hidden == 7 else None
+
+    monkeypatch.setattr(recurrent_cuda, "refusal", stand_in)
+    backend = emulated_cuda(1024)  # a limit the real refusal would reject every H here with
+    for hidden in (7, 8):
+        gi, w_hh, h0 = (
+            torch.zeros(1, 1, 3 * hidden, dtype=F64),
+            torch.zeros(3 * hidden, hidden, dtype=F64),
+            torch.zeros(1, hidden, dtype=F64),
+        )
+        prepared = recurrent_cuda.prepare(
+            "gru", gi, w_hh, None, h0, None, device_type="cpu", shared_limit=1024
+        )
+        why = backend.refuses(cell, hidden, (gi, w_hh, h0))
+        assert (prepared is None, why) == ((True, "a stand-in limit: H=7") if hidden == 7 else (False, ""))
+    assert asked == [("gru", h, F64, 1024) for h in (7, 7, 8, 8)]
+
+
 @pytest.fixture
 def counted_plans(monkeypatch):
     """How often a layer call plans (``plan_call``) and asks the scan's plan (``plan.choose``)."""
