@@ -5,8 +5,11 @@ registers them for ``"cuda"``):
 
 - ``scan_dense(jacobians_t, grad, algorithm, chunk_size) -> (B, n + 1, d)``
 - ``scan_factored(weight, scales, diagonal, grad, algorithm, chunk_size) -> (B, n + 1, d)``
-- ``available() -> (bool, reason)``; ``fits(d, element_bytes) -> (bool, reason)`` (a state too wide for
-  the kernels' shared memory runs the torch implementation: :mod:`lightning_bppsa.ops` decides)
+- ``available() -> (bool, reason)``; ``refusal(algorithm, d=, element_bytes=, shared_limit=) -> str | None``:
+  why a launch of ``algorithm`` cannot be made on a device (a state too wide for the sweep's shared memory,
+  the chunked kernel's matrices beyond it), ``None`` where it can. The plan (:mod:`lightning_bppsa.plan`)
+  asks it before anything runs and :func:`launch_config` decides by it: a launch the kernels cannot make as
+  planned changes the plan, never the launch (:func:`run` raises where a plan asks for one anyway).
 
 The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``g_t = g_{t+1} J_t + δ_t``
 (row gradients; ``δ`` only for a per-step ``grad`` of shape ``(B, n + 1, d)``). ``algorithm`` picks the kernel:
@@ -20,7 +23,7 @@ The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``
   every chunk (see the header of ``scan.cu``; for ``d <= 32`` by warp 0 with the warp-resident step). Its shared memory holds two ``(d + 1) x d`` matrices:
   the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
   227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
-  wider states, or a single chunk, use the sweep. Deterministic: a chunk's carry is recomputed by the
+  wider states are planned as the sweep (:func:`refusal`), and a single chunk is the sweep. Deterministic: a chunk's carry is recomputed by the
   same instructions that made its predecessor's published inclusive, so the bits do not depend on how
   far the look-back went (nothing to switch under ``torch.use_deterministic_algorithms(True)``).
 
@@ -55,8 +58,9 @@ from lightning_bppsa.algorithms import compute_dtype
 __all__ = [
     "Launch",
     "available",
+    "current_shared_limit",
     "device_shared_limit",
-    "fits",
+    "refusal",
     "kernel_args",
     "launch_config",
     "prepare",
@@ -114,6 +118,45 @@ def warp_weight_bytes(*, factored: bool, m: int, element_bytes: int) -> int:
     return (m + GROUP - 1) * WARP * element_bytes if factored else 0
 
 
+@functools.lru_cache(maxsize=256)
+def refusal(
+    algorithm: str, *, d: int, element_bytes: int, shared_limit: int, affine: bool = True
+) -> str | None:
+    """Why the scan kernels cannot launch ``algorithm`` over states of size ``d`` on a device giving a block
+    ``shared_limit`` bytes of shared memory (static + dynamic), one line; ``None`` where they can.
+
+    ``"linear"``: the sweep (one vector step through shared memory; the warp sweep of ``d <= 32`` always
+    fits). ``"chunked"`` / ``"blelloch"``: the chunked kernel (two ``(d + affine) x d`` matrices, two
+    vectors and one operand row). ``affine``: a per-step gradient (one more matrix row; a plan that does not
+    know asks with ``True``, the larger need). The ONE statement of these limits: :func:`launch_config`
+    decides by it and the plan asks it (``lightning_bppsa.plan``). Cached.
+    """
+    if element_bytes not in (4, 8):
+        raise ValueError(f"element_bytes must be 4 or 8 (the kernels' compute dtypes); got {element_bytes}")
+    vectors, row_bytes = 2 * d * element_bytes, d * element_bytes
+    if algorithm in ("chunked", "blelloch"):
+        need = STATIC_SHARED_BYTES["chunked"] + 2 * (d + int(affine)) * row_bytes + vectors + row_bytes
+        if need > shared_limit:
+            return (
+                f"the chunked scan kernel of d={d} needs {need} B of shared memory per block, "
+                f"the device gives {shared_limit} B"
+            )
+        return None
+    need = STATIC_SHARED_BYTES["sweep"] + vectors + row_bytes
+    if need > shared_limit:
+        return (
+            f"state size d={d} is too wide for the CUDA scan kernels' shared memory: the sweep needs "
+            f"{need} B per block, the device gives {shared_limit} B"
+        )
+    return None
+
+
+def current_shared_limit() -> int:
+    """Shared memory a block may use on torch's current CUDA device (:func:`device_shared_limit`): what a
+    plan made without a tensor at hand assumes (``lightning_bppsa.plan.choose``)."""
+    return device_shared_limit(torch.cuda.current_device())
+
+
 def _threads(work_items: int) -> int:
     return min(MAX_THREADS, 32 * max(1, math.ceil(work_items / 32)))
 
@@ -137,6 +180,8 @@ def launch_config(
     ``m`` is the factored weight's rows (``d`` for a dense chain); ``affine`` is a per-step gradient;
     ``shared_limit`` is the shared memory a block may use, static + dynamic (48 KiB, or the device's
     opt-in maximum). Cached: a training loop asks with the same shape every step.
+    ``"chunked"`` / ``"blelloch"`` launch the sweep where there is one chunk or :func:`refusal` refuses the
+    chunked kernel (the plan has then planned the sweep: :func:`run` refuses such a launch).
     Raises ``ValueError`` if ``d`` is too wide even for the sweep's shared memory (~2000 float64 at 48 KiB).
     """
     if n < 1 or batch < 1 or d < 1:
@@ -156,7 +201,8 @@ def launch_config(
     chunked = (
         algorithm in ("chunked", "blelloch")
         and chunks > 1
-        and matrices + vectors + row_bytes <= chunked_budget
+        and refusal("chunked", d=d, element_bytes=element_bytes, shared_limit=shared_limit, affine=affine)
+        is None
     )
     warp = warp_resident(factored=factored, d=d, m=m)
     weight_bytes = warp_weight_bytes(factored=factored, m=m, element_bytes=element_bytes) if warp else 0
@@ -186,9 +232,10 @@ def launch_config(
             work_elements=0,
             sync_words=0,
         )
+    why = refusal("linear", d=d, element_bytes=element_bytes, shared_limit=shared_limit)
+    if why:
+        raise ValueError(why)
     sweep_budget = shared_limit - STATIC_SHARED_BYTES["sweep"]
-    if vectors + row_bytes > sweep_budget:
-        raise ValueError(f"state size d={d} is too wide for the CUDA scan kernels' shared memory")
     tile_rows = min(operand_rows, (sweep_budget - vectors) // row_bytes)
     return Launch(
         kernel=f"bppsa_sweep_{chain}_{suffix}",
@@ -284,6 +331,14 @@ def run(
         chunk_size=chunk_size,
         shared_limit=shared_limit,
     )
+    # a plan asking for a chunked launch the kernels cannot make: never silently the sweep
+    if launch.chunk == n and algorithm in ("chunked", "blelloch") and max(1, chunk_size) < n:
+        why = refusal(
+            algorithm, d=d, element_bytes=out.element_size(), shared_limit=shared_limit, affine=affine
+        )
+        raise ValueError(
+            f"lightning_bppsa: a {algorithm} scan was planned that the CUDA kernels cannot launch: {why}"
+        )
     # the sweeps use neither: no allocation, no fill
     work = (
         torch.empty(launch.work_elements, dtype=compute, device=grad.device) if launch.work_elements else None
@@ -391,26 +446,6 @@ def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
     index = _device_index(device)
     functions = _KERNELS_ON.get(index) or prepare(index)
     cupy_loader.launch(functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, args)
-
-
-def fits(d: int, element_bytes: int) -> tuple[bool, str]:
-    """Whether a state of size ``d`` fits the kernels' shared memory (the sweep's: the chunked kernel falls
-    back to the sweep where its matrices do not fit); ``(False, reason)`` otherwise."""
-    try:
-        launch_config(
-            factored=False,
-            element_bytes=element_bytes,
-            n=1,
-            batch=1,
-            d=d,
-            m=d,
-            affine=True,
-            algorithm="linear",
-            chunk_size=1,
-        )
-    except ValueError as err:
-        return False, str(err)
-    return True, ""
 
 
 def _device_limit(t: Tensor) -> int:

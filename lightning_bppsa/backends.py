@@ -250,8 +250,10 @@ class LayerCall:
     reason: str = ""
 
     def __str__(self) -> str:
-        """``"scan chunked(c=16) [cuda]"``, plus ``", torch forward: why"`` where a kernel could not launch."""
-        return f"scan {self.scan.text}" + (f", torch forward: {self.reason}" if self.reason else "")
+        """``"scan chunked(c=16) [cuda]"``, plus ``" (chunked asked: why)"`` where the scan kernels cannot launch
+        the algorithm asked for and ``", torch forward: why"`` where the forward kernel cannot launch."""
+        instead = f" ({self.scan.instead})" if self.scan.instead else ""
+        return f"scan {self.scan.text}{instead}" + (f", torch forward: {self.reason}" if self.reason else "")
 
 
 #: reasons already logged for a torch forward on a device with kernels: once per reason, not per call
@@ -280,11 +282,22 @@ def forward_backend(
 
 
 def scan_plan(
-    cell: RecurrentCell, algorithm: str, *, batch: int, n: int, hidden: int, device: str, dtype: torch.dtype
-) -> plan.Plan:
-    """The scan plan of a layer's backward (:func:`lightning_bppsa.plan.choose` over its factored Jacobians)."""
+    cell: RecurrentCell, algorithm: str, *, batch: int, n: int, hidden: int, device: str, dtype: torch.dtype,
+    shared_limit: int | None = None,
+) -> plan.Plan:  # fmt: skip
+    """The scan plan of a layer's backward (:func:`lightning_bppsa.plan.choose` over its factored Jacobians;
+    ``shared_limit``: that of the CUDA device it runs on, ``None`` for torch's current device's)."""
     d, width = cell.state_factor * hidden, cell.jacobian_width(hidden)
-    return plan.choose(algorithm, n=n, d=d, batch=batch, width=width, device=device, dtype=dtype)
+    return plan.choose(algorithm, n=n, d=d, batch=batch, width=width, device=device, dtype=dtype,
+                       shared_limit=shared_limit)  # fmt: skip
+
+
+def _scan_shared_limit(device: torch.device) -> int | None:
+    """The shared memory per block of the CUDA device a scan runs on, where the scan kernels load (else
+    ``None``: the plan does not ask)."""
+    if device.type != "cuda" or not cuda_scan.available()[0]:
+        return None
+    return _device_limit(device)
 
 
 def plan_call(
@@ -298,7 +311,7 @@ def plan_call(
     hidden = h0.shape[-1]
     forward, why = forward_backend(cell, hidden, (x, h0, c0, *weights))
     scan = scan_plan(cell, algorithm, batch=x.shape[0], n=x.shape[1], hidden=hidden, device=x.device.type,
-                     dtype=weights[0].dtype)  # fmt: skip
+                     dtype=weights[0].dtype, shared_limit=_scan_shared_limit(x.device))  # fmt: skip
     return LayerCall(forward, forward if forward.takes(scan) else TORCH, scan, why)
 
 

@@ -183,7 +183,9 @@ def cuda_choose(
 ) -> tuple[str, int]:
     """The CUDA kernels' rule, by the calibrated model (:func:`lightning_bppsa.cuda_step_model.fastest_kernel`):
     ``"linear"`` keeps the sweep; ``"chunked"`` / ``"blelloch"`` get the chunk size predicted fastest, or the
-    sweep where no chunked launch fits shared memory; ``"auto"`` the faster of the two. ``element_bytes`` is
+    sweep where no chunked launch fits an H100's shared memory; ``"auto"`` the faster of the two. The plan
+    asks the device's own limit first (:func:`lightning_bppsa.kernels.cuda.refusal`, in
+    :mod:`lightning_bppsa.plan`) and asks this only where the chunked kernel can launch there. ``element_bytes`` is
     the compute dtype's (4: float32 and half precision, 8: float64): it sizes the shared-memory tiles."""
     if element_bytes not in (4, 8):
         raise ValueError(f"element_bytes must be 4 or 8 (the kernels' compute dtypes); got {element_bytes}")

@@ -8,6 +8,9 @@ eagerly, in its forward (:func:`lightning_bppsa.backends.plan_call`), runs that 
 
 - CUDA: the CuPy kernels (:mod:`lightning_bppsa.kernels.cuda`) where they load and the state fits them,
   with their own launch model (:mod:`lightning_bppsa.cuda_cost_model`); else the torch implementation.
+  What the kernels can launch on the device is their own answer (:func:`lightning_bppsa.kernels.cuda.refusal`
+  for the device's shared memory): a chunked scan they cannot launch is planned as the sweep, and the plan
+  says so (:attr:`Plan.instead`); the launcher refuses what a plan did not check, it never substitutes.
 - CPU: the torch implementation with its linear sweeps in the compiled C kernel
   (:mod:`lightning_bppsa.kernels.cpu`) where it builds; ``"auto"`` ranks the algorithms with
   :mod:`lightning_bppsa.cost_model`.
@@ -48,12 +51,15 @@ class Plan:
         algorithm: ``"linear"``, ``"blelloch"`` or ``"chunked"``.
         chunk: the chunk size of ``"chunked"`` (1 otherwise).
         reason: one line: why this kernel and algorithm.
+        instead: where the algorithm asked for is not the one planned because the kernels cannot launch it
+            (``"chunked asked: <why>"``), said wherever the plan is reported; ``""`` otherwise.
     """
 
     kernel: str
     algorithm: str
     chunk: int
     reason: str
+    instead: str = ""
 
     def __str__(self) -> str:
         return self.text
@@ -66,8 +72,9 @@ class Plan:
 
 
 def choose(
-    algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str, dtype: torch.dtype
-) -> Plan:
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, device: str, dtype: torch.dtype,
+    shared_limit: int | None = None,
+) -> Plan:  # fmt: skip
     """The plan of one scan of ``n`` steps over ``batch`` rows of a ``d``-state.
 
     Args:
@@ -75,30 +82,32 @@ def choose(
         width: the factored weight's rows ``m`` (``FactoredJacobians``), ``None`` for dense Jacobians.
         device: the device type (``"cpu"``, ``"cuda"``, ...).
         dtype: the inputs' dtype (half precision computes in float32).
+        shared_limit: CUDA only: the shared memory a block may use on the device the scan runs on (``None``:
+            torch's current device's, :func:`lightning_bppsa.kernels.cuda.current_shared_limit`).
     """
     check_algorithm(algorithm)
+    if device == "cuda" and shared_limit is None and cuda_kernel.available()[0]:
+        shared_limit = cuda_kernel.current_shared_limit()
+    key = (algorithm, n, d, batch, width, device, compute_dtype(dtype), shared_limit)
     if torch.compiler.is_compiling():  # kernels report only what eager calls found: never cache that
-        return _choose.__wrapped__(algorithm, n, d, batch, width, device, compute_dtype(dtype))
-    return _choose(algorithm, n, d, batch, width, device, compute_dtype(dtype))
+        return _choose.__wrapped__(*key)
+    return _choose(*key)
 
 
 @lru_cache(maxsize=4096)  # called on every scan; shapes repeat from batch to batch
 def _choose(
-    algorithm: str, n: int, d: int, batch: int, width: int | None, device: str, dtype: torch.dtype
-) -> Plan:
+    algorithm: str, n: int, d: int, batch: int, width: int | None, device: str, dtype: torch.dtype,
+    shared_limit: int | None,
+) -> Plan:  # fmt: skip
     element_bytes = torch.finfo(dtype).bits // 8
     if device == "cuda":
         ok, reason = cuda_kernel.available()
         if ok:
-            ok, reason = cuda_kernel.fits(d, element_bytes)
+            why = cuda_kernel.refusal("linear", d=d, element_bytes=element_bytes, shared_limit=shared_limit)
+            ok, reason = why is None, why
         if ok:
-            name, chunk = cuda_choose(
-                algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes
-            )
-            if algorithm in ("chunked", "blelloch") and name == "linear" and n > 1:  # said, not silent
-                return Plan("cuda", name, 1, f"CUDA kernels: {algorithm} asked, but no chunked launch of d={d} "
-                                             "fits shared memory (or n is one chunk): the sweep")  # fmt: skip
-            return Plan("cuda", name, chunk, "CUDA kernels, calibrated model of cuda_step_model")
+            return _cuda_plan(algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes,
+                              shared_limit=shared_limit)  # fmt: skip
         kernel, why = "torch", f"torch implementation on CUDA: {reason}"
     elif device == "cpu" and cpu_kernel.available() and dtype in (torch.float32, torch.float64):
         kernel, why = "c", "compiled C sweeps"
@@ -110,3 +119,28 @@ def _choose(
         return Plan(kernel, algorithm, chunk, f"{why}; {algorithm} as asked")
     name = cost_model.fastest(n=n, d=d, batch=batch, width=width, device=device, native=native, chunk=chunk)
     return Plan(kernel, name, chunk, f"{why}; {name} predicted fastest by cost_model")
+
+
+def _cuda_plan(
+    algorithm: str, *, n: int, d: int, batch: int, width: int | None, element_bytes: int, shared_limit: int
+) -> Plan:
+    """The CUDA kernels' plan where they load and the sweep fits: the chunked kernel only where the device
+    can launch it (:func:`~lightning_bppsa.kernels.cuda.refusal`, asked with a per-step gradient: the larger
+    need), else the sweep, said in the plan."""
+    chunked_why = None
+    if algorithm != "linear" and n > 1:
+        chunked_why = cuda_kernel.refusal(
+            "chunked", d=d, element_bytes=element_bytes, shared_limit=shared_limit
+        )
+    if chunked_why is not None:
+        if algorithm == "auto":
+            return Plan("cuda", "linear", 1, f"CUDA kernels: the sweep, the only launch here ({chunked_why})")
+        return Plan("cuda", "linear", 1, f"CUDA kernels: {algorithm} asked, but {chunked_why}: the sweep",
+                    instead=f"{algorithm} asked: {chunked_why}")  # fmt: skip
+    name, chunk = cuda_choose(algorithm, n=n, d=d, batch=batch, width=width, element_bytes=element_bytes)
+    # the model's own limit (an H100's shared memory) may refuse what this device can launch
+    if algorithm in ("chunked", "blelloch") and name == "linear" and n > 1:
+        why = f"the calibrated model (an H100's shared memory) has no chunked launch of d={d}"
+        return Plan("cuda", "linear", 1, f"CUDA kernels: {algorithm} asked, but {why}: the sweep",
+                    instead=f"{algorithm} asked: {why}")  # fmt: skip
+    return Plan("cuda", name, chunk, "CUDA kernels, calibrated model of cuda_step_model")

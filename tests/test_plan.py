@@ -6,6 +6,9 @@ from lightning_bppsa.kernels import cpu, cuda
 
 from lightning_bppsa import FactoredJacobians, backprop_scan, cost_model, ops, plan
 
+H100_OPTIN = 232448  # an H100's shared_memory_per_block_optin (227 KiB)
+A100_OPTIN = 163 * 1024
+
 
 @pytest.fixture
 def fresh_plans():
@@ -18,8 +21,9 @@ def fresh_plans():
 def cuda_kernels(monkeypatch, fresh_plans):
     """Make the CUDA kernels report ``(ok, reason)``."""
 
-    def install(ok, reason=""):
+    def install(ok, reason="", shared_limit=H100_OPTIN):
         monkeypatch.setattr(cuda, "available", lambda: (ok, reason))
+        monkeypatch.setattr(cuda, "current_shared_limit", lambda: shared_limit)
         monkeypatch.setattr(ops, "_WARNED", set())
 
     return install
@@ -88,7 +92,7 @@ def test_available_cuda_kernels_get_the_plan_and_a_too_wide_state_runs_torch(cud
     cuda_kernels(True)
     chosen = plan.choose("auto", n=1000, d=20, batch=16, width=20, device="cuda", dtype=torch.float32)
     assert chosen.kernel == "cuda" and chosen.algorithm in ("linear", "chunked")
-    wide = plan.choose("linear", n=10, d=5000, batch=1, width=None, device="cuda", dtype=torch.float64)
+    wide = plan.choose("linear", n=10, d=12000, batch=1, width=None, device="cuda", dtype=torch.float64)
     assert wide.kernel == "torch" and "wide" in wide.reason
 
 
@@ -122,3 +126,47 @@ def test_cost_model_predictions_grow_with_work():
         small = cost_model.predict_seconds(algorithm, n=100, chunk_size=8, **kwargs)
         large = cost_model.predict_seconds(algorithm, n=10000, chunk_size=8, **kwargs)
         assert large > small > 0
+
+
+@pytest.mark.parametrize("algorithm", ["chunked", "blelloch", "auto"])
+def test_a_chunked_launch_the_device_cannot_make_is_planned_as_the_sweep_and_said(cuda_kernels, algorithm):
+    """The device's own limit decides (an A100 has 163 KiB: d=150 float32 fits an H100's chunked kernel, not
+    its); the plan says why, from the kernels' own refusal, and a layer's report shows it."""
+    from lightning_bppsa.backends import TORCH, LayerCall
+
+    shape = dict(n=1000, d=150, batch=16, width=150, device="cuda", dtype=torch.float32)
+    cuda_kernels(True, shared_limit=A100_OPTIN)
+    small = plan.choose(algorithm, **shape)
+    why = cuda.refusal("chunked", d=150, element_bytes=4, shared_limit=A100_OPTIN)
+    assert why and "d=150" in why and f"the device gives {A100_OPTIN} B" in why
+    assert (small.kernel, small.algorithm, small.chunk) == ("cuda", "linear", 1) and why in small.reason
+    assert small.instead == ("" if algorithm == "auto" else f"{algorithm} asked: {why}")
+    if algorithm != "auto":
+        assert str(LayerCall(TORCH, TORCH, small)) == f"scan linear [cuda] ({algorithm} asked: {why})"
+    # the same shape on an H100, and the same device asked explicitly for its limit: the chunked kernel
+    cuda_kernels(True, shared_limit=H100_OPTIN)
+    plan._choose.cache_clear()
+    if algorithm != "auto":
+        for large in (
+            plan.choose(algorithm, **shape),
+            plan.choose(algorithm, **shape, shared_limit=H100_OPTIN),
+        ):
+            assert (large.algorithm, large.instead) == (algorithm, "") and large.chunk > 1
+
+
+def test_the_launcher_refuses_a_chunked_launch_no_plan_checked(monkeypatch):
+    """``cuda.run`` never turns a chunked launch into the sweep behind the plan's back: it raises, naming why."""
+    launched = []
+    w, s, g = torch.randn(150, 150), torch.rand(1, 8, 150), torch.randn(1, 150)
+    with pytest.raises(
+        ValueError,
+        match="chunked scan was planned that the CUDA kernels cannot launch: the chunked scan kernel of d=150",
+    ):
+        cuda.run(w, s, None, g, algorithm="chunked", chunk_size=2, launcher=lambda *a: launched.append(a),
+                 shared_limit=A100_OPTIN)  # fmt: skip
+    assert launched == []
+    # one chunk (chunk >= n) is the sweep of that chunk, not a refusal; so is the sweep asked for
+    for algorithm, chunk in (("chunked", 8), ("linear", 1)):
+        cuda.run(w, s, None, g, algorithm=algorithm, chunk_size=chunk, launcher=lambda *a: launched.append(a[0]),
+                 shared_limit=A100_OPTIN)  # fmt: skip
+    assert [launch.kernel for launch in launched] == ["bppsa_sweep_factored_f32"] * 2

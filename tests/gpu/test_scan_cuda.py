@@ -37,6 +37,7 @@ def device(backend, monkeypatch) -> Iterator[torch.device]:
 
     monkeypatch.setattr(plan, "choose", choose)
     monkeypatch.setattr(kernels, "available", lambda: (True, ""))
+    monkeypatch.setattr(kernels, "current_shared_limit", lambda: backend.shared_limit)
     monkeypatch.setattr(kernels, "scan_dense", counted(backend.scan_dense))  # the emulation's
     monkeypatch.setattr(kernels, "scan_factored", counted(backend.scan_factored))
     plan._choose.cache_clear()  # plans cached for "cuda" without kernels (or with the stand-in) must not leak

@@ -166,11 +166,16 @@ def test_chunked_that_cannot_fit_becomes_the_sweep_in_the_plan_not_in_the_launch
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda, "available", lambda *a, **k: (True, ""))
+        mp.setattr(cuda, "current_shared_limit", lambda: H100_OPTIN)
         plan._choose.cache_clear()
         wide = plan.choose("chunked", n=1000, d=256, batch=16, width=256, device="cuda", dtype=torch.float32)
         narrow = plan.choose("chunked", n=1000, d=20, batch=16, width=20, device="cuda", dtype=torch.float32)
         plan._choose.cache_clear()
-    assert (wide.algorithm, wide.chunk) == ("linear", 1) and "fits shared memory" in wide.reason
+    assert (wide.algorithm, wide.chunk) == (
+        "linear",
+        1,
+    ) and "the chunked scan kernel of d=256 needs" in wide.reason
+    assert wide.instead.startswith("chunked asked: the chunked scan kernel of d=256")
     assert narrow.algorithm == "chunked" and narrow.chunk > 1
 
 
@@ -233,3 +238,30 @@ def test_chunked_launch_holds_the_warp_step_weight(d, tiles, element_bytes):
     assert not cuda.warp_resident(factored=True, d=33, m=33) and not cuda.warp_resident(
         factored=True, d=20, m=120
     )
+
+
+def test_the_scan_kernels_limits_are_stated_once_by_refusal(monkeypatch):
+    """The launch (``launch_config``) and the plan both decide by ``cuda.refusal``: a stand-in refusing the
+    chunked kernel at d=20 only changes both, and the plan reports the stand-in's reason."""
+    from lightning_bppsa import plan
+
+    def stand_in(algorithm, *, d, element_bytes, shared_limit, affine=True):
+        return "a stand-in limit: d=20" if algorithm != "linear" and d == 20 else None
+
+    monkeypatch.setattr(cuda, "refusal", stand_in)
+    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
+    monkeypatch.setattr(cuda, "current_shared_limit", lambda: H100_OPTIN)
+    for cached in (cuda.launch_config, plan._choose):
+        cached.cache_clear()
+    try:
+        assert config(d=20, m=20).kernel == "bppsa_warpsweep_factored_f32"
+        assert config(d=24, m=24).kernel == "bppsa_chunked_factored_f32"
+        chosen = plan.choose("chunked", n=1000, d=20, batch=16, width=20, device="cuda", dtype=torch.float32)
+        assert (chosen.algorithm, chosen.instead) == ("linear", "chunked asked: a stand-in limit: d=20")
+        assert (
+            plan.choose("chunked", n=1000, d=24, batch=16, width=24, device="cuda", dtype=torch.float32).chunk
+            > 1
+        )
+    finally:
+        for cached in (cuda.launch_config, plan._choose):
+            cached.cache_clear()

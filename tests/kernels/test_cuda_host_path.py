@@ -98,6 +98,7 @@ def launches(monkeypatch) -> Counter:
         plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
     )
     monkeypatch.setattr(cuda, "available", lambda: (True, ""))
+    monkeypatch.setattr(cuda, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES)
     monkeypatch.setattr(cuda, "_launch_cuda", counting(emulated._launcher(None, 600.0, 1, 0.0)))
     monkeypatch.setattr(cuda, "_device_limit", lambda t: SM80_OPTIN_SHARED_BYTES)
     monkeypatch.setattr(_scan_layer, "_dispatched", lambda tensors: False)
