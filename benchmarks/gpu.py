@@ -65,17 +65,14 @@ import copy
 import csv
 import dataclasses
 import datetime
-import functools
 import importlib.util
 import io
 import itertools
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -86,8 +83,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also where loaded by path
+from device_runner import (  # noqa: E402 - after the path
+    NO_CUDA,
+    RESULTS,
+    ROOT,
+    SKIPPED,
+    WARMUP,
+    Runner,
+    header,
+    interleaved,
+    ms_text,
+    ratio_text,
+    write,
+)
+from device_runner import commit as _commit  # noqa: E402,F401 - tests/bench/test_gpu_command.py clears its cache
+
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
 RNN_BATCHES = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -112,9 +123,6 @@ def rows(quick: bool) -> list[tuple[str, int, int, int]]:
 # Where, on what and until when the stages measure
 # --------------------------------------------------------------------------------------------------
 
-SKIPPED = "skipped: out of time"
-NO_CUDA = "n/a: no CUDA"
-WARMUP = 3  # calls of each function before timing: BPPSA's first call per shape compiles / measures once
 #: a forced-scan or kernel-alone measurement whose one call took longer than this on the H100 is skipped
 SLOW_MS = 50.0
 COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
@@ -126,7 +134,14 @@ STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "calib": 0.4}
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
 TESTS_SECONDS = 90.0
-TESTS_COMMAND = (sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider")  # -q: pyproject's addopts (-qq hides the count)
+TESTS_COMMAND = (
+    sys.executable,
+    "-m",
+    "pytest",
+    "tests/gpu",
+    "-p",
+    "no:cacheprovider",
+)  # -q: pyproject's addopts (-qq hides the count)
 
 Workload = tuple[str, int, int, int, int]  # (cell, B, T, input, H)
 
@@ -174,126 +189,6 @@ TINY_SHAPES = Shapes(
     max_steps=2,
     chain=(("dense", 1, 16), ("pruned 97%", 2, 16)),
 )
-
-
-@dataclass(frozen=True)
-class Runner:
-    """Where the stages measure, on what, until when, with what clock, and where they write.
-
-    ``clock`` gives seconds (``time.monotonic`` unless a test injects another): it bounds every stage by
-    ``deadline`` and, on the CPU, times the calls; on CUDA the calls are timed by CUDA events.
-    """
-
-    device: str
-    shapes: Shapes
-    deadline: float
-    clock: Callable[[], float] = time.monotonic
-    results: Path = RESULTS
-    command: str = "python benchmarks/gpu.py"
-
-    def left(self) -> float:
-        """Seconds left before the deadline (negative once past it)."""
-        return self.deadline - self.clock()
-
-    def until(self, seconds: float) -> Runner:
-        """This runner with the deadline brought forward to ``seconds`` from now (never later than it was)."""
-        return dataclasses.replace(self, deadline=min(self.deadline, self.clock() + seconds))
-
-    @property
-    def timer(self) -> str:
-        """What times the calls, in words."""
-        return "CUDA events" if self.device == "cuda" else "the CPU clock"
-
-    def call_seconds(self, fn: Callable[[], object], calls: int) -> list[float]:
-        """Seconds of each of ``calls`` calls of ``fn``, each waited for (host time included)."""
-        times = []
-        for _ in range(calls):
-            if self.device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                start_seconds = self.clock()
-                fn()
-                times.append(self.clock() - start_seconds)
-        return times
-
-
-def interleaved(
-    runner: Runner, fns: dict[str, Callable[[], object]], budget: float, estimate: float | None = None
-) -> dict[str, float | str]:
-    """Median seconds per call of each of ``fns``, or :data:`SKIPPED` for all where they do not fit in time.
-
-    After :data:`WARMUP` calls of each (the first call per shape may compile or measure), ``rounds`` rounds
-    of N calls of each in turn (A x N, B x N, A x N, ...), so that a drift of the machine hits all alike; N is
-    what fits ``budget`` seconds, 1 to ``max_steps``. ``estimate`` (seconds of one call of them all, e.g.
-    from committed data) is checked against the deadline before the warm-up, the warm-up's last calls before
-    the rounds.
-    """
-    rounds = runner.shapes.rounds
-    if runner.left() <= 0 or (estimate is not None and runner.left() < estimate * (WARMUP + rounds)):
-        return dict.fromkeys(fns, SKIPPED)
-    per_round = rounds * sum(runner.call_seconds(fn, WARMUP)[-1] for fn in fns.values())
-    steps = max(
-        1, min(runner.shapes.max_steps, int(budget / per_round) if per_round > 0 else runner.shapes.max_steps)
-    )
-    if runner.left() < steps * per_round:
-        return dict.fromkeys(fns, SKIPPED)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name] += runner.call_seconds(fn, steps)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
-
-
-def _ms(value: float | str, digits: int = 3) -> str:
-    """Seconds as milliseconds, or the reason there is no figure."""
-    return value if isinstance(value, str) else f"{value * 1e3:.{digits}f}"
-
-
-def _ratio(baseline: float | str, ours: float | str) -> str:
-    """``baseline / ours`` as a speedup, "-" where either is missing."""
-    return f"{baseline / ours:.2f}x" if isinstance(baseline, float) and isinstance(ours, float) else "-"
-
-
-@functools.cache
-def _commit() -> str:
-    """``$BPPSA_COMMIT``, else ``git rev-parse --short HEAD`` of this checkout, else "unknown"."""
-    if os.environ.get("BPPSA_COMMIT"):
-        return os.environ["BPPSA_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10, check=True)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() or "unknown"
-
-
-@functools.cache
-def _cupy_version() -> str:
-    try:
-        import cupy
-    except ImportError:
-        return "not installed"
-    return cupy.__version__
-
-
-def header(runner: Runner, title: str) -> str:
-    """A results file's title, then one line: device, torch, cuDNN, CuPy, commit, date and time (UTC), command."""
-    device = torch.cuda.get_device_name() if runner.device == "cuda" else f"CPU ({platform.machine()})"
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return (
-        f"# {title}\n\nDevice {device}; torch {torch.__version__}; cuDNN {torch.backends.cudnn.version() or 'none'}; "
-        f"CuPy {_cupy_version()}; commit {_commit()}; {now:%Y-%m-%d %H:%M} UTC; `{runner.command}`.\n\n"
-    )
-
-
-def _write(runner: Runner, name: str, text: str) -> None:
-    runner.results.mkdir(parents=True, exist_ok=True)
-    (runner.results / name).write_text(text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,7 +317,7 @@ def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: f
         text += "\n## Failures\n\n" + "\n".join(f"- `{line}`" for line in failures) + "\n"
     if output and not summary.startswith("exit 0"):
         text += "\n## Output (last 3000 characters)\n\n```\n" + output[-3000:] + "\n```\n"
-    _write(runner, "cuda-tests.md", text)
+    write(runner, "cuda-tests.md", text)
     print(f"tests/gpu: {summary}", flush=True)
     return summary
 
@@ -454,8 +349,8 @@ def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
     else:
         errors = [SKIPPED] * 2
     return [
-        *map(str, workload), _ms(step["cudnn"]), _ms(step["bppsa"]), _ratio(step["cudnn"], step["bppsa"]),
-        _ms(forward["cudnn"]), _ms(forward["bppsa"]), *errors, plan,
+        *map(str, workload), ms_text(step["cudnn"]), ms_text(step["bppsa"]), ratio_text(step["cudnn"], step["bppsa"]),
+        ms_text(forward["cudnn"]), ms_text(forward["bppsa"]), *errors, plan,
     ]  # fmt: skip
 
 
@@ -466,9 +361,9 @@ def step_stage(runner: Runner) -> list[list[str]]:
     for index, workload in enumerate(workloads):
         done.append(step_row(runner, workload, max(runner.left(), 0) / (len(workloads) - index)))
         print("step " + " | ".join(done[-1]), flush=True)
-        _write(runner, "cuda-step.md", _step_table(runner, done, len(workloads)))
+        write(runner, "cuda-step.md", _step_table(runner, done, len(workloads)))
     if not workloads:
-        _write(runner, "cuda-step.md", _step_table(runner, done, 0))
+        write(runner, "cuda-step.md", _step_table(runner, done, 0))
     return done
 
 
@@ -507,13 +402,15 @@ def chain_stage(runner: Runner) -> list[list[str]]:
         ours = SparseChain.from_sequential(copy.deepcopy(ref))
         x, grad = x.detach().to(runner.device).requires_grad_(), grad.to(runner.device)
         budget = max(runner.left(), 0) / (len(runner.shapes.chain) - index)
-        times = interleaved(runner, {"cudnn": chain_step(ref, x, grad), "bppsa": chain_step(ours, x, grad)}, 0.9 * budget)
+        times = interleaved(
+            runner, {"cudnn": chain_step(ref, x, grad), "bppsa": chain_step(ours, x, grad)}, 0.9 * budget
+        )
         stats = ours.last_stats
         path = stats.get("path", "") + (f" ({stats['reason']})" if stats.get("reason") else "")
-        done.append([weights, str(batch), _ms(times["cudnn"]), _ms(times["bppsa"]),
-                     _ratio(times["cudnn"], times["bppsa"]), path])  # fmt: skip
+        done.append([weights, str(batch), ms_text(times["cudnn"]), ms_text(times["bppsa"]),
+                     ratio_text(times["cudnn"], times["bppsa"]), path])  # fmt: skip
         print("chain " + " | ".join(done[-1]), flush=True)
-        _write(runner, "cuda-chain.md", header(runner, "Layer chains: cuDNN autograd vs SparseChain (auto)") + (
+        write(runner, "cuda-chain.md", header(runner, "Layer chains: cuDNN autograd vs SparseChain (auto)") + (
             "VGG-11's 8 convolutions + ReLUs + 5 max-pools (`lightning_bppsa.bench.vgg.build_case`), float32, "
             f"median of {runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up calls, {runner.timer}.\n\n"
             "| " + " | ".join(CHAIN_COLUMNS) + " |\n|" + " --- |" * len(CHAIN_COLUMNS) + "\n"
@@ -678,7 +575,7 @@ def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: 
     writer = csv.DictWriter(buffer, fieldnames=CALIB_COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows_)
-    _write(runner, "cuda-calib.csv", buffer.getvalue())
+    write(runner, "cuda-calib.csv", buffer.getvalue())
     by_shape: dict[tuple[int, int, int], dict[str, dict[str, str]]] = {}
     for row in rows_:
         key = (int(row["d"]), int(row["B"]), int(row["T"]))
@@ -688,11 +585,11 @@ def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: 
     lines, ratios = [], []
     for (d, batch, length), found in sorted(by_shape.items()):
         cudnn, ours = (_row_seconds(found["step_cudnn"]), _row_seconds(found["step_bppsa"]))
-        ratio = _ratio(cudnn, ours)
+        ratio = ratio_text(cudnn, ours)
         if ratio != "-":
             ratios.append((cudnn / ours, d, batch, length))
         forced = [_row_ms(found.get(f"step_scan{a}")) for a in ("linear", "chunked")]
-        lines.append(f"| {d} | {batch} | {length} | {_ms(cudnn)} | {_ms(ours)} | {ratio} | {found['step_bppsa']['plan']} "
+        lines.append(f"| {d} | {batch} | {length} | {ms_text(cudnn)} | {ms_text(ours)} | {ratio} | {found['step_bppsa']['plan']} "
                      f"| {' | '.join(forced)} |")  # fmt: skip
     below = [r for r in ratios if r[0] < 0.9]
     worst = min(ratios, default=None)
@@ -709,7 +606,7 @@ def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: 
         "| d | B | T | cuDNN step ms | BPPSA step ms | ratio | BPPSA plan | forced linear step ms | forced chunked step ms |\n"
         "|" + " --- |" * 9 + "\n" + "".join(line + "\n" for line in lines)
     )  # fmt: skip
-    _write(runner, "cuda-calib.md", text)
+    write(runner, "cuda-calib.md", text)
 
 
 def _row_seconds(row: dict[str, str]) -> float | str:
@@ -720,7 +617,7 @@ def _row_seconds(row: dict[str, str]) -> float | str:
 def _row_ms(row: dict[str, str] | None) -> str:
     if row is None:
         return "-"
-    return f"{_ms(_row_seconds(row))}" + (f" ({row['plan']})" if row["plan"] else "")
+    return f"{ms_text(_row_seconds(row))}" + (f" ({row['plan']})" if row["plan"] else "")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -793,10 +690,10 @@ def measured_table(runner: Runner) -> str:
         r = measure(runner, cell, batch, length, inputs, runner.left() / (len(grid) - index))
         mib = [f"{r[k] * 2.0**-20:.1f}" if r[k] is not None else "n/a" for k in ("mem_cudnn", "mem_bppsa")]
         lines.append(
-            f"| {cell} | {batch} | {length} | {inputs} | {r['path']} | {_ms(r['bwd_cudnn'])} "
-            f"| {_ms(r['bwd_bppsa'])} | {_ratio(r['bwd_cudnn'], r['bwd_bppsa'])} "
-            f"| {_ms(r['linear'])} ({_ms(r['model_linear'])}) "
-            f"| {_ms(r['chunked'])} ({_ms(r['model_chunked'])}) | {r['chunk']} | {mib[0]} | {mib[1]} |"
+            f"| {cell} | {batch} | {length} | {inputs} | {r['path']} | {ms_text(r['bwd_cudnn'])} "
+            f"| {ms_text(r['bwd_bppsa'])} | {ratio_text(r['bwd_cudnn'], r['bwd_bppsa'])} "
+            f"| {ms_text(r['linear'])} ({ms_text(r['model_linear'])}) "
+            f"| {ms_text(r['chunked'])} ({ms_text(r['model_chunked'])}) | {r['chunk']} | {mib[0]} | {mib[1]} |"
         )
         print(lines[-1], flush=True)
     return "\n".join(lines)
@@ -809,7 +706,7 @@ def write_measurements(runner: Runner) -> None:
         f"Backward = `loss.backward()` alone on a graph recorded once, median of {runner.shapes.rounds} interleaved "
         f"rounds after {WARMUP} warm-up calls, {runner.timer}; hidden {runner.shapes.paper_hidden}.\n\n"
     )
-    _write(runner, "cuda-gpu.md", text + table + "\n")
+    write(runner, "cuda-gpu.md", text + table + "\n")
 
 
 # --------------------------------------------------------------------------------------------------
