@@ -1,25 +1,30 @@
 """The plan of one recurrent layer call: torch's own layer or the scan, decided once per call, in the forward.
 
 :func:`plan_layer` is the one place where ``algorithm="auto"`` chooses between torch's own layer (cuDNN on
-CUDA, oneDNN / ATen on CPU; the module then runs exactly torch's code) and the scan:
+CUDA, oneDNN / ATen on CPU; the module then runs exactly torch's code) and the scan, for the built-in layers
+and for :class:`~lightning_bppsa.nn.Recurrence` (a user's cell; autograd through its loop is then "torch"):
 
-1. a decision already made for this shape (cached per process: ``(cell, layers, directions, B, T, input,
-   H, dtype, device)``);
+1. a decision already made for this shape (cached per process: :class:`LayerShape`, ``(cell, layers,
+   directions, B, T, input, H, dtype, device)``; a user cell is named by a digest of its traced step);
 2. else the model's prediction: :mod:`lightning_bppsa.cuda_step_model` on CUDA (calibrated on H100
-   measurements), :func:`lightning_bppsa.cost_model.recurrent_seconds` elsewhere;
-3. where the model is unsure (its two predictions within a factor :data:`UNSURE`), the call may measure
-   (eager, not while ``torch.compile`` traces or a CUDA graph is captured, and only if the measurement is
-   predicted to take at most :data:`MEASURE_BUDGET_SECONDS`): both whole steps, forward and backward, on
-   the call's own data, timed with CUDA events on CUDA (:func:`device_timer`), and the faster is kept. The
-   measurement syncs once, on that first call; later calls read the cache and never sync.
+   measurements), :func:`lightning_bppsa.cost_model.recurrent_seconds` elsewhere; a caller without a model
+   (a user cell) says why instead, and is unsure;
+3. where the model is unsure (its two predictions within a factor :data:`UNSURE`, or no model), the call may
+   measure (eager, not while ``torch.compile`` traces or a CUDA graph is captured, and only if the
+   measurement is predicted to take at most :data:`MEASURE_BUDGET_SECONDS`; without a model the caller
+   bounds it): both paths on the call's own data, timed with CUDA events on CUDA (:func:`device_timer`),
+   and the faster is kept. The measurement syncs once, on that first call; later calls read the cache and
+   never sync. A ``measure`` that raises (a cell found drawing random numbers) leaves nothing cached.
+   Where the model is unsure and nothing measures, a model's leaning decides; without a model, torch's path.
 
 Decisions under tracing or capture are never cached (a model answer there must not freeze a shape that an
 eager call could measure). :func:`measurements` turns measuring off or on for the process (tests: to make a
 path deterministic), :func:`forget` drops the cache.
 
-**Measured decisions persist on disk** (on by default, as the compiled kernels do; ``BPPSA_PLAN_CACHE=0``
-turns it off), so a later process of the same setup runs the same path without measuring again: one JSON
-file per setup, ``layer-plans-<hash>.json`` in the package's private cache directory
+**Measured decisions may persist on disk** (off by default: a measurement made on a loaded machine must not
+outlive its process unless the user asks; ``BPPSA_PLAN_CACHE=1`` turns it on), so that a later process of
+the same setup runs the same path without measuring again: one JSON file per setup,
+``layer-plans-<hash>.json`` in the package's private cache directory
 (:func:`lightning_bppsa.kernels._build.cache_dir`: ``$BPPSA_CACHE_DIR`` or ``~/.cache/lightning_bppsa``,
 ``0700``, files another user owns or could write are refused with one warning), written atomically under a
 lock (processes of one job merge their decisions). A setup is the device's name, the torch, CUDA and CuPy
@@ -27,7 +32,8 @@ versions (torch's thread count on a CPU), the package's version and a digest of 
 kernel edit changes what is faster): any change reads another file, so the shape is measured again. A file
 that does not parse, or is not of this setup, is ignored with one warning and rewritten. Only measured
 decisions are kept (the model's are recomputed), only where a call would measure (so never while tracing,
-nor under ``measurements(False)``); ``forget(disk=True)`` deletes the files.
+nor under ``measurements(False)``), and never for a shape whose key another process could not recognise
+(``LayerShape.persist=False``: a user cell that did not trace); ``forget(disk=True)`` deletes the files.
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What a layer decision is keyed by."""
+    """What a layer decision is keyed by. ``persist=False``: the key names something only this process
+    knows (a user cell that did not trace, by its object): its decision is never written to disk."""
 
     cell: str
     layers: int
@@ -76,6 +83,7 @@ class LayerShape:
     hidden: int
     dtype: torch.dtype
     device: str  # "cuda:0", "cpu"
+    persist: bool = True
 
 
 @dataclass(frozen=True)
@@ -179,43 +187,54 @@ def _tracing() -> bool:
 
 def plan_layer(
     shape: LayerShape,
-    predict: Callable[[], tuple[float, float]],
+    predict: Callable[[], tuple[float, float] | str],
     measure: Callable[[], dict[str, float]] | None,
+    *,
+    timed: str = "a step",
 ) -> LayerPlan:
     """Torch's layer or the scan for one ``algorithm="auto"`` call of ``shape`` (see the module docstring).
 
     Args:
-        predict: the model's ``(scan, autograd)`` seconds of this shape's training step.
+        predict: the model's ``(scan, autograd)`` seconds of this shape's training step, or why there is no
+            model (a string: the call measures where it may, else runs torch's path).
         measure: times both paths on the call's data: ``{"scan": s, "autograd": s}`` (``None``: cannot
-            measure).
+            measure). What it raises propagates, and nothing is cached.
+        timed: what the seconds are of, in the reason (``"a step"``: a whole training step).
     """
     known = _decisions.get(shape)
     if known is not None:
         return known
-    scan, torch_ = predict()
-    faster = "scan" if scan < torch_ else "autograd"
-    unsure = max(scan, torch_) < UNSURE * min(scan, torch_)
-    affordable = 3 * (scan + torch_) <= MEASURE_BUDGET_SECONDS
-    if _tracing():
-        return LayerPlan(
-            faster, f"cost model (while tracing): scan {_ms(scan)} vs torch {_ms(torch_)} a step"
-        )
-    if unsure and affordable and measure is not None and _measuring["on"]:
-        plan = _measured(shape, measure)
+    predicted = predict()
+    modelled = not isinstance(predicted, str)
+    if modelled:
+        scan, torch_ = predicted
+        faster = "scan" if scan < torch_ else "autograd"
+        unsure = max(scan, torch_) < UNSURE * min(scan, torch_)
+        affordable = 3 * (scan + torch_) <= MEASURE_BUDGET_SECONDS
+        model = f"scan {_ms(scan)} vs torch {_ms(torch_)} {timed}"
+    else:  # no model: unsure, and the caller bounds what its measurement costs
+        faster, unsure, affordable = "autograd", True, True
+    tracing = _tracing()
+    if unsure and affordable and measure is not None and _measuring["on"] and not tracing:
+        plan = _measured(shape, measure, timed)
+    elif not modelled:
+        why = "while tracing" if tracing else "measurements off" if measure is not None else "cannot measure"
+        plan = LayerPlan(faster, f"{predicted}; not measured ({why}): torch's path")
+    elif tracing:
+        plan = LayerPlan(faster, f"cost model (while tracing): {model}")
     else:
         why = (
-            ""
-            if not unsure
-            else " (not measured: " + ("too large to time twice)" if not affordable else "off)")
+            "" if not unsure else " (not measured: " + ("off)" if affordable else "too large to time twice)")
         )
-        plan = LayerPlan(faster, f"cost model: scan {_ms(scan)} vs torch {_ms(torch_)} a step{why}")
-    _decisions[shape] = plan
+        plan = LayerPlan(faster, f"cost model: {model}{why}")
+    if not tracing:
+        _decisions[shape] = plan
     return plan
 
 
-def _measured(shape: LayerShape, measure: Callable[[], dict[str, float]]) -> LayerPlan:
+def _measured(shape: LayerShape, measure: Callable[[], dict[str, float]], timed: str) -> LayerPlan:
     """The faster path as measured: by this call, or by an earlier process of the same setup (on disk)."""
-    disk = _disk_on()
+    disk = shape.persist and _disk_on()
     times = _disk_read(shape) if disk else None
     where = " (on-disk plan cache)"
     if times is None:
@@ -224,7 +243,7 @@ def _measured(shape: LayerShape, measure: Callable[[], dict[str, float]]) -> Lay
             _disk_write(shape, times)
     faster = "autograd" if times["autograd"] < times["scan"] else "scan"  # a tie: the scan, read or measured
     return LayerPlan(
-        faster, f"measured: scan {_ms(times['scan'])} vs torch {_ms(times['autograd'])} a step{where}"
+        faster, f"measured: scan {_ms(times['scan'])} vs torch {_ms(times['autograd'])} {timed}{where}"
     )
 
 
@@ -245,7 +264,8 @@ _warned: set[str] = set()  # one warning per problem and file
 
 
 def _disk_on() -> bool:
-    return os.environ.get("BPPSA_PLAN_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
+    """Whether the user asked for the on-disk cache (``BPPSA_PLAN_CACHE=1``; off by default)."""
+    return os.environ.get("BPPSA_PLAN_CACHE", "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def _disk_read(shape: LayerShape) -> dict[str, float] | None:

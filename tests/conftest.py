@@ -19,9 +19,12 @@ def _threads():
 
 
 @pytest.fixture(autouse=True)
-def _model_decisions():
+def _model_decisions(monkeypatch):
     """``algorithm="auto"`` decides by the model in tests: a measured decision would make the path depend on
-    the machine's speed (tests/test_layer_plan.py measures with an injected timer)."""
+    the machine's speed (tests/test_layer_plan.py and tests/nn/test_recurrence*.py measure with an injected
+    timer). The on-disk plan cache is off whatever the environment says, so that no test writes one to the
+    user's cache directory; a test of the cache turns it on in a directory of its own."""
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "0")
     layer_plan.forget()
     with layer_plan.measurements(False):
         yield

@@ -173,9 +173,9 @@ CPU_SHAPE = LayerShape("GRU", 1, 1, 16, 300, 4, 64, torch.float32, "cpu")
 
 @pytest.fixture
 def disk(monkeypatch, tmp_path):
-    """Measuring on, the on-disk plan cache on, in a private cache directory of this test (the fallback for a
+    """Measuring on, the on-disk plan cache on (``BPPSA_PLAN_CACHE=1``), in a private cache directory of this test (the fallback for a
     refused one too); the process's memory of the cache's files and warnings emptied."""
-    monkeypatch.delenv("BPPSA_PLAN_CACHE", raising=False)
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "1")
     monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # _build's fallback for a refused cache: ~/.cache/...
     monkeypatch.setattr(_build, "_REPLACED", {})
@@ -278,7 +278,8 @@ def test_a_changed_setup_measures_again(disk, monkeypatch, change):
     clocked = Clocked(scan=1e-3, autograd=2e-3)  # faster scan on the new setup
     assert plan_layer(CPU_SHAPE, unsure, clocked).path == "scan" and clocked.calls == 1
     assert len(plan_files(disk)) == 2  # the first setup's file stays for it
-    monkeypatch.undo()  # back to the first setup (and its fixture's cache directory)
+    monkeypatch.undo()  # back to the first setup (and its fixture's cache, on, in its directory)
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "1")
     monkeypatch.setenv("BPPSA_CACHE_DIR", str(disk))
     layer_plan.forget()
     with layer_plan.measurements(True):
@@ -368,10 +369,14 @@ def test_a_file_another_user_could_have_planted_is_refused_with_a_warning(disk, 
     assert fallback != disk and plan_files(fallback)
 
 
-def test_off_by_the_environment_nothing_is_read_or_written(disk, monkeypatch):
+@pytest.mark.parametrize("setting", ["0", "unset"])
+def test_off_by_default_or_by_the_environment_nothing_is_read_or_written(disk, monkeypatch, setting):
     plan_layer(CPU_SHAPE, unsure, Clocked())
     layer_plan.forget()
-    monkeypatch.setenv("BPPSA_PLAN_CACHE", "0")
+    if setting == "unset":
+        monkeypatch.delenv("BPPSA_PLAN_CACHE")
+    else:
+        monkeypatch.setenv("BPPSA_PLAN_CACHE", setting)
     before = plan_files(disk)[0].read_bytes()
     clocked = Clocked(scan=1e-3, autograd=2e-3)
     assert plan_layer(CPU_SHAPE, unsure, clocked).path == "scan" and clocked.calls == 1  # not read
@@ -423,3 +428,66 @@ def test_forget_disk_deletes_the_measured_decisions(disk):
     clocked = Clocked()
     plan_layer(CPU_SHAPE, unsure, clocked)
     assert clocked.calls == 1
+
+
+def test_a_shape_kept_in_memory_only_is_neither_written_nor_read(disk):
+    memory_only = dataclasses.replace(CPU_SHAPE, persist=False)
+    plan_layer(memory_only, unsure, Clocked())
+    assert not plan_files(disk)  # measured, not written
+    plan_layer(CPU_SHAPE, unsure, Clocked())  # the same fields, persisted: written
+    layer_plan.forget()
+    clocked = Clocked(scan=1e-3, autograd=2e-3)
+    assert plan_layer(memory_only, unsure, clocked).path == "scan" and clocked.calls == 1  # not read
+
+
+def test_no_test_writes_a_plan_cache_unless_it_opts_in(monkeypatch):
+    """tests/conftest.py keeps the cache off, whatever the environment running the tests says."""
+    monkeypatch.setattr(_build, "write_private", lambda target, text: pytest.fail(f"wrote {target}"))
+    with layer_plan.measurements(True):
+        assert plan_layer(CPU_SHAPE, unsure, Clocked()).reason == "measured: scan 2 ms vs torch 1 ms a step"
+
+
+# --------------------------------------------------------------------------------------------------
+# Callers without a model (a user cell), and measurements that find something else
+# --------------------------------------------------------------------------------------------------
+
+
+def no_model() -> str:
+    return "no cost model for this cell"
+
+
+def test_without_a_model_the_call_measures_else_runs_torchs_path_and_says_why(monkeypatch, measuring):
+    clocked = Clocked(scan=1e-3, autograd=2e-3)
+    timed = "for a backward through 9 steps"
+    assert plan_layer(SHAPE, no_model, clocked, timed=timed) == LayerPlan(
+        "scan", f"measured: scan 1 ms vs torch 2 ms {timed}"
+    )
+    assert plan_layer(SHAPE, no_model, never, timed=timed).path == "scan" and clocked.calls == 1
+    other = dataclasses.replace(SHAPE, batch=2)
+    with layer_plan.measurements(False):
+        assert plan_layer(other, no_model, never) == LayerPlan(
+            "autograd", "no cost model for this cell; not measured (measurements off): torch's path"
+        )
+    layer_plan.forget()
+    assert plan_layer(other, no_model, None).reason.endswith("not measured (cannot measure): torch's path")
+    layer_plan.forget()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = plan_layer(other, no_model, never)
+    assert traced == LayerPlan(
+        "autograd", "no cost model for this cell; not measured (while tracing): torch's path"
+    )
+    assert not layer_plan.cached(other)  # an eager call measures it
+
+
+def test_a_measurement_that_raises_leaves_nothing_cached_nor_written(disk):
+    class Found(Exception):
+        pass
+
+    def finds() -> dict[str, float]:
+        raise Found("the cell draws random numbers")
+
+    with pytest.raises(Found):
+        plan_layer(CPU_SHAPE, no_model, finds)
+    assert not layer_plan.cached(CPU_SHAPE) and not plan_files(disk)
+    clocked = Clocked()
+    assert plan_layer(CPU_SHAPE, no_model, clocked).path == "autograd" and clocked.calls == 1

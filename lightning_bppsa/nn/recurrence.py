@@ -67,14 +67,26 @@ as a plain loop. A cell drawing from its own ``torch.Generator`` is not detected
 ``algorithm="auto"`` runs autograd through the loop when ``T == 1`` or the Jacobians (dense: ``B T d²``
 elements, factored: ``B T (k + 1) d``, plus ``B T n d`` partials by ``n`` input values for the compiled
 loop) exceed ``memory_budget`` bytes (1 GiB by default; the batched
-gradient needs a few times that at peak). Otherwise it *measures*, once per batch shape (``B``, ``d``,
-dtype, device, training mode): autograd's backward through the first ``k ≤ 256`` steps of the batch
-against the scan's whole backward over the same steps, and runs the scan where it is faster. Dense
+gradient needs a few times that at peak). Otherwise it decides through the layer plan
+(:func:`~lightning_bppsa.layer_plan.plan_layer`, as the built-in layers do). There is no cost model of a user
+cell, so the first call of a shape *measures* (the plan's ``measure``): autograd's backward through the first
+``k ≤ 256`` steps of the batch against the scan's whole backward over the same steps, and the scan runs
+where it is faster. Both grow linearly with ``T``, so the decision is keyed by ``k``, not ``T``: the cell,
+``B``, ``k``, the input's and state's widths, dtype and device. A cell whose step traced is named by a digest
+of what runs (the traced graphs, whether they factor and where their compiled loop runs, the modules'
+classes and training modes, the tensors' shapes, dtypes and ``requires_grad``, autocast, ``verify``): equal
+cells share a decision, also with a later process where the on-disk plan cache is on; a cell that did not
+trace is named by its object as well, and its decision stays in this process. Where nothing may measure
+(``layer_plan.measurements(False)``) autograd runs, and the plan says why; ``layer_plan.forget()`` drops the
+decisions. ``last_stats["plan"]`` says what ran (``"scan"``, ``"autograd (why)"``) and
+``last_stats["decision"]`` which rule or decision chose it, e.g. ``measured: scan 1.2 ms vs torch 3.4 ms for
+a backward through 256 steps``. Dense
 Jacobians cost ``~d`` times a batched backward of the cell, so the dense scan pays for small ``B d²``
 (e.g. ``B = 1``) only; the factored scan pays far more often, but its ``O(B (k + 1) d²)`` steps still lose
 to autograd for wide joint states at larger ``B`` (``benchmarks/results/cells-cpu.md``); a fixed rule would
 get it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
-or cannot be batched before the scan's forward. Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
+or cannot be batched before the scan's forward: those run autograd (the fallback as above, not cached as a
+timing). Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
 always run the scan with that algorithm. Autograd through the loop also runs where the scan has nothing
 to do or cannot run: gradients disabled or not needed, an empty batch or sequence, the meta device,
 ``torch.func`` transforms, and while ``torch.compile`` traces (it traces the plain loop). Under
@@ -84,15 +96,22 @@ backward replays the loop with autograd.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import itertools
+import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
+from lightning_bppsa import layer_plan
 from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.layer_plan import LayerShape
 from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
@@ -114,6 +133,13 @@ _JACOBIAN_ELEMENTS = 2**15
 _PROBE_STEPS = 256
 #: the probe's clock (tests inject one)
 _timer = time.perf_counter
+#: what the layer plan says where it cannot measure a user cell
+_NO_MODEL = "no cost model for a user cell"
+_RANDOM = "the cell draws random numbers (e.g. dropout in training mode)"
+
+#: a number per cell object (held weakly): the plan's key for a cell whose step did not trace
+_CELL_NUMBERS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_next_number = itertools.count(1)
 
 #: steps of the batch's first rows on which a traced step is checked against the cell (once per trace)
 _CHECK_STEPS, _CHECK_ROWS = 2, 4
@@ -219,7 +245,8 @@ class Recurrence(nn.Module):
         verify: check in the backward that the batched cell calls reproduce the forward's states.
 
     ``last_stats`` records the last forward: ``path`` (``"scan"`` / ``"autograd"``), ``reason`` (why
-    autograd, else ``None``), ``algorithm``; for a scan ``jacobians`` (``"factored"`` / ``"dense"``),
+    autograd, else ``None``), ``algorithm``, ``plan`` and ``decision`` (what ran and which rule or decision
+    of ``"auto"`` chose it: module docstring); for a scan ``jacobians`` (``"factored"`` / ``"dense"``),
     ``dense_reason``, ``traced_forward``, ``trace_reason`` (module docstring); after a scan backward
     ``jacobian_seconds`` and ``scan_seconds``.
 
@@ -257,7 +284,8 @@ class Recurrence(nn.Module):
         self.memory_budget, self.verify = memory_budget, verify
         self.last_stats: dict[str, Any] = {}
         self._unbatchable: str | None = None  # set once the batched calls failed for this cell
-        self._choices: dict[tuple, tuple[str, str | None]] = {}  # "auto"'s measured choice per batch shape
+        self._random: set[LayerShape] = set()  # "auto"'s shapes whose probe found the cell drawing random numbers
+        self._plan_cells: dict[tuple, tuple[str, bool]] = {}  # the plan's name of the cell per trace (_plan_cell)
         self._traced: dict[tuple, _Traced] = {}  # the traced step per batch shape
         self._warned = False
 
@@ -284,7 +312,8 @@ class Recurrence(nn.Module):
         x = input.unsqueeze(0) if unbatched else input if self.batch_first else input.transpose(0, 1)
         spec, s0 = self._initial_state(state0, x, unbatched)
         params = tuple(p for p in self.cell.parameters() if p.requires_grad)
-        path, reason = self._path(x, s0, spec, params)
+        path, decision = self._path(x, s0, spec, params)
+        reason = None if path == "scan" else decision
         if path == "scan":
             traced = self._trace(x, s0, spec)
             try:
@@ -292,6 +321,7 @@ class Recurrence(nn.Module):
             except _Unbatchable as failed:
                 _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
                 path, reason = "autograd", failed.reason
+                decision = f"{decision}; then {reason}"
                 self._fell_back(reason, failed.sticky)
         if path == "autograd" and reason == _NO_GRADIENT and (kernel := self._inference_kernel(x, s0, spec)):
             path, reason = "compiled loop", None
@@ -300,7 +330,10 @@ class Recurrence(nn.Module):
         if path == "autograd":
             states = self._loop(x, s0, spec)
             new_states, final_flat = states[:, 1:], states[:, -1]
-        self.last_stats = {"path": path, "reason": reason, "algorithm": self.algorithm}
+        self.last_stats = {
+            "path": path, "reason": reason, "algorithm": self.algorithm,
+            "plan": path if reason is None else f"{path} ({reason})", "decision": decision,
+        }  # fmt: skip
         if path == "scan":
             self.last_stats.update(
                 jacobians="factored" if traced.factored else "dense", dense_reason=traced.dense_reason,
@@ -349,8 +382,8 @@ class Recurrence(nn.Module):
         spec = _StateSpec(tuple(s.shape[-1] for s in tensors), is_tuple, tensors[0].dtype)
         return spec, spec.flatten(tensors if is_tuple else tensors[0])
 
-    def _path(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str | None]:
-        """``("scan", None)`` or ``("autograd", reason)``."""
+    def _path(self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...]) -> tuple[str, str]:
+        """``(path, why)``: ``"scan"`` or ``"autograd"``, and which rule or decision chose it."""
         batch, steps = x.shape[:2]
         if not torch.is_grad_enabled() or not (x.requires_grad or s0.requires_grad or params):
             return "autograd", _NO_GRADIENT
@@ -362,22 +395,74 @@ class Recurrence(nn.Module):
             return "autograd", "torch.compile traces the loop (the scan's backward calls autograd itself)"
         if self._unbatchable is not None:
             return "autograd", self._unbatchable
-        if self.algorithm == "auto":
-            if steps == 1:
-                return "autograd", "auto: one step, nothing to scan"
-            traced = self._trace(x, s0, spec)
-            form, per_step = ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
-            if traced.kernel is not None:  # the compiled loop also keeps the partials by the input values
-                per_step += traced.kernel.input_partial_elements
-            need = batch * steps * per_step * spec.dtype.itemsize
-            if need > self.memory_budget:
-                return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
-            modes = tuple(m.training for m in self.cell.modules())  # e.g. dropout drawing or not
-            key = (batch, spec.width, spec.dtype, x.device, modes)
-            if key not in self._choices:
-                self._choices[key] = self._probe(x, s0, spec, params, traced)
-            return self._choices[key]
-        return "scan", None
+        if self.algorithm != "auto":
+            return "scan", f"algorithm={self.algorithm!r} as asked"
+        if steps == 1:
+            return "autograd", "auto: one step, nothing to scan"
+        key = self._trace_key(x, spec)
+        traced = self._trace(x, s0, spec, key)
+        form, per_step = ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
+        if traced.kernel is not None:  # the compiled loop also keeps the partials by the input values
+            per_step += traced.kernel.input_partial_elements
+        need = batch * steps * per_step * spec.dtype.itemsize
+        if need > self.memory_budget:
+            return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+        return self._planned(x, s0, spec, params, traced, key)
+
+    def _planned(
+        self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...], traced: _Traced, key: tuple
+    ) -> tuple[str, str]:
+        """``"auto"``'s decision by :func:`~lightning_bppsa.layer_plan.plan_layer`, measured by :meth:`_probe`
+        (there is no cost model of a user cell) on the first call of its shape: the cell (:meth:`_plan_cell`),
+        ``B``, the probe's steps (both backwards grow linearly with ``T``: the probe times ``k`` of them, so
+        every ``T`` with the same ``k`` has the same answer), the input's and state's widths, dtype, device.
+        A cell the probe finds drawing random numbers or unbatchable runs autograd (nothing is cached)."""
+        batch, steps = x.shape[:2]
+        k = _probe_steps(batch, steps, spec.width, traced.factored)
+        cell, persist = self._plan_cell(key, traced)
+        shape = LayerShape(cell, 1, 1, batch, k, math.prod(x.shape[2:]), spec.width, spec.dtype, str(x.device), persist)
+        if shape in self._random:
+            return "autograd", _RANDOM
+        try:
+            plan = layer_plan.plan_layer(
+                shape, lambda: _NO_MODEL, lambda: self._probe(x, s0, spec, params, traced, k),
+                timed=f"for a backward through {k} steps",
+            )  # fmt: skip
+        except _Unbatchable as found:
+            if not found.sticky:
+                self._random.add(shape)
+            self._fell_back(found.reason, found.sticky)
+            return "autograd", found.reason
+        return plan.path, plan.reason
+
+    def _plan_cell(self, key: tuple, traced: _Traced) -> tuple[str, bool]:
+        """The layer plan's name of the cell for this trace key, and whether its decisions may persist on disk.
+
+        Where the cell traced, a digest of what both paths run: the traced step's graphs (their code and
+        constants' shapes), whether its Jacobians factor and where its compiled loop runs, the cell's module
+        classes and training modes, its tensors' shapes, dtypes and ``requires_grad``, the input's and the
+        state's layout, autocast and ``verify``: equal in another process for the same cell, different for
+        cells that compute differently. A cell that did not trace (its Python is all there is to tell it by)
+        is also named by this object's number in the process, and kept in memory only.
+        """
+        grads = tuple(p.requires_grad for p in self.cell.parameters())
+        memo = (key, grads, self.verify)
+        if memo not in self._plan_cells:
+            _, inputs, x_dtype, spec, _, modes, tensors, autocast = key  # B and the device are the shape's own
+            classes = tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in self.cell.modules())
+            what = (classes, inputs, x_dtype, spec, modes, tensors, autocast, grads, self.verify)
+            parts = [repr(what), repr((traced.factored, _platform(traced.kernel)))]
+            traced_ok = traced.structure is not None
+            if traced_ok:
+                parts += _graph_texts(traced.structure)
+            digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+            name = f"Recurrence({type(self.cell).__qualname__}) {digest}"
+            if not traced_ok:
+                if self.cell not in _CELL_NUMBERS:
+                    _CELL_NUMBERS[self.cell] = next(_next_number)
+                name += f" cell#{_CELL_NUMBERS[self.cell]}"
+            self._plan_cells[memo] = (name, traced_ok)
+        return self._plan_cells[memo]
 
     def _inference_kernel(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> CellKernel | None:
         """The compiled loop for a call without gradients (the cell's trace for this batch shape, made here
@@ -405,13 +490,14 @@ class Recurrence(nn.Module):
         autocast = torch.is_autocast_enabled(x.device.type)
         return (x.shape[0], x.shape[2:], x.dtype, spec, x.device, tuple(modes), tuple(tensors), autocast)
 
-    def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
-        """The cell's traced step for this batch shape (cached), checked on the batch's first steps.
+    def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec, key: tuple | None = None) -> _Traced:
+        """The cell's traced step for this batch shape (cached; ``key``: its :meth:`_trace_key`, where known),
+        checked on the batch's first steps.
 
         The traced forward must reproduce the cell's own loop and the factored Jacobians the dense ones
         (``eps ** 0.75`` relative); otherwise the forward calls the cell, or the backward stays dense.
         """
-        key = self._trace_key(x, spec)
+        key = self._trace_key(x, spec) if key is None else key
         if key not in self._traced:
             if torch.is_autocast_enabled(x.device.type):  # the trace would bake in this autocast state's casts
                 reason = "autocast is on: the cell is called"
@@ -445,30 +531,23 @@ class Recurrence(nn.Module):
         return _Traced(structure, None, None, kernel, kernel_reason)
 
     def _probe(
-        self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...], traced: _Traced
-    ) -> tuple[str, str | None]:
-        """``"auto"``'s choice for this batch shape, measured on the batch's first steps (once per shape).
+        self, x: Tensor, s0: Tensor, spec: _StateSpec, params: tuple[Tensor, ...], traced: _Traced, k: int
+    ) -> dict[str, float]:
+        """``"auto"``'s measurement (the layer plan's ``measure``): ``{"scan": s, "autograd": s}``, the seconds
+        of the scan's whole backward (Jacobians, scan, parameter VJP) and of autograd's backward through the
+        loop, over the batch's first ``k`` steps (:func:`_probe_steps`).
 
-        Times autograd's backward through ``k`` steps of the loop and the scan's whole backward (Jacobians,
-        scan, parameter VJP) over the same ``B k`` rows (both grow linearly with ``T``; ``k`` fills one
-        batched-gradient call where it can, so the per-row cost is the real one); the scan runs where it is
-        faster.
         Runs under a forked RNG (the batch's own random numbers are not consumed); a cell that draws random
-        numbers or cannot be batched is found here, before the scan's forward.
+        numbers or cannot be batched is found here, before the scan's forward, and raises
+        :class:`_Unbatchable` (not a timing: nothing is cached).
         """
-        batch, steps = x.shape[:2]
-        # factored Jacobians have no batched-gradient call to fill: as many steps as the probe allows
-        fill = _PROBE_STEPS if traced.factored else max(16, -(-_chunk_rows(spec.width) // batch))
-        k = min(steps, _PROBE_STEPS, fill)
         x_k = x[:, :k].detach()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
             rng = _rng_state(x.device)
             s0_leaf = s0.detach().requires_grad_()
             states = self._loop(x_k, s0_leaf.clone(), spec)  # a clone: a cell may modify its state in place
             if not _same_rng(x.device, rng):
-                reason = "the cell draws random numbers (e.g. dropout in training mode)"
-                self._fell_back(reason, sticky=False)
-                return "autograd", reason
+                raise _Unbatchable(_RANDOM, rng, sticky=False)
             needs = (False, True, *(True for _ in params))  # what autograd's backward below computes
             # the compiled loop's factors come from its forward (not timed: it replaces the loop's forward)
             factors = _kernel_forward(self, traced.kernel, x_k, s0)[1] if traced.kernel is not None else None
@@ -478,22 +557,14 @@ class Recurrence(nn.Module):
                 with torch.no_grad():  # as in a backward
                     _scan_grads(*args)  # once untimed: the first call loads the scan's compiled kernel
             except (*_BATCHING_ERRORS, _RowsMixed) as error:
-                reason = _failure_reason(error)
-                self._fell_back(reason, sticky=True)
-                return "autograd", reason
+                raise _Unbatchable(_failure_reason(error), rng, sticky=True) from None
             start = _synchronized_time(x.device)
             torch.autograd.grad(states.sum(), [s0_leaf, *params], allow_unused=True)
             middle = _synchronized_time(x.device)
             with torch.no_grad():
                 _scan_grads(*args)
             end = _synchronized_time(x.device)
-        autograd, scan = middle - start, end - middle
-        if scan < autograd:
-            return "scan", None
-        return "autograd", (
-            f"auto: measured on {k} steps, the scan's backward (~{scan * 1e3:.2f} ms) does not beat "
-            f"autograd's (~{autograd * 1e3:.2f} ms)"
-        )
+        return {"scan": end - middle, "autograd": middle - start}
 
     def _loop(
         self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None, traced: _Traced | None = None
@@ -901,6 +972,32 @@ def _platform(kernel: CellKernel | None) -> str | None:
 def _chunk_rows(d: int) -> int:
     """Rows per batched-gradient call."""
     return max(1, _JACOBIAN_ELEMENTS // d)
+
+
+def _probe_steps(batch: int, steps: int, d: int, factored: bool) -> int:
+    """The steps ``k`` the ``"auto"`` probe times: as many as fill one batched-gradient call (the per-row cost is
+    then the real one), at most :data:`_PROBE_STEPS`; factored Jacobians have no call to fill: that many."""
+    fill = _PROBE_STEPS if factored else max(16, -(-_chunk_rows(d) // batch))
+    return min(steps, _PROBE_STEPS, fill)
+
+
+def _graph_texts(structure: CellStructure) -> list[str]:
+    """The traced step's graphs as text, in a fixed order: each one's generated code and its constants' shapes
+    and dtypes (the same in every process for the same cell: the plan's key, :meth:`Recurrence._plan_cell`)."""
+    texts = []
+    for name, graph in sorted(vars(structure).items()):
+        if isinstance(graph, fx.GraphModule):
+            constants = [
+                (node.target, *_layout(functools.reduce(getattr, node.target.split("."), graph)))
+                for node in graph.graph.nodes
+                if node.op == "get_attr"
+            ]
+            texts.append(f"{name}\n{graph.code}\n{constants}")
+    return texts
+
+
+def _layout(value: object) -> tuple:
+    return (tuple(value.shape), value.dtype) if isinstance(value, Tensor) else (repr(value),)
 
 
 def _replay_grads(

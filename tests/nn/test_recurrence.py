@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -14,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_bppsa import BPPSAStrategy
+from lightning_bppsa import BPPSAStrategy, layer_plan
 from lightning_bppsa.nn import Recurrence, convert, recurrence, reference_backward
 from lightning_bppsa.nn.convert import is_converted
 from lightning_bppsa.testing import assert_derived_close
@@ -102,7 +106,16 @@ def fake_timer(monkeypatch, autograd_seconds, jacobian_seconds):
 
 
 @pytest.fixture
-def scan_wins(monkeypatch):
+def measuring():
+    """``"auto"`` measures (the probe, on the injected clock of :func:`fake_timer`), in this process only
+    (tests/conftest.py keeps the plan cache off disk); the decisions are forgotten afterwards."""
+    with layer_plan.measurements(True):
+        yield
+    layer_plan.forget()
+
+
+@pytest.fixture
+def scan_wins(monkeypatch, measuring):
     return fake_timer(monkeypatch, 1.0, 0.1)
 
 
@@ -242,6 +255,7 @@ def test_dropout_in_the_cell_runs_autograd_with_the_same_masks_and_eval_scans(al
     for a, b in zip(g_ours, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert rec.last_stats["path"] == "autograd" and "random" in rec.last_stats["reason"]
+    assert not recurrence_plans()  # what the probe found is no timing: the layer plan keeps nothing
     cell.eval()
     compare(cell, x, h0, algorithm=algorithm)  # no random numbers in eval mode: the same module scans again
     rec(x, h0)
@@ -297,7 +311,7 @@ class NoVmapCell(GatedCell):
     ],
 )
 @pytest.mark.parametrize("algorithm", ["auto", "linear"])  # found by the probe / by the scan's forward or backward
-def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(cell_cls, reason, algorithm):
+def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(cell_cls, reason, algorithm, scan_wins):
     torch.manual_seed(3)
     cell = cell_cls(3, 5).double()
     x = (torch.randn(9, 4, 3, dtype=F64) * 3).requires_grad_()
@@ -389,8 +403,11 @@ def test_bad_arguments_are_rejected():
 def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit(scan_wins):
     cell, x, h0 = make("gated", 3, 6)
     assert compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"] == "auto: one step, nothing to scan"
-    # B T (3 gate pieces + the diagonal of z h + the compiled loop's partials by the 3 input gates) H float64s
-    factors = 3 * 6 * (3 * 5 + 5 + 3 * 5) * 8
+    # B T float64s per step: the factors (gate pieces, the diagonal of z h) and the compiled loop's partials by
+    # its input values, as the trace counts them (which ones are kept is the trace's business)
+    (traced,) = compare(cell, x, h0, algorithm="linear")._traced.values()
+    per_step = traced.structure.factor_elements + (traced.kernel.input_partial_elements if traced.kernel else 0)
+    factors = 3 * 6 * per_step * 8
     rec = compare(cell, x, h0, memory_budget=factors - 1)
     assert rec.last_stats["path"] == "autograd" and "factored Jacobians need" in rec.last_stats["reason"]
     assert compare(cell, x, h0, memory_budget=factors).last_stats["path"] == "scan"
@@ -423,11 +440,12 @@ def test_double_backward_and_reference_backward_equal_autograd():
     torch.testing.assert_close(g_scan, g_ref, rtol=1e-10, atol=1e-10)
 
 
-def test_auto_measures_once_per_batch_shape_and_keeps_the_faster_backward(monkeypatch):
+def test_auto_measures_once_per_batch_shape_and_keeps_the_faster_backward(monkeypatch, measuring):
     cell, x, h0 = make("deep", 3, 40)  # not factorable: "auto" measures
     calls = fake_timer(monkeypatch, 0.1, 1.0)  # the scan's Jacobians measure slower than autograd
     rec = compare(cell, x, h0)
-    assert rec.last_stats["path"] == "autograd" and "does not beat autograd" in rec.last_stats["reason"]
+    measured = "measured: scan 1e+03 ms vs torch 100 ms for a backward through 40 steps"
+    assert rec.last_stats["plan"] == f"autograd ({measured})" and rec.last_stats["reason"] == measured
     compare(cell, x, h0, rec=rec)
     assert len(calls) == 3  # measured once for this shape
     rec.train(False)
@@ -688,3 +706,158 @@ def test_outputs_modified_in_place_still_backpropagate_like_the_loop(batch):
     assert rec.last_stats["path"] == "scan"
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------------
+# "auto" decides through the layer plan (lightning_bppsa.layer_plan.plan_layer), measured by the probe
+# --------------------------------------------------------------------------------------------------
+
+
+def recurrence_plans() -> dict:
+    """The layer plan's cached decisions of user cells."""
+    return {shape: plan for shape, plan in layer_plan._decisions.items() if shape.cell.startswith("Recurrence(")}
+
+
+def test_auto_measures_once_per_cell_and_probed_steps_until_forgotten(scan_wins):
+    cell, x, h0 = make("gated", 1, 300)
+    rec = compare(cell, x, h0)
+    measured = "measured: scan 100 ms vs torch 1e+03 ms for a backward through 256 steps"
+    assert len(scan_wins) == 3 and rec.last_stats["plan"] == "scan" and rec.last_stats["decision"] == measured
+    (shape,) = recurrence_plans()
+    assert (shape.batch, shape.steps, shape.hidden, shape.persist) == (1, 256, 5, True)
+    compare(cell, x, h0, rec=rec)
+    _, longer, _ = make("gated", 1, 310)  # another T, the same 256 probed steps: the per-step costs measured
+    compare(cell, longer, h0, rec=rec)
+    assert len(scan_wins) == 3 and rec.last_stats["decision"] == measured
+    short = x[:6].detach().requires_grad_()  # 6 steps are all the probe can time: another decision
+    compare(cell, short, h0, rec=rec)
+    assert len(scan_wins) == 6 and rec.last_stats["decision"].endswith("through 6 steps")
+    layer_plan.forget()  # clears Recurrence's decisions too
+    compare(cell, short, h0, rec=rec)
+    assert len(scan_wins) == 9
+
+
+class CheckedCell(GatedCell):
+    """Python control flow on the state's values (rows stay independent): does not trace."""
+
+    def forward(self, x, h):
+        if not bool(torch.isfinite(h).all()):
+            raise ValueError("a non-finite state")
+        return super().forward(x, h)
+
+
+class Activated(nn.Module):
+    """``h' = f(W [x, h] + b)``: one class, one set of parameter shapes, a graph per ``f``."""
+
+    state_size = 5
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f, self.lin = f, nn.Linear(3 + 5, 5)
+
+    def forward(self, x, h):
+        return self.f(self.lin(torch.cat([x, h], -1)))
+
+
+def test_different_cells_never_share_a_decision_and_copies_of_one_do(monkeypatch, measuring):
+    x = torch.randn(4, 2, 3, dtype=F64, requires_grad=True)
+    calls = fake_timer(monkeypatch, 1.0, 0.1)  # the scan measures faster
+    assert compare(Activated(torch.tanh).double(), x, None).last_stats["path"] == "scan" and len(calls) == 3
+    assert compare(Activated(torch.tanh).double(), x, None).last_stats["path"] == "scan" and len(calls) == 3
+    calls = fake_timer(monkeypatch, 0.1, 1.0)  # the scan measures slower: only a new cell sees it
+    assert compare(Activated(torch.sigmoid).double(), x, None).last_stats["path"] == "autograd"
+    assert len(calls) == 3 and len(recurrence_plans()) == 2
+    # cells whose step does not trace are told apart by their object, in this process only
+    untraced = CheckedCell(3, 5).double()
+    rec = compare(untraced, x, None, algorithm="linear")
+    assert rec.last_stats["trace_reason"].startswith("tracing failed")
+    compare(untraced, x, None)
+    assert len(calls) == 6
+    compare(untraced, x, None)  # the same cell in another module: its decision
+    assert len(calls) == 6
+    compare(CheckedCell(3, 5).double(), x, None)  # an equal cell, but another object: measured
+    assert len(calls) == 9
+    assert sorted(shape.persist for shape in recurrence_plans()) == [False, False, True, True]
+
+
+def test_a_cached_decision_survives_torch_compile_and_nothing_is_measured_while_compiling(scan_wins):
+    cell, x, h0 = make("ind", 2, 5)
+    rec = Recurrence(cell)
+    compiled = torch.compile(rec, backend="eager", fullgraph=True)
+    compiled(x, h0)
+    assert rec.last_stats["path"] == "autograd" and "torch.compile" in rec.last_stats["reason"]
+    assert not scan_wins and not recurrence_plans()  # nothing measured or decided while compiling
+    rec(x, h0)
+    assert len(scan_wins) == 3 and rec.last_stats["path"] == "scan"
+    (shape,) = recurrence_plans()
+    out, _ = compiled(x, h0)
+    assert rec.last_stats["path"] == "autograd" and len(scan_wins) == 3 and layer_plan.cached(shape)
+    torch.testing.assert_close(out, loop(cell, x, h0)[0])
+    rec(x, h0)
+    assert rec.last_stats["path"] == "scan" and len(scan_wins) == 3
+
+
+PLAN_CELLS = '''
+import torch
+from torch import nn
+
+
+class Deep(nn.Module):
+    """Dense Jacobians (two linear maps of the state): no compiled loop to build."""
+
+    state_size = 4
+
+    def __init__(self):
+        super().__init__()
+        self.ih, self.w1, self.w2 = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, h):
+        return torch.tanh(self.ih(x) + self.w2(torch.tanh(self.w1(h))))
+
+
+class Checked(Deep):
+    """Python control flow on the state's values (rows stay independent): does not trace."""
+
+    def forward(self, x, h):
+        if not bool(torch.isfinite(h).all()):
+            raise ValueError("a non-finite state")
+        return super().forward(x, h)
+'''
+
+READ_BACK = '''
+import sys, torch
+torch.set_num_threads({threads})  # the thread count is part of a CPU setup
+from lightning_bppsa.nn import Recurrence, recurrence
+import plan_cells
+
+recurrence._timer = lambda: sys.exit("measured although the decision is on disk")
+torch.manual_seed(0)
+rec = Recurrence(plan_cells.Deep().double())
+rec(torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True))
+print(rec.last_stats["decision"])
+'''
+
+
+def test_only_a_traced_cells_decision_is_kept_on_disk_and_another_process_reads_it(monkeypatch, tmp_path, scan_wins):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "1")
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(cache))
+    (tmp_path / "plan_cells.py").write_text(PLAN_CELLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan_cells = __import__("plan_cells")
+    x = torch.randn(6, 2, 3, dtype=F64, requires_grad=True)
+    Recurrence(plan_cells.Checked().double())(x)
+    assert len(scan_wins) == 3 and not list(cache.glob("layer-plans-*.json"))  # in memory only
+    torch.manual_seed(0)
+    rec = Recurrence(plan_cells.Deep().double())
+    rec(torch.randn(6, 2, 3, dtype=F64, requires_grad=True))
+    assert len(scan_wins) == 6 and rec.last_stats["path"] == "scan"
+    (path,) = cache.glob("layer-plans-*.json")
+    (key,) = json.loads(path.read_text())["decisions"]
+    assert key.startswith("Recurrence(Deep) ") and "B=2 T=6 input=3 H=4 torch.float64" in key
+    script = READ_BACK.format(threads=torch.get_num_threads())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    measured = "measured: scan 100 ms vs torch 1e+03 ms for a backward through 6 steps (on-disk plan cache)"
+    assert result.stdout.strip() == measured
