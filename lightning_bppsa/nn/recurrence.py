@@ -276,7 +276,9 @@ class Recurrence(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(cell, nn.Module):
-            raise TypeError(f"cell must be an nn.Module with cell(x_t, state) -> state; got {type(cell).__name__}")
+            raise TypeError(
+                f"cell must be an nn.Module with cell(x_t, state) -> state; got {type(cell).__name__}"
+            )
         check_algorithm(algorithm)
         if memory_budget < 0:
             raise ValueError(f"memory_budget must be >= 0 bytes; got {memory_budget}")
@@ -284,8 +286,12 @@ class Recurrence(nn.Module):
         self.memory_budget, self.verify = memory_budget, verify
         self.last_stats: dict[str, Any] = {}
         self._unbatchable: str | None = None  # set once the batched calls failed for this cell
-        self._random: set[LayerShape] = set()  # "auto"'s shapes whose probe found the cell drawing random numbers
-        self._plan_cells: dict[tuple, tuple[str, bool]] = {}  # the plan's name of the cell per trace (_plan_cell)
+        self._random: set[LayerShape] = (
+            set()
+        )  # "auto"'s shapes whose probe found the cell drawing random numbers
+        self._plan_cells: dict[
+            tuple, tuple[str, bool]
+        ] = {}  # the plan's name of the cell per trace (_plan_cell)
         self._traced: dict[tuple, _Traced] = {}  # the traced step per batch shape
         self._warned = False
 
@@ -336,9 +342,12 @@ class Recurrence(nn.Module):
         }  # fmt: skip
         if path == "scan":
             self.last_stats.update(
-                jacobians="factored" if traced.factored else "dense", dense_reason=traced.dense_reason,
-                traced_forward=traced.structure is not None, trace_reason=traced.reason,
-                cell_kernel=_platform(traced.kernel), cell_kernel_reason=traced.kernel_reason,
+                jacobians="factored" if traced.factored else "dense",
+                dense_reason=traced.dense_reason,
+                traced_forward=traced.structure is not None,
+                trace_reason=traced.reason,
+                cell_kernel=_platform(traced.kernel),
+                cell_kernel_reason=traced.kernel_reason,
             )
         outputs = self._outputs(new_states, spec)
         final = spec.unflatten(final_flat)
@@ -362,7 +371,9 @@ class Recurrence(nn.Module):
                     "tuple state)"
                 )
             dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
-            spec = _StateSpec(sizes if isinstance(sizes, tuple) else (sizes,), isinstance(sizes, tuple), dtype)
+            spec = _StateSpec(
+                sizes if isinstance(sizes, tuple) else (sizes,), isinstance(sizes, tuple), dtype
+            )
             return spec, x.new_zeros(batch, spec.width, dtype=dtype)
         is_tuple = isinstance(state0, (tuple, list))
         tensors = tuple(state0) if is_tuple else (state0,)
@@ -401,12 +412,17 @@ class Recurrence(nn.Module):
             return "autograd", "auto: one step, nothing to scan"
         key = self._trace_key(x, spec)
         traced = self._trace(x, s0, spec, key)
-        form, per_step = ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
+        form, per_step = (
+            ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
+        )
         if traced.kernel is not None:  # the compiled loop also keeps the partials by the input values
             per_step += traced.kernel.input_partial_elements
         need = batch * steps * per_step * spec.dtype.itemsize
         if need > self.memory_budget:
-            return "autograd", f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}"
+            return (
+                "autograd",
+                f"auto: the {form} Jacobians need {need} bytes > memory_budget={self.memory_budget}",
+            )
         return self._planned(x, s0, spec, params, traced, key)
 
     def _planned(
@@ -420,7 +436,9 @@ class Recurrence(nn.Module):
         batch, steps = x.shape[:2]
         k = _probe_steps(batch, steps, spec.width, traced.factored)
         cell, persist = self._plan_cell(key, traced)
-        shape = LayerShape(cell, 1, 1, batch, k, math.prod(x.shape[2:]), spec.width, spec.dtype, str(x.device), persist)
+        shape = LayerShape(
+            cell, 1, 1, batch, k, math.prod(x.shape[2:]), spec.width, spec.dtype, str(x.device), persist
+        )
         if shape in self._random:
             return "autograd", _RANDOM
         try:
@@ -448,7 +466,9 @@ class Recurrence(nn.Module):
         grads = tuple(p.requires_grad for p in self.cell.parameters())
         memo = (key, grads, self.verify)
         if memo not in self._plan_cells:
-            _, inputs, x_dtype, spec, _, modes, tensors, autocast = key  # B and the device are the shape's own
+            _, inputs, x_dtype, spec, _, modes, tensors, autocast = (
+                key  # B and the device are the shape's own
+            )
             classes = tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in self.cell.modules())
             what = (classes, inputs, x_dtype, spec, modes, tensors, autocast, grads, self.verify)
             parts = [repr(what), repr((traced.factored, _platform(traced.kernel)))]
@@ -486,7 +506,11 @@ class Recurrence(nn.Module):
         modes, tensors = [], []
         for module in self.cell.modules():  # one walk (asked on every call): modes, and what a graph takes
             modes.append(module.training)
-            tensors += [(t.dtype, t.shape) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+            tensors += [
+                (t.dtype, t.shape)
+                for t in (*module._parameters.values(), *module._buffers.values())
+                if t is not None
+            ]
         autocast = torch.is_autocast_enabled(x.device.type)
         return (x.shape[0], x.shape[2:], x.dtype, spec, x.device, tuple(modes), tuple(tensors), autocast)
 
@@ -499,7 +523,9 @@ class Recurrence(nn.Module):
         """
         key = self._trace_key(x, spec) if key is None else key
         if key not in self._traced:
-            if torch.is_autocast_enabled(x.device.type):  # the trace would bake in this autocast state's casts
+            if torch.is_autocast_enabled(
+                x.device.type
+            ):  # the trace would bake in this autocast state's casts
                 reason = "autocast is on: the cell is called"
                 self._traced[key] = _Traced(None, reason, reason)
             else:
@@ -509,7 +535,9 @@ class Recurrence(nn.Module):
     def _checked_trace(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> _Traced:
         """Trace the cell and check the trace on the first steps of the batch's first rows."""
         try:
-            structure = trace_cell(self.cell, x[:, 0].detach(), spec.tensors(spec.unflatten(s0.detach())), spec.is_tuple)
+            structure = trace_cell(
+                self.cell, x[:, 0].detach(), spec.tensors(spec.unflatten(s0.detach())), spec.is_tuple
+            )
         except NotTraceable as error:
             return _Traced(None, str(error), str(error))
         x_k, s0_k = x[:_CHECK_ROWS, :_CHECK_STEPS].detach(), s0[:_CHECK_ROWS].detach()
@@ -542,7 +570,10 @@ class Recurrence(nn.Module):
         :class:`_Unbatchable` (not a timing: nothing is cached).
         """
         x_k = x[:, :k].detach()
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
+        with (
+            torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []),
+            torch.enable_grad(),
+        ):
             rng = _rng_state(x.device)
             s0_leaf = s0.detach().requires_grad_()
             states = self._loop(x_k, s0_leaf.clone(), spec)  # a clone: a cell may modify its state in place
@@ -567,7 +598,12 @@ class Recurrence(nn.Module):
         return {"scan": end - middle, "autograd": middle - start}
 
     def _loop(
-        self, x: Tensor, s0: Tensor, spec: _StateSpec, rng: list[Tensor] | None = None, traced: _Traced | None = None
+        self,
+        x: Tensor,
+        s0: Tensor,
+        spec: _StateSpec,
+        rng: list[Tensor] | None = None,
+        traced: _Traced | None = None,
     ) -> Tensor:
         """The states ``(B, T + 1, d)`` of the Python loop over time (recorded by autograd where grad mode is on).
 
@@ -719,7 +755,9 @@ def _scan_grads(
     batch, steps, d = states.shape[0], states.shape[1] - 1, spec.width
     rows = batch * steps
     start = clock()
-    x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0]) if factors is None else factors.x_flat
+    x_flat = (
+        x.reshape(rows, *x.shape[2:]).detach().requires_grad_(needs[0]) if factors is None else factors.x_flat
+    )
     outs: list[tuple[Tensor, int, int]] = []
     if factors is not None:
         jacobians_t = factors.jacobians
@@ -741,7 +779,11 @@ def _scan_grads(
         g0, products = traced.kernel.scan(factors, *per_step)
         s0_grad = g0.clone()
     else:
-        direct = _final_gradient(grad_steps, grad_final) if only_last else _state_gradients(grad_steps, grad_final, states)
+        direct = (
+            _final_gradient(grad_steps, grad_final)
+            if only_last
+            else _state_gradients(grad_steps, grad_final, states)
+        )
         with without_autocast(x.device.type):  # in the Jacobians' dtype, not autocast's
             g = backprop_scan(jacobians_t, direct, algorithm=module.algorithm)
         s0_grad = g[:, 0]
@@ -784,8 +826,13 @@ def _state_gradients(grad_steps: Tensor | None, grad_final: Tensor | None, state
 def _linear_plan(algorithm: str, jacobians: FactoredJacobians) -> bool:
     """Whether the scan's plan for these Jacobians is the linear sweep (``"auto"``: as the cost model picks)."""
     plan = choose(
-        algorithm, n=jacobians.length, d=jacobians.state_size, batch=jacobians.batch_size,
-        width=jacobians.weight.shape[0], device=jacobians.scales.device.type, dtype=jacobians.scales.dtype,
+        algorithm,
+        n=jacobians.length,
+        d=jacobians.state_size,
+        batch=jacobians.batch_size,
+        width=jacobians.weight.shape[0],
+        device=jacobians.scales.device.type,
+        dtype=jacobians.scales.dtype,
     )
     return plan.algorithm == "linear"
 
@@ -852,7 +899,13 @@ def _step_jacobians(
             continue
         cotangents = eye.unsqueeze(1).expand(d, hi - lo, d)  # row k of every step's Jacobian at once
         (jac,) = torch.autograd.grad(
-            new, prev, cotangents, retain_graph=True, is_grads_batched=True, allow_unused=True, materialize_grads=True
+            new,
+            prev,
+            cotangents,
+            retain_graph=True,
+            is_grads_batched=True,
+            allow_unused=True,
+            materialize_grads=True,
         )
         jacobians_t[lo:hi] = jac.permute(1, 2, 0)  # jac[k, r, j] = ∂s_r[k]/∂s_{r-1}[j]
         outs.append((new, lo, hi))
@@ -875,7 +928,9 @@ def _factored_pass(
     return jacobians, new
 
 
-def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, states: Tensor) -> str | None:
+def _check_factored(
+    module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, states: Tensor
+) -> str | None:
     """``None`` where the traced step's Jacobians and parameter VJP equal the cell's on these steps, else why
     not (once per trace: a custom ``autograd.Function`` in the cell, for one, is not in the traced graph)."""
     x_flat = x.reshape(-1, *x.shape[2:]).requires_grad_()
@@ -890,15 +945,21 @@ def _check_factored(module: Recurrence, structure: CellStructure, spec: _StateSp
         return f"the factored pass failed ({describe(error)})"
     tolerance = torch.finfo(spec.dtype).eps ** 0.75
     scale = max(1.0, dense.abs().max().item())
-    if not torch.allclose(factored.dense().reshape(dense.shape), dense, rtol=tolerance, atol=tolerance * scale):
+    if not torch.allclose(
+        factored.dense().reshape(dense.shape), dense, rtol=tolerance, atol=tolerance * scale
+    ):
         return "the factored Jacobians do not match the dense ones"
     cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype, device=new.device).view_as(new)
     leaves = [x_flat, *params]
     none = [None] * len(leaves)
-    theirs = torch.autograd.grad([o for o, _, _ in outs], leaves, [cotangent], allow_unused=True) if outs else none
+    theirs = (
+        torch.autograd.grad([o for o, _, _ in outs], leaves, [cotangent], allow_unused=True) if outs else none
+    )
     ours = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else none
     for a, b in zip(ours, theirs, strict=True):
-        if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale)):
+        if (a is None) != (b is None) or (
+            a is not None and not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale)
+        ):
             return "the traced step's parameter gradients do not match the cell's"
     return None
 
@@ -932,16 +993,30 @@ def _checked_kernel(
     x_flat = x.reshape(rows, *x.shape[2:]).detach().requires_grad_()
     reference, new = _factored_pass(module, structure, spec, x_flat, expected)
     tolerance = torch.finfo(spec.dtype).eps ** 0.75
-    close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(1.0, b.abs().max().item()))  # noqa: E731
+
+    def close(a: Tensor, b: Tensor) -> bool:
+        if a.shape != b.shape:
+            return False
+        return torch.allclose(a, b, rtol=tolerance, atol=tolerance * max(1.0, b.abs().max().item()))
+
     params = [p for p in module.cell.parameters() if p.requires_grad]
     leaves = [x_flat, *params]
     cotangent = torch.linspace(-1.0, 1.0, new.numel(), dtype=new.dtype, device=new.device).view_as(new)
     grad = torch.cat([torch.zeros_like(expected[:, :1]), cotangent.view(x.shape[0], x.shape[1], -1)], 1)
     ours = kernel.vjp(factors, expected, kernel.products(factors, grad), [factors.x_flat, *params])
-    theirs = torch.autograd.grad(new, leaves, cotangent, allow_unused=True) if new.requires_grad else [None] * len(leaves)
-    same_vjp = all((a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(ours, theirs, strict=True))
+    theirs = (
+        torch.autograd.grad(new, leaves, cotangent, allow_unused=True)
+        if new.requires_grad
+        else [None] * len(leaves)
+    )
+    same_vjp = all(
+        (a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(ours, theirs, strict=True)
+    )
     if not (close(states, expected) and close(factors.jacobians.dense(), reference.dense()) and same_vjp):
-        return None, "the compiled loop does not reproduce the traced step (a generator bug: please report it)"
+        return (
+            None,
+            "the compiled loop does not reproduce the traced step (a generator bug: please report it)",
+        )
     return kernel, None
 
 
@@ -955,7 +1030,9 @@ def _compiled_loop(structure: CellStructure, dtype: torch.dtype, device: torch.d
     raise Unsupported(f"no compiled loop on {device.type}")
 
 
-def _traced_loop(module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor) -> Tensor:
+def _traced_loop(
+    module: Recurrence, structure: CellStructure, spec: _StateSpec, x: Tensor, s0: Tensor
+) -> Tensor:
     """The loop's states ``(B, T + 1, d)`` from the traced step (no cell calls)."""
     batch, steps = x.shape[:2]
     x_tb = x.transpose(0, 1).reshape(steps * batch, *x.shape[2:])
@@ -1023,7 +1100,9 @@ def _replay_grads(
     with torch.enable_grad():
         states = module._loop(x_leaf, s0_leaf, spec)
     wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
-    found = iter(torch.autograd.grad(states, wanted, grad_states, allow_unused=True, create_graph=create_graph))
+    found = iter(
+        torch.autograd.grad(states, wanted, grad_states, allow_unused=True, create_graph=create_graph)
+    )
     return [next(found) if need else None for need in needs]
 
 

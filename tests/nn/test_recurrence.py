@@ -80,7 +80,11 @@ class DeepTransition(nn.Module):
     def __init__(self, inputs: int, hidden: int) -> None:
         super().__init__()
         self.state_size = hidden
-        self.ih, self.w1, self.w2 = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.ih, self.w1, self.w2 = (
+            nn.Linear(inputs, hidden),
+            nn.Linear(hidden, hidden),
+            nn.Linear(hidden, hidden),
+        )
 
     def forward(self, x, h):
         return torch.tanh(self.ih(x) + self.w2(torch.tanh(self.w1(h))))
@@ -93,7 +97,13 @@ class NormedCell(GatedCell):
         return super().forward(x, nn.functional.layer_norm(h, h.shape[-1:]))
 
 
-CELLS = {"gated": GatedCell, "ind": IndCell, "lstm": PeepholeLSTM, "deep": DeepTransition, "normed": NormedCell}
+CELLS = {
+    "gated": GatedCell,
+    "ind": IndCell,
+    "lstm": PeepholeLSTM,
+    "deep": DeepTransition,
+    "normed": NormedCell,
+}
 FACTORABLE = {"gated", "ind", "lstm"}
 
 
@@ -121,8 +131,10 @@ def scan_wins(monkeypatch, measuring):
 
 def _zeros(cell, batch, dtype=F64):
     sizes = cell.state_size
-    return tuple(torch.zeros(batch, s, dtype=dtype) for s in sizes) if isinstance(sizes, tuple) else torch.zeros(
-        batch, sizes, dtype=dtype
+    return (
+        tuple(torch.zeros(batch, s, dtype=dtype) for s in sizes)
+        if isinstance(sizes, tuple)
+        else torch.zeros(batch, sizes, dtype=dtype)
     )
 
 
@@ -132,7 +144,13 @@ def loop(cell, x, state0, batch_first=False):
     state, outs = state0, []
     for x_t in xs:
         state = cell(x_t, state)
-        out = cell.output_fn(state) if hasattr(cell, "output_fn") else state[0] if isinstance(state, tuple) else state
+        out = (
+            cell.output_fn(state)
+            if hasattr(cell, "output_fn")
+            else state[0]
+            if isinstance(state, tuple)
+            else state
+        )
         outs.append(out)
     return torch.stack(outs, 1 if batch_first else 0), state
 
@@ -181,8 +199,12 @@ def make(kind, batch, steps, inputs=3, hidden=5, dtype=F64, with_state0=True, ba
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
 @pytest.mark.parametrize("where", ["every", "last"])
-@pytest.mark.parametrize(("batch", "steps", "with_state0", "batch_first"), [(3, 7, True, False), (1, 11, False, True)])
-def test_gradients_equal_autograd_through_the_loop(kind, where, batch, steps, with_state0, batch_first, scan_wins):
+@pytest.mark.parametrize(
+    ("batch", "steps", "with_state0", "batch_first"), [(3, 7, True, False), (1, 11, False, True)]
+)
+def test_gradients_equal_autograd_through_the_loop(
+    kind, where, batch, steps, with_state0, batch_first, scan_wins
+):
     cell, x, state0 = make(kind, batch, steps, with_state0=with_state0, batch_first=batch_first)
     rec = compare(cell, x, state0, where=where, batch_first=batch_first)
     assert rec.last_stats["path"] == "scan" and rec.last_stats["reason"] is None
@@ -310,8 +332,12 @@ class NoVmapCell(GatedCell):
         (NoVmapCell, "batched cell calls failed"),
     ],
 )
-@pytest.mark.parametrize("algorithm", ["auto", "linear"])  # found by the probe / by the scan's forward or backward
-def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(cell_cls, reason, algorithm, scan_wins):
+@pytest.mark.parametrize(
+    "algorithm", ["auto", "linear"]
+)  # found by the probe / by the scan's forward or backward
+def test_cells_the_batched_calls_cannot_run_fall_back_exactly_warn_once_and_stick(
+    cell_cls, reason, algorithm, scan_wins
+):
     torch.manual_seed(3)
     cell = cell_cls(3, 5).double()
     x = (torch.randn(9, 4, 3, dtype=F64) * 3).requires_grad_()
@@ -402,11 +428,16 @@ def test_bad_arguments_are_rejected():
 
 def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit(scan_wins):
     cell, x, h0 = make("gated", 3, 6)
-    assert compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"] == "auto: one step, nothing to scan"
+    assert (
+        compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"]
+        == "auto: one step, nothing to scan"
+    )
     # B T float64s per step: the factors (gate pieces, the diagonal of z h) and the compiled loop's partials by
     # its input values, as the trace counts them (which ones are kept is the trace's business)
     (traced,) = compare(cell, x, h0, algorithm="linear")._traced.values()
-    per_step = traced.structure.factor_elements + (traced.kernel.input_partial_elements if traced.kernel else 0)
+    per_step = traced.structure.factor_elements + (
+        traced.kernel.input_partial_elements if traced.kernel else 0
+    )
     factors = 3 * 6 * per_step * 8
     rec = compare(cell, x, h0, memory_budget=factors - 1)
     assert rec.last_stats["path"] == "autograd" and "factored Jacobians need" in rec.last_stats["reason"]
@@ -461,7 +492,9 @@ def test_torch_func_runs_autograd_through_the_loop():
     params = dict(cell.named_parameters())
 
     def loss(p):
-        return torch.func.functional_call(rec, {f"cell.{k}": v for k, v in p.items()}, (x, h0))[0].pow(2).sum()
+        return (
+            torch.func.functional_call(rec, {f"cell.{k}": v for k, v in p.items()}, (x, h0))[0].pow(2).sum()
+        )
 
     ours = torch.func.grad(loss)(params)
     assert rec.last_stats["path"] == "autograd" and "torch.func" in rec.last_stats["reason"]
@@ -498,8 +531,14 @@ def _fit(strategy):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8, 6, 3, generator=g), torch.randint(0, 2, (8,), generator=g))
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, precision="64-true",
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="64-true",
     )
     trainer.fit(model, DataLoader(data, batch_size=4))
     return model, trainer
@@ -572,7 +611,9 @@ def test_factored_jacobians_equal_the_dense_ones_or_say_why_not(kind):
     traced = rec._trace(xb, states[:, 0], spec)
     dense, _ = recurrence._step_jacobians(rec, spec, xb.reshape(-1, xb.shape[-1]), states)
     if kind in FACTORABLE:
-        factored, _ = recurrence._factored_pass(rec, traced.structure, spec, xb.reshape(-1, xb.shape[-1]), states)
+        factored, _ = recurrence._factored_pass(
+            rec, traced.structure, spec, xb.reshape(-1, xb.shape[-1]), states
+        )
         torch.testing.assert_close(factored.dense().reshape(dense.shape), dense, rtol=1e-12, atol=1e-12)
 
 
@@ -601,7 +642,9 @@ class RowViewCell(GatedCell):
         return super().forward(x.view(h.shape[0], -1), h)
 
 
-@pytest.mark.parametrize(("cell_cls", "reason"), [(BranchingCell, "tracing failed"), (RowViewCell, "row count")])
+@pytest.mark.parametrize(
+    ("cell_cls", "reason"), [(BranchingCell, "tracing failed"), (RowViewCell, "row count")]
+)
 def test_cells_that_do_not_trace_call_the_cell_with_dense_jacobians(cell_cls, reason):
     torch.manual_seed(1)
     cell = cell_cls(3, 5).double()
@@ -715,7 +758,9 @@ def test_outputs_modified_in_place_still_backpropagate_like_the_loop(batch):
 
 def recurrence_plans() -> dict:
     """The layer plan's cached decisions of user cells."""
-    return {shape: plan for shape, plan in layer_plan._decisions.items() if shape.cell.startswith("Recurrence(")}
+    return {
+        shape: plan for shape, plan in layer_plan._decisions.items() if shape.cell.startswith("Recurrence(")
+    }
 
 
 def test_auto_measures_once_per_cell_and_probed_steps_until_forgotten(scan_wins):
@@ -824,7 +869,7 @@ class Checked(Deep):
         return super().forward(x, h)
 '''
 
-READ_BACK = '''
+READ_BACK = """
 import sys, torch
 torch.set_num_threads({threads})  # the thread count is part of a CPU setup
 from lightning_bppsa.nn import Recurrence, recurrence
@@ -835,10 +880,12 @@ torch.manual_seed(0)
 rec = Recurrence(plan_cells.Deep().double())
 rec(torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True))
 print(rec.last_stats["decision"])
-'''
+"""
 
 
-def test_only_a_traced_cells_decision_is_kept_on_disk_and_another_process_reads_it(monkeypatch, tmp_path, scan_wins):
+def test_only_a_traced_cells_decision_is_kept_on_disk_and_another_process_reads_it(
+    monkeypatch, tmp_path, scan_wins
+):
     cache = tmp_path / "cache"
     monkeypatch.setenv("BPPSA_PLAN_CACHE", "1")
     monkeypatch.setenv("BPPSA_CACHE_DIR", str(cache))
@@ -857,7 +904,9 @@ def test_only_a_traced_cells_decision_is_kept_on_disk_and_another_process_reads_
     assert key.startswith("Recurrence(Deep) ") and "B=2 T=6 input=3 H=4 torch.float64" in key
     script = READ_BACK.format(threads=torch.get_num_threads())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     measured = "measured: scan 100 ms vs torch 1e+03 ms for a backward through 6 steps (on-disk plan cache)"
     assert result.stdout.strip() == measured
