@@ -30,6 +30,7 @@ Anything else is not factorable (``reason`` says why).
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import types
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from torch.func import functional_call
 
 from lightning_bppsa import gemm
 from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.nn.cell_inplace import out_of_place
 
 __all__ = ["CellStructure", "NotTraceable", "cell_tensors", "describe", "trace_cell"]
 
@@ -73,7 +75,10 @@ class CellStructure:
     Built by :func:`trace_cell`; ``reason`` is ``None`` where the Jacobians factor, else why not.
     """
 
-    def __init__(self, gm: fx.GraphModule, n_tensors: int, n_states: int, width: int) -> None:
+    def __init__(self, gm: fx.GraphModule, n_tensors: int, groups: tuple[int, ...], width: int) -> None:
+        # the traced step's state placeholders are ``width``-wide blocks; ``groups[i]`` of them make the cell's
+        # state tensor i (concatenated along the last dimension: the flat state's layout is the blocks' order)
+        self._groups = groups
         nodes = list(gm.graph.nodes)
         placeholders = [n for n in nodes if n.op == "placeholder"]
         tensor_nodes = placeholders[:n_tensors]
@@ -180,6 +185,7 @@ class CellStructure:
         """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
         so that a step's rows are contiguous), then only the state part per step."""
         batch = x.shape[0] // steps
+        states = self._blocks(states)
         frontier = self._precompute.forward(*tensors, x)
         # each step's arguments as one tuple, made in C: row-shaped values as T views, the others repeated
         columns = [
@@ -189,7 +195,23 @@ class CellStructure:
         step, out = self._step.forward, []
         for args in zip(*columns, strict=True) if columns else itertools.repeat((), steps):
             states = step(*args, *states)
-            out.append(states)
+            out.append(self._joined(states))
+        return out
+
+    def _blocks(self, states: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """The cell's state tensors as the traced step's ``width``-wide blocks (views)."""
+        if len(states) == self.n_states:
+            return tuple(states)
+        return tuple(b for s, n in zip(states, self._groups, strict=True) for b in (s.split(self.width, -1) if n > 1 else (s,)))
+
+    def _joined(self, blocks: list[Tensor]) -> list[Tensor]:
+        """The traced step's blocks as the cell's state tensors."""
+        if len(self._groups) == len(blocks):
+            return list(blocks)
+        out, at = [], 0
+        for n in self._groups:
+            out.append(blocks[at] if n == 1 else torch.cat(blocks[at : at + n], -1))
+            at += n
         return out
 
     def linearize(
@@ -199,7 +221,7 @@ class CellStructure:
         state tensors recorded by autograd back to ``tensors`` and ``x`` (for the parameter VJP)."""
         m, h = self.n_states, self.width
         d = m * h
-        states = tuple(s.detach() for s in states)
+        states = tuple(s.detach() for s in self._blocks(states))
         frontier = self._precompute.forward(*tensors, x)
         pieces = [p if p.requires_grad else p.detach().requires_grad_() for p in self._linear.forward(*frontier, *states)]
         # the states as leaves only after the pieces are made: their gradients are the pointwise part's own reads
@@ -222,7 +244,7 @@ class CellStructure:
         columns = [partials[p][leaf] for p, leaf in self.scale_columns]
         scale = torch.cat(columns, -1) if columns else states[0].new_zeros(rows, 0)  # one copy of every partial
         diagonal = partials[0][0].reshape(batch, rows // batch, d) if self.has_diagonal else None
-        return FactoredJacobians(weight, scale.view(batch, rows // batch, -1), diagonal), outs
+        return FactoredJacobians(weight, scale.view(batch, rows // batch, -1), diagonal), self._joined(outs)
 
     @property
     def scale_columns(self) -> list[tuple[int, int]]:
@@ -267,31 +289,51 @@ def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple:
 
     The step is traced at two row counts: a graph that differs between them bakes the row count in
     (e.g. a ``view``) and could not run the input part on all ``B T`` rows at once.
+
+    State tensors of different widths are traced as blocks of their widths' greatest common divisor: the
+    step's inputs are the blocks (concatenated into the cell's tensors), its outputs the new tensors' blocks,
+    so that the analysis sees one width (a wide tensor's pointwise ops are then written per block, as a gate
+    block's are; :class:`_Blocks`).
     """
     names = [n for n, _ in (*cell.named_parameters(), *cell.named_buffers())]
     tensors = [t.detach() for t in cell_tensors(cell)]
+    sizes = [s.shape[-1] for s in states]
+    width = math.gcd(*sizes)
+    groups = tuple(n // width for n in sizes) if width else (1,) * len(sizes)
 
     def step(*flat: Tensor) -> list[Tensor]:
-        given, x_t, state = flat[: len(names)], flat[len(names)], flat[len(names) + 1 :]
-        new = functional_call(cell, dict(zip(names, given, strict=True)), (x_t, state if is_tuple else state[0]))
-        return list(new) if is_tuple else [new]
+        given, x_t, blocks = flat[: len(names)], flat[len(names)], flat[len(names) + 1 :]
+        state, at = [], 0
+        for n in groups:
+            state.append(blocks[at] if n == 1 else torch.cat(blocks[at : at + n], -1))
+            at += n
+        new = functional_call(cell, dict(zip(names, given, strict=True)), (x_t, tuple(state) if is_tuple else state[0]))
+        new = list(new) if is_tuple else [new]
+        if len(new) != len(sizes) or any(not isinstance(t, Tensor) or t.shape[-1:] != (n,) for t, n in zip(new, sizes, strict=False)):
+            raise ValueError("the cell's new state does not have its state's widths")
+        return [b for t, n in zip(new, groups, strict=True) for b in (t.split(width, -1) if n > 1 else (t,))]
 
     graphs = []
     for rows in (x.shape[0], x.shape[0] + 1):
-        inputs = [x.new_empty(rows, *x.shape[1:]), *(s.new_empty(rows, *s.shape[1:]) for s in states)]
+        blocks = [s.new_empty(rows, *s.shape[1:-1], width) for s, n in zip(states, groups, strict=True) for _ in range(n)]
+        inputs = [x.new_empty(rows, *x.shape[1:]), *blocks]
         devices = [x.device] if x.device.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 gm = torch.fx.experimental.proxy_tensor.make_fx(step, tracing_mode="fake")(*tensors, *inputs)
         except Exception as error:  # noqa: BLE001 - any failure to trace keeps calling the cell
             raise NotTraceable(f"tracing failed ({describe(error)})") from None
+        roles = ["a parameter or buffer"] * len(tensors) + ["its input x"] + ["its state"] * sum(groups)
+        reason = out_of_place(gm, roles)
+        if reason is not None:
+            raise NotTraceable(reason)
         _check_pure(gm)
-        _canonical(gm, len(tensors), states[0].shape[-1])
+        _canonical(gm, len(tensors), width)
         graphs.append(gm)
     if _signature(graphs[0]) != _signature(graphs[1]):
         raise NotTraceable("the traced step depends on the row count")
     try:
-        return CellStructure(graphs[0], len(tensors), len(states), states[0].shape[-1])
+        return CellStructure(graphs[0], len(tensors), groups, width)
     except NotTraceable:
         raise
     except Exception as error:  # noqa: BLE001 - a graph the analysis does not expect keeps calling the cell
@@ -333,12 +375,18 @@ def _origins(gm: fx.GraphModule, n_tensors: int) -> dict[fx.Node, int]:
 
 def _canonical(gm: fx.GraphModule, n_tensors: int, width: int) -> None:
     """Rewrite the traced step in place into the one form the analysis reads, whatever the cell's style or the
-    torch release: ``lerp`` / ``addcmul`` / ``addcdiv`` as the adds, products and quotients they are (which the
+    torch release: ``unsafe_split`` as ``split``, ``lerp`` / ``addcmul`` / ``addcdiv`` as the adds, products and quotients they are (which the
     compiled loop generates), and the gate-block-first style (pointwise ops on a ``(rows, m H)`` block of the
     state's linear maps, split into ``(rows, H)`` pieces afterwards) written per piece (:class:`_Blocks`)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.target in _DECOMPOSED:
+        if node.target in _RENAMED:
+            node.target = _RENAMED[node.target]
+        elif node.target is aten.cat.default and _last_dim(_dim(node, 1), node):
+            # nested concatenations as one (a wide state tensor, traced as its blocks, in cat([x, h, c]))
+            parts = [q for p in node.args[0] for q in (p.args[0] if _is_column_cat(p) else [p])]
+            node.args = (parts, -1)
+        elif node.target in _DECOMPOSED:
             with graph.inserting_before(node):
                 node.replace_all_uses_with(_DECOMPOSED[node.target](graph, *node.args, **node.kwargs))
             graph.erase_node(node)
@@ -358,6 +406,13 @@ def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> f
 def _scaled(graph: fx.Graph, a: fx.Node, value: object) -> fx.Node:
     return a if value == 1 else _call(graph, aten.mul.Tensor, a, value)
 
+
+#: ops that compute the same as another in a pure graph (the unsafe splits' pieces are not views for autograd: the
+#: difference matters only to in-place ops, which :func:`~lightning_bppsa.nn.cell_inplace.out_of_place` removed)
+_RENAMED = {
+    aten.unsafe_split.Tensor: aten.split.Tensor,
+    aten.unsafe_split_with_sizes.default: aten.split_with_sizes.default,
+}
 
 #: ops written as the adds, products and quotients they are: (graph, *args, **kwargs) -> the new node
 _DECOMPOSED = {
@@ -416,6 +471,10 @@ class _Blocks:
         if taken is not None:
             blocks = self.blocks(taken[0])
             return None if blocks is None else blocks[taken[1] : taken[1] + width // self.h]
+        if node.target is aten.cat.default and self.origin.get(node) == _STATE and _last_dim(_dim(node, 1), node):
+            # a wide state tensor (the blocks it is traced as, concatenated), or state tensors side by side
+            parts = [self.blocks(part) for part in node.args[0]]
+            return None if any(p is None for p in parts) else [b for p in parts for b in p]
         if self.origin.get(node, _CONST) != _STATE or node.target in _LINEAR:
             sizes = [self.h] * (width // self.h)
             split = _call(self.graph, aten.split_with_sizes.default, node, sizes, -1)
@@ -855,6 +914,16 @@ def _absorbed(piece: fx.Node, origin: dict[fx.Node, int], full: tuple[int, int])
             break
         piece = user
     return piece
+
+
+def _dim(node: fx.Node, index: int) -> int:
+    """``node``'s dimension argument at ``index`` (default 0)."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get("dim", 0)
+
+
+def _is_column_cat(node: object) -> bool:
+    """Whether ``node`` concatenates 2-D values along their last dimension."""
+    return isinstance(node, fx.Node) and node.target is aten.cat.default and _last_dim(_dim(node, 1), node)
 
 
 def _pointwise(target: object) -> bool:

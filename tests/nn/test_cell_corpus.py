@@ -17,7 +17,7 @@ from lightning_bppsa.kernels import _native
 from torch import nn
 
 from lightning_bppsa.nn import Recurrence, cell_kernel
-from lightning_bppsa.nn.cell_structure import trace_cell
+from lightning_bppsa.nn.cell_structure import NotTraceable, trace_cell
 
 F64 = torch.float64
 
@@ -244,9 +244,102 @@ class SlicedWeights(nn.Module):
         return z * h + (1 - z) * n
 
 
+class TorchLSTMCell(nn.Module):
+    """torch's own ``nn.LSTMCell`` (its CPU trace updates the gate block and its pieces in place)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden, hidden)
+        self.cell = nn.LSTMCell(inputs, hidden)
+
+    def forward(self, x, state):
+        return self.cell(x, state)
+
+
+class TorchGRUCell(nn.Module):
+    """torch's own ``nn.GRUCell`` (``add_``, ``sigmoid_``, ``mul_``, ``tanh_`` in its CPU trace)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.cell = nn.GRUCell(inputs, hidden)
+
+    def forward(self, x, h):
+        return self.cell(x, h)
+
+
+class InPlaceLSTM(HandLSTM):
+    """:class:`HandLSTM` written with in-place ops on its own values: the projections summed into one, three gates
+    activated in place through one view and read through another made before (the same elements), the memory
+    updated in place."""
+
+    def forward(self, x, state):
+        h, c = state
+        H = self.ih.out_features // 4
+        gates = self.ih(x)
+        gates.add_(self.hh(h))
+        ifo, g = gates[:, : 3 * H], gates[:, 3 * H :]
+        gates[:, : 3 * H].sigmoid_()
+        i, f, o = ifo.chunk(3, 1)
+        c = f * c
+        c.add_(i * torch.tanh(g))
+        return o * torch.tanh(c), c
+
+
+class WideMemory(nn.Module):
+    """An LSTM whose memory is twice as wide as its output: ``(h, c)`` of widths ``(H, 2 H)``, the output reading
+    the sum of the memory's halves."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = (hidden, 2 * hidden)
+        self.ih, self.hh = nn.Linear(inputs, 7 * hidden), nn.Linear(hidden, 7 * hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        H = self.hidden
+        gates = self.ih(x) + self.hh(h)
+        i, f, g = gates[:, : 6 * H].chunk(3, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        a, b = c.chunk(2, 1)
+        return torch.sigmoid(gates[:, 6 * H :]) * torch.tanh(a + b), c
+
+
+class WideFirst(nn.Module):
+    """A state ``(m, h)`` of widths ``(2 H, H)``, both read by one linear map of ``cat([x, m, h])``."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = (2 * hidden, hidden)
+        self.w = nn.Linear(inputs + 3 * hidden, 3 * hidden)
+
+    def forward(self, x, state):
+        m, h = state
+        H = self.hidden
+        z, n = self.w(torch.cat([x, m, h], -1)).split([2 * H, H], -1)
+        m = torch.lerp(m, torch.tanh(z), 0.3)
+        return m, torch.tanh(n + m[:, :H] * m[:, H:])
+
+
+class CoprimeWidths(nn.Module):
+    """A state of widths ``(H - 1, H + 1)`` (blocks of their greatest common divisor)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = (hidden - 1, hidden + 1)
+        self.ih, self.hh = nn.Linear(inputs, 2 * hidden), nn.Linear(2 * hidden, 2 * hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        z = torch.tanh(self.ih(x) + self.hh(torch.cat([h, c], -1)))
+        return z[:, : h.shape[-1]] * h, z[:, h.shape[-1] :] + 0.5 * c
+
+
 FACTORED = [
     HandLSTM, MethodLSTM, HandGRU, ViewGRU, SizesGRU, MinGRU, MinLSTM, LiGRU, IndRNN, PeepholeLSTM, CoupledGRU,
-    LeakyMemory, SlicedWeights,
+    LeakyMemory, SlicedWeights, TorchLSTMCell, TorchGRUCell, InPlaceLSTM, WideMemory, WideFirst, CoprimeWidths,
 ]
 
 
@@ -283,6 +376,38 @@ class NormalisedState(nn.Module):
 
     def forward(self, x, h):
         return torch.tanh(self.ih(x) + self.hh(self.norm(h)))
+
+
+class ReversedMemory(nn.Module):
+    """A memory twice as wide as ``h`` whose coordinates are reversed every step (``flip``): not per coordinate."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.state_size = (hidden, 2 * hidden)
+        self.ih, self.hh = nn.Linear(inputs, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        c = 0.9 * c.flip(-1) + 0.1 * torch.cat([h, h], -1)
+        return torch.tanh(self.ih(x) + self.hh(h)) * c[:, : self.hidden], c
+
+
+class ActivatedAfterSplit(nn.Module):
+    """Slices its gate block, then activates the whole block in place: the slices (views made before) read the
+    activated values, which an out-of-place rewrite would lose."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.ih, self.hh = nn.Linear(inputs, 2 * hidden), nn.Linear(hidden, 2 * hidden)
+
+    def forward(self, x, h):
+        gates = self.ih(x) + self.hh(h)
+        H = h.shape[-1]
+        z, n = gates[:, :H], gates[:, H:]
+        gates.sigmoid_()
+        return z * h + (1 - z) * n
 
 
 def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -327,8 +452,13 @@ def test_cells_written_by_style_factor_and_equal_autograd_through_the_loop(cell_
 
 @pytest.mark.parametrize(
     ("cell_type", "reason"),
-    [(ReducedOverState, "aten.mean"), (NormalisedState, "layer_norm")],
-    ids=["reduction over H", "layer norm of h"],
+    [
+        (ReducedOverState, "aten.mean"),
+        (NormalisedState, "layer_norm"),
+        (ReversedMemory, "aten.flip"),
+        (ActivatedAfterSplit, "after modifying memory it overlaps in place (aten.sigmoid_"),
+    ],
+    ids=["reduction over H", "layer norm of h", "permuted wide memory", "in place under a view"],
 )
 def test_cells_that_do_not_factor_fall_back_with_a_reason_and_stay_exact(cell_type, reason):
     torch.manual_seed(1)
@@ -388,3 +518,50 @@ def test_input_terms_added_to_pieces_are_taken_into_their_offsets_and_read_whole
     joined = cell_kernel._joined(terms, 6, 5)
     assert joined.data_ptr() == terms[0].data_ptr() and joined.shape == (6, 20)
     torch.testing.assert_close(joined, cell.ih(x) + cell.hh.bias, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("cell_type", "groups"), [(WideMemory, (1, 2)), (WideFirst, (2, 1)), (CoprimeWidths, (2, 3))],
+    ids=lambda c: getattr(c, "__name__", str(c)),
+)
+def test_states_of_different_widths_are_traced_as_blocks_of_their_common_divisor(cell_type, groups):
+    """The structure's states are the blocks (``n_states`` of ``width``) in the flat state's order, and its loop
+    and linearisation take and give the cell's own tensors."""
+    torch.manual_seed(5)
+    cell = cell_type(3, 5).to(F64)
+    sizes = cell.state_size
+    width = sizes[0] // groups[0]
+    states = tuple(torch.randn(6, n, dtype=F64) for n in sizes)
+    x = torch.randn(6, 3, dtype=F64)
+    structure = trace_cell(cell, x, states, is_tuple=True)
+    assert structure.reason is None and (structure.width, structure.n_states) == (width, sum(groups))
+    (new,) = structure.loop(list(cell.parameters()), x, states, 1)
+    jacobians, outs = structure.linearize(list(cell.parameters()), x, states, 6)
+    expected = cell(x, states)
+    for ours in (new, outs):
+        assert [tuple(t.shape) for t in ours] == [(6, n) for n in sizes]
+        torch.testing.assert_close(torch.cat(ours, -1), torch.cat(expected, -1), rtol=1e-12, atol=1e-12)
+    flat = torch.cat(states, -1).requires_grad_()
+    dense = torch.func.jacrev(lambda s: torch.cat(cell(x, s.split(list(sizes), -1)), -1))(flat)  # (6, d, 6, d)
+    rows = torch.arange(6)
+    torch.testing.assert_close(
+        jacobians.dense().reshape(6, sum(sizes), sum(sizes)), dense[rows, :, rows].transpose(1, 2), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_a_cell_modifying_its_buffer_in_place_is_not_traced():
+    """The out-of-place rewrite is for the step's own values: a buffer (state kept across calls) is refused."""
+
+    class Counting(HandLSTM):
+        def __init__(self, inputs: int, hidden: int) -> None:
+            super().__init__(inputs, hidden)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x, state):
+            self.calls.add_(1)
+            return super().forward(x, state)
+
+    cell = Counting(3, 4).to(F64)
+    states = (torch.zeros(2, 4, dtype=F64), torch.zeros(2, 4, dtype=F64))
+    with pytest.raises(NotTraceable, match=r"modifies a parameter or buffer in place \(aten.add_.Tensor\)"):
+        trace_cell(cell, torch.randn(2, 3, dtype=F64), states, is_tuple=True)
