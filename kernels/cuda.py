@@ -34,6 +34,12 @@ compiled once per process and device (NVRTC; CuPy keeps the binary in ``$CUPY_CA
 :func:`available` or :func:`prepare`, never inside a CUDA graph capture (a first call there raises), and a
 launch passes raw data pointers on ``torch.cuda.current_stream()``: no copies, no synchronisation.
 
+Host cost per launch: the output and (chunked) the scratch from torch's caching allocator, the launch of a
+cached :func:`launch_config`, one argument tuple, the kernel. The chunked kernel's look-back flags and
+ticket counter are one cached buffer per device and stream that no launch clears (no memset launch, no
+allocation): each launch publishes its flags with an epoch of its own and sets its ticket counter back to
+0 (:func:`_look_back_flags` states the invariant; a CUDA graph capture gets a buffer of its own).
+
 :func:`launch_config` and :func:`kernel_args` are the one place that computes a launch (kernel name,
 grid, block, shared memory, buffers, argument words); the host emulation in
 :mod:`lightning_bppsa.kernels.emulated` uses them too, so the CPU tests check the CUDA launches.
@@ -42,6 +48,7 @@ grid, block, shared memory, buffers, argument words); the host emulation in
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -103,7 +110,9 @@ class Launch:
     tile_rows: int  # operand rows streamed through shared memory at once (warp sweep: W's rows, resident)
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
-    sync_words: int  # zeroed uint32 words: ticket counter and chunk flags
+    sync_words: (
+        int  # 64-bit words: ticket counter and chunk flags (never cleared per launch: _look_back_flags)
+    )
 
 
 def warp_resident(*, factored: bool, d: int, m: int) -> bool:
@@ -265,8 +274,10 @@ def kernel_args(
     d: int,
     m: int,
     affine: bool,
+    epoch: int = 0,
 ) -> list[int]:
-    """The kernel's 14 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order."""
+    """The kernel's 15 argument words (pointers as addresses, 0 for none), in ``BPPSA_PARAMS`` order; ``epoch``:
+    the chunked kernel's launch number on its ``sync`` buffer (>= 1; unused by the sweeps)."""
     return [
         mat,
         scales,
@@ -282,6 +293,7 @@ def kernel_args(
         launch.chunk,
         int(affine),
         launch.tile_rows,
+        epoch,
     ]
 
 
@@ -303,10 +315,10 @@ def run(
 
     ``mat`` is ``jacobians_t`` (``scales is None``) or the factored ``weight``. Returns ``(B, n + 1, d)``
     in ``grad``'s dtype. ``shared_limit``: see :func:`launch_config`. Shared by the CUDA path and the host
-    emulation. Per call it allocates the output and, for the chunked kernel only, its scratch and zeroed
-    flags (torch's caching allocator, on the current stream: capturable in a CUDA graph, and the flags
-    are zero at every launch, which the kernel's ticket order relies on); the launch itself is computed
-    once per shape (:func:`launch_config` is cached).
+    emulation. Per call it allocates the output and, for the chunked kernel only, its scratch (torch's
+    caching allocator, on the current stream: no driver call in steady state, capturable in a CUDA graph);
+    the chunked kernel's flags are the stream's cached buffer (:func:`_look_back_flags`: no allocation, no
+    memset launch); the launch itself is computed once per shape (:func:`launch_config` is cached).
     """
     compute = compute_dtype(grad.dtype)
     factored = scales is not None
@@ -343,9 +355,7 @@ def run(
     work = (
         torch.empty(launch.work_elements, dtype=compute, device=grad.device) if launch.work_elements else None
     )
-    sync = (
-        torch.zeros(launch.sync_words, dtype=torch.int32, device=grad.device) if launch.sync_words else None
-    )
+    sync, epoch = _look_back_flags(grad.device, launch.sync_words) if launch.sync_words else (None, 0)
     args = kernel_args(
         launch,
         mat=_address(mat),
@@ -360,9 +370,49 @@ def run(
         d=d,
         m=m,
         affine=affine,
+        epoch=epoch,
     )
-    launcher(launch, args, grad.device)
+    try:
+        launcher(launch, args, grad.device)
+    except BaseException:
+        if sync is not None:  # a launch that may have stopped half way: its ticket counter may not be 0
+            _FLAGS.pop(_flags_key(grad.device), None)
+        raise
     return out if out.dtype == grad.dtype else out.to(grad.dtype)
+
+
+#: (device, stream handle) -> [the chunked kernel's flag buffer (int64 words), its next epoch]
+_FLAGS: dict[tuple[torch.device, int], list] = {}
+
+
+def _flags_key(device: torch.device) -> tuple[torch.device, int]:
+    if device.type != "cuda":
+        return device, 0  # the host emulation: launches run one at a time
+    index = _device_index(device)
+    return torch.device("cuda", index), torch._C._cuda_getCurrentRawStream(index)
+
+
+def _look_back_flags(device: torch.device, words: int) -> tuple[Tensor, int]:
+    """The chunked kernel's ``sync`` buffer (at least ``words`` 64-bit words) and this launch's epoch.
+
+    No clearing per launch (the kernel's flags carry their launch's epoch, its ticket counter is set back
+    to 0 by its last ticket: ``scan.cu``). Invariant: launches that may overlap never share a buffer, and
+    launches sharing one never share an epoch. Hence one buffer per (device, current stream), kept and grown
+    (to twice its size, zeroed once then), allocated on that stream (its old buffer, freed when grown, goes
+    back to torch's caching allocator, which hands it only to later work on the same stream), with a
+    per-buffer epoch counter (Python ints: no wrap; ``next`` on an ``itertools.count`` is atomic under the
+    GIL, so two threads on one stream get two epochs). While a CUDA graph is captured, a buffer of the
+    graph's own, zeroed by a captured memset (replayed before every replay) at epoch 1: a graph may be
+    replayed on any stream, beside eager launches, so it must not share the stream's buffer.
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(words, dtype=torch.int64, device=device), 1
+    key = _flags_key(device)
+    entry = _FLAGS.get(key)
+    if entry is None or entry[0].numel() < words:
+        size = max(words, 2 * entry[0].numel()) if entry is not None else words
+        entry = _FLAGS[key] = [torch.zeros(size, dtype=torch.int64, device=device), itertools.count(1)]
+    return entry[0], next(entry[1])
 
 
 def _prepared(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:

@@ -7,8 +7,8 @@
 // BPPSA_SHARED), __syncthreads as a futex barrier, the warp collectives the kernels use (__ballot_sync,
 // __shfl_sync, __syncwarp; masks honoured: a calling lane outside the mask is an error, lanes outside
 // it vote nothing, a shuffle from a lane outside it is an error) through a per-warp exchange buffer
-// and barrier, the ticket atomic and the flags (bppsa::take_ticket /
-// load_relaxed / fence_acq_rel / store_release) through std::atomic_ref, and a bound on the blocks
+// and barrier, the ticket atomic and the flags (bppsa::take_ticket / reset_ticket /
+// load_relaxed / fence_acq_rel / store_release, 64-bit words) through std::atomic_ref, and a bound on the blocks
 // resident at once, which is what a kernel with inter-block waits needs for forward progress.
 // Blocks are dispatched in a seeded random order (a GPU promises no order: a kernel that assumes
 // blockIdx order deadlocks or goes wrong here), and the thread of every release store can stall for a
@@ -32,17 +32,23 @@
 #define BPPSA_SHARED(T, name, count) __shared__ T name[count]
 
 namespace bppsa {
+using u64 = unsigned long long;
 // A flag poll: relaxed (no L1 invalidation per poll); one fence_acq_rel() after the polls orders them.
-__device__ __forceinline__ unsigned load_relaxed(const unsigned* flag) {
-    unsigned v;
-    asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+__device__ __forceinline__ u64 load_relaxed(const u64* flag) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
     return v;
 }
 __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-__device__ __forceinline__ void store_release(unsigned* flag, unsigned v) {
-    asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
+__device__ __forceinline__ void store_release(u64* flag, u64 v) {
+    asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(flag), "l"(v) : "memory");
 }
-__device__ __forceinline__ unsigned take_ticket(unsigned* counter) { return atomicAdd(counter, 1u); }
+__device__ __forceinline__ u64 take_ticket(u64* counter) { return atomicAdd(counter, 1ull); }
+// The counter back to 0 for the next launch on the stream (the kernel's end orders it before that launch).
+__device__ __forceinline__ void reset_ticket(u64* counter) { atomicExch(counter, 0ull); }
+// A broken invariant (a ticket beyond the grid: the counter was not 0 at the launch): stop loudly, never
+// write out of bounds.
+__device__ __forceinline__ void fail() { __trap(); }
 __device__ __forceinline__ void spin_pause() { __nanosleep(64); }
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];" ::"l"(p)); }
 // Data published by another block: read through L2 (no stale L1 line), write through to L2.
@@ -204,28 +210,31 @@ inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 namespace bppsa {
-inline unsigned load_relaxed(const unsigned* flag) {
+using u64 = unsigned long long;
+inline u64 load_relaxed(const u64* flag) {
 #ifdef __SANITIZE_THREAD__  // ThreadSanitizer does not model fences: let the poll itself acquire
     constexpr auto order = std::memory_order_acquire;
 #else
     constexpr auto order = std::memory_order_relaxed;
 #endif
-    return std::atomic_ref<unsigned>(*const_cast<unsigned*>(flag)).load(order);
+    return std::atomic_ref<u64>(*const_cast<u64*>(flag)).load(order);
 }
 inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_acq_rel); }
 // The announcing thread then stalls (jitter): its block stays at what it just announced for a while,
 // which is the window where a reader may wrongly take an announcement for the next one.
-inline void store_release(unsigned* flag, unsigned v) {
-    std::atomic_ref<unsigned>(*flag).store(v, std::memory_order_release);
+inline void store_release(u64* flag, u64 v) {
+    std::atomic_ref<u64>(*flag).store(v, std::memory_order_release);
     auto& self = bppsa_emu::self;
     if (self.jitter_us > 0) {
         std::uniform_real_distribution<double> delay(0, self.jitter_us);
         std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(delay(self.random)));
     }
 }
-inline unsigned take_ticket(unsigned* counter) {
-    return std::atomic_ref<unsigned>(*counter).fetch_add(1u, std::memory_order_relaxed);
+inline u64 take_ticket(u64* counter) {
+    return std::atomic_ref<u64>(*counter).fetch_add(1u, std::memory_order_relaxed);
 }
+inline void reset_ticket(u64* counter) { std::atomic_ref<u64>(*counter).exchange(0u, std::memory_order_relaxed); }
+inline void fail() { throw std::logic_error("bppsa: a kernel invariant failed (a ticket beyond the grid)"); }
 inline void spin_pause() {
     bppsa_emu::check_abort();
     std::this_thread::sleep_for(std::chrono::microseconds(20));  // 2 cores: let the others run

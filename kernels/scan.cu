@@ -6,7 +6,8 @@
 //                    in order, the state in registers (see "The warp-resident sweep" below).
 //   bppsa_sweep_*    wider states: one block per batch row runs the n steps in order, through shared memory.
 //   bppsa_chunked_*  ONE launch of B * p blocks, p = ceil(n / c): a block takes a ticket (atomicAdd),
-//                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps. It
+//                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps (the block
+//                    taking the last ticket sets the counter back to 0 for the next launch). It
 //                    1. reduces its c steps to an aggregate X = [C; b] (g_lo = g_{hi+1} C + b),
 //                       publishes it and sets its flag to AGGREGATE (release);
 //                    2. looks back (decoupled look-back) over up to 32 earlier chunks of its row for
@@ -25,7 +26,17 @@
 //   grad      (B, d) last-state (affine = 0) or (B, n + 1, d) per-step (affine = 1)
 //   out       (B, n + 1, d)
 //   work      chunked only: B p aggregates of R x d (R = d + affine), then B p inclusives of d
-//   sync      chunked only, zeroed: [ticket counter, B p flags]
+//   sync      chunked only, 64-bit words: [ticket counter, B p flags]; epoch >= 1, this launch's number
+//
+// Flags need no clearing between launches: a chunk publishes epoch * 4 + state (kAggregate, kInclusive)
+// and a reader takes a flag as published only if its epoch is this launch's, so what earlier launches
+// left behind (smaller or other epochs, 0 in a fresh buffer) never satisfies a wait. Invariant, kept by
+// kernels/cuda.py (_look_back_flags): two launches that may overlap never share a sync buffer (one buffer
+// per device and stream, launches on a stream run one after another; a CUDA graph capture gets a buffer
+// of its own, zeroed by a captured memset before each replay), and launches sharing a buffer never share
+// an epoch (a per-buffer counter on the host, 64-bit: it does not wrap). The ticket counter is 0 at every
+// launch: 0 in a fresh buffer, then set back to 0 by the block that takes a launch's last ticket (no block
+// of that launch takes one after it; the kernel's end orders the store before the next launch).
 //
 // Memory ordering of the look-back: a chunk publishes its data with L2 stores (st.cg), a barrier (the
 // end of the product that stored them), then ONE release store of its flag by thread 0 (cumulative over the block's stores ordered by the
@@ -43,7 +54,7 @@ namespace {
 
 constexpr int kMatrixBlock = 2;  // a thread computes kMatrixBlock x kMatrixBlock outputs of a matrix step
 constexpr int kMaxThreads = 256;
-constexpr unsigned kAggregate = 1, kInclusive = 2;  // chunk flags (0: nothing published yet)
+constexpr unsigned kAggregate = 1, kInclusive = 2;  // a chunk flag's state: its low 2 bits, the epoch above
 constexpr int kLookBack = 32;                       // predecessors inspected at once (one warp)
 
 using i64 = long long;
@@ -408,15 +419,15 @@ __device__ void warp_sweep_kernel(const Problem<T>& p) {
     warp_sweep<T, Factored>(p, b, 0, p.n - 1, g, w);
 }
 
-// Raise a chunk's flag. Called right after the product that stored what it announces (st.cg): that
-// product's closing barrier orders every thread's stores before thread 0's release store, which is
-// cumulative (one release by one thread instead of a fence in every thread).
-__device__ inline void publish(unsigned* flag, unsigned value) {
+// Raise a chunk's flag to `value` (epoch * 4 + state). Called right after the product that stored what it
+// announces (st.cg): that product's closing barrier orders every thread's stores before thread 0's
+// release store, which is cumulative (one release by one thread instead of a fence in every thread).
+__device__ inline void publish(bppsa::u64* flag, bppsa::u64 value) {
     if (threadIdx.x == 0) bppsa::store_release(flag, value);
 }
 
 template <class T, bool Factored>
-__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned* sync, int tile_rows) {
+__device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u64* sync, i64 epoch, int tile_rows) {
     BPPSA_DYNAMIC_SHARED(smem);
     BPPSA_SHARED(unsigned, shared_ticket, 1);
     BPPSA_SHARED(int, shared_hops, 1);
@@ -427,13 +438,21 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     T* y = x + d;
     T* tile = y + d;
 
-    if (threadIdx.x == 0) shared_ticket[0] = bppsa::take_ticket(sync);
+    if (threadIdx.x == 0) {
+        const bppsa::u64 ticket = bppsa::take_ticket(sync);
+        if (ticket >= gridDim.x) bppsa::fail();                   // the counter was not 0 at the launch
+        if (ticket + 1 == gridDim.x) bppsa::reset_ticket(sync);  // every ticket of this launch is taken
+        shared_ticket[0] = (unsigned)ticket;
+    }
     __syncthreads();
     const i64 ticket = shared_ticket[0];
     const i64 q = ticket / p.batch, b = ticket % p.batch;  // tickets run over chunk 0 of every row first
     const i64 chunks = (p.n + chunk - 1) / chunk;
     const i64 hi = p.n - q * chunk - 1, lo = hi + 1 - chunk < 0 ? 0 : hi + 1 - chunk;
-    unsigned* flags = sync + 1;
+    bppsa::u64* flags = sync + 1;
+    // this launch's flag values: a flag of another epoch (an earlier launch's, or 0) is not published yet
+    const bppsa::u64 aggregate_flag = (bppsa::u64)epoch * 4 + kAggregate;
+    const bppsa::u64 inclusive_flag = (bppsa::u64)epoch * 4 + kInclusive;
     T* aggregates = work;
     T* inclusives = work + p.batch * chunks * R * d;
     auto aggregate_of = [&](i64 k) { return aggregates + (k * p.batch + b) * R * d; };
@@ -449,7 +468,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         mat_x = mat_y;
         mat_y = swap;
     }
-    publish(&flags[q * p.batch + b], kAggregate);
+    publish(&flags[q * p.batch + b], aggregate_flag);
 
     // 2. The carry g_{hi+1}: the last-state gradient for chunk 0, else decoupled look-back.
     if (q == 0) {
@@ -458,17 +477,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
         if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
             const int lane = threadIdx.x;
             const i64 k = q - 1 - lane;
-            unsigned flag = 0;
+            bppsa::u64 flag = 0;
             if (k >= 0)
-                while ((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) == 0) bppsa::spin_pause();
-            const unsigned inclusive = __ballot_sync(0xffffffffu, flag == kInclusive);
+                while (((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) >> 2) != (bppsa::u64)epoch)
+                    bppsa::spin_pause();
+            const unsigned inclusive = __ballot_sync(0xffffffffu, flag == inclusive_flag);
             int hops;
             if (inclusive) {
                 hops = __ffs(inclusive) - 1;
             } else {  // only aggregates in the window: wait for the farthest one's inclusive
                 hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
                 if (lane == 0)
-                    while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)
+                    while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != inclusive_flag)
                         bppsa::spin_pause();
             }
             bppsa::fence_acq_rel();  // what the polls saw published is visible to this lane's later reads ...
@@ -494,7 +514,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
             y = swap;
         }
     }
-    if (q + 1 < chunks) publish(&flags[q * p.batch + b], kInclusive);
+    if (q + 1 < chunks) publish(&flags[q * p.batch + b], inclusive_flag);
 
     // 4. The per-step gradients of the chunk: by warp 0 alone where the warp-resident step applies (the
     //    carry x is complete: the last product or copy above ended with a barrier; then W, staged over
@@ -515,11 +535,12 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
 
 #define BPPSA_PARAMS(T)                                                                                  \
     (const T* __restrict__ mat, const T* __restrict__ scales, const T* __restrict__ diagonal,            \
-     const T* __restrict__ grad, T* __restrict__ out, T* work, unsigned* sync, i64 n, i64 batch, i64 d, \
-     i64 m, i64 chunk, i64 affine, i64 tile_rows)
+     const T* __restrict__ grad, T* __restrict__ out, T* work, unsigned long long* sync, i64 n, i64 batch, \
+     i64 d, i64 m, i64 chunk, i64 affine, i64 tile_rows, i64 epoch)
 #define BPPSA_HOST_ARGS(T)                                                                              \
-    ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (T*)a[4], (T*)a[5], (unsigned*)a[6], \
-     (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12], (i64)a[13])
+    ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (T*)a[4], (T*)a[5],               \
+     (unsigned long long*)a[6], (i64)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (i64)a[11], (i64)a[12],     \
+     (i64)a[13], (i64)a[14])
 #define BPPSA_PROBLEM(T) \
     Problem<T> { mat, scales, diagonal, grad, out, n, batch, (int)d, (int)m, (int)affine }
 
@@ -533,11 +554,11 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, unsigned
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
-        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                  \
+        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                  \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
         bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
-        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, (int)tile_rows);                   \
+        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                   \
     }                                                                                                   \
     BPPSA_ENTRY(bppsa_sweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                         \
     BPPSA_ENTRY(bppsa_sweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                      \

@@ -50,7 +50,9 @@ def test_sweep_dense(backend, batch, n, d, per_step, dtype):
     CASES.check(backend.scan_dense(*backend.to(jt, grad, dtype=dtype), "linear", 1).cpu(), jt, grad, dtype)
 
 
-@pytest.mark.parametrize(("tiles", "diagonal", "d"), [(1, False, 20), (1, True, 7), (2, False, 13), (5, True, 32)])
+@pytest.mark.parametrize(
+    ("tiles", "diagonal", "d"), [(1, False, 20), (1, True, 7), (2, False, 13), (5, True, 32)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_warp_sweep_any_number_of_weight_tiles(backend, tiles, diagonal, d, dtype):
     gen = torch.Generator().manual_seed(tiles * 100 + d)
@@ -86,7 +88,9 @@ def test_chunked(backend, batch, n, d, chunk, resident, per_step, dtype):
     out = backend.scan_factored(*backend.to(weight, scales, diag, grad, dtype=dtype), "chunked", chunk)
     CASES.check(out.cpu(), FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
     jt, grad = CASES.make_dense(batch, n, d, per_step, gen)
-    CASES.check(backend.scan_dense(*backend.to(jt, grad, dtype=dtype), "blelloch", chunk).cpu(), jt, grad, dtype)
+    CASES.check(
+        backend.scan_dense(*backend.to(jt, grad, dtype=dtype), "blelloch", chunk).cpu(), jt, grad, dtype
+    )
 
 
 def test_long_chain_look_back_repeated(backend):
@@ -168,7 +172,9 @@ def test_exact_look_back_stress_bit_equal_to_the_sweep(backend):
     """Signed permutations and integer gradients (exact in any order): the chunked kernel over a grid far
     above residency (on a GPU 64 rows x 2500 chunks) must give the sweep's bits on every repeat."""
     gen = torch.Generator().manual_seed(5)
-    jt, grad = CASES.exact_dense(backend.size(cuda=64, emulated=1), backend.size(cuda=5000, emulated=41), 4, gen)
+    jt, grad = CASES.exact_dense(
+        backend.size(cuda=64, emulated=1), backend.size(cuda=5000, emulated=41), 4, gen
+    )
     jt, grad = backend.to(jt, grad)
     sweep = backend.scan_dense(jt, grad, "linear", 1)
     assert torch.equal(sweep.cpu(), CASES.plain_loop(jt.cpu(), grad.cpu()))
@@ -187,3 +193,25 @@ def test_cuda_graph_capture_after_the_first_call(backend):
     if backend.is_cuda:
         torch.cuda.synchronize()
     CASES.check(out.cpu(), jt, grad, torch.float64)
+
+
+def test_flags_never_cleared_across_streams_and_graph_replays(backend):
+    """The chunked kernel's flags are not cleared per launch (each launch an epoch of its own): eager launches
+    of two shapes on the current stream and on a side stream (a buffer per stream), between replays of a
+    captured launch (a buffer of the graph's own, zeroed by the captured memset), each against the loop."""
+    gen = torch.Generator().manual_seed(8)
+    rows = backend.size(cuda=4, emulated=1)
+    jt, grad = CASES.make_dense(rows, backend.size(cuda=300, emulated=13), 6, True, gen)
+    jt2, grad2 = CASES.make_dense(rows + 1, backend.size(cuda=500, emulated=17), 6, False, gen)
+    args, args2 = backend.to(jt, grad), backend.to(jt2, grad2)
+    backend.scan_dense(*args, "chunked", 4)  # compiled and loaded outside the capture
+    with backend.graph_capture() as replay:
+        captured = backend.scan_dense(*args, "chunked", 4)
+    for _ in range(backend.size(cuda=3, emulated=2)):
+        replay()
+        eager = backend.scan_dense(*args2, "chunked", 3)
+        with backend.side_stream():
+            side = backend.scan_dense(*backend.to(jt2, grad2), "chunked", 5).to("cpu")
+        CASES.check(eager.cpu(), jt2, grad2, torch.float64)
+        CASES.check(side, jt2, grad2, torch.float64)
+        CASES.check(captured.cpu(), jt, grad, torch.float64)

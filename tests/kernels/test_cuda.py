@@ -29,7 +29,7 @@ def test_chunked_launch_covers_every_chunk_once():
     launch = config(n=1000, chunk_size=32, batch=16)
     assert launch.kernel == "bppsa_chunked_factored_f32"
     assert launch.grid == 16 * 32  # ceil(1000 / 32) chunks per row
-    assert launch.sync_words == 1 + launch.grid  # ticket counter + one flag per block
+    assert launch.sync_words == 1 + launch.grid  # ticket counter + one flag per block (64-bit words)
     assert launch.work_elements == launch.grid * (20 * 20 + 20)  # aggregate C and carry per block
     assert launch.block % 32 == 0 and launch.block <= cuda.MAX_THREADS
     assert launch.shared_bytes <= cuda.SHARED_BYTES and launch.tile_rows >= 1
@@ -101,8 +101,9 @@ def test_kernel_args_follow_the_kernel_signature():
         d=20,
         m=20,
         affine=False,
+        epoch=7,
     )
-    assert args == [1, 2, 0, 3, 4, 5, 6, 1000, 16, 20, 20, launch.chunk, 0, launch.tile_rows]
+    assert args == [1, 2, 0, 3, 4, 5, 6, 1000, 16, 20, 20, launch.chunk, 0, launch.tile_rows, 7]
 
 
 def test_availability_says_why_not():

@@ -55,9 +55,9 @@ def test_nvrtc_compiles_what_cupy_loads():
 LOOK_BACK_PTX = {
     r"ld\.global\.cg\.f(32|64)": 4,  # published aggregates and inclusives (and the last-state row)
     r"st\.global\.cg\.f(32|64)": 6,  # what a chunk publishes (and its outputs)
-    r"ld\.relaxed\.gpu\.u32": 4,  # flag polls: relaxed (no L1 invalidation per poll) ...
+    r"ld\.relaxed\.gpu\.u64": 4,  # flag polls: relaxed (no L1 invalidation per poll) ...
     r"fence\.acq_rel\.gpu": 1,  # ... then one fence after the ballot
-    r"st\.release\.gpu\.u32": 2,  # AGGREGATE and INCLUSIVE, by thread 0
+    r"st\.release\.gpu\.u64": 2,  # AGGREGATE and INCLUSIVE, by thread 0
     r"ld\.acquire": 0,
 }
 

@@ -59,7 +59,9 @@ def check(actual, jt64, grad64, dtype):
     """``actual`` (a scan's output in ``dtype``) against the float64 plain loop over ``jt64``, the chain's
     transposed Jacobians, with ``grad64`` its gradient, within the tolerance derived from ``dtype``."""
     if jt64.dim() != 4 or jt64.shape[-1] != jt64.shape[-2]:
-        raise ValueError(f"check takes the transposed Jacobians (B, n, d, d) as jt64; got {tuple(jt64.shape)}")
+        raise ValueError(
+            f"check takes the transposed Jacobians (B, n, d, d) as jt64; got {tuple(jt64.shape)}"
+        )
     reference = plain_loop(jt64, grad64)
     baseline = plain_loop(jt64.to(dtype), grad64.to(dtype)) if dtype != torch.float64 else None
     assert actual.dtype == dtype and actual.shape == reference.shape
@@ -100,7 +102,9 @@ def test_sweep_dense(batch, n, d, per_step, dtype):
     check(emulated.scan_dense(jt.to(dtype), grad.to(dtype), "linear", 1), jt, grad, dtype)
 
 
-@pytest.mark.parametrize(("tiles", "diagonal", "d"), [(1, False, 20), (1, True, 7), (2, False, 13), (5, True, 32)])
+@pytest.mark.parametrize(
+    ("tiles", "diagonal", "d"), [(1, False, 20), (1, True, 7), (2, False, 13), (5, True, 32)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_warp_sweep_any_number_of_weight_tiles(tiles, diagonal, d, dtype):
     """The warp sweep keeps k <= 5 weight tiles (RNN 1, GRU 3, LSTM 5) resident; with or without u_t."""
@@ -146,7 +150,9 @@ def test_chunked_warp_sweeps_with_five_tiles(dtype):
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
 
 
-@pytest.mark.parametrize(("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES[:2] + CHUNKED_CASES[3:])
+@pytest.mark.parametrize(
+    ("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES[:2] + CHUNKED_CASES[3:]
+)
 def test_chunked_dense_float32(batch, n, d, chunk, resident, per_step):
     gen = torch.Generator().manual_seed(n + d + 7)
     jt, grad = make_dense(batch, n, d, per_step, gen)
@@ -178,7 +184,12 @@ def test_blocks_dispatched_in_any_order_take_tickets(seed):
 
 @pytest.mark.parametrize(
     ("resident", "jitter_us", "dtype"),
-    [(1, 2000, torch.float64), (2, 2000, torch.float32), (40, 20000, torch.float64), (40, 20000, torch.float32)],
+    [
+        (1, 2000, torch.float64),
+        (2, 2000, torch.float32),
+        (40, 20000, torch.float64),
+        (40, 20000, torch.float32),
+    ],
 )
 def test_look_back_over_about_100_chunks_with_delayed_announcements(resident, jitter_us, dtype):
     """~100 chunks per row (more than the 32-chunk window), 1-2 or 40 blocks resident, each block stalled
@@ -187,7 +198,9 @@ def test_look_back_over_about_100_chunks_with_delayed_announcements(resident, ji
     is NaN-poisoned, so reading it before it is published shows."""
     gen = torch.Generator().manual_seed(100 + resident)
     jt, grad = exact_dense(1, 101, 3, gen)
-    out = emulated.scan_dense(jt.to(dtype), grad.to(dtype), "chunked", 1, resident=resident, jitter_us=jitter_us, seed=7)
+    out = emulated.scan_dense(
+        jt.to(dtype), grad.to(dtype), "chunked", 1, resident=resident, jitter_us=jitter_us, seed=7
+    )
     assert out.dtype == dtype and torch.equal(out.double(), plain_loop(jt, grad))
 
 
@@ -198,7 +211,9 @@ def test_same_bits_whatever_the_schedule():
     gen = torch.Generator().manual_seed(21)
     weight, scales, diag, grad = make_factored(1, 61, 5, 3, True, True, gen)
     runs = [
-        emulated.scan_factored(weight, scales, diag, grad, "chunked", 2, resident=res, seed=seed, jitter_us=500)
+        emulated.scan_factored(
+            weight, scales, diag, grad, "chunked", 2, resident=res, seed=seed, jitter_us=500
+        )
         for seed, res in ((0, 31), (1, 6), (2, 2), (3, 31))
     ]
     check(runs[0], FactoredJacobians(weight, scales, diag).dense(), grad, torch.float64)
@@ -254,7 +269,9 @@ sys.exit(status)
 @pytest.mark.slow  # the first run builds the sanitized library (~20-40 s); then ~3 s
 def test_thread_sanitizer_finds_no_race(tmp_path):
     """A ThreadSanitizer build of the chunked kernel, every block resident (look-back and flags race if wrong)."""
-    libtsan = subprocess.run(["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+    libtsan = subprocess.run(
+        ["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True
+    ).stdout.strip()
     if not os.path.isabs(libtsan):
         pytest.skip("g++ has no ThreadSanitizer runtime (libtsan.so)")
     gen = torch.Generator().manual_seed(11)
@@ -263,7 +280,7 @@ def test_thread_sanitizer_finds_no_race(tmp_path):
     def write_spec(config, args, device):  # called by cuda.run while its buffers are alive
         sizes = {
             args[0]: weight.nbytes, args[1]: scales.nbytes, args[2]: diag.nbytes, args[3]: grad.nbytes,
-            args[4]: 2 * 15 * 3 * 8, args[5]: config.work_elements * 8, args[6]: config.sync_words * 4,
+            args[4]: 2 * 15 * 3 * 8, args[5]: config.work_elements * 8, args[6]: config.sync_words * 8,
         }  # fmt: skip
         paths = []
         for i, address in enumerate(args[:7]):
@@ -293,7 +310,15 @@ def test_thread_sanitizer_finds_no_race(tmp_path):
 def test_launch_config_is_what_cuda_uses():
     """The emulated launch goes through cuda.launch_config: a chunked call makes B * ceil(n / c) blocks."""
     launch = cuda.launch_config(
-        factored=True, element_bytes=8, n=130, batch=3, d=20, m=60, affine=True, algorithm="chunked", chunk_size=10
+        factored=True,
+        element_bytes=8,
+        n=130,
+        batch=3,
+        d=20,
+        m=60,
+        affine=True,
+        algorithm="chunked",
+        chunk_size=10,
     )
     assert (launch.kernel, launch.grid, launch.chunk) == ("bppsa_chunked_factored_f64", 39, 10)
     assert launch.block % 32 == 0 and launch.shared_bytes <= cuda.SHARED_BYTES
@@ -320,7 +345,15 @@ def test_wide_dense_sweep_takes_several_passes_and_tiles():
     gen = torch.Generator().manual_seed(260)
     jt, grad = make_dense(1, 2, 260, True, gen)
     launch = cuda.launch_config(
-        factored=False, element_bytes=8, n=2, batch=1, d=260, m=260, affine=True, algorithm="linear", chunk_size=2
+        factored=False,
+        element_bytes=8,
+        n=2,
+        batch=1,
+        d=260,
+        m=260,
+        affine=True,
+        algorithm="linear",
+        chunk_size=2,
     )
     assert launch.block < 260 and launch.tile_rows < 260  # the multi-pass, multi-tile path
     check(emulated.scan_dense(jt, grad, "linear", 2), jt, grad, torch.float64)
@@ -331,7 +364,15 @@ def test_wide_factored_chunks_take_several_passes_and_tiles():
     gen = torch.Generator().manual_seed(50)
     weight, scales, diag, grad = make_factored(1, 6, 50, 3, True, True, gen)
     launch = cuda.launch_config(
-        factored=True, element_bytes=4, n=6, batch=1, d=50, m=150, affine=True, algorithm="chunked", chunk_size=3
+        factored=True,
+        element_bytes=4,
+        n=6,
+        batch=1,
+        d=50,
+        m=150,
+        affine=True,
+        algorithm="chunked",
+        chunk_size=3,
     )
     assert launch.kernel == "bppsa_chunked_factored_f32" and launch.tile_rows < 150
     out = emulated.scan_factored(*(t.float() for t in (weight, scales, diag, grad)), "chunked", 3)
@@ -342,7 +383,11 @@ def test_empty_batch_and_empty_state():
     out = emulated.scan_dense(torch.empty(0, 5, 3, 3), torch.empty(0, 3), "chunked", 2)
     assert out.shape == (0, 6, 3)
     grad = torch.empty(2, 6, 0)
-    assert emulated.scan_factored(torch.empty(0, 0), torch.empty(2, 5, 0), None, grad, "linear", 1).shape == (2, 6, 0)
+    assert emulated.scan_factored(torch.empty(0, 0), torch.empty(2, 5, 0), None, grad, "linear", 1).shape == (
+        2,
+        6,
+        0,
+    )
 
 
 #: Warp collectives of the emulator, on their own: lane l reads lane (l + shift) mod 32; or a shuffle /
@@ -401,7 +446,93 @@ def test_emulated_shuffle_moves_values_between_lanes(warp_probe):
     assert torch.equal(out32, values[31 - lanes].float())
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3], ids=["caller-outside-mask", "source-outside-mask", "syncwarp-partial"])
+@pytest.mark.parametrize(
+    "mode", [1, 2, 3], ids=["caller-outside-mask", "source-outside-mask", "syncwarp-partial"]
+)
 def test_emulated_warp_collectives_refuse_a_bad_mask(warp_probe, mode):
     status, _, _ = warp_probe(mode)
     assert status == 2  # BPPSA_EMU_ERROR: the kernel's thread threw
+
+
+# --------------------------------------------------------------------------------------------------
+# The chunked kernel's flags: one buffer per device and stream, never cleared per launch (epochs)
+# --------------------------------------------------------------------------------------------------
+
+_AGGREGATE, _INCLUSIVE = 1, 2  # kAggregate / kInclusive in scan.cu: a flag is epoch * 4 + state
+
+
+@pytest.fixture
+def fresh_flags(monkeypatch) -> dict:
+    """The flag buffers of this test only (``cuda._FLAGS``, keyed by device and stream; ``(cpu, 0)`` here)."""
+    flags: dict = {}
+    monkeypatch.setattr(cuda, "_FLAGS", flags)
+    return flags
+
+
+def _flag_buffer(flags: dict) -> torch.Tensor:
+    ((buffer, _),) = flags.values()
+    return buffer
+
+
+def test_repeated_launches_reuse_one_flag_buffer_never_cleared(fresh_flags):
+    """Launches of several shapes on one buffer (grown once, when a grid needs more), each in a random block
+    order with jitter and a few blocks resident, each against the float64 loop: after every launch the
+    ticket counter is back to 0, its flags carry its own epoch, and what a larger grid left beyond a
+    smaller one is still there (nothing cleared the buffer)."""
+    gen = torch.Generator().manual_seed(31)
+    shapes = [(2, 31, 3, 3, 4), (2, 31, 3, 3, 40), (1, 61, 3, 2, 3), (1, 9, 3, 3, 2), (3, 20, 3, 4, 30)]
+    previous, epoch = None, 0  # (buffer, epoch) of the previous launch
+    for i, (batch, n, d, chunk, resident) in enumerate(shapes):
+        jt, grad = exact_dense(batch, n, d, gen)
+        out = emulated.scan_dense(jt, grad, "chunked", chunk, resident=resident, seed=i + 1, jitter_us=300)
+        assert torch.equal(out, plain_loop(jt, grad)), shapes[i]
+        buffer, grid = _flag_buffer(fresh_flags), batch * -(-n // chunk)
+        flags = buffer[1 : 1 + grid]
+        epoch = epoch + 1 if previous is not None and buffer is previous[0] else 1
+        assert buffer[0].item() == 0, "the last ticket sets the counter back to 0"
+        assert torch.equal(flags >> 2, torch.full_like(flags, epoch)), (shapes[i], flags.tolist())
+        last_chunks = flags.view(-1, batch)[-1]  # the first steps of each row: nobody waits on them
+        assert set((flags & 3).tolist()) <= {_AGGREGATE, _INCLUSIVE} and set((last_chunks & 3).tolist()) == {
+            _AGGREGATE
+        }
+        if previous is not None and buffer is previous[0] and grid < previous[1]:
+            assert (buffer[1 + grid : 1 + previous[1]] >> 2 == epoch - 1).all(), (
+                "an older launch's flags are left"
+            )
+        previous = (buffer, grid)
+    assert buffer.numel() == 2 * (1 + 2 * 11)  # grown once: 23 words, then 32 needed: twice the old size
+
+
+@pytest.mark.parametrize(("resident", "seed"), [(1, 3), (44, 4)])
+def test_old_epochs_never_satisfy_a_new_wait(fresh_flags, resident, seed):
+    """Every flag left as the previous launch's INCLUSIVE (the strongest announcement there is): a kernel
+    that took any of them for its own launch's would read carries nobody published in this launch (the
+    scratch is NaN-poisoned) or finish without waiting; the results are the float64 loop's bits."""
+    gen = torch.Generator().manual_seed(seed)
+    jt, grad = exact_dense(1, 43, 3, gen)
+    assert torch.equal(emulated.scan_dense(jt, grad, "chunked", 1), plain_loop(jt, grad))  # epoch 1
+    buffer = _flag_buffer(fresh_flags)
+    buffer[1:] = 1 * 4 + _INCLUSIVE
+    jt, grad = exact_dense(1, 43, 3, gen)
+    out = emulated.scan_dense(jt, grad, "chunked", 1, resident=resident, seed=seed, jitter_us=2000)
+    assert torch.equal(out, plain_loop(jt, grad))
+    assert (buffer[1:44] >> 2 == 2).all()  # the second launch, epoch 2, on the same buffer
+
+
+def test_a_failed_launch_drops_its_flag_buffer(fresh_flags):
+    """A launch that raised may have stopped half way (tickets taken, the counter not back to 0): the next
+    launch on that stream gets a fresh buffer; a ticket beyond the grid would stop the kernel, not run it."""
+    jt, grad = exact_dense(1, 9, 3, torch.Generator().manual_seed(1))
+    emulated.scan_dense(jt, grad, "chunked", 3)
+    assert fresh_flags
+
+    def failing(launch, args, device):
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError, match="launch failed"):
+        cuda.run(jt, None, None, grad, algorithm="chunked", chunk_size=3, launcher=failing)
+    assert not fresh_flags
+    emulated.scan_dense(jt, grad, "chunked", 3)
+    _flag_buffer(fresh_flags)[0] = 5  # a counter left at 5 by a launch that never finished
+    with pytest.raises(RuntimeError, match="an emulated thread failed"):
+        emulated.scan_dense(jt, grad, "chunked", 3, timeout=20)

@@ -33,15 +33,17 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to
 #: ops that queue no kernel on a GPU: views and allocations (of the caching allocator: no launch either)
 _NO_LAUNCH = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "detach"}
 
-#: the most aten ops / kernel-launching aten ops one step may make, by (cell, algorithm); kernel launches are
-#: always 2 (forward kernel, scan). Before the host-path work of issue 29 the same steps made RNN 67 / 26,
-#: GRU 79 / 27, LSTM 156 / 95 (either algorithm).
+#: the most aten ops / kernel-launching aten ops one steady-state step may make, by (cell, algorithm); kernel
+#: launches are always 2 (forward kernel, scan). Before the host-path work of issue 29 the same steps made RNN
+#: 67 / 26, GRU 79 / 27, LSTM 156 / 95 (either algorithm); until the chunked kernel's flags needed no clearing
+#: per launch, its steps made one more of each (the zeroed flags: an allocation and a memset launch), now
+#: only its scratch's allocation (no launch) more than the sweep's.
 MAX_OPS = {
-    ("RNN", "chunked"): (47, 17),
+    ("RNN", "chunked"): (46, 16),
     ("RNN", "linear"): (45, 16),
-    ("GRU", "chunked"): (54, 17),
+    ("GRU", "chunked"): (53, 16),
     ("GRU", "linear"): (52, 16),
-    ("LSTM", "chunked"): (109, 40),
+    ("LSTM", "chunked"): (108, 39),
     ("LSTM", "linear"): (107, 39),
 }
 
@@ -118,6 +120,9 @@ def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm):
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(batch, steps, inputs, dtype=torch.float64)
 
+    layer(x)[0].sum().backward()  # the first step: plans, and the chunked kernel's flag buffer, made once
+    launches.clear()
+    layer.zero_grad()
     counter = OpCounter()
     with counter:
         layer(x)[0].sum().backward()
@@ -136,6 +141,29 @@ def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm):
     reference(x)[0].sum().backward()
     for name, param in layer.named_parameters():
         assert_derived_close(param.grad, getattr(reference, name).grad, name=name)
+
+
+def test_a_chunked_scan_launches_nothing_but_its_kernel_in_steady_state(monkeypatch):
+    """``cuda.run`` of the chunked kernel: the first call on a stream makes its flag buffer (zeroed once);
+    later calls allocate only the output and the scratch (torch's caching allocator: no launch) and queue
+    only the kernel, each with a new epoch on the same buffer."""
+    monkeypatch.setattr(cuda, "_FLAGS", {})
+    weight, scales, grad = torch.randn(4, 4), torch.rand(2, 9, 4), torch.randn(2, 10, 4)
+    launched = []
+
+    def launcher(launch, args, device):
+        launched.append((launch.kernel, args[6], args[-1]))  # the sync buffer and the epoch
+
+    def step() -> Counter:
+        counter = OpCounter()
+        with counter:
+            cuda.run(weight, scales, None, grad, algorithm="chunked", chunk_size=3, launcher=launcher)
+        return counter.ops
+
+    first, second, third = step(), step(), step()
+    assert first["zeros"] == 1 and "zeros" not in second and second == third == Counter(empty=2)
+    assert [kernel for kernel, _, _ in launched] == ["bppsa_chunked_factored_f32"] * 3
+    assert len({sync for _, sync, _ in launched}) == 1 and [epoch for _, _, epoch in launched] == [1, 2, 3]
 
 
 def test_scan_launcher_makes_one_stream_wrapper_per_torch_stream(fake_device):

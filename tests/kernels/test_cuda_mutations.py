@@ -38,22 +38,36 @@ MUTATIONS = [
     Mutation(
         "ticket = blockIdx.x (blocks assumed to start in index order)",
         "scan.cu",
-        "shared_ticket[0] = bppsa::take_ticket(sync);",
-        "shared_ticket[0] = blockIdx.x;",
+        "const bppsa::u64 ticket = bppsa::take_ticket(sync);",
+        "const bppsa::u64 ticket = blockIdx.x;",
         (EMULATED, "-k", "dispatched_in_any_order"),
     ),
     Mutation(
         "fallback waits for AGGREGATE only, then reads an unpublished INCLUSIVE",
         "scan.cu",
-        "while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != kInclusive)",
-        "while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) == 0)",
+        "while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != inclusive_flag)",
+        "while ((bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) >> 2) != (bppsa::u64)epoch)",
         (EMULATED, "-k", "look_back_over"),
+    ),
+    Mutation(
+        "flag polls ignore the epoch (an earlier launch's flags taken as this one's)",
+        "scan.cu",
+        "while (((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) >> 2) != (bppsa::u64)epoch)",
+        "while ((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) == 0)",
+        (EMULATED, "-k", "old_epochs or reuse_one_flag"),
+    ),
+    Mutation(
+        "the ticket counter not set back to 0 by a launch's last ticket",
+        "scan.cu",
+        "if (ticket + 1 == gridDim.x) bppsa::reset_ticket(sync);",
+        "",
+        (EMULATED, "-k", "old_epochs or reuse_one_flag"),
     ),
     Mutation(
         "__ballot_sync with a partial mask",
         "scan.cu",
-        "__ballot_sync(0xffffffffu, flag == kInclusive)",
-        "__ballot_sync(0x0000ffffu, flag == kInclusive)",
+        "__ballot_sync(0xffffffffu, flag == inclusive_flag)",
+        "__ballot_sync(0x0000ffffu, flag == inclusive_flag)",
         (EMULATED, "-k", "look_back_over"),
     ),
     Mutation(
@@ -73,8 +87,8 @@ MUTATIONS = [
     Mutation(
         "an acquire load per poll (invalidates L1 on every poll)",
         "cuda_host_emulation.h",
-        'asm volatile("ld.relaxed.gpu.u32 %0, [%1];"',
-        'asm volatile("ld.acquire.gpu.u32 %0, [%1];"',
+        'asm volatile("ld.relaxed.gpu.u64 %0, [%1];"',
+        'asm volatile("ld.acquire.gpu.u64 %0, [%1];"',
         (COMPILE, "-m", "slow", "-k", "look_back_ptx"),
     ),
     Mutation(
