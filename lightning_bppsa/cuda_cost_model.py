@@ -55,7 +55,7 @@ class CudaModel:
     sms: int = 132
     schedulers_per_sm: int = 4  # one warp instruction per scheduler and cycle
     clock_hz: float = 1.75e9
-    launch_seconds: float = 6e-6  # the kernel launch plus the zeroed flag buffer (a memset)
+    launch_seconds: float = 6e-6  # the kernel launch (assumed; the chunked flags need no memset since f01aaee)
     barrier_cycles: float = 30  # one __syncthreads of a few warps
     l1_cycles: float = 35  # L1 hit: a step's prefetched operand
     l2_cycles: float = 270  # L2 hit: published chunk aggregates and carries, a flag poll
