@@ -1,42 +1,70 @@
-"""User-written recurrent cells on CPU: autograd through the Python loop vs ``lightning_bppsa.nn.Recurrence``.
+"""User-written recurrent cells: autograd through the Python loop vs ``lightning_bppsa.nn.Recurrence`` vs JAX.
 
-Five cells written here the way a researcher would (a GRU-like gated cell, an IndRNN-style diagonal
-cell, an LSTM variant with a tuple state, and two written gate block first as torch's own formulas are:
-an LSTM and a leaky-memory cell with a tuple state), looped over time in Python. Per row, same weights, both arms
-(the scan forced with ``algorithm="linear"``; and what ``"auto"`` picks)
-interleaved in one process: forward (the loop recorded by autograd vs ``Recurrence``'s unrecorded loop),
-backward alone (``torch.autograd.grad`` on a graph recorded once, ``retain_graph=True``) and a whole step
-(forward + backward), medians of ``torch.utils.benchmark``; the Recurrence backward's split into
-Jacobians and scan from ``last_stats``, with the Jacobians' form (factored from the traced step, or dense
-from batched cell gradients); peak = resident-set growth during one step. Loss on every step's output, float32, input size 8.
+Cells: four written here the way a researcher would (a GRU-like gated cell, an IndRNN-style diagonal cell,
+an LSTM variant with a tuple state, a leaky-memory cell with a tuple state and a gate block split after its
+sigmoid), then every factorable cell of the style corpus (``tests/nn/test_cell_corpus.py``'s ``FACTORED``:
+torch's LSTM / GRU formulas by hand gate block first, minGRU, minLSTM, LiGRU, IndRNN, a peephole LSTM, ...;
+``HandLSTM`` is the row once called ``lstm-block``). Per cell, same weights, one process, on one device:
 
-    OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py          # the grid
-    OMP_NUM_THREADS=1 flock /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # headline rows
+- loop: the cell called in a Python loop, recorded by autograd;
+- Recurrence: ``Recurrence(cell, algorithm="linear")`` (the scan forced; its compiled loop, C on the CPU and
+  NVRTC kernels on CUDA, where it builds: the "Recurrence path" column says which ran);
+- JAX: ``jax.jit`` over ``jax.lax.scan`` of the same cell math on the same device: the cell's traced aten
+  graph interpreted in ``jax.numpy`` (``benchmarks/cell_jax.py``), the torch weights copied.
 
-Headline rows also run the same cells in JAX (``jax.jit(jax.value_and_grad(...))`` over
-``lax.scan``, the cell's math written in ``jax.numpy``, same weights and loss), interleaved with
-``Recurrence``'s whole step; with ``OMP_NUM_THREADS=1`` XLA runs on one thread too
-(``XLA_FLAGS``). Without JAX (``pip install 'lightning-bppsa[bench]'``) the section says so.
+Quantities: forward (gradients recorded; JAX: ``jit(vjp)``, which keeps the residuals), backward alone (on a
+graph recorded once, ``retain_graph=True``; JAX: the jitted VJP on those residuals) and the whole step
+(forward + backward; JAX: ``jit(value_and_grad)``). For each quantity the three arms run interleaved
+(:func:`device_runner.interleaved`: a warm-up call each, then rounds of N calls of each in turn), timed by
+the CPU clock or CUDA events around each call (each waited for; JAX's with ``block_until_ready``); the CPU
+table gives the min of the N x rounds calls, the GPU table the median. Gradient error: the largest norm-wise
+relative error of the input's and every parameter's gradient against autograd through the loop in float64.
+Loss: mean square of every step's output, float32, input size 8; "auto picks": what ``Recurrence(cell)``
+(algorithm "auto") ran for one step.
 
-Writes ``benchmarks/results/cells-cpu.md`` (``--out`` to change).
+    OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py          # CPU, every cell
+    OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # the first five
+    python benchmarks/cells.py --device cuda          # GPU: writes benchmarks/results/cells-gpu.md
+    python benchmarks/cells.py --device cpu --tiny    # smoke mode: tiny sizes, seconds
+
+``benchmarks/gpu.py --all`` runs the GPU table as one of its stages (:func:`device_table`). With
+``OMP_NUM_THREADS=1`` XLA runs on one thread too (``XLA_FLAGS``, read at JAX's start-up); on CUDA JAX
+allocates on demand (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) beside torch. Without JAX
+(``pip install 'lightning-bppsa[bench]'``) its columns say so.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import copy
+import dataclasses
+import importlib.util
 import os
+import shlex
+import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from lightning_bppsa.bench.measure import machine_description, median_seconds, peak_memory_bytes
-from lightning_bppsa.nn import Recurrence
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also where loaded by path
+import cell_jax  # noqa: E402 - after the path
+from device_runner import RESULTS, ROOT, SKIPPED, Runner, header, interleaved, ratio_text, write  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "cells-cpu.md"
+from lightning_bppsa.bench.measure import load_average, machine_description  # noqa: E402
+from lightning_bppsa.nn import Recurrence  # noqa: E402
+from lightning_bppsa.testing import relative_error  # noqa: E402
+
 INPUTS = 8
+ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ARMS = ("loop", "Recurrence", "JAX")
+QUANTITIES = ("fwd", "bwd", "step")
 
 
 class GatedCell(nn.Module):
@@ -83,22 +111,6 @@ class LSTMVariant(nn.Module):
         return torch.sigmoid(o) * torch.tanh(c), c
 
 
-class BlockLSTMCell(nn.Module):
-    """torch's LSTMCell formula written by hand, gate block first: ``gates = ih(x) + hh(h)``, then
-    ``chunk(4, 1)`` (the bias and the sum on the whole ``(B, 4H)`` block)."""
-
-    def __init__(self, inputs: int, hidden: int) -> None:
-        super().__init__()
-        self.state_size = (hidden, hidden)
-        self.ih, self.hh = nn.Linear(inputs, 4 * hidden), nn.Linear(hidden, 4 * hidden)
-
-    def forward(self, x, state):
-        h, c = state
-        i, f, g, o = (self.ih(x) + self.hh(h)).chunk(4, 1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
-
-
 class LeakyMemoryCell(nn.Module):
     """A gated cell with a leaky memory and a tuple state ``(h, m)``, gate block first: the sigmoid of the
     whole ``(B, 3H)`` block of ``cat([x, h])``'s projection, split afterwards."""
@@ -117,99 +129,45 @@ class LeakyMemoryCell(nn.Module):
         return o * torch.tanh(m), m
 
 
-CELLS = {"gated": GatedCell, "indrnn": IndRNNCell, "lstm": LSTMVariant, "lstm-block": BlockLSTMCell, "leaky": LeakyMemoryCell}
-
-ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-
-
-def jax_step(kind: str, hidden: int, jax):
-    """``jit(value_and_grad(loss))(params, xs)`` of the ``kind`` cell over time-major ``xs`` in jax.numpy: the
-    torch cell's equations (``params`` named as its ``named_parameters``), zero state, mean square of every
-    step's output."""
-    jnp, sigmoid = jax.numpy, jax.nn.sigmoid
-
-    def gated(p, h, x):
-        z, r, n = jnp.split(x @ p["ih.weight"].T + p["ih.bias"], 3, -1)
-        hz, hr, hn = jnp.split(h @ p["hh.weight"].T, 3, -1)
-        z, r = sigmoid(z + hz), sigmoid(r + hr)
-        return (1 - z) * jnp.tanh(n + r * hn) + z * h
-
-    def indrnn(p, h, x):
-        return jax.nn.relu(x @ p["lin.weight"].T + p["lin.bias"] + p["u"] * h)
-
-    def lstm(p, state, x):
-        h, c = state
-        f, g, o = jnp.split(jnp.concatenate([x, h], -1) @ p["gates.weight"].T + p["gates.bias"], 3, -1)
-        f = sigmoid(f)
-        c = f * c + (1 - f) * jnp.tanh(g)
-        return sigmoid(o) * jnp.tanh(c), c
-
-    def lstm_block(p, state, x):
-        h, c = state
-        gates = x @ p["ih.weight"].T + p["ih.bias"] + h @ p["hh.weight"].T + p["hh.bias"]
-        i, f, g, o = jnp.split(gates, 4, -1)
-        c = sigmoid(f) * c + sigmoid(i) * jnp.tanh(g)
-        return sigmoid(o) * jnp.tanh(c), c
-
-    def leaky(p, state, x):
-        h, m = state
-        a, g, o = jnp.split(sigmoid(jnp.concatenate([x, h], -1) @ p["gates.weight"].T + p["gates.bias"]), 3, -1)
-        decay = sigmoid(p["leak"])
-        m = decay * m + (1 - decay) * g * (2 * a - 1)
-        return o * jnp.tanh(m), m
-
-    cell = {"gated": gated, "indrnn": indrnn, "lstm": lstm, "lstm-block": lstm_block, "leaky": leaky}[kind]
-    pair = isinstance(CELLS[kind](INPUTS, hidden).state_size, tuple)  # (h, c): the output is h
-
-    def loss(params, xs):
-        h0 = jnp.zeros((xs.shape[1], hidden), xs.dtype)
-
-        def body(state, x):
-            state = cell(params, state, x)
-            return state, state[0] if pair else state
-
-        _, outs = jax.lax.scan(body, (h0, h0) if pair else h0, xs)
-        return jnp.mean(outs**2)
-
-    return jax.jit(jax.value_and_grad(loss))
+def _corpus() -> list[type[nn.Module]]:
+    """The style corpus's factorable cells (``FACTORED`` of ``tests/nn/test_cell_corpus.py``, where they are
+    defined and checked factored and exact)."""
+    path = ROOT / "tests" / "nn" / "test_cell_corpus.py"
+    spec = importlib.util.spec_from_file_location("_cell_corpus", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.FACTORED)
 
 
-def measure_jax(kind: str, hidden: int, batch: int, steps: int, min_run_time: float, jax) -> dict:
-    """Whole-step medians (seconds) of ``Recurrence`` and of JAX for one row, interleaved (ours, JAX, ours,
-    JAX), and the largest norm-wise relative difference of JAX's loss and gradients from ours."""
-    torch.manual_seed(0)
-    cell = CELLS[kind](INPUTS, hidden)
-    x = torch.randn(steps, batch, INPUTS, requires_grad=True)
-    leaves = [x, *cell.parameters()]
-    scan = Recurrence(cell, algorithm="linear")
-    step = jax_step(kind, hidden, jax)
-    params = {name: jax.numpy.asarray(p.detach().numpy()) for name, p in cell.named_parameters()}
-    xs = jax.numpy.asarray(x.detach().numpy())
-    start = time.perf_counter()
-    value, grads = jax.block_until_ready(step(params, xs))
-    compile_seconds = time.perf_counter() - start
-    loss = scan(x)[0].pow(2).mean()
-    names = ["loss", "x", *(n for n, _ in cell.named_parameters())]
-    ours = dict(zip(names, [loss, *torch.autograd.grad(loss, leaves)], strict=True))
-    theirs = {"loss": value, **grads}
-    differences = [
-        float((torch.tensor(jax.device_get(theirs[name])) - ours[name].detach()).norm() / ours[name].detach().norm())
-        for name in theirs
-    ]
-    result = {"compile": compile_seconds, "diff": max(differences)}
-    arms = {
-        "ours": lambda: torch.autograd.grad(scan(x)[0].pow(2).mean(), leaves),
-        "jax": lambda: jax.block_until_ready(step(params, xs)),
-    }
-    for _ in range(2):  # two rounds, alternating: a change of load hits both
-        for name, fn in arms.items():
-            result.setdefault(name, []).append(median_seconds(fn, min_run_time))
-    return {**result, "ours": min(result["ours"]), "jax": min(result["jax"])}
-HEADLINE = [
-    ("gated", 32, 16, 1000), ("indrnn", 32, 16, 1000), ("lstm", 32, 16, 1000), ("lstm-block", 32, 16, 1000),
-    ("leaky", 32, 16, 1000), ("gated", 32, 1, 1000),
-]
-GRID = [(c, h, b, t) for c in CELLS for h in (16, 32, 64) for b in (1, 16) for t in (100, 1000)]
+OWN = {"gated": GatedCell, "indrnn": IndRNNCell, "lstm": LSTMVariant, "leaky": LeakyMemoryCell}
+CELLS: dict[str, type[nn.Module]] = {**OWN, **{cell.__name__: cell for cell in _corpus()}}
+#: ``--quick``: the cells of the tables before the corpus (``HandLSTM`` was ``lstm-block``)
+QUICK = ("gated", "indrnn", "lstm", "leaky", "HandLSTM")
+
+Row = tuple[str, int, int, int]  # (cell, H, B, T)
+
+
+@dataclass(frozen=True)
+class CellRows:
+    """What one table measures: its rows, which quantities, and how many timed calls (``rounds`` x up to
+    ``max_steps`` per arm, :func:`device_runner.interleaved`)."""
+
+    rows: tuple[Row, ...]
+    quantities: tuple[str, ...] = QUANTITIES
+    rounds: int = 5
+    max_steps: int = 2
+
+
+def rows_of(names: Sequence[str], hidden: int, batch: int, steps: int) -> tuple[Row, ...]:
+    """One row per cell name at ``(hidden, batch, steps)``; an unknown name is an error naming the known ones."""
+    unknown = [name for name in names if name not in CELLS]
+    if unknown:
+        raise ValueError(f"unknown cells {', '.join(unknown)}; known: {', '.join(CELLS)}")
+    return tuple((name, hidden, batch, steps) for name in names)
+
+
+#: the smoke mode (``--tiny``): two cells (a single and a tuple state), tiny sizes, one round
+TINY = CellRows(rows_of(("gated", "HandLSTM"), 3, 2, 5), rounds=2, max_steps=1)
 
 
 def python_loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -224,146 +182,287 @@ def python_loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(outs)
 
 
-def measure(kind: str, hidden: int, batch: int, steps: int, budget: int, min_run_time: float) -> dict:
-    """Timings (seconds) and peaks (bytes) of the loop and of the forced scan for one row, and what
-    ``"auto"`` picks; the scan arm is skipped (``None``) where its dense Jacobians exceed ``budget`` bytes
-    (the cell does not factor: two steps of the scan tell)."""
-    torch.manual_seed(0)
-    cell = CELLS[kind](INPUTS, hidden)
-    x = torch.randn(steps, batch, INPUTS, requires_grad=True)
-    leaves = [x, *cell.parameters()]
-    scan = Recurrence(cell, algorithm="linear")  # on CPU "auto" resolves the scan itself to "linear"
-    d = hidden * (2 if isinstance(cell.state_size, tuple) else 1)
-    scan(x[:2])[0].sum().backward(inputs=[x])  # traces the cell for this batch shape
-    fits = scan.last_stats["jacobians"] == "factored" or batch * steps * d * d * 4 <= budget
-    x.grad = None
-    arms = {"loop": lambda: python_loop(cell, x), "scan": lambda: scan(x)[0]} if fits else {"loop": lambda: python_loop(cell, x)}
-    result: dict = {"d": d}
+def import_jax(device: str) -> tuple[Any, str | None]:
+    """(jax, None) set up for ``device``, or (None, why not): JAX missing, or no GPU backend for CUDA.
 
-    def step(forward):
-        torch.autograd.grad(forward().pow(2).mean(), leaves)
-
-    for name, forward in arms.items():  # interleaved: each quantity for both arms before the next
-        result[f"fwd_{name}"] = median_seconds(forward, min_run_time)
-    for name, forward in arms.items():
-        loss = forward().pow(2).mean()
-        result[f"bwd_{name}"] = median_seconds(
-            lambda loss=loss: torch.autograd.grad(loss, leaves, retain_graph=True), min_run_time
+    Sets XLA's one-thread flags where ``OMP_NUM_THREADS=1`` and on-demand GPU memory, before JAX starts."""
+    if os.environ.get("OMP_NUM_THREADS") == "1" and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_XLA_FLAGS}".strip()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch holds the GPU's memory too
+    try:
+        import jax
+    except ImportError:
+        return None, "n/a: JAX not installed (pip install 'lightning-bppsa[bench]')"
+    try:
+        jax.devices("gpu" if device == "cuda" else "cpu")
+    except RuntimeError as error:
+        return (
+            None,
+            f"n/a: JAX has no {'GPU' if device == 'cuda' else 'CPU'} backend ({str(error).splitlines()[0]})",
         )
-        del loss
-    for name, forward in arms.items():
-        result[f"step_{name}"] = median_seconds(lambda forward=forward: step(forward), min_run_time)
-    for name, forward in arms.items():
-        result[f"peak_{name}"] = peak_memory_bytes(lambda forward=forward: step(forward))
-    if fits:
-        step(arms["scan"])  # one more for the split of its backward
-        stats = scan.last_stats
-        form = stats["jacobians"] + (", compiled loop" if stats["cell_kernel"] else "")
-        result.update(jac=stats["jacobian_seconds"], scan=stats["scan_seconds"], form=form)
-    auto = Recurrence(cell, memory_budget=budget)
-    step(lambda: auto(x)[0])
-    result.update(auto=auto.last_stats["path"], auto_reason=auto.last_stats["reason"])
+    return jax, None
+
+
+def _jax_device(jax: Any, device: str) -> Any:
+    return jax.devices("gpu" if device == "cuda" else "cpu")[0]
+
+
+def _gradients(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [g.detach() for g in torch.autograd.grad(loss, leaves)]
+
+
+def _error(grads: Sequence[Any], reference: Sequence[torch.Tensor]) -> float:
+    """The largest norm-wise relative error of ``grads`` (torch or JAX arrays) against ``reference``."""
+    return max(
+        relative_error(torch.as_tensor(_host(g)), r.cpu()) for g, r in zip(grads, reference, strict=True)
+    )
+
+
+def _host(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else np.array(value)  # a copy torch may write
+
+
+def _path(stats: dict) -> str:
+    """How ``Recurrence`` ran: its Jacobians' form and where its compiled loop ran, or why none."""
+    form = stats.get("jacobians") or stats.get("path", "?")
+    if stats.get("cell_kernel"):
+        return f"{form}, compiled loop ({stats['cell_kernel']})"
+    reason = stats.get("cell_kernel_reason") or stats.get("dense_reason") or stats.get("reason")
+    return f"{form}, torch path" + (f" ({reason})" if reason else "")
+
+
+def _arms(
+    cell: nn.Module,
+    x: torch.Tensor,
+    jax: Any,
+    jax_reason: str | None,
+    quantities: Sequence[str],
+    result: dict,
+) -> dict:
+    """Each arm's callables per quantity (``fwd``, ``bwd``, ``step``); fills ``result`` with the gradient
+    errors against the float64 loop (JAX's: of its step, and of its VJP where ``quantities`` time it), how
+    ``Recurrence`` ran and JAX's compile seconds (its step's)."""
+    leaves = [x, *cell.parameters()]
+    scan = Recurrence(cell, algorithm="linear")
+    forwards = {"loop": lambda: python_loop(cell, x), "Recurrence": lambda: scan(x)[0]}
+    cell64, x64 = copy.deepcopy(cell).double(), x.detach().double().requires_grad_()
+    reference = _gradients(python_loop(cell64, x64).pow(2).mean(), [x64, *cell64.parameters()])
+    arms: dict[str, dict[str, Callable[[], object]]] = {}
+    for name, forward in forwards.items():
+        result[f"err_{name}"] = _error(
+            _gradients(forward().pow(2).mean(), leaves), reference
+        )  # also the warm-up
+        loss = forward().pow(2).mean()
+        arms[name] = {
+            "fwd": forward,
+            "bwd": lambda loss=loss: torch.autograd.grad(loss, leaves, retain_graph=True),
+            "step": lambda forward=forward: torch.autograd.grad(forward().pow(2).mean(), leaves),
+        }
+    result["path"] = _path(scan.last_stats)
+    auto = Recurrence(cell)
+    torch.autograd.grad(auto(x)[0].pow(2).mean(), leaves)
+    result["auto"] = auto.last_stats["path"] + (
+        f" ({auto.last_stats['reason']})" if auto.last_stats.get("reason") else ""
+    )
+    if jax is None:
+        result["err_JAX"] = result["compile"] = jax_reason
+        return arms
+    try:
+        steps = cell_jax.jax_steps(cell, x.shape[1], x.shape[2], jax)
+    except cell_jax.NotTranslated as error:
+        result["err_JAX"] = result["compile"] = f"n/a: {error}"
+        return arms
+    where = _jax_device(jax, x.device.type)
+    params = [cell_jax.to_jax(jax, p, where) for p in cell.parameters()]
+    xs = cell_jax.to_jax(jax, x, where)
+    start = time.perf_counter()
+    _, (param_grads, x_grad) = jax.block_until_ready(steps["step"](params, xs))
+    result["compile"] = time.perf_counter() - start
+    result["err_JAX"] = _error([x_grad, *param_grads], reference)
+    if {"fwd", "bwd"} & set(quantities):
+        value, vjp = steps["forward"](params, xs)
+        param_grads, x_grad = steps["backward"](vjp, value)
+        result["err_JAX"] = max(result["err_JAX"], _error([x_grad, *param_grads], reference))
+    recorded: list = []
+
+    def backward() -> object:
+        if not recorded:  # the residuals of one forward, kept like the torch arms' recorded graph
+            recorded.extend(steps["forward"](params, xs))
+        value, vjp = recorded
+        return jax.block_until_ready(steps["backward"](vjp, value))
+
+    arms["JAX"] = {
+        "fwd": lambda: jax.block_until_ready(steps["forward"](params, xs)),
+        "bwd": backward,
+        "step": lambda: jax.block_until_ready(steps["step"](params, xs)),
+    }
+    return arms
+
+
+def measure_row(runner: Runner, row: Row, jax: Any, jax_reason: str | None, budget: float) -> dict:
+    """One row: per quantity of ``runner.shapes.quantities``, each arm's seconds (or why none), in ``budget``
+    seconds; the gradient errors, Recurrence's path, JAX's compile seconds, what "auto" ran."""
+    kind, hidden, batch, steps = row
+    start = runner.clock()
+    torch.manual_seed(0)
+    cell = CELLS[kind](INPUTS, hidden).to(runner.device)
+    x = torch.randn(steps, batch, INPUTS, device=runner.device, requires_grad=True)
+    result: dict = {"d": sum(cell.state_size) if isinstance(cell.state_size, tuple) else cell.state_size}
+    quantities = runner.shapes.quantities
+    arms = _arms(cell, x, jax, jax_reason, quantities, result)
+    statistic = min if runner.device == "cpu" else statistics.median
+    for index, quantity in enumerate(quantities):
+        left = budget - (runner.clock() - start)
+        fns = {name: calls[quantity] for name, calls in arms.items()}
+        times = interleaved(runner, fns, left / (len(quantities) - index), warmup=1, statistic=statistic)
+        for name in ARMS:  # JAX's reason where it has no arm
+            result[f"{quantity}_{name}"] = times.get(name, result["err_JAX"])
     return result
 
 
-HEADER = (
-    "| cell | H | B | T | d | fwd ms loop | fwd ms scan | bwd ms loop | bwd ms scan | bwd speedup "
-    "| step ms loop | step ms scan | step speedup | Jacobians | Jacobians ms | scan ms | peak MiB loop "
-    "| peak MiB scan | auto picks |\n|" + " --- |" * 19
-)
+COLUMNS = (
+    "cell", "H", "B", "T", "d", "Recurrence path",
+    *(f"{q} ms {a}" for q in QUANTITIES for a in ARMS),
+    "bwd vs loop", "bwd vs JAX", "step vs loop", "step vs JAX",
+    *(f"grad err {a}" for a in ARMS), "JAX compile s", "auto picks",
+)  # fmt: skip
 
 
-def row(kind: str, hidden: int, batch: int, steps: int, r: dict) -> str:
-    ms, mib = 1e3, 2.0**-20
-    auto = r["auto"] if r["auto_reason"] is None else f"{r['auto']} ({r['auto_reason']})"
-    head = f"| {kind} | {hidden} | {batch} | {steps} | {r['d']} "
-    if "bwd_scan" not in r:
-        return (
-            head + f"| {r['fwd_loop'] * ms:.1f} | not run | {r['bwd_loop'] * ms:.1f} | not run | - "
-            f"| {r['step_loop'] * ms:.1f} | not run | - | - | - | - | {r['peak_loop'] * mib:.1f} | - | {auto} |"
-        )
-    return (
-        head + f"| {r['fwd_loop'] * ms:.1f} | {r['fwd_scan'] * ms:.1f} "
-        f"| {r['bwd_loop'] * ms:.1f} | {r['bwd_scan'] * ms:.1f} | {r['bwd_loop'] / r['bwd_scan']:.2f}x "
-        f"| {r['step_loop'] * ms:.1f} | {r['step_scan'] * ms:.1f} | {r['step_loop'] / r['step_scan']:.2f}x "
-        f"| {r['form']} | {r['jac'] * ms:.1f} | {r['scan'] * ms:.1f} | {r['peak_loop'] * mib:.1f} | {r['peak_scan'] * mib:.1f} | {auto} |"
-    )
+def _cell_text(value: float | str | None, spec: str, scale: float = 1.0) -> str:
+    """A figure (times ``scale``) as ``spec`` formats it, the reason there is none, or "-" where not measured."""
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else format(value * scale, spec)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="headline rows only")
-    parser.add_argument("--min-run-time", type=float, default=0.2)
-    parser.add_argument(
-        "--memory-budget", type=int, default=2**28,
-        help="Recurrence(memory_budget=...) in bytes: rows whose Jacobians (dense, or their factors) exceed it run autograd "
-        "(default 256 MiB, to keep the grid under ~8 minutes; the module's default is 1 GiB)",
-    )
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    start, load_before = time.perf_counter(), os.getloadavg()
-    if os.environ.get("OMP_NUM_THREADS") == "1":  # XLA reads its flags at start-up: set before the import
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_XLA_FLAGS}".strip()
-    try:
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
-    except ImportError:
-        jax = None
-    lines = []
-    sections = [("Headline rows (targets: backward >= 10x, step >= 3x at B=16 T=1000 H=32)", HEADLINE)]
-    for title, rows in sections + ([] if args.quick else [("Grid", GRID)]):
-        lines += ["", f"## {title}", "", HEADER]
-        for kind, hidden, batch, steps in rows:
-            result = measure(kind, hidden, batch, steps, args.memory_budget, args.min_run_time)
-            lines.append(row(kind, hidden, batch, steps, result))
-            print(lines[-1], flush=True)
-    lines += ["", "## Against JAX (headline rows, whole training step)", ""]
-    if jax is None:
-        lines.append("JAX is not installed (`pip install 'lightning-bppsa[bench]'`): not measured.")
-    else:
-        lines += [
-            f"JAX {jax.__version__}, `jit(value_and_grad)` over `lax.scan`; XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`. "
-            "Step ms: the better of two interleaved medians per arm. Rel. diff: the largest norm-wise relative "
-            "difference of JAX's loss and gradients from `Recurrence`'s (float32).",
-            "",
-            "| cell | H | B | T | step ms Recurrence | step ms JAX | Recurrence vs JAX | JAX compile s | rel. diff |",
-            "|" + " --- |" * 9,
-        ]
-        for kind, hidden, batch, steps in HEADLINE:
-            r = measure_jax(kind, hidden, batch, steps, args.min_run_time, jax)
-            lines.append(
-                f"| {kind} | {hidden} | {batch} | {steps} | {r['ours'] * 1e3:.1f} | {r['jax'] * 1e3:.1f} "
-                f"| {r['jax'] / r['ours']:.2f}x | {r['compile']:.1f} | {r['diff']:.1e} |"
-            )
-            print(lines[-1], flush=True)
-    load_after = os.getloadavg()
-    head = [
-        "# User-written recurrent cells on CPU: autograd through the Python loop vs `Recurrence`",
-        "",
-        f"Machine: {machine_description()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}). "
-        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/cells.py"
-        f"{' --quick' if args.quick else ''}` under `flock /tmp/bppsa-bench.lock`; load average (1, 5, 15 min) "
-        f"{tuple(round(v, 2) for v in load_before)} before, {tuple(round(v, 2) for v in load_after)} after "
-        "(this VM's load average reads ~1 while idle; above ~1 + the thread count, other work ran beside it).",
-        "",
-        "Input size 8, float32, loss = mean of the squared outputs of every step. `d` = the flat state size. "
-        "loop = autograd through the Python loop; scan = `Recurrence(cell, algorithm='linear')` (the scan forced; "
-        "not run where the cell does not factor and its dense Jacobians exceed --memory-budget = "
-        f"{args.memory_budget / 2**20:.0f} MiB). Forward, backward (alone, on a graph recorded once) and whole "
-        "step: medians of torch.utils.benchmark, both arms interleaved. Jacobians: their form (factored from the "
-        "traced step, or dense from batched cell gradients; 'compiled loop': the traced step generated as C, "
-        "whose forward writes the factors with the states); Jacobians ms / scan ms: the scan backward's two main "
-        "parts (`last_stats`; compiled loop: ~0, the factors come from the forward / the scan fused with the "
-        "parameter VJP's products, plus that VJP; factored in torch: one pass of the traced step over all rows, "
-        "which also records the parameter VJP / the scan and that VJP). Peak: resident-set growth during one step. "
-        f"auto picks: what `Recurrence(cell, memory_budget={args.memory_budget})` (algorithm 'auto', which "
-        "scans where the Jacobians factor and otherwise measures both backwards on the batch's first steps) chose "
-        "for the row.",
+def table_row(row: Row, r: dict) -> list[str]:
+    """The cells of one table row (:data:`COLUMNS`) from :func:`measure_row`'s result."""
+    times = [_cell_text(r.get(f"{q}_{a}"), ".2f", scale=1e3) for q in QUANTITIES for a in ARMS]
+    speedups = [ratio_text(r.get(f"{q}_{base}", "-"), r.get(f"{q}_Recurrence", "-")) for q in ("bwd", "step")
+                for base in ("loop", "JAX")]  # fmt: skip
+    errors = [_cell_text(r.get(f"err_{a}"), ".1e") for a in ARMS]
+    return [
+        *map(str, row),
+        str(r["d"]),
+        r["path"],
+        *times,
+        *speedups,
+        *errors,
+        _cell_text(r.get("compile"), ".1f"),
+        r["auto"],
     ]
-    lines = head + lines + ["", f"Total benchmark time: {time.perf_counter() - start:.0f} s.", ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
+
+
+def skipped_row(row: Row) -> list[str]:
+    """A row that did not fit before the deadline."""
+    return [*map(str, row), "-", SKIPPED, *["-"] * (len(COLUMNS) - 6)]
+
+
+def device_table(
+    runner: Runner, jax: Any = None, jax_reason: str | None = None, name: str | None = None
+) -> list[list[str]]:
+    """Every row of ``runner.shapes`` (:class:`CellRows`) before ``runner.deadline``; the results file
+    (``cells-gpu.md`` / ``cells-cpu.md`` unless ``name``) rewritten after each row. JAX is imported for the
+    runner's device where ``jax`` is not given."""
+    if jax is None and jax_reason is None:
+        jax, jax_reason = import_jax(runner.device)
+    name = name or f"cells-{'gpu' if runner.device == 'cuda' else 'cpu'}.md"
+    rows, done = runner.shapes.rows, []
+    load_before = load_average()
+    for index, row in enumerate(rows):
+        budget = max(runner.left(), 0) / (len(rows) - index)
+        done.append(
+            table_row(row, measure_row(runner, row, jax, jax_reason, budget))
+            if budget > 0
+            else skipped_row(row)
+        )
+        print("cells " + " | ".join(done[-1]), flush=True)
+        write(runner, name, _table(runner, done, jax, load_before))
+    return done
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown"
+            )
+    except OSError:
+        return "unknown"
+
+
+def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[float, ...]) -> str:
+    s = runner.shapes
+    versions = [
+        f"JAX {jax.__version__} (jaxlib {__import__('jaxlib').__version__})" if jax else "JAX not installed"
+    ]
+    where = "GPU" if runner.device == "cuda" else "CPU"
+    text = header(
+        runner,
+        f"User-written recurrent cells on the {where}: autograd through the loop vs `Recurrence` vs JAX",
+        versions,
+    )
+    if runner.device == "cpu":
+        text += (
+            f"Machine: {_cpu_model()} (/proc/cpuinfo); {machine_description()}; OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`. Load average "
+            f"(1, 5, 15 min) {tuple(round(v, 2) for v in load_before)} before, "
+            f"{tuple(round(v, 2) for v in load_average())} after (this VM's reads ~1 while idle).\n\n"
+        )
+    statistic = "min" if runner.device == "cpu" else "median"
+    text += (
+        "Cells and arms: `benchmarks/cells.py`'s docstring. Input size 8, float32, loss = mean square of every step's "
+        "output; `d` = the flat state size. ms: the "
+        f"{statistic} of {s.rounds} interleaved rounds of up to {s.max_steps} calls per arm after a warm-up call, "
+        f"{runner.timer} (host time included; JAX waited for with block_until_ready). fwd = forward with gradients "
+        "recorded (JAX: jit(vjp), residuals kept), bwd = backward alone on a graph recorded once (JAX: the jitted VJP), "
+        "step = both (JAX: jit(value_and_grad)). Speedups: loop / Recurrence and JAX / Recurrence. Grad err: largest "
+        "norm-wise relative error of the input's and parameters' gradients against autograd through the loop in "
+        "float64.\n\n"
+        f"Rows done: {len(done)} of {len(s.rows)} (a skipped row says why).\n\n"
+        "| " + " | ".join(COLUMNS) + " |\n|" + " --- |" * len(COLUMNS) + "\n"
+        + "".join("| " + " | ".join(r) + " |\n" for r in done)
+    )  # fmt: skip
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line (module docstring)."""
+    started = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--tiny", action="store_true", help="smoke mode: two cells at H=3 B=2 T=5")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--cells", help="comma-separated cell names (default: every cell)")
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds per quantity (calls: rounds x up to 2)"
+    )
+    parser.add_argument(
+        "--within", type=float, default=900.0, metavar="SECONDS", help="the run's time budget"
+    )
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="where the table goes (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/cells.py: no CUDA device here; run it on a GPU machine (or --device cpu --tiny)")
+    if args.within <= 0:
+        parser.error(f"--within must be > 0 seconds; got {args.within}")
+    names = args.cells.split(",") if args.cells else QUICK if args.quick else tuple(CELLS)
+    if args.tiny:
+        shapes = dataclasses.replace(TINY, rows=rows_of(names, 3, 2, 5) if args.cells else TINY.rows)
+    else:
+        shapes = CellRows(rows_of(names, args.hidden, args.batch, args.steps), rounds=args.rounds)
+    clock = time.perf_counter  # the CPU arms' timer: the finest clock there is
+    runner = Runner(args.device, shapes, deadline=clock() + args.within, clock=clock, results=args.results,
+                    command=shlex.join(["python", "benchmarks/cells.py", *(sys.argv[1:] if argv is None else argv)]))  # fmt: skip
+    suffix = "-tiny" if args.tiny else "-quick" if args.quick else ""
+    device_table(runner, name=f"cells-{'gpu' if args.device == 'cuda' else 'cpu'}{suffix}.md")
+    print(f"cells: {time.perf_counter() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
    forced scans and kernels that took > 50 ms per call in the committed data skipped.
 4. ``cuda-gpu.md``: the paper's grids (below), with the time left.
 
+Between 2 and 3 (each with its own time budget): ``cuda-chain.md``, VGG-11's convolution chain, cuDNN
+autograd vs ``SparseChain``; and ``cells-gpu.md`` (at most :data:`CELLS_SECONDS`), user-written cells
+(``benchmarks/cells.py``'s, the style corpus included) at H = 32, B = 16, T = 1000: the whole training step
+of autograd through the Python loop, ``Recurrence`` (its CUDA compiled loop) and JAX
+``jit(value_and_grad(lax.scan))`` of the same cell math on the same GPU, each one's gradient error
+against the float64 loop, the cells that do not fit in time written as skipped.
+
 With ``--device cpu --tiny`` every stage runs on tiny shapes on the CPU, timed by the CPU clock (the
 kernel-alone rows say "n/a: no CUDA"): a smoke test of the command, tested in tests/bench/test_gpu_command.py.
 
@@ -130,7 +137,9 @@ COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
 CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "plan", "note")
 #: the share of the time left at the start that each stage of ``--all`` may use at most; the paper's
 #: grids, last, get what the others leave
-STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "calib": 0.4}
+STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "cells": 0.125, "calib": 0.4}
+#: the user-cells stage's seconds at most (its share of the default 480 s)
+CELLS_SECONDS = 60.0
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
 TESTS_SECONDS = 90.0
@@ -159,6 +168,8 @@ class Shapes:
     paper_hidden: int
     max_steps: int  # timed calls of each function per round, at most
     chain: tuple[tuple[str, int, int], ...] = ()  # VGG-11's conv chain: (weights, B, channel divisor)
+    cells: tuple[int, int, int] = (32, 16, 1000)  # the user-cells stage: (H, B, T) of every cell
+    cell_names: tuple[str, ...] = ()  # ... and which cells (benchmarks/cells.py's names; all where empty)
     rounds: int = 3
 
 
@@ -188,6 +199,8 @@ TINY_SHAPES = Shapes(
     paper_hidden=4,
     max_steps=2,
     chain=(("dense", 1, 16), ("pruned 97%", 2, 16)),
+    cells=(3, 2, 5),
+    cell_names=("gated",),
 )
 
 
@@ -417,6 +430,23 @@ def chain_stage(runner: Runner) -> list[list[str]]:
             + "".join("| " + " | ".join(row) + " |\n" for row in done)
         ))  # fmt: skip
     return done
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 2c: user-written cells (benchmarks/cells.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def cells_stage(runner: Runner) -> list[list[str]]:
+    """``benchmarks/cells.py``'s table on the runner's device, whole step only, the cells in ``shapes.cells``'s
+    size (the headline cells first): ``cells-gpu.md`` rewritten per row (like every file of this command, also in
+    the smoke mode: ``cells-cpu.md`` is ``benchmarks/cells.py``'s own CPU table)."""
+    import cells  # a sibling module (the path is set above); imported here since it loads JAX and the corpus
+
+    hidden, batch, length = runner.shapes.cells
+    names = runner.shapes.cell_names or (*cells.QUICK, *(n for n in cells.CELLS if n not in cells.QUICK))
+    shapes = cells.CellRows(cells.rows_of(names, hidden, batch, length), quantities=("step",), rounds=3)
+    return cells.device_table(dataclasses.replace(runner, shapes=shapes), name="cells-gpu.md")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -717,7 +747,8 @@ def write_measurements(runner: Runner) -> None:
 def run_all(
     runner: Runner, tests_command: Sequence[str] = TESTS_COMMAND, committed: Path = COMMITTED_CALIB
 ) -> None:
-    """tests/gpu, the whole-step table, the calibration grid, the paper's grids, in that order, before
+    """tests/gpu, the whole-step table, the layer chains, the user cells, the calibration grid, the paper's
+    grids, in that order, before
     ``runner.deadline``: each stage gets at most its share (:data:`STAGE_SHARES`) of the time left at the
     start, the paper's grids the rest; what does not fit is written as skipped. Each stage writes its files
     as it goes, so a killed run leaves what was finished."""
@@ -726,6 +757,7 @@ def run_all(
     tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
     step_stage(runner.until(STAGE_SHARES["step"] * total))
     chain_stage(runner.until(STAGE_SHARES["chain"] * total))
+    cells_stage(runner.until(min(STAGE_SHARES["cells"] * total, CELLS_SECONDS)))
     calib_stage(runner.until(STAGE_SHARES["calib"] * total), times)
     write_measurements(runner)
 

@@ -1,0 +1,156 @@
+"""``benchmarks/cells.py``: the JAX translation of every benchmarked cell, its table in the CPU smoke mode, and
+the user-cells stage of ``benchmarks/gpu.py --all`` (tiny sizes, an injected clock: nothing here depends on
+how fast this machine is)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bppsa.testing import relative_error
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_platforms", "cpu")
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+cells = _load("cells_benchmark", "cells.py")
+gpu = _load("gpu_benchmark_cells", "gpu.py")
+cell_jax = sys.modules["cell_jax"]  # the module cells.py imported
+
+
+class FakeClock:
+    """Seconds that advance by 1 ms on every reading."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+def _runner(tmp_path: Path, shapes, budget: float = 1e4):
+    clock = FakeClock()
+    return cells.Runner("cpu", shapes, deadline=budget, clock=clock, results=tmp_path, command="test")
+
+
+def _rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]  # past the names and the rule
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def _states(cell: nn.Module, rows: int) -> tuple[torch.Tensor, ...]:
+    size = cell.state_size
+    return tuple(
+        torch.randn(rows, s, dtype=torch.float64) for s in (size if isinstance(size, tuple) else (size,))
+    )
+
+
+@pytest.mark.parametrize("name", list(cells.CELLS))
+def test_the_jax_step_is_the_cell_s_math(name: str) -> None:
+    """One step and its VJP (states, input, parameters) in JAX equal the torch cell's in float64."""
+    torch.manual_seed(0)
+    cell = cells.CELLS[name](3, 4).double()
+    x, states = torch.randn(5, 3, dtype=torch.float64, requires_grad=True), _states(cell, 5)
+    for s in states:
+        s.requires_grad_()
+    new = cell(x, states if len(states) > 1 else states[0])
+    new = new if isinstance(new, tuple) else (new,)
+    cotangents = [torch.randn_like(s) for s in new]
+    leaves = [*cell.parameters(), x, *states]
+    expected = [*new, *torch.autograd.grad(new, leaves, cotangents)]
+
+    step = cell_jax.jax_cell(cell, 5, 3, jax)
+    as_jax = [cell_jax.to_jax(jax, t.float()) for t in (*cell.parameters(), x, *states)]
+    n = len(list(cell.parameters()))
+    outs, vjp = jax.vjp(lambda p, xx, ss: step(p, ss, xx), as_jax[:n], as_jax[n], tuple(as_jax[n + 1 :]))
+    param_grads, x_grad, state_grads = vjp(tuple(cell_jax.to_jax(jax, c.float()) for c in cotangents))
+    got = [*outs, *param_grads, x_grad, *state_grads]
+    assert len(got) == len(expected)
+    for value, reference in zip(got, expected, strict=True):
+        assert relative_error(torch.tensor(jax.device_get(value)), reference) < 1e-5
+
+
+def test_a_cell_with_an_op_jax_is_not_given_is_named() -> None:
+    class Cumulative(nn.Module):
+        state_size = 4
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+
+        def forward(self, x, h):
+            return torch.tanh(self.lin(x) + h.cumsum(-1))
+
+    with pytest.raises(cell_jax.NotTranslated, match=r"no JAX counterpart for aten\.cumsum"):
+        cell_jax.jax_cell(Cumulative(), 2, 3, jax)
+
+
+def test_the_tiny_table_has_every_arm_with_float64_checked_gradients(tmp_path: Path) -> None:
+    shapes = cells.CellRows(cells.rows_of(["HandLSTM"], 3, 2, 5), rounds=2, max_steps=1)
+    cells.device_table(_runner(tmp_path, shapes), name="cells.md")
+    text = (tmp_path / "cells.md").read_text()
+    assert "JAX 0." in text and "Rows done: 1 of 1" in text and "min of 2 interleaved rounds" in text
+    (row,) = _rows(text)
+    assert dict(zip(cells.COLUMNS[:6], row, strict=False)) == {
+        "cell": "HandLSTM", "H": "3", "B": "2", "T": "5", "d": "6", "Recurrence path": "factored, compiled loop (cpu)",
+    }  # fmt: skip
+    values = dict(zip(cells.COLUMNS, row, strict=True))
+    for quantity in cells.QUANTITIES:
+        for arm in cells.ARMS:
+            assert float(values[f"{quantity} ms {arm}"]) > 0, (quantity, arm)
+    for speedup in ("bwd vs loop", "bwd vs JAX", "step vs loop", "step vs JAX"):
+        assert values[speedup].endswith("x")
+    for arm in cells.ARMS:  # float32 against the float64 loop: rounding, not a different computation
+        assert float(values[f"grad err {arm}"]) < 1e-5, arm
+    assert float(values["JAX compile s"]) >= 0 and values["auto picks"]
+
+
+def test_without_jax_its_columns_say_why(tmp_path: Path) -> None:
+    shapes = cells.CellRows(cells.rows_of(["indrnn"], 3, 2, 4), quantities=("step",), rounds=1, max_steps=1)
+    cells.device_table(_runner(tmp_path, shapes), jax_reason="n/a: JAX not installed", name="cells.md")
+    values = dict(zip(cells.COLUMNS, _rows((tmp_path / "cells.md").read_text())[0], strict=True))
+    assert values["step ms JAX"] == values["grad err JAX"] == "n/a: JAX not installed"
+    assert float(values["step ms Recurrence"]) > 0 and values["step vs JAX"] == "-"
+    assert values["fwd ms loop"] == "-", "a quantity not asked for is not measured"
+
+
+def test_past_the_deadline_rows_are_skipped_without_measuring(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cells, "measure_row", lambda *args: pytest.fail("measured past the deadline"))
+    shapes = cells.CellRows(cells.rows_of(["gated", "leaky"], 3, 2, 4))
+    done = cells.device_table(_runner(tmp_path, shapes, budget=-1.0), jax_reason="n/a", name="cells.md")
+    assert [row[:4] for row in done] == [["gated", "3", "2", "4"], ["leaky", "3", "2", "4"]]
+    assert all(row[5] == cells.SKIPPED for row in done)
+    assert "Rows done: 2 of 2" in (tmp_path / "cells.md").read_text()
+
+
+def test_every_corpus_cell_is_a_row_and_unknown_names_are_refused() -> None:
+    corpus = [cell.__name__ for cell in cells._corpus()]  # FACTORED of tests/nn/test_cell_corpus.py
+    assert len(corpus) >= 13 and list(cells.CELLS) == [*cells.OWN, *corpus]
+    with pytest.raises(ValueError, match="unknown cells nope; known: gated, indrnn"):
+        cells.rows_of(["gated", "nope"], 3, 2, 4)
+
+
+def test_the_gpu_command_s_cells_stage_writes_its_table(tmp_path: Path) -> None:
+    runner = gpu.Runner("cpu", gpu.TINY_SHAPES, deadline=1e4, clock=FakeClock(), results=tmp_path)
+    done = gpu.cells_stage(runner)
+    rows = _rows((tmp_path / "cells-gpu.md").read_text())
+    assert rows == done and [row[:4] for row in rows] == [["gated", "3", "2", "5"]]
+    values = dict(zip(cells.COLUMNS, rows[0], strict=True))
+    assert float(values["step ms Recurrence"]) > 0 and values["step vs loop"].endswith("x")
+    assert values["bwd ms loop"] == "-", "the stage times the whole step only"
