@@ -43,14 +43,14 @@ def _trace(cell: nn.Module, rows: int, inputs: int) -> fx.GraphModule:
         )
         return list(new) if is_tuple else [new]
 
-    like = next(cell.parameters())
+    like = next(cell.parameters())  # fake tensors on the cell's device and in its dtype, as its buffers are
     example = [
-        torch.empty(rows, inputs, dtype=like.dtype),
-        *(torch.empty(rows, s, dtype=like.dtype) for s in _state_sizes(cell)),
+        torch.empty(rows, inputs, dtype=like.dtype, device=like.device),
+        *(torch.empty(rows, s, dtype=like.dtype, device=like.device) for s in _state_sizes(cell)),
     ]
     with torch.no_grad():  # functionalized: writes through views become *_scatter ops
         return make_fx(functionalize(step), tracing_mode="fake")(
-            *(p.detach().cpu() for p in cell.parameters()), *example
+            *(p.detach() for p in cell.parameters()), *example
         )
 
 
