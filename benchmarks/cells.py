@@ -166,7 +166,7 @@ def rows_of(names: Sequence[str], hidden: int, batch: int, steps: int) -> tuple[
     return tuple((name, hidden, batch, steps) for name in names)
 
 
-#: the smoke mode (``--tiny``): two cells (a single and a tuple state), tiny sizes, one round
+#: the smoke mode (``--tiny``): two cells (a single and a tuple state), tiny sizes, two rounds of one call
 TINY = CellRows(rows_of(("gated", "HandLSTM"), 3, 2, 5), rounds=2, max_steps=1)
 
 
@@ -231,6 +231,20 @@ def _path(stats: dict) -> str:
     return f"{form}, torch path" + (f" ({reason})" if reason else "")
 
 
+def _recorded_backward(
+    forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor]
+) -> Callable[[], object]:
+    """The backward alone, on a graph the first call records (the warm-up call, untimed) and every call reuses."""
+    graph: list[torch.Tensor] = []
+
+    def backward() -> object:
+        if not graph:
+            graph.append(forward().pow(2).mean())
+        return torch.autograd.grad(graph[0], leaves, retain_graph=True)
+
+    return backward
+
+
 def _arms(
     cell: nn.Module,
     x: torch.Tensor,
@@ -249,13 +263,11 @@ def _arms(
     reference = _gradients(python_loop(cell64, x64).pow(2).mean(), [x64, *cell64.parameters()])
     arms: dict[str, dict[str, Callable[[], object]]] = {}
     for name, forward in forwards.items():
-        result[f"err_{name}"] = _error(
-            _gradients(forward().pow(2).mean(), leaves), reference
-        )  # also the warm-up
-        loss = forward().pow(2).mean()
+        loss = forward().pow(2).mean()  # the first call: a warm-up (Recurrence traces and builds its loop)
+        result[f"err_{name}"] = _error(_gradients(loss, leaves), reference)
         arms[name] = {
             "fwd": forward,
-            "bwd": lambda loss=loss: torch.autograd.grad(loss, leaves, retain_graph=True),
+            "bwd": _recorded_backward(forward, leaves),
             "step": lambda forward=forward: torch.autograd.grad(forward().pow(2).mean(), leaves),
         }
     result["path"] = _path(scan.last_stats)

@@ -9,7 +9,7 @@ First run on an H100 on 2026-11-26 (``results/cuda-gpu-h100-2026-11-26.md``, ``r
     python benchmarks/gpu.py --quick    # GPU: the paper's headline rows only
     python benchmarks/gpu.py --plan     # no GPU needed: the model's predictions -> benchmarks/results/cuda-plan-gpu.md
 
-``--all`` runs four stages, each writing its files under ``benchmarks/results/`` as it goes (a killed run
+``--all`` runs the stages below, each writing its files under ``benchmarks/results/`` as it goes (a killed run
 leaves what was finished), each headed by the device, torch, cuDNN, CuPy, the commit (``$BPPSA_COMMIT`` or
 ``git rev-parse``) and the time (UTC). Every stage checks the time left before each measurement and writes
 "skipped: out of time" for what does not fit; timed functions run interleaved (A x N, B x N, ... over 3
