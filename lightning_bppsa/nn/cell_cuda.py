@@ -1,10 +1,11 @@
 """A factored cell's compiled loop on CUDA: the CPU loop's generated step (:mod:`~lightning_bppsa.nn.cell_kernel`)
 run by CUDA kernels (``kernels/cell_loop_cuda.h``).
 
-The step's pointwise part is the same C text :mod:`~lightning_bppsa.nn.cell_kernel` generates from the traced
-graph (values and forward-mode partials, per coordinate ``j``), made device code: its loop over ``j`` becomes
-one thread per coordinate, ``activations.h`` becomes ``kernels/cell_cuda_prologue.h``, ``cell_loop.h`` becomes
-``kernels/cell_loop_cuda.h``. Three kernels, launched on torch's current stream:
+The step's pointwise part is generated from the traced graph by :mod:`~lightning_bppsa.nn.cell_kernel`'s own
+generator (values and forward-mode partials, per coordinate ``j``: the same statements as the CPU loop's) for
+this module's :data:`TARGET`: device functions, one thread per coordinate instead of the loop over ``j``,
+``kernels/cell_cuda_prologue.h`` instead of ``activations.h``, ``kernels/cell_loop_cuda.h`` instead of
+``cell_loop.h``. Three kernels, launched on torch's current stream:
 
 - the forward loop (one block per batch row): the states and, with partials, the Jacobians' factors and the
   partials by the input part's values, in one pass (the input projection is one torch GEMM before it, as on
@@ -19,7 +20,7 @@ the CPU kernel's own code. The kernels are built by a :class:`Backend`: NVRTC th
 loader :mod:`lightning_bppsa.kernels.cupy_loader` (:class:`CupyBackend`, the default), or the host emulation
 (:mod:`lightning_bppsa.kernels.cell_cuda_emulated`: the same source text through g++, the same launches, on
 CPU tensors). The pieces' weights are staged in shared memory where they fit the device's, else read from
-global memory. Where the source cannot be made (a C spelling this module does not know), ``H > 256`` (one
+global memory. Where the source cannot be made (an op the generator does not compile), ``H > 256`` (one
 thread per coordinate), the device has no room for the state buffers, or the kernels do not build or load
 (no CuPy, no NVRTC), construction raises :class:`~lightning_bppsa.nn.cell_kernel.Unsupported` or
 :class:`RuntimeError` and :class:`~lightning_bppsa.nn.Recurrence` keeps the torch path with the reason.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +48,7 @@ __all__ = [
     "CupyBackend",
     "Launch",
     "KERNELS",
+    "TARGET",
     "generate",
     "launch_config",
 ]
@@ -86,10 +87,9 @@ class Launch:
 
 def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, list]:
     """The CUDA source of ``structure``'s loop in ``dtype`` and the input-part values it reads, in order (the
-    C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list); :class:`Unsupported` where the C
-    generator does not compile the graph or its source is not spelled as this module expects."""
-    c_text, inputs = cell_kernel._generate(structure, dtype)
-    text = _device_code(c_text, structure, len(inputs))
+    C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list); :class:`Unsupported` where the generator
+    does not compile the graph."""
+    text, inputs = cell_kernel._generate(structure, dtype, TARGET)
     for header in _HEADERS:
         # inlined once each: their include guards would only warn in the main file
         text = text.replace(
@@ -105,62 +105,34 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
     return source, inputs
 
 
-#: what the C text of cell_kernel._generate must contain (each spelling -> its CUDA replacement); a missing one
-#: means the C generator changed and this module must follow it (Unsupported until then)
-_LOOP = re.compile(r"for \(int64_t j = 0; j < \d+; \+\+j\) \{")
-_DIRECT = re.compile(r"static const int64_t DIRECT_STATES\[\] = \{[^}]*\};")
-
-
-def _device_code(c_text: str, structure: CellStructure, n_inputs: int) -> str:
-    """The C source made a CUDA translation unit: device functions, one coordinate per thread, the CUDA
-    headers, the kernels' parameter macros."""
-    checks = {
-        '#include "activations.h"': 1,
-        '#include "cell_loop.h"': 1,
-        "static inline void cell_values(": 1,
-        "static inline void cell_partials(": 1,
-    }
-    for spelling, count in checks.items():
-        if c_text.count(spelling) != count:
-            raise Unsupported(
-                f"the C generator's source does not read {spelling!r} once (cell_cuda.py must follow it)"
-            )
-    if len(_LOOP.findall(c_text)) != 2 or len(_DIRECT.findall(c_text)) != 1:
-        raise Unsupported(
-            "the C generator's loop over j or DIRECT_STATES is spelled differently (cell_cuda.py must follow it)"
-        )
-    m = structure.n_states
-    direct = (
-        structure.direct_states if m > 1 else []
-    )  # as cell_kernel: one state read directly is the diagonal
-    tile = "".join(f"(q) == {q} ? {i} : " for i, q in enumerate(direct)) + "-1"
+def _epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
+    """After the step: the kernels' parameter macros (the input values as (pointer, row stride) pairs, the
+    identity tiles of the states read directly), then the kernels."""
+    tile = "".join(f"(q) == {q} ? {i} : " for i, q in enumerate(cell_kernel._direct(structure))) + "-1"
     pointers = ", ".join(f"in{k}" for k in range(n_inputs))
     strides = ", ".join(f"st{k}" for k in range(n_inputs))
     params = "".join(f", const REAL* __restrict__ in{k}, int64_t st{k}" for k in range(n_inputs))
     host = "".join(
         f", (const REAL*)a[base + {2 * k}], (int64_t)a[base + {2 * k + 1}]" for k in range(n_inputs)
     )
-    kernels = "\n".join(
-        [
-            f"#define CELL_DIRECT_TILE(q) ({tile})",
-            f"#define CELL_INPUT_PARAMS {params}",
-            f"#define CELL_INPUT_POINTERS {pointers}",
-            f"#define CELL_INPUT_STRIDES {strides}",
-            f"#define CELL_INPUT_HOST_ARGS(base) {host}",
-            '#include "cell_loop_cuda.h"',
-        ]
-    )
-    text = c_text.replace(
-        "/* Generated by lightning_bppsa/nn/cell_kernel.py",
-        "/* Generated by lightning_bppsa/nn/cell_cuda.py (from cell_kernel.py's C)",
-    )
-    text = text.replace(
-        '#include "activations.h"', '#include "cuda_host_emulation.h"\n#include "cell_cuda_prologue.h"'
-    )
-    text = _DIRECT.sub("/* DIRECT_STATES: CELL_DIRECT_TILE below */", text)
-    text = text.replace("static inline void cell_", "__device__ __forceinline__ void cell_")
-    text = _LOOP.sub("{ const int64_t j = threadIdx.x;", text)
-    return text.replace('#include "cell_loop.h"', kernels)
+    return [
+        f"#define CELL_DIRECT_TILE(q) ({tile})",
+        f"#define CELL_INPUT_PARAMS {params}",
+        f"#define CELL_INPUT_POINTERS {pointers}",
+        f"#define CELL_INPUT_STRIDES {strides}",
+        f"#define CELL_INPUT_HOST_ARGS(base) {host}",
+        '#include "cell_loop_cuda.h"',
+    ]
+
+
+#: the CUDA kernels: the step as device functions, one thread per coordinate j (kernels/cell_loop_cuda.h)
+TARGET = cell_kernel.Target(
+    generator="lightning_bppsa/nn/cell_cuda.py",
+    prologue=('#include "cuda_host_emulation.h"', '#include "cell_cuda_prologue.h"'),
+    qualifier="__device__ __forceinline__",
+    loop="{{ const int64_t j = threadIdx.x;",
+    epilogue=_epilogue,
+)
 
 
 def launch_config(source: CellSource, kernel: str, batch: int, steps: int, shared_limit: int) -> Launch:
@@ -216,13 +188,7 @@ class CudaCellKernel(CellKernel):
         device: torch.device,
         backend: Backend | None = None,
     ) -> None:
-        # CellKernel's own checks, without its C build
-        if structure.reason is not None:
-            raise Unsupported(f"the Jacobians do not factor ({structure.reason})")
-        if dtype not in (torch.float32, torch.float64):
-            raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
-        if not structure.input_terms_separate:
-            raise Unsupported("the pieces' input-only terms do not separate from the states")
+        cell_kernel._check(structure, dtype)  # CellKernel's own conditions, without its C build
         if structure.width > MAX_THREADS:
             raise Unsupported(
                 f"the state tensors are {structure.width} wide; the CUDA loop takes at most {MAX_THREADS}"

@@ -6,7 +6,9 @@ followed by a pointwise part. :class:`CellKernel` generates C for the pointwise 
 each value with its forward-mode derivatives by every input the part reads (the states it reads directly,
 the pieces, the input part's values), per coordinate (the part is pointwise, so these are all its partials).
 The generated source is compiled with ``kernels/cell_loop.h`` (the loop over rows and steps, the per-step
-product) through the package's one builder, so a forward computes in one pass what the backward needs:
+product) through the package's one builder, so a forward computes in one pass what the backward needs (the
+same statements are spelled for CUDA by :mod:`~lightning_bppsa.nn.cell_cuda`: a :class:`Target` says what
+differs):
 
 - the states ``(B, T + 1, d)``;
 - the scales (and diagonal) of the :class:`~lightning_bppsa.jacobians.FactoredJacobians`, in the layout
@@ -32,6 +34,7 @@ import math
 import os
 import platform
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +44,7 @@ from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.kernels import _build, _native
 from lightning_bppsa.nn.cell_structure import CellStructure, _adjacent
 
-__all__ = ["CellFactors", "CellKernel", "Unsupported"]
+__all__ = ["C", "CellFactors", "CellKernel", "Target", "Unsupported"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -117,12 +120,7 @@ class CellKernel:
     """
 
     def __init__(self, structure: CellStructure, dtype: torch.dtype) -> None:
-        if structure.reason is not None:
-            raise Unsupported(f"the Jacobians do not factor ({structure.reason})")
-        if dtype not in (torch.float32, torch.float64):
-            raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
-        if not structure.input_terms_separate:
-            raise Unsupported("the pieces' input-only terms do not separate from the states")
+        _check(structure, dtype)
         d = structure.n_states * structure.width
         stack = max(len(structure.pieces) * structure.width, 7 * d) * dtype.itemsize  # the loops' arrays
         if stack > _STACK_BYTES:
@@ -256,6 +254,17 @@ class CellKernel:
         return torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
 
 
+def _check(structure: CellStructure, dtype: torch.dtype) -> None:
+    """:class:`Unsupported` where a structure in a dtype has no compiled loop on any target: its Jacobians do not
+    factor, the dtype is not float32 / float64, or the pieces' input-only terms do not separate."""
+    if structure.reason is not None:
+        raise Unsupported(f"the Jacobians do not factor ({structure.reason})")
+    if dtype not in (torch.float32, torch.float64):
+        raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
+    if not structure.input_terms_separate:
+        raise Unsupported("the pieces' input-only terms do not separate from the states")
+
+
 def _piece_rows(weight: Tensor, structure: CellStructure) -> Tensor:
     """``(pieces H, d)``: the factored weight's rows of each piece once (its row block for new state 0; the
     blocks of the other new states repeat it)."""
@@ -296,8 +305,40 @@ def _pointer(tensor: Tensor | None) -> int | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_Input]]:
-    """The C source of ``structure``'s loop in ``dtype`` and the input-part values it reads, in order."""
+@dataclass(frozen=True)
+class Target:
+    """What :func:`_generate` spells differently per compiler; the step's statements are the same for all."""
+
+    generator: str  # named in the source's first comment
+    prologue: tuple[str, ...]  # lines before the defines: what the step's spelling needs (types, activations)
+    qualifier: str  # of the step functions cell_values and cell_partials
+    loop: str  # the head of the step's loop over the coordinates j, formatted with ``h`` (H); closed by "}"
+    epilogue: Callable[[CellStructure, int], list[str]]  # (structure, NI) -> the lines after the step: its loop
+
+
+def _direct(structure: CellStructure) -> list[int]:
+    """The states read directly that the loop treats as identity tiles (one state read directly: the diagonal)."""
+    return structure.direct_states if structure.n_states > 1 else []
+
+
+def _c_epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
+    direct = _direct(structure)
+    return [f"static const int64_t DIRECT_STATES[] = {{{', '.join(map(str, direct)) or '0'}}};", '#include "cell_loop.h"']
+
+
+#: the CPU loop: C compiled with kernels/cell_loop.h, one coordinate per iteration
+C = Target(
+    generator="lightning_bppsa/nn/cell_kernel.py",
+    prologue=('#include "activations.h"',),
+    qualifier="static inline",
+    loop="for (int64_t j = 0; j < {h}; ++j) {{",
+    epilogue=_c_epilogue,
+)
+
+
+def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) -> tuple[str, list[_Input]]:
+    """The source of ``structure``'s loop in ``dtype`` for ``target`` and the input-part values it reads, in
+    order."""
     graph = structure.pointwise.graph
     n_frontier, m, h = len(structure.frontier_is_row), structure.n_states, structure.width
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -350,16 +391,15 @@ def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_
     signature = "int64_t row, const REAL* restrict prev, const REAL* restrict piece, const REAL* const* in, const int64_t* stride, REAL* restrict next"
     body = lambda lines, stores: "\n".join(  # noqa: E731
         ["    " + line for line in loads]
-        + [f"    for (int64_t j = 0; j < {h}; ++j) {{"]
+        + ["    " + target.loop.format(h=h)]
         + ["        " + line for line in (*lines, *stores)]
         + ["    }"]
     )
     real = "float" if dtype == torch.float32 else "double"
     read = sorted({q for piece in structure.pieces for q, _ in piece.reads})
-    direct = structure.direct_states if m > 1 else []  # one state read directly: the diagonal
     source = "\n".join([
-        "/* Generated by lightning_bppsa/nn/cell_kernel.py from a cell's traced step; see kernels/cell_loop.h. */",
-        '#include "activations.h"',
+        f"/* Generated by {target.generator} from a cell's traced step. */",
+        *target.prologue,
         f"typedef {real} REAL;",
         f"#define H {h}",
         f"#define M {m}",
@@ -369,17 +409,16 @@ def _generate(structure: CellStructure, dtype: torch.dtype) -> tuple[str, list[_
         f"#define NI {len(inputs)}",
         f"#define CLO {min(read, default=0) * h}",
         f"#define CHI {(max(read) + 1) * h if read else 0}",
-        f"#define NDIRECT {len(direct)}",
-        f"static const int64_t DIRECT_STATES[] = {{{', '.join(map(str, direct)) or '0'}}};",
-        f"static inline void cell_values({signature}) {{",
+        f"#define NDIRECT {len(_direct(structure))}",
+        f"{target.qualifier} void cell_values({signature}) {{",
         "    (void)stride;",
         body(emitter.lines(values_only=True), stores_values),
         "}",
-        f"static inline void cell_partials({signature}, REAL* restrict scales, REAL* restrict diagonal, REAL* restrict fpart) {{",
+        f"{target.qualifier} void cell_partials({signature}, REAL* restrict scales, REAL* restrict diagonal, REAL* restrict fpart) {{",
         "    (void)stride; (void)scales; (void)diagonal; (void)fpart;",
         body(emitter.lines(values_only=False), stores_partials),
         "}",
-        '#include "cell_loop.h"',
+        *target.epilogue(structure, len(inputs)),
         "",
     ])
     return source, inputs

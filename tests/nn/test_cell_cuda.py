@@ -31,16 +31,17 @@ pytestmark = [
 ]
 
 
-def _cells():
-    """The cells of tests/nn/test_cell_kernel.py: every op the generator emits, one to three states."""
-    path = Path(__file__).resolve().parent / "test_cell_kernel.py"
-    spec = importlib.util.spec_from_file_location("_cell_kernel_cases", path)
+def _cases(name: str):
+    """The cells of a test module next to this one (tests/nn/test_cell_kernel.py: every op the generator emits,
+    one to three states; tests/nn/test_cell_corpus.py: cells written the ways people write them)."""
+    path = Path(__file__).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_{name}_cases", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-CASES = _cells()
+CASES, CORPUS = _cases("test_cell_kernel"), _cases("test_cell_corpus")
 
 
 class MemoryFirst(nn.Module):
@@ -162,6 +163,23 @@ def _torch_path(cell, reason: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "cell_type", [CORPUS.TorchLSTMCell, CORPUS.TorchGRUCell, CORPUS.WideMemory], ids=lambda c: c.__name__
+)
+def test_torchs_cells_and_mixed_widths_run_the_cuda_loop_exactly(monkeypatch, cell_type):
+    """torch's own cells (in-place ops in their traces) and a state of widths (H, 2H) on the CUDA loop (emulated):
+    factored, compiled, and equal to autograd through the Python loop."""
+    _recurrence_with(monkeypatch, EmulatedBackend())
+    torch.manual_seed(4)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
+    module, ours = CORPUS._recurrence(cell, x)
+    stats = module.last_stats
+    assert stats["jacobians"] == "factored" and stats["cell_kernel"] == "cuda (emulated)", stats
+    for a, b in zip(ours, CORPUS._grads(lambda: CORPUS._loop(cell, x), [x, *cell.parameters()]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_a_device_without_room_for_the_buffers_keeps_the_torch_path(monkeypatch):
     _recurrence_with(
         monkeypatch, EmulatedBackend(shared_limit=64)
@@ -195,17 +213,28 @@ def test_a_state_wider_than_a_block_is_not_compiled():
         CudaCellKernel(structure, F64, CPU, EmulatedBackend())
 
 
-def test_a_c_spelling_it_does_not_know_is_unsupported(monkeypatch):
-    generated = cell_kernel._generate
+def test_the_cuda_source_has_the_c_loops_step_statements():
+    """One generator for both targets: the CUDA source's step functions are the C loop's statements, only the
+    target's spelling around them (qualifiers, the loop over j, includes, the loop's own header) differs."""
+    structure, _ = _structure(CASES.ThreeStates(3, 4).to(F64), 2)
+    c_text, c_inputs = cell_kernel._generate(structure, F64)
+    source, cuda_inputs = generate(structure, F64)
+    assert c_inputs == cuda_inputs
 
-    def renamed(structure, dtype):
-        text, inputs = generated(structure, dtype)
-        return text.replace("for (int64_t j = 0;", "for (long j = 0;"), inputs
+    def step(text: str, target: cell_kernel.Target) -> str:
+        body = text[text.index(f"{target.qualifier} void cell_values(") :]
+        body = body[: body.index(target.epilogue(structure, len(c_inputs))[0])]
+        return body.replace(target.qualifier, "QUALIFIER").replace(
+            target.loop.format(h=structure.width), "LOOP"
+        )
 
-    monkeypatch.setattr(cell_kernel, "_generate", renamed)
-    structure, _ = _structure(CASES.SmoothOps(3, 4).to(F64), 2)
-    with pytest.raises(Unsupported, match="loop over j"):
-        generate(structure, F64)
+    assert step(c_text, cell_kernel.C) == step(source.text, cell_cuda.TARGET)
+    assert step(c_text, cell_kernel.C).count("LOOP") == 2
+    assert "const int64_t j = threadIdx.x;" in source.text and '#include "cell_loop.h"' not in source.text
+    assert (
+        "static const int64_t DIRECT_STATES" not in source.text
+        and "CELL_DIRECT_TILE(q) ((q) == 0 ? 0" in source.text
+    )
 
 
 def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_loader(monkeypatch):
