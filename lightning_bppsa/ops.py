@@ -51,10 +51,19 @@ def _empty_out(grad: Tensor, n: int) -> Tensor:
     return grad.new_empty(batch, n + 1, d)
 
 
+def _device_shared_limit(device: torch.device) -> int | None:
+    """The shared memory a block may use on ``device`` where the scan's CUDA kernels run there, else ``None``
+    (the plan then asks for torch's current device): a scan on another GPU is planned by its own limit."""
+    if device.type != "cuda" or not cuda.available()[0]:
+        return None
+    return cuda.device_shared_limit(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def _plan_for(algorithm: str, chunk_size: int, grad: Tensor, n: int, d: int, width: int | None) -> plan.Plan:
     chosen = plan.choose(
-        algorithm, n=n, d=d, batch=grad.shape[0], width=width, device=grad.device.type, dtype=grad.dtype
-    )
+        algorithm, n=n, d=d, batch=grad.shape[0], width=width, device=grad.device.type, dtype=grad.dtype,
+        shared_limit=_device_shared_limit(grad.device),
+    )  # fmt: skip
     return dataclasses.replace(chosen, chunk=chunk_size) if chunk_size > 0 else chosen
 
 

@@ -1,5 +1,7 @@
 """The plan (kernel, algorithm, chunk, reason) of a scan: decided once, at run time, by lightning_bppsa.plan."""
 
+import types
+
 import pytest
 import torch
 from lightning_bppsa.kernels import cpu, cuda
@@ -170,3 +172,17 @@ def test_the_launcher_refuses_a_chunked_launch_no_plan_checked(monkeypatch):
         cuda.run(w, s, None, g, algorithm=algorithm, chunk_size=chunk, launcher=lambda *a: launched.append(a[0]),
                  shared_limit=A100_OPTIN)  # fmt: skip
     assert [launch.kernel for launch in launched] == ["bppsa_sweep_factored_f32"] * 2
+
+
+def test_a_scan_op_plans_by_the_limit_of_its_own_gpu_not_the_current_one(cuda_kernels, monkeypatch):
+    """``bppsa::scan_*`` on ``cuda:1`` (an A100's 163 KiB) while ``cuda:0`` (an H100) is current: d=150's chunked
+    kernel fits the current device, not the tensors' one, so the op plans the sweep and says why (planned with
+    the current device's limit, ``cuda.run`` would refuse the launch)."""
+    cuda_kernels(True, shared_limit=H100_OPTIN)
+    monkeypatch.setattr(cuda, "device_shared_limit", {0: H100_OPTIN, 1: A100_OPTIN}.__getitem__)
+    grad = types.SimpleNamespace(shape=(16, 150), device=torch.device("cuda", 1), dtype=torch.float32)
+    chosen = ops._plan_for("chunked", 0, grad, 1000, 150, 150)
+    why = cuda.refusal("chunked", d=150, element_bytes=4, shared_limit=A100_OPTIN)
+    assert (chosen.algorithm, chosen.instead) == ("linear", f"chunked asked: {why}")
+    grad.device = torch.device("cuda", 0)
+    assert ops._plan_for("chunked", 0, grad, 1000, 150, 150).algorithm == "chunked"
