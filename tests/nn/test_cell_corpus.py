@@ -472,18 +472,21 @@ def test_cells_that_do_not_factor_fall_back_with_a_reason_and_stay_exact(cell_ty
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_a_gate_block_first_cell_factors_as_if_written_per_piece():
-    """The same pieces of the same weights, and the same pointwise ops, as the cell written per piece."""
+@pytest.mark.parametrize("cell_type", [HandLSTM, TorchLSTMCell, InPlaceLSTM], ids=lambda c: c.__name__)
+def test_a_gate_block_first_cell_factors_as_if_written_per_piece(cell_type):
+    """The same pieces of the same weights, and the same pointwise ops, as the cell written per piece (torch's own
+    LSTMCell and an LSTM written with in-place ops too: their traces normalise to the same graph)."""
     structures = []
-    for cell_type in (HandLSTM, PerPieceLSTM):
+    for kind in (cell_type, PerPieceLSTM):
         torch.manual_seed(2)
-        cell = cell_type(3, 5).to(F64)
+        cell = kind(3, 5).to(F64)
         states = (torch.zeros(4, 5, dtype=F64), torch.zeros(4, 5, dtype=F64))
         structures.append(trace_cell(cell, torch.randn(4, 3, dtype=F64), states, is_tuple=True))
     block, per_piece = structures
     assert block.reason is None and per_piece.reason is None
     assert [(p.offset, p.reads) for p in block.pieces] == [(p.offset, p.reads) for p in per_piece.pieces]
     assert len(block.pieces) == 4 and block.factor_elements == per_piece.factor_elements
+    assert block.has_offsets and per_piece.has_offsets
     ops = [Counter(str(n.target) for n in s.pointwise.graph.nodes if n.op == "call_function") for s in structures]
     assert ops[0] == ops[1]
 
