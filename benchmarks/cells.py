@@ -211,8 +211,14 @@ def _gradients(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Ten
     return [g.detach() for g in torch.autograd.grad(loss, leaves)]
 
 
-def _error(grads: Sequence[Any], reference: Sequence[torch.Tensor]) -> float:
-    """The largest norm-wise relative error of ``grads`` (torch or JAX arrays) against ``reference``."""
+ZERO_GRADIENT = "n/a: every float64 gradient is 0"
+
+
+def _error(grads: Sequence[Any], reference: Sequence[torch.Tensor]) -> float | str:
+    """The largest norm-wise relative error of ``grads`` (torch or JAX arrays) against ``reference``, or
+    :data:`ZERO_GRADIENT` where there is nothing to compare (an output that stays 0 from the zero state)."""
+    if all(not r.any() for r in reference):
+        return ZERO_GRADIENT
     return max(
         relative_error(torch.as_tensor(_host(g)), r.cpu()) for g, r in zip(grads, reference, strict=True)
     )
@@ -294,7 +300,8 @@ def _arms(
     if {"fwd", "bwd"} & set(quantities):
         value, vjp = steps["forward"](params, xs)
         param_grads, x_grad = steps["backward"](vjp, value)
-        result["err_JAX"] = max(result["err_JAX"], _error([x_grad, *param_grads], reference))
+        vjp_error = _error([x_grad, *param_grads], reference)
+        result["err_JAX"] = vjp_error if isinstance(vjp_error, str) else max(result["err_JAX"], vjp_error)
     recorded: list = []
 
     def backward() -> object:
@@ -451,7 +458,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument(
-        "--rounds", type=int, default=5, help="interleaved rounds per quantity (calls: rounds x up to 2)"
+        "--rounds", type=int, default=5, help="interleaved rounds per quantity (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--calls", type=int, default=2, help="timed calls per arm and round, at most (default: %(default)s)"
     )
     parser.add_argument(
         "--within", type=float, default=900.0, metavar="SECONDS", help="the run's time budget"
@@ -468,7 +478,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.tiny:
         shapes = dataclasses.replace(TINY, rows=rows_of(names, 3, 2, 5) if args.cells else TINY.rows)
     else:
-        shapes = CellRows(rows_of(names, args.hidden, args.batch, args.steps), rounds=args.rounds)
+        shapes = CellRows(
+            rows_of(names, args.hidden, args.batch, args.steps), rounds=args.rounds, max_steps=args.calls
+        )
     clock = time.perf_counter  # the CPU arms' timer: the finest clock there is
     runner = Runner(args.device, shapes, deadline=clock() + args.within, clock=clock, results=args.results,
                     command=shlex.join(["python", "benchmarks/cells.py", *(sys.argv[1:] if argv is None else argv)]))  # fmt: skip

@@ -154,3 +154,24 @@ def test_the_gpu_command_s_cells_stage_writes_its_table(tmp_path: Path) -> None:
     values = dict(zip(cells.COLUMNS, rows[0], strict=True))
     assert float(values["step ms Recurrence"]) > 0 and values["step vs loop"].endswith("x")
     assert values["bwd ms loop"] == "-", "the stage times the whole step only"
+
+
+class StaysZero(nn.Module):
+    """``h' = tanh(W x) h``: from the zero state the output is 0 whatever the weights, every gradient 0."""
+
+    state_size = 3
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(inputs, hidden)
+
+    def forward(self, x, h):
+        return torch.tanh(self.lin(x)) * h
+
+
+def test_a_cell_with_nothing_to_compare_says_so(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(cells.CELLS, "zero", StaysZero)
+    shapes = cells.CellRows(cells.rows_of(["zero"], 3, 2, 4), quantities=("step",), rounds=1, max_steps=1)
+    cells.device_table(_runner(tmp_path, shapes), name="cells.md")
+    values = dict(zip(cells.COLUMNS, _rows((tmp_path / "cells.md").read_text())[0], strict=True))
+    assert [values[f"grad err {arm}"] for arm in cells.ARMS] == [cells.ZERO_GRADIENT] * 3
