@@ -200,6 +200,8 @@ def import_jax(device: str) -> tuple[Any, str | None]:
             None,
             f"n/a: JAX has no {'GPU' if device == 'cuda' else 'CPU'} backend ({str(error).splitlines()[0]})",
         )
+    # float32 products as torch computes them by default (XLA's default on a GPU is TF32: faster, less exact)
+    jax.config.update("jax_default_matmul_precision", "highest")
     return jax, None
 
 
@@ -435,7 +437,7 @@ def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[f
         "output; `d` = the flat state size. ms: the "
         f"{statistic} of {s.rounds} interleaved rounds of up to {s.max_steps} calls per arm after a warm-up call, "
         f"{runner.timer} (host time included; JAX waited for with block_until_ready). fwd = forward with gradients "
-        "recorded (JAX: jit(vjp), residuals kept), bwd = backward alone on a graph recorded once (JAX: the jitted VJP), "
+        "recorded (JAX: jit(vjp), residuals kept; its matrix products in full float32, `jax_default_matmul_precision='highest'`, as torch's), bwd = backward alone on a graph recorded once (JAX: the jitted VJP), "
         "step = both (JAX: jit(value_and_grad)). Speedups: loop / Recurrence and JAX / Recurrence. Grad err: largest "
         "norm-wise relative error of the input's and parameters' gradients against autograd through the loop in "
         "float64.\n\n"
