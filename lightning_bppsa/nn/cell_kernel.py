@@ -63,7 +63,10 @@ _UNARY = {
     aten.rsqrt.default: ("(1 / sqrt{f}({a}))", "((REAL)-0.5 * {y} * {y} * {y})"),
     aten.reciprocal.default: ("(1 / {a})", "(-{y} * {y})"),
     aten.abs.default: ("fabs{f}({a})", "(REAL)(({a} > 0) - ({a} < 0))"),
-    aten.silu.default: ("({a} * sigmoid_{s}({a}))", "(sigmoid_{s}({a}) * (1 + {a} * (1 - sigmoid_{s}({a}))))"),
+    aten.silu.default: (
+        "({a} * sigmoid_{s}({a}))",
+        "(sigmoid_{s}({a}) * (1 + {a} * (1 - sigmoid_{s}({a}))))",
+    ),
     aten.clone.default: ("{a}", "1"),
     aten.alias.default: ("{a}", "1"),
 }
@@ -82,8 +85,14 @@ _BINARY = {
 }
 #: comparisons: a 0 / 1 value without partials (for ``where`` and masks)
 _COMPARE = {
-    aten.gt.Tensor: ">", aten.gt.Scalar: ">", aten.lt.Tensor: "<", aten.lt.Scalar: "<",
-    aten.ge.Tensor: ">=", aten.ge.Scalar: ">=", aten.le.Tensor: "<=", aten.le.Scalar: "<=",
+    aten.gt.Tensor: ">",
+    aten.gt.Scalar: ">",
+    aten.lt.Tensor: "<",
+    aten.lt.Scalar: "<",
+    aten.ge.Tensor: ">=",
+    aten.ge.Scalar: ">=",
+    aten.le.Tensor: "<=",
+    aten.le.Scalar: "<=",
 }
 
 
@@ -132,7 +141,9 @@ class CellKernel:
         #: elements per step of the partials by the input values that a forward with partials keeps
         self.input_partial_elements = len(self._inputs) * structure.n_states * structure.width
 
-    def forward(self, tensors: list[Tensor], x_flat: Tensor, s0: Tensor, batch: int, partials: bool) -> tuple[Tensor, CellFactors | None]:
+    def forward(
+        self, tensors: list[Tensor], x_flat: Tensor, s0: Tensor, batch: int, partials: bool
+    ) -> tuple[Tensor, CellFactors | None]:
         """The states ``(B, T + 1, d)`` from ``s0`` over the rows of ``x_flat`` (``(b, t)`` flattened), and with
         ``partials`` the factors the backward needs (then autograd records the input part, from ``x_flat``
         and ``tensors`` where they require grad; nothing else is recorded)."""
@@ -162,14 +173,28 @@ class CellKernel:
             pointers = (ctypes.c_void_p * max(1, len(inputs)))(*(t.data_ptr() for t, _ in inputs))
             strides = (ctypes.c_int64 * max(1, len(inputs)))(*(s for _, s in inputs))
             self._library.bppsa_cell_forward(
-                batch, steps, _native.threads(batch), _pointer(wc), _pointer(offsets), pointers, strides,
-                _pointer(states), int(partials), _pointer(scales), _pointer(diagonal), _pointer(input_partials),
+                batch,
+                steps,
+                _native.threads(batch),
+                _pointer(wc),
+                _pointer(offsets),
+                pointers,
+                strides,
+                _pointer(states),
+                int(partials),
+                _pointer(scales),
+                _pointer(diagonal),
+                _pointer(input_partials),
             )
         if not partials:
             return states, None
-        return states, CellFactors(FactoredJacobians(weight, scales, diagonal), input_partials, recorded, recorded_offsets, x_flat)
+        return states, CellFactors(
+            FactoredJacobians(weight, scales, diagonal), input_partials, recorded, recorded_offsets, x_flat
+        )
 
-    def scan(self, factors: CellFactors, grad_steps: Tensor | None, grad_final: Tensor | None) -> tuple[Tensor, Tensor]:
+    def scan(
+        self, factors: CellFactors, grad_steps: Tensor | None, grad_final: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """The linear scan of the factored Jacobians fused with the backward's products (``kernels/cell_loop.h``):
         from the new states' direct gradients ``grad_steps`` ``(B, T, d)`` (``None``: none but the final
         state's) and the final state's own ``grad_final`` ``(B, d)`` (or ``None``), the initial state's
@@ -185,9 +210,19 @@ class CellKernel:
         out = self._buffer("out", like, (batch, d))
         products = self._buffer("products", like, (batch * steps, (pieces + len(self._inputs)) * h))
         self._library.bppsa_cell_backward(
-            batch, steps, _native.threads(batch), _pointer(wt), _pointer(jacobians.scales), jacobians.scales.shape[-1],
-            _pointer(jacobians.diagonal), _pointer(factors.input_partials), _pointer(grad_steps), int(grad_steps is not None),
-            _pointer(grad_final), _pointer(out), _pointer(products),
+            batch,
+            steps,
+            _native.threads(batch),
+            _pointer(wt),
+            _pointer(jacobians.scales),
+            jacobians.scales.shape[-1],
+            _pointer(jacobians.diagonal),
+            _pointer(factors.input_partials),
+            _pointer(grad_steps),
+            int(grad_steps is not None),
+            _pointer(grad_final),
+            _pointer(out),
+            _pointer(products),
         )
         return out, products
 
@@ -196,10 +231,20 @@ class CellKernel:
         d)`` (a scan's) times the partials by each piece and input value, summed over the new states."""
         scales, grad = factors.jacobians.scales, grad.contiguous()
         batch, steps = scales.shape[:2]
-        products = self._buffer("products", grad, (batch * steps, (len(self.structure.pieces) + len(self._inputs)) * self.structure.width))
+        products = self._buffer(
+            "products",
+            grad,
+            (batch * steps, (len(self.structure.pieces) + len(self._inputs)) * self.structure.width),
+        )
         self._library.bppsa_cell_cotangent(
-            batch, steps, _native.threads(batch * steps), _pointer(grad), _pointer(scales), scales.shape[-1],
-            _pointer(factors.input_partials), _pointer(products),
+            batch,
+            steps,
+            _native.threads(batch * steps),
+            _pointer(grad),
+            _pointer(scales),
+            scales.shape[-1],
+            _pointer(factors.input_partials),
+            _pointer(products),
         )
         return products
 
@@ -208,12 +253,19 @@ class CellKernel:
         and the states' gradients live only until the backward returns (it hands out a copy of what it keeps),
         and a fresh multi-MB buffer every step costs its page faults (~0.25 ms a MB here)."""
         cached = getattr(self._buffers, name, None)
-        if cached is None or cached.shape != shape or cached.dtype != like.dtype or cached.device != like.device:
+        if (
+            cached is None
+            or cached.shape != shape
+            or cached.dtype != like.dtype
+            or cached.device != like.device
+        ):
             cached = like.new_empty(shape)
             setattr(self._buffers, name, cached)
         return cached
 
-    def vjp(self, factors: CellFactors, states: Tensor, products: Tensor, wanted: list[Tensor]) -> tuple[Tensor | None, ...]:
+    def vjp(
+        self, factors: CellFactors, states: Tensor, products: Tensor, wanted: list[Tensor]
+    ) -> tuple[Tensor | None, ...]:
         """Gradients of ``wanted`` (``factors.x_flat`` and the cell's tensors) from the backward's ``products``
         (:meth:`scan`, :meth:`products`) and the states ``(B, T + 1, d)``: the products pulled back through the
         linear maps and the input part the forward recorded (kept: the backward may run again). The maps'
@@ -313,7 +365,8 @@ class Target:
     prologue: tuple[str, ...]  # lines before the defines: what the step's spelling needs (types, activations)
     qualifier: str  # of the step functions cell_values and cell_partials
     loop: str  # the head of the step's loop over the coordinates j, formatted with ``h`` (H); closed by "}"
-    epilogue: Callable[[CellStructure, int], list[str]]  # (structure, NI) -> the lines after the step: its loop
+    # (structure, NI) -> the lines after the step: its loop
+    epilogue: Callable[[CellStructure, int], list[str]]
 
 
 def _direct(structure: CellStructure) -> list[int]:
@@ -323,7 +376,10 @@ def _direct(structure: CellStructure) -> list[int]:
 
 def _c_epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
     direct = _direct(structure)
-    return [f"static const int64_t DIRECT_STATES[] = {{{', '.join(map(str, direct)) or '0'}}};", '#include "cell_loop.h"']
+    return [
+        f"static const int64_t DIRECT_STATES[] = {{{', '.join(map(str, direct)) or '0'}}};",
+        '#include "cell_loop.h"',
+    ]
 
 
 #: the CPU loop: C compiled with kernels/cell_loop.h, one coordinate per iteration
@@ -381,13 +437,17 @@ def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) 
     stores_partials = list(stores_values)
     width = len(structure.scale_columns) * h
     for c, (p, leaf) in enumerate(structure.scale_columns):
-        stores_partials.append(f"scales[row * {width} + {c * h} + j] = {emitter.partial(outputs[p], by_position(leaf))};")
+        stores_partials.append(
+            f"scales[row * {width} + {c * h} + j] = {emitter.partial(outputs[p], by_position(leaf))};"
+        )
     if structure.has_diagonal:
         stores_partials.append(f"diagonal[row * {h} + j] = {emitter.partial(outputs[0], state_leaf[0])};")
     n_inputs = len(inputs) * m * h
     for i, node in enumerate(input_leaf):
         for p in range(m):
-            stores_partials.append(f"fpart[row * {n_inputs} + {(i * m + p) * h} + j] = {emitter.partial(outputs[p], node)};")
+            stores_partials.append(
+                f"fpart[row * {n_inputs} + {(i * m + p) * h} + j] = {emitter.partial(outputs[p], node)};"
+            )
     signature = "int64_t row, const REAL* restrict prev, const REAL* restrict piece, const REAL* const* in, const int64_t* stride, REAL* restrict next"
     body = lambda lines, stores: "\n".join(  # noqa: E731
         ["    " + line for line in loads]
@@ -397,37 +457,41 @@ def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) 
     )
     real = "float" if dtype == torch.float32 else "double"
     read = sorted({q for piece in structure.pieces for q, _ in piece.reads})
-    source = "\n".join([
-        f"/* Generated by {target.generator} from a cell's traced step. */",
-        *target.prologue,
-        f"typedef {real} REAL;",
-        f"#define H {h}",
-        f"#define M {m}",
-        f"#define D {m * h}",
-        f"#define NK {len(structure.pieces)}",
-        f"#define KH {len(structure.pieces) * h}",
-        f"#define NI {len(inputs)}",
-        f"#define CLO {min(read, default=0) * h}",
-        f"#define CHI {(max(read) + 1) * h if read else 0}",
-        f"#define NDIRECT {len(_direct(structure))}",
-        f"{target.qualifier} void cell_values({signature}) {{",
-        "    (void)stride;",
-        body(emitter.lines(values_only=True), stores_values),
-        "}",
-        f"{target.qualifier} void cell_partials({signature}, REAL* restrict scales, REAL* restrict diagonal, REAL* restrict fpart) {{",
-        "    (void)stride; (void)scales; (void)diagonal; (void)fpart;",
-        body(emitter.lines(values_only=False), stores_partials),
-        "}",
-        *target.epilogue(structure, len(inputs)),
-        "",
-    ])
+    source = "\n".join(
+        [
+            f"/* Generated by {target.generator} from a cell's traced step. */",
+            *target.prologue,
+            f"typedef {real} REAL;",
+            f"#define H {h}",
+            f"#define M {m}",
+            f"#define D {m * h}",
+            f"#define NK {len(structure.pieces)}",
+            f"#define KH {len(structure.pieces) * h}",
+            f"#define NI {len(inputs)}",
+            f"#define CLO {min(read, default=0) * h}",
+            f"#define CHI {(max(read) + 1) * h if read else 0}",
+            f"#define NDIRECT {len(_direct(structure))}",
+            f"{target.qualifier} void cell_values({signature}) {{",
+            "    (void)stride;",
+            body(emitter.lines(values_only=True), stores_values),
+            "}",
+            f"{target.qualifier} void cell_partials({signature}, REAL* restrict scales, REAL* restrict diagonal, REAL* restrict fpart) {{",
+            "    (void)stride; (void)scales; (void)diagonal; (void)fpart;",
+            body(emitter.lines(values_only=False), stores_partials),
+            "}",
+            *target.epilogue(structure, len(inputs)),
+            "",
+        ]
+    )
     return source, inputs
 
 
 def _layout(node: fx.Node, is_row: bool, rows: int, h: int, dtype: torch.dtype) -> str:
     val = node.meta.get("val")
     if not isinstance(val, Tensor) or val.dtype != dtype:
-        raise Unsupported(f"the pointwise part reads {node.name} in {getattr(val, 'dtype', type(val).__name__)}, not {dtype}")
+        raise Unsupported(
+            f"the pointwise part reads {node.name} in {getattr(val, 'dtype', type(val).__name__)}, not {dtype}"
+        )
     shape = tuple(val.shape)
     if is_row and shape == (rows, h):
         return "full"
@@ -495,7 +559,9 @@ class _Emitter:
             self._values[node], self._partials[node] = name, {}
             return
         if not isinstance(val, Tensor) or val.dtype != self._dtype:
-            raise Unsupported(f"{node.name} ({target}) is {getattr(val, 'dtype', type(val).__name__)}, not {self._dtype}")
+            raise Unsupported(
+                f"{node.name} ({target}) is {getattr(val, 'dtype', type(val).__name__)}, not {self._dtype}"
+            )
         if target in _UNARY and len(args) == 1 and not kwargs:
             a, da = self._operand(args[0])
             value, derivative = _UNARY[target]
@@ -507,7 +573,10 @@ class _Emitter:
             alpha, _ = self._operand(alpha)
             value, d_a, d_b = _BINARY[target]
             self._emit(False, f"const REAL {name} = {value.format(a=a, b=b, alpha=alpha)};")
-            terms = [(d_a.format(a=a, b=b, y=name, alpha=alpha), da), (d_b.format(a=a, b=b, y=name, alpha=alpha), db)]
+            terms = [
+                (d_a.format(a=a, b=b, y=name, alpha=alpha), da),
+                (d_b.format(a=a, b=b, y=name, alpha=alpha), db),
+            ]
         elif target is aten.pow.Tensor_Scalar and not kwargs:
             a, da = self._operand(args[0])
             n, _ = self._operand(args[1])
@@ -518,7 +587,11 @@ class _Emitter:
             (c, _), (a, da), (b, db) = (self._operand(x) for x in args)
             self._emit(False, f"const REAL {name} = {c} != 0 ? {a} : {b};")
             terms = [(f"({c} != 0 ? (REAL)1 : (REAL)0)", da), (f"({c} != 0 ? (REAL)0 : (REAL)1)", db)]
-        elif target in (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default) and not kwargs:
+        elif (
+            target
+            in (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default)
+            and not kwargs
+        ):
             a, da = self._operand(args[0])
             low, high = _bounds(target, args)
             lo = self._operand(low)[0] if low is not None else None
@@ -528,10 +601,13 @@ class _Emitter:
             self._emit(False, f"const REAL {name} = {value};")
             # torch's clamp passes the gradient where low <= a <= high; hardtanh's where low < a < high
             strict = target is aten.hardtanh.default
-            inside = " && ".join(
-                ([f"{a} {'>' if strict else '>='} {lo}"] if lo is not None else [])
-                + ([f"{a} {'<' if strict else '<='} {hi}"] if hi is not None else [])
-            ) or "1"
+            inside = (
+                " && ".join(
+                    ([f"{a} {'>' if strict else '>='} {lo}"] if lo is not None else [])
+                    + ([f"{a} {'<' if strict else '<='} {hi}"] if hi is not None else [])
+                )
+                or "1"
+            )
             terms = [(f"(({inside}) ? (REAL)1 : (REAL)0)", da)]
         elif target is aten.leaky_relu.default and not kwargs:
             a, da = self._operand(args[0])
@@ -571,11 +647,34 @@ def _bounds(target, args) -> tuple[object, object]:
 _STACK_BYTES = 2**18
 
 _SIGNATURES = {
-    "bppsa_cell_forward": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, *[ctypes.c_void_p] * 3],
-    "bppsa_cell_cotangent": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+    "bppsa_cell_forward": [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 5,
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 3,
+    ],
+    "bppsa_cell_cotangent": [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ],
     "bppsa_cell_backward": [
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3,
-        ctypes.c_int, *[ctypes.c_void_p] * 3,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        *[ctypes.c_void_p] * 3,
+        ctypes.c_int,
+        *[ctypes.c_void_p] * 3,
     ],
 }
 _LIBRARIES: dict[str, ctypes.CDLL] = {}
@@ -596,9 +695,17 @@ def _load(source: str) -> ctypes.CDLL:
             tmp.write_text(source)
             tmp.replace(path)
         library = _native.load(
-            f"bppsa_cell_{digest}", str(path), _SIGNATURES, logger=log,
+            f"bppsa_cell_{digest}",
+            str(path),
+            _SIGNATURES,
+            logger=log,
             fallback="The cell's traced step runs in torch",
-            extra_flags=("-ffp-contract=fast", "-fno-trapping-math", f"-I{_build.kernel_path('')}", *_VECTOR_FLAGS),
+            extra_flags=(
+                "-ffp-contract=fast",
+                "-fno-trapping-math",
+                f"-I{_build.kernel_path('')}",
+                *_VECTOR_FLAGS,
+            ),
             depends=("activations.h", "cell_loop.h"),
         )
         if library is None:

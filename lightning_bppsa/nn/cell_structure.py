@@ -87,49 +87,75 @@ class CellStructure:
         origin = _origins(gm, n_tensors)
         state_part = [n for n in nodes if n.op == "call_function" and origin[n] == _STATE]
         # the input part's values the state part (or the output) reads: computed once for all rows
-        frontier = list(dict.fromkeys(a for n in state_part for a in n.all_input_nodes if origin[a] != _STATE))
+        frontier = list(
+            dict.fromkeys(a for n in state_part for a in n.all_input_nodes if origin[a] != _STATE)
+        )
         frontier += [o for o in dict.fromkeys(outputs) if origin[o] != _STATE and o not in frontier]
         # a value whose column blocks the state part reads (the input projection's gates, split) joins them: the
         # pieces' input-only terms are then made from it whole, and the compiled loop reads them as they are
-        frontier += [s for s in dict.fromkeys(_split_source(n) for n in frontier) if s is not None and s not in frontier]
+        frontier += [
+            s
+            for s in dict.fromkeys(_split_source(n) for n in frontier)
+            if s is not None and s not in frontier
+        ]
         rows = x_node.meta["val"].shape[0]
         for node in frontier:
             val = node.meta.get("val")
-            if origin[node] == _INPUT and not (isinstance(val, Tensor) and val.dim() > 0 and val.shape[0] == rows):
+            if origin[node] == _INPUT and not (
+                isinstance(val, Tensor) and val.dim() > 0 and val.shape[0] == rows
+            ):
                 raise NotTraceable(f"an input-only value ({node.name}) does not keep the batch rows first")
         self._frontier_is_row = [origin[n] == _INPUT for n in frontier]
         self._precompute = _thin_aware(_extract(gm, [*tensor_nodes, x_node], frontier))
         self._step = _eager(_extract(gm, [*frontier, *states], outputs))
         # the frontier values a step reads (the others are passed as None)
-        self._step_reads = [bool(n.users) for n in self._step.graph.nodes if n.op == "placeholder"][: len(frontier)]
+        self._step_reads = [bool(n.users) for n in self._step.graph.nodes if n.op == "placeholder"][
+            : len(frontier)
+        ]
         self.reason, self._pieces = _factor(state_part, outputs, origin, states, frontier, rows, width)
         if self.reason is None:
             computing = _ancestors([p for p, _ in self._pieces], set(state_part))
             linear = [n for n in state_part if n in computing]
             pointwise = [n for n in state_part if n not in linear]
-            self._linear = _thin_aware(_extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear))
+            self._linear = _thin_aware(
+                _extract(gm, [*frontier, *states], [p for p, _ in self._pieces], linear)
+            )
             # the pieces' input-only terms (a bias, input values concatenated with the states), without the states;
             # only the compiled loop needs them: a graph they do not separate from leaves it None
             self._input_terms: fx.GraphModule | None = None
             self._kernel_inputs: fx.GraphModule | None = None
-            self._pointwise = _extract(gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise)
+            self._pointwise = _extract(
+                gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise
+            )
             try:
                 terms_graph = _input_terms(gm, frontier, states, linear, [p for p, _ in self._pieces], width)
                 # what the compiled loop reads of the input part: the pieces' weights, the values the pointwise
                 # part reads, the pieces' input-only terms, in one graph from the cell's tensors and x
-                read = [bool(n.users) for n in self._pointwise.graph.nodes if n.op == "placeholder"][: len(frontier)]
+                read = [bool(n.users) for n in self._pointwise.graph.nodes if n.op == "placeholder"][
+                    : len(frontier)
+                ]
                 needed = {piece.weight for _, piece in self._pieces} | {i for i, r in enumerate(read) if r}
                 precompute = _extract(gm, [*tensor_nodes, x_node], frontier)
-                self._kernel_inputs = _thin_aware(_folded_biases(_composed(gm, precompute, terms_graph, needed)))
+                self._kernel_inputs = _thin_aware(
+                    _folded_biases(_composed(gm, precompute, terms_graph, needed))
+                )
                 self._input_terms = _thin_aware(terms_graph)
             except Exception:  # noqa: BLE001 - the torch path does not use them
                 pass
-            terms = [] if self._input_terms is None else next(n for n in self._input_terms.graph.nodes if n.op == "output").args[0]
+            terms = (
+                []
+                if self._input_terms is None
+                else next(n for n in self._input_terms.graph.nodes if n.op == "output").args[0]
+            )
             self.has_offsets = any(t is not None for t in terms)
         self.n_states, self.width, self.trace_rows = len(states), width, rows
         # the states the pointwise part reads (not only through the linear maps): each is one more tile
-        inputs = [n for n in self._pointwise.graph.nodes if n.op == "placeholder"] if self.reason is None else []
-        self._direct = [q for q, node in enumerate(inputs[len(frontier) : len(frontier) + len(states)]) if node.users]
+        inputs = (
+            [n for n in self._pointwise.graph.nodes if n.op == "placeholder"] if self.reason is None else []
+        )
+        self._direct = [
+            q for q, node in enumerate(inputs[len(frontier) : len(frontier) + len(states)]) if node.users
+        ]
         # elements of one step's factors (scales and diagonal): what "auto"'s memory budget weighs
         self.factor_elements = (len(self._pieces) + len(self._direct)) * self.n_states * width
 
@@ -171,7 +197,9 @@ class CellStructure:
             raise NotTraceable("the pieces' input-only terms do not separate from the states")
         return list(self._input_terms.forward(*frontier))
 
-    def kernel_inputs(self, tensors: list[Tensor], x: Tensor) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    def kernel_inputs(
+        self, tensors: list[Tensor], x: Tensor
+    ) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """``(frontier, terms)``: the input part's values for all rows of ``x`` that the compiled loop reads (the
         pieces' weights and the values the pointwise part reads; ``None`` for the others) and :meth:`input_terms`,
         computed together (a bias added to an input projection's product is taken into its GEMM's bias)."""
@@ -181,7 +209,9 @@ class CellStructure:
         n = len(self._frontier_is_row)
         return values[:n], values[n:]
 
-    def loop(self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int) -> list[list[Tensor]]:
+    def loop(
+        self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int
+    ) -> list[list[Tensor]]:
         """The new state tensors of every step: the input part once for all rows of ``x`` (rows ``(t, b)``,
         so that a step's rows are contiguous), then only the state part per step."""
         batch = x.shape[0] // steps
@@ -189,7 +219,9 @@ class CellStructure:
         frontier = self._precompute.forward(*tensors, x)
         # each step's arguments as one tuple, made in C: row-shaped values as T views, the others repeated
         columns = [
-            v.unflatten(0, (steps, batch)).unbind(0) if row and read else itertools.repeat(v if read else None, steps)
+            v.unflatten(0, (steps, batch)).unbind(0)
+            if row and read
+            else itertools.repeat(v if read else None, steps)
             for v, row, read in zip(frontier, self._frontier_is_row, self._step_reads, strict=True)
         ]
         step, out = self._step.forward, []
@@ -202,7 +234,11 @@ class CellStructure:
         """The cell's state tensors as the traced step's ``width``-wide blocks (views)."""
         if len(states) == self.n_states:
             return tuple(states)
-        return tuple(b for s, n in zip(states, self._groups, strict=True) for b in (s.split(self.width, -1) if n > 1 else (s,)))
+        return tuple(
+            b
+            for s, n in zip(states, self._groups, strict=True)
+            for b in (s.split(self.width, -1) if n > 1 else (s,))
+        )
 
     def _joined(self, blocks: list[Tensor]) -> list[Tensor]:
         """The traced step's blocks as the cell's state tensors."""
@@ -223,7 +259,10 @@ class CellStructure:
         d = m * h
         states = tuple(s.detach() for s in self._blocks(states))
         frontier = self._precompute.forward(*tensors, x)
-        pieces = [p if p.requires_grad else p.detach().requires_grad_() for p in self._linear.forward(*frontier, *states)]
+        pieces = [
+            p if p.requires_grad else p.detach().requires_grad_()
+            for p in self._linear.forward(*frontier, *states)
+        ]
         # the states as leaves only after the pieces are made: their gradients are the pointwise part's own reads
         direct = [s.requires_grad_() for s in states]
         outs = self._pointwise.forward(*frontier, *direct, *pieces)
@@ -234,7 +273,12 @@ class CellStructure:
         for out in outs:
             if out.requires_grad:
                 grads = torch.autograd.grad(
-                    out, leaves, torch.ones_like(out), retain_graph=True, allow_unused=True, materialize_grads=True
+                    out,
+                    leaves,
+                    torch.ones_like(out),
+                    retain_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
                 )
             else:  # a new state that does not depend on the old one
                 grads = tuple(torch.zeros_like(t) for t in leaves)
@@ -242,7 +286,8 @@ class CellStructure:
         rows = states[0].shape[0]
         weight = self.factor_weight([v.detach() for v in frontier], states[0])
         columns = [partials[p][leaf] for p, leaf in self.scale_columns]
-        scale = torch.cat(columns, -1) if columns else states[0].new_zeros(rows, 0)  # one copy of every partial
+        # one copy of every partial
+        scale = torch.cat(columns, -1) if columns else states[0].new_zeros(rows, 0)
         diagonal = partials[0][0].reshape(batch, rows // batch, d) if self.has_diagonal else None
         return FactoredJacobians(weight, scale.view(batch, rows // batch, -1), diagonal), self._joined(outs)
 
@@ -266,7 +311,8 @@ class CellStructure:
     def factor_weight(self, frontier: list[Tensor], like: Tensor) -> Tensor:
         """The factored Jacobians' shared weight ``(len(scale_columns) H, d)`` from the input part's values."""
         m, h = self.n_states, self.width
-        if m == 1 and all(len(piece.reads) == 1 for _, piece in self._pieces):  # each piece's block, transposed
+        if m == 1 and all(len(piece.reads) == 1 for _, piece in self._pieces):
+            # each piece's block, transposed
             blocks = [frontier[piece.weight][row : row + h, piece.offset : piece.offset + h].T
                       for _, piece in self._pieces for _, row in piece.reads]  # fmt: skip
             return torch.cat(blocks, 0) if blocks else like.new_zeros(0, h)
@@ -280,7 +326,9 @@ class CellStructure:
             weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
         if m > 1:  # ∂s'_p/∂s_q for the states q read directly: identity tiles
             for q in self._direct:
-                weights.append(torch.cat([eye if j == q else torch.zeros_like(eye) for j in range(m)], 1).repeat(m, 1))
+                weights.append(
+                    torch.cat([eye if j == q else torch.zeros_like(eye) for j in range(m)], 1).repeat(m, 1)
+                )
         return torch.cat(weights, 0) if weights else like.new_zeros(0, m * h)
 
 
@@ -307,15 +355,23 @@ def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple:
         for n in groups:
             state.append(blocks[at] if n == 1 else torch.cat(blocks[at : at + n], -1))
             at += n
-        new = functional_call(cell, dict(zip(names, given, strict=True)), (x_t, tuple(state) if is_tuple else state[0]))
+        new = functional_call(
+            cell, dict(zip(names, given, strict=True)), (x_t, tuple(state) if is_tuple else state[0])
+        )
         new = list(new) if is_tuple else [new]
-        if len(new) != len(sizes) or any(not isinstance(t, Tensor) or t.shape[-1:] != (n,) for t, n in zip(new, sizes, strict=False)):
+        if len(new) != len(sizes) or any(
+            not isinstance(t, Tensor) or t.shape[-1:] != (n,) for t, n in zip(new, sizes, strict=False)
+        ):
             raise ValueError("the cell's new state does not have its state's widths")
         return [b for t, n in zip(new, groups, strict=True) for b in (t.split(width, -1) if n > 1 else (t,))]
 
     graphs = []
     for rows in (x.shape[0], x.shape[0] + 1):
-        blocks = [s.new_empty(rows, *s.shape[1:-1], width) for s, n in zip(states, groups, strict=True) for _ in range(n)]
+        blocks = [
+            s.new_empty(rows, *s.shape[1:-1], width)
+            for s, n in zip(states, groups, strict=True)
+            for _ in range(n)
+        ]
         inputs = [x.new_empty(rows, *x.shape[1:]), *blocks]
         devices = [x.device] if x.device.type == "cuda" else []
         try:
@@ -364,7 +420,10 @@ def _origins(gm: fx.GraphModule, n_tensors: int) -> dict[fx.Node, int]:
     """What each node depends on (``_CONST``, ``_INPUT``, ``_STATE``): the placeholders are the cell's
     ``n_tensors`` tensors, then ``x``, then the state tensors."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    origin = {n: _CONST if i < n_tensors else _INPUT if i == n_tensors else _STATE for i, n in enumerate(placeholders)}
+    origin = {
+        n: _CONST if i < n_tensors else _INPUT if i == n_tensors else _STATE
+        for i, n in enumerate(placeholders)
+    }
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             origin[node] = _CONST
@@ -417,10 +476,18 @@ _RENAMED = {
 #: ops written as the adds, products and quotients they are: (graph, *args, **kwargs) -> the new node
 _DECOMPOSED = {
     # torch's lerp switches formulas at |w| = 0.5 for rounding only: one form for both is exact to rounding
-    aten.lerp.Tensor: lambda g, a, b, w: _call(g, aten.add.Tensor, a, _call(g, aten.mul.Tensor, w, _call(g, aten.sub.Tensor, b, a))),
-    aten.lerp.Scalar: lambda g, a, b, w: _call(g, aten.add.Tensor, a, _call(g, aten.mul.Tensor, _call(g, aten.sub.Tensor, b, a), w)),
-    aten.addcmul.default: lambda g, a, b, c, value=1: _call(g, aten.add.Tensor, a, _scaled(g, _call(g, aten.mul.Tensor, b, c), value)),
-    aten.addcdiv.default: lambda g, a, b, c, value=1: _call(g, aten.add.Tensor, a, _scaled(g, _call(g, aten.div.Tensor, b, c), value)),
+    aten.lerp.Tensor: lambda g, a, b, w: _call(
+        g, aten.add.Tensor, a, _call(g, aten.mul.Tensor, w, _call(g, aten.sub.Tensor, b, a))
+    ),
+    aten.lerp.Scalar: lambda g, a, b, w: _call(
+        g, aten.add.Tensor, a, _call(g, aten.mul.Tensor, _call(g, aten.sub.Tensor, b, a), w)
+    ),
+    aten.addcmul.default: lambda g, a, b, c, value=1: _call(
+        g, aten.add.Tensor, a, _scaled(g, _call(g, aten.mul.Tensor, b, c), value)
+    ),
+    aten.addcdiv.default: lambda g, a, b, c, value=1: _call(
+        g, aten.add.Tensor, a, _scaled(g, _call(g, aten.div.Tensor, b, c), value)
+    ),
 }
 
 
@@ -471,7 +538,11 @@ class _Blocks:
         if taken is not None:
             blocks = self.blocks(taken[0])
             return None if blocks is None else blocks[taken[1] : taken[1] + width // self.h]
-        if node.target is aten.cat.default and self.origin.get(node) == _STATE and _last_dim(_dim(node, 1), node):
+        if (
+            node.target is aten.cat.default
+            and self.origin.get(node) == _STATE
+            and _last_dim(_dim(node, 1), node)
+        ):
             # a wide state tensor (the blocks it is traced as, concatenated), or state tensors side by side
             parts = [self.blocks(part) for part in node.args[0]]
             return None if any(p is None for p in parts) else [b for p in parts for b in p]
@@ -479,7 +550,11 @@ class _Blocks:
             sizes = [self.h] * (width // self.h)
             split = _call(self.graph, aten.split_with_sizes.default, node, sizes, -1)
             return [_call(self.graph, operator.getitem, split, j) for j in range(len(sizes))]
-        if not _pointwise(node.target) or node.meta["val"].dim() != 2 or any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        if (
+            not _pointwise(node.target)
+            or node.meta["val"].dim() != 2
+            or any(isinstance(v, fx.Node) for v in node.kwargs.values())
+        ):
             return None
         per_arg = []
         for arg in node.args:
@@ -509,12 +584,18 @@ class _Blocks:
                 sizes = parent.args[1]
                 offset = sum(sizes[:i]) if isinstance(sizes, (list, tuple)) else i * sizes
                 return (parent.args[0], offset // h) if offset % h == 0 else None
-            if parent.target is aten.unbind.int and self._blocks_view(parent.args[0], parent.args[1] if len(parent.args) > 1 else 0):
+            if parent.target is aten.unbind.int and self._blocks_view(
+                parent.args[0], parent.args[1] if len(parent.args) > 1 else 0
+            ):
                 return parent.args[0].args[0], i
             return None
         if target is aten.select.int and self._blocks_view(args[0], args[1]):
             return args[0].args[0], args[2] % args[0].meta["val"].shape[1]
-        if target is aten.slice.Tensor and _last_dim(args[1] if len(args) > 1 else 0, node) and (len(args) < 5 or args[4] == 1):
+        if (
+            target is aten.slice.Tensor
+            and _last_dim(args[1] if len(args) > 1 else 0, node)
+            and (len(args) < 5 or args[4] == 1)
+        ):
             size = self._width(args[0])
             start = args[2] if len(args) > 2 and args[2] is not None else 0
             start = max(start + size, 0) if start < 0 else min(start, size)
@@ -523,11 +604,18 @@ class _Blocks:
 
     def _blocks_view(self, view: fx.Node, dim: int) -> bool:
         """Whether ``view`` is a 2-D value ``(rows, k H)`` viewed ``(rows, k, H)``, taken apart along ``dim``."""
-        if view.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) or dim not in (1, -2):
+        if view.target not in (
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.reshape.default,
+        ) or dim not in (1, -2):
             return False
         source, val = view.args[0].meta.get("val"), view.meta.get("val")
         return (
-            isinstance(source, Tensor) and source.dim() == 2 and isinstance(val, Tensor) and val.dim() == 3
+            isinstance(source, Tensor)
+            and source.dim() == 2
+            and isinstance(val, Tensor)
+            and val.dim() == 3
             and tuple(val.shape) == (source.shape[0], source.shape[1] // self.h, self.h)
         )
 
@@ -539,7 +627,9 @@ def _signature(gm: fx.GraphModule) -> list[tuple]:
     return [(n.op, str(n.target), repr(mapped(n.args)), repr(mapped(n.kwargs))) for n in gm.graph.nodes]
 
 
-def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], nodes: list[fx.Node] | None = None) -> fx.GraphModule:
+def _extract(
+    gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], nodes: list[fx.Node] | None = None
+) -> fx.GraphModule:
     """A graph computing ``outputs`` from ``inputs`` with ``gm``'s nodes (``nodes``, or all those needed)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -548,7 +638,11 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], 
         env[node].meta = node.meta
     allowed = None if nodes is None else set(nodes)
     for node in gm.graph.nodes:
-        if node in env or node.op in ("placeholder", "output") or (allowed is not None and node not in allowed):
+        if (
+            node in env
+            or node.op in ("placeholder", "output")
+            or (allowed is not None and node not in allowed)
+        ):
             continue
         if all(a in env for a in node.all_input_nodes):
             env[node] = graph.node_copy(node, lambda n: env[n])
@@ -617,7 +711,10 @@ class _SplitColumns(torch.autograd.Function):
         if first is not None and _adjacent(grads):
             return first.as_strided(ctx.shape, first.stride(), first.storage_offset()), None
         like = next(g for g in grads if g is not None)
-        parts = [g if g is not None else like.new_zeros(ctx.shape[0], n) for g, n in zip(grads, ctx.sizes, strict=True)]
+        parts = [
+            g if g is not None else like.new_zeros(ctx.shape[0], n)
+            for g, n in zip(grads, ctx.sizes, strict=True)
+        ]
         return torch.cat(parts, -1), None
 
 
@@ -630,8 +727,11 @@ def _adjacent(grads: tuple[Tensor | None, ...]) -> bool:
     at = first.storage_offset()
     for g in grads:
         if (
-            g is None or g.stride() != first.stride() or g.shape[0] != first.shape[0]
-            or g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or g.storage_offset() != at
+            g is None
+            or g.stride() != first.stride()
+            or g.shape[0] != first.shape[0]
+            or g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or g.storage_offset() != at
         ):
             return False
         at += g.shape[-1]
@@ -639,7 +739,11 @@ def _adjacent(grads: tuple[Tensor | None, ...]) -> bool:
 
 
 def _input_terms(
-    gm: fx.GraphModule, frontier: list[fx.Node], states: list[fx.Node], linear: list[fx.Node], pieces: list[fx.Node],
+    gm: fx.GraphModule,
+    frontier: list[fx.Node],
+    states: list[fx.Node],
+    linear: list[fx.Node],
+    pieces: list[fx.Node],
     width: int,
 ) -> fx.GraphModule:
     """A graph ``(*frontier) -> [input-only term of each piece, or None]``: the linear part with the states
@@ -651,7 +755,8 @@ def _input_terms(
         env[node] = graph.placeholder(f"in_{i}")
         env[node].meta = node.meta
     env.update({s: None for s in states})
-    for node in frontier:  # a column block of another frontier value is taken from it here (blocks join: _wide)
+    # a column block of another frontier value is taken from it here (blocks join: _wide)
+    for node in frontier:
         source = _split_source(node)
         if source in env:
             env.setdefault(node.args[0], graph.node_copy(node.args[0], lambda n: env[n]))
@@ -668,7 +773,13 @@ def _input_terms(
                     ranges.append((at, at + width))
                 at += width
             kept[node] = ranges
-            env[node] = None if not parts else parts[0] if len(parts) == 1 else _call(graph, aten.cat.default, parts, -1)
+            env[node] = (
+                None
+                if not parts
+                else parts[0]
+                if len(parts) == 1
+                else _call(graph, aten.cat.default, parts, -1)
+            )
         elif node.target in _LINEAR:
             operand, weight = env[args[-2]], env[args[-1]]
             bias = env[args[0]] if node.target is aten.addmm.default else None
@@ -687,7 +798,10 @@ def _input_terms(
             env[node] = graph.node_copy(node, lambda n: env[n])
     terms = [env[p] for p in pieces]
     vals = [getattr(t, "meta", {}).get("val") for t in terms]
-    if len(terms) > 1 and all(isinstance(v, Tensor) and v.dim() == 2 and v.shape == vals[0].shape and v.shape[-1] == width for v in vals):
+    if len(terms) > 1 and all(
+        isinstance(v, Tensor) and v.dim() == 2 and v.shape == vals[0].shape and v.shape[-1] == width
+        for v in vals
+    ):
         # one tensor whose column blocks are the terms (ih(x) + b_hh rather than a sum per block): the compiled
         # loop reads it as it is, not a concatenation of the blocks
         wide = _wide(graph, terms, width)
@@ -706,7 +820,9 @@ def _wide(graph: fx.Graph, blocks: list[fx.Node], width: int) -> fx.Node | None:
     first = blocks[0]
     if first.target is operator.getitem:
         split = first.args[0]
-        if split.target not in _SPLITS or any(b.target is not operator.getitem or b.args[0] is not split for b in blocks):
+        if split.target not in _SPLITS or any(
+            b.target is not operator.getitem or b.args[0] is not split for b in blocks
+        ):
             return None
         source, dim = split.args[0], split.args[2] if len(split.args) > 2 else 0
         if dim not in (-1, source.meta["val"].dim() - 1):
@@ -717,22 +833,36 @@ def _wide(graph: fx.Graph, blocks: list[fx.Node], width: int) -> fx.Node | None:
             return None
         start = sum(sizes[: index[0]])
         end = start + len(blocks) * width
-        return source if start == 0 and end == sum(sizes) else _call(graph, aten.slice.Tensor, source, -1, start, end)
-    if not _pointwise(first.target) or any(b.target is not first.target or b.kwargs != first.kwargs or len(b.args) != len(first.args) for b in blocks):
+        return (
+            source
+            if start == 0 and end == sum(sizes)
+            else _call(graph, aten.slice.Tensor, source, -1, start, end)
+        )
+    if not _pointwise(first.target) or any(
+        b.target is not first.target or b.kwargs != first.kwargs or len(b.args) != len(first.args)
+        for b in blocks
+    ):
         return None
     args = []
     for column in zip(*(b.args for b in blocks), strict=True):
         val = column[0].meta.get("val") if isinstance(column[0], fx.Node) else None
-        if all(c is column[0] for c in column) and (val is None or (isinstance(val, Tensor) and (val.dim() == 0 or val.shape[-1] == 1))):
+        if all(c is column[0] for c in column) and (
+            val is None or (isinstance(val, Tensor) and (val.dim() == 0 or val.shape[-1] == 1))
+        ):
             args.append(column[0])  # a constant, or a value broadcast over the columns
-        elif all(isinstance(c, fx.Node) for c in column) and (wide := _wide(graph, list(column), width)) is not None:
+        elif (
+            all(isinstance(c, fx.Node) for c in column)
+            and (wide := _wide(graph, list(column), width)) is not None
+        ):
             args.append(wide)
         else:
             return None
     return _call(graph, first.target, *args, **first.kwargs)
 
 
-def _composed(gm: fx.GraphModule, first: fx.GraphModule, second: fx.GraphModule, keep: set[int]) -> fx.GraphModule:
+def _composed(
+    gm: fx.GraphModule, first: fx.GraphModule, second: fx.GraphModule, keep: set[int]
+) -> fx.GraphModule:
     """One graph: ``first``'s inputs -> its outputs at ``keep`` (``None`` for the others), then ``second``'s outputs
     (``second`` reads ``first``'s outputs)."""
     graph = fx.Graph()
@@ -746,7 +876,9 @@ def _composed(gm: fx.GraphModule, first: fx.GraphModule, second: fx.GraphModule,
         raise AssertionError("a graph without an output")
 
     values = copy(first, {})
-    terms = copy(second, dict(zip([n for n in second.graph.nodes if n.op == "placeholder"], values, strict=True)))
+    terms = copy(
+        second, dict(zip([n for n in second.graph.nodes if n.op == "placeholder"], values, strict=True))
+    )
     graph.output([v if i in keep else None for i, v in enumerate(values)] + terms)
     graph.eliminate_dead_code()
     return fx.GraphModule(gm, graph)
@@ -766,11 +898,20 @@ def _folded_biases(gm: fx.GraphModule) -> fx.GraphModule:
             if product.target not in _LINEAR or product.kwargs:
                 continue
             width = product.meta["val"].shape[-1]
-            shapes = [bias.meta["val"].shape] + ([product.args[0].meta["val"].shape] if product.target is aten.addmm.default else [])
-            if any(tuple(s) not in ((width,), (1, width)) for s in shapes) or bias.meta["val"].dtype != product.meta["val"].dtype:
+            shapes = [bias.meta["val"].shape] + (
+                [product.args[0].meta["val"].shape] if product.target is aten.addmm.default else []
+            )
+            if (
+                any(tuple(s) not in ((width,), (1, width)) for s in shapes)
+                or bias.meta["val"].dtype != product.meta["val"].dtype
+            ):
                 continue
             with graph.inserting_before(node):
-                total = bias if product.target is aten.mm.default else _call(graph, aten.add.Tensor, product.args[0], bias)
+                total = (
+                    bias
+                    if product.target is aten.mm.default
+                    else _call(graph, aten.add.Tensor, product.args[0], bias)
+                )
                 fused = _call(graph, aten.addmm.default, total, *product.args[-2:])
             node.replace_all_uses_with(fused)
             break
@@ -848,15 +989,25 @@ def _factor(
                 if part in states:
                     offsets.append((states.index(part), at))
                 elif origin[part] == _STATE:
-                    return f"a concatenation reads a state-dependent value ({part.name}) that is not a state tensor", []
+                    return (
+                        f"a concatenation reads a state-dependent value ({part.name}) that is not a state tensor",
+                        [],
+                    )
                 at += shape(part)[-1]
             reads[node] = tuple(offsets)
         elif target in _LINEAR and not node.kwargs:
             operand, weight = args[-2], args[-1]
             if operand in states:
                 reads[operand] = ((states.index(operand), 0),)
-            if operand not in reads or origin[weight] != _CONST or (target is aten.addmm.default and origin[args[0]] == _STATE):
-                return f"the state reaches a matrix product ({node.name}) other than a state tensor times a parameter", []
+            if (
+                operand not in reads
+                or origin[weight] != _CONST
+                or (target is aten.addmm.default and origin[args[0]] == _STATE)
+            ):
+                return (
+                    f"the state reaches a matrix product ({node.name}) other than a state tensor times a parameter",
+                    [],
+                )
             linear[node] = weight
             if shape(node)[-1] == width and (reason := piece(node, node, 0)):
                 return reason, []
@@ -872,7 +1023,9 @@ def _factor(
         elif target is operator.getitem and args[0].target in _SPLITS and args[0].args[0] in linear:
             continue  # a piece, recorded with its split
         elif (
-            target is aten.slice.Tensor and args[0] in linear and _last_dim(args[1] if len(args) > 1 else 0, node)
+            target is aten.slice.Tensor
+            and args[0] in linear
+            and _last_dim(args[1] if len(args) > 1 else 0, node)
             and (len(args) < 5 or args[4] == 1)
         ):
             start = args[2] if len(args) > 2 and args[2] is not None else 0
@@ -899,7 +1052,11 @@ def _absorbed(piece: fx.Node, origin: dict[fx.Node, int], full: tuple[int, int])
     while len(piece.users) == 1:
         user = next(iter(piece.users))
         args, alpha = user.args, user.kwargs.get("alpha", 1)
-        if user.target not in (aten.add.Tensor, aten.sub.Tensor) or set(user.kwargs) - {"alpha"} or len(args) != 2:
+        if (
+            user.target not in (aten.add.Tensor, aten.sub.Tensor)
+            or set(user.kwargs) - {"alpha"}
+            or len(args) != 2
+        ):
             break
         other = args[1] if args[0] is piece else args[0]
         first = args[0] is piece and args[1] is not piece
@@ -907,9 +1064,14 @@ def _absorbed(piece: fx.Node, origin: dict[fx.Node, int], full: tuple[int, int])
             break
         val, own = getattr(other, "meta", {}).get("val"), user.meta.get("val")
         if (
-            not isinstance(other, fx.Node) or origin[other] == _STATE or not isinstance(val, Tensor)
-            or not isinstance(own, Tensor) or tuple(own.shape) != full or val.dtype != own.dtype
-            or val.dim() > 2 or any(n not in (1, f) for n, f in zip(reversed(val.shape), reversed(full), strict=False))
+            not isinstance(other, fx.Node)
+            or origin[other] == _STATE
+            or not isinstance(val, Tensor)
+            or not isinstance(own, Tensor)
+            or tuple(own.shape) != full
+            or val.dtype != own.dtype
+            or val.dim() > 2
+            or any(n not in (1, f) for n, f in zip(reversed(val.shape), reversed(full), strict=False))
         ):
             break
         piece = user
@@ -928,7 +1090,9 @@ def _is_column_cat(node: object) -> bool:
 
 def _pointwise(target: object) -> bool:
     """Whether ``target`` computes each output coordinate from the same coordinate of its operands."""
-    return target in _UNTAGGED_POINTWISE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+    return target in _UNTAGGED_POINTWISE or (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    )
 
 
 def _last_dim(dim: int, node: fx.Node) -> bool:

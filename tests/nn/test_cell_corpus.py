@@ -21,7 +21,9 @@ from lightning_bppsa.nn.cell_structure import NotTraceable, trace_cell
 
 F64 = torch.float64
 
-pytestmark = pytest.mark.skipif(not _native.build_expected(), reason="no C compiler: the loop is not compiled")
+pytestmark = pytest.mark.skipif(
+    not _native.build_expected(), reason="no C compiler: the loop is not compiled"
+)
 
 
 class HandLSTM(nn.Module):
@@ -338,8 +340,25 @@ class CoprimeWidths(nn.Module):
 
 
 FACTORED = [
-    HandLSTM, MethodLSTM, HandGRU, ViewGRU, SizesGRU, MinGRU, MinLSTM, LiGRU, IndRNN, PeepholeLSTM, CoupledGRU,
-    LeakyMemory, SlicedWeights, TorchLSTMCell, TorchGRUCell, InPlaceLSTM, WideMemory, WideFirst, CoprimeWidths,
+    HandLSTM,
+    MethodLSTM,
+    HandGRU,
+    ViewGRU,
+    SizesGRU,
+    MinGRU,
+    MinLSTM,
+    LiGRU,
+    IndRNN,
+    PeepholeLSTM,
+    CoupledGRU,
+    LeakyMemory,
+    SlicedWeights,
+    TorchLSTMCell,
+    TorchGRUCell,
+    InPlaceLSTM,
+    WideMemory,
+    WideFirst,
+    CoprimeWidths,
 ]
 
 
@@ -413,7 +432,11 @@ class ActivatedAfterSplit(nn.Module):
 def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Every step's state (tuple states concatenated) by calling the cell in a Python loop from zero."""
     size = cell.state_size
-    state = tuple(x.new_zeros(x.shape[1], s) for s in size) if isinstance(size, tuple) else x.new_zeros(x.shape[1], size)
+    state = (
+        tuple(x.new_zeros(x.shape[1], s) for s in size)
+        if isinstance(size, tuple)
+        else x.new_zeros(x.shape[1], size)
+    )
     outs = []
     for x_t in x:
         state = cell(x_t, state)
@@ -487,7 +510,9 @@ def test_a_gate_block_first_cell_factors_as_if_written_per_piece(cell_type):
     assert [(p.offset, p.reads) for p in block.pieces] == [(p.offset, p.reads) for p in per_piece.pieces]
     assert len(block.pieces) == 4 and block.factor_elements == per_piece.factor_elements
     assert block.has_offsets and per_piece.has_offsets
-    ops = [Counter(str(n.target) for n in s.pointwise.graph.nodes if n.op == "call_function") for s in structures]
+    ops = [
+        Counter(str(n.target) for n in s.pointwise.graph.nodes if n.op == "call_function") for s in structures
+    ]
     assert ops[0] == ops[1]
 
 
@@ -524,7 +549,8 @@ def test_input_terms_added_to_pieces_are_taken_into_their_offsets_and_read_whole
 
 
 @pytest.mark.parametrize(
-    ("cell_type", "groups"), [(WideMemory, (1, 2)), (WideFirst, (2, 1)), (CoprimeWidths, (2, 3))],
+    ("cell_type", "groups"),
+    [(WideMemory, (1, 2)), (WideFirst, (2, 1)), (CoprimeWidths, (2, 3))],
     ids=lambda c: getattr(c, "__name__", str(c)),
 )
 def test_states_of_different_widths_are_traced_as_blocks_of_their_common_divisor(cell_type, groups):
@@ -545,10 +571,14 @@ def test_states_of_different_widths_are_traced_as_blocks_of_their_common_divisor
         assert [tuple(t.shape) for t in ours] == [(6, n) for n in sizes]
         torch.testing.assert_close(torch.cat(ours, -1), torch.cat(expected, -1), rtol=1e-12, atol=1e-12)
     flat = torch.cat(states, -1).requires_grad_()
-    dense = torch.func.jacrev(lambda s: torch.cat(cell(x, s.split(list(sizes), -1)), -1))(flat)  # (6, d, 6, d)
+    step = lambda s: torch.cat(cell(x, s.split(list(sizes), -1)), -1)  # noqa: E731
+    dense = torch.func.jacrev(step)(flat)  # (6, d, 6, d)
     rows = torch.arange(6)
     torch.testing.assert_close(
-        jacobians.dense().reshape(6, sum(sizes), sum(sizes)), dense[rows, :, rows].transpose(1, 2), rtol=1e-12, atol=1e-12
+        jacobians.dense().reshape(6, sum(sizes), sum(sizes)),
+        dense[rows, :, rows].transpose(1, 2),
+        rtol=1e-12,
+        atol=1e-12,
     )
 
 

@@ -16,7 +16,9 @@ from lightning_bppsa.nn.cell_structure import _split_columns
 
 F64 = torch.float64
 
-pytestmark = pytest.mark.skipif(not _native.build_expected(), reason="no C compiler: the loop is not compiled")
+pytestmark = pytest.mark.skipif(
+    not _native.build_expected(), reason="no C compiler: the loop is not compiled"
+)
 
 
 class SmoothOps(nn.Module):
@@ -52,7 +54,12 @@ class PiecewiseOps(nn.Module):
         z = self.ih(x) + self.hh(h)
         gate = x[:, :1] * self.scale  # one value per row, broadcast over the state
         y = torch.relu(z) - torch.nn.functional.leaky_relu(z, 0.2) + torch.clamp(z, -0.5, 0.8) * gate
-        y = y + torch.clamp_min(h, -0.3) - torch.clamp_max(h, 0.4) + torch.nn.functional.hardtanh(z, -0.6, 0.6)
+        y = (
+            y
+            + torch.clamp_min(h, -0.3)
+            - torch.clamp_max(h, 0.4)
+            + torch.nn.functional.hardtanh(z, -0.6, 0.6)
+        )
         return torch.where(z > 0.1, y, 0.5 * h) + torch.where(h <= 0, h * 0.2, torch.tanh(y))
 
 
@@ -100,7 +107,11 @@ class Unsupported(nn.Module):
 
 def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
     size = cell.state_size
-    state = tuple(x.new_zeros(x.shape[1], s) for s in size) if isinstance(size, tuple) else x.new_zeros(x.shape[1], size)
+    state = (
+        tuple(x.new_zeros(x.shape[1], s) for s in size)
+        if isinstance(size, tuple)
+        else x.new_zeros(x.shape[1], size)
+    )
     outs = []
     for x_t in x:
         state = cell(x_t, state)
@@ -110,7 +121,11 @@ def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _grads(forward, leaves, last_only: bool) -> list[torch.Tensor]:
     out = forward()
-    loss = out[-1].pow(2).sum() if last_only else (out.pow(2) * torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype)).sum()
+    loss = (
+        out[-1].pow(2).sum()
+        if last_only
+        else (out.pow(2) * torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype)).sum()
+    )
     return [out.detach(), *torch.autograd.grad(loss, leaves)]
 
 
@@ -203,13 +218,21 @@ def test_split_columns_backward_takes_adjacent_gradients_as_a_view():
     a = torch.randn(7, 9, dtype=F64, requires_grad=True)
     pieces = _split_columns(a * 1, [3, 2, 4])
     grads = torch.randn(7, 12, dtype=F64)
-    (adjacent,) = torch.autograd.grad(pieces, a, [grads[:, :3], grads[:, 3:5], grads[:, 5:9]], retain_graph=True)
+    (adjacent,) = torch.autograd.grad(
+        pieces, a, [grads[:, :3], grads[:, 3:5], grads[:, 5:9]], retain_graph=True
+    )
     torch.testing.assert_close(adjacent, grads[:, :9])
     scattered = [grads[:, 9:12], grads[:, :2], grads[:, 2:6]]  # not in order: concatenated
     (copied,) = torch.autograd.grad(pieces, a, scattered, retain_graph=True)
     torch.testing.assert_close(copied, torch.cat(scattered, -1))
-    (partial,) = torch.autograd.grad(pieces[1], a, torch.ones(7, 2, dtype=F64))  # the others' gradients: zeros
-    torch.testing.assert_close(partial, torch.cat([torch.zeros(7, 3, dtype=F64), torch.ones(7, 2, dtype=F64), torch.zeros(7, 4, dtype=F64)], -1))
+    # the others' gradients: zeros
+    (partial,) = torch.autograd.grad(pieces[1], a, torch.ones(7, 2, dtype=F64))
+    torch.testing.assert_close(
+        partial,
+        torch.cat(
+            [torch.zeros(7, 3, dtype=F64), torch.ones(7, 2, dtype=F64), torch.zeros(7, 4, dtype=F64)], -1
+        ),
+    )
 
 
 def test_a_diagonal_only_chain_plans_the_linear_sweep():
