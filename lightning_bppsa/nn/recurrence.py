@@ -298,6 +298,13 @@ class Recurrence(nn.Module):
     def extra_repr(self) -> str:
         return f"batch_first={self.batch_first}, algorithm={self.algorithm!r}"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The module without its traces (their fake tensors and compiled kernels neither copy nor pickle): a
+        deep copy or an unpickled module traces its cell again on its first call."""
+        state = super().__getstate__()
+        state.update(_traced={}, _plan_cells={})
+        return state
+
     def forward(self, input: Tensor, state0: State | None = None) -> tuple[Tensor, State]:  # noqa: A002
         """Run the cell over the sequence.
 
@@ -466,9 +473,7 @@ class Recurrence(nn.Module):
         grads = tuple(p.requires_grad for p in self.cell.parameters())
         memo = (key, grads, self.verify)
         if memo not in self._plan_cells:
-            _, inputs, x_dtype, spec, _, modes, tensors, autocast = (
-                key  # B and the device are the shape's own
-            )
+            number, _, inputs, x_dtype, spec, _, modes, tensors, autocast = key  # B, device: the shape's own
             classes = tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in self.cell.modules())
             what = (classes, inputs, x_dtype, spec, modes, tensors, autocast, grads, self.verify)
             parts = [repr(what), repr((traced.factored, _platform(traced.kernel)))]
@@ -478,9 +483,7 @@ class Recurrence(nn.Module):
             digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
             name = f"Recurrence({type(self.cell).__qualname__}) {digest}"
             if not traced_ok:
-                if self.cell not in _CELL_NUMBERS:
-                    _CELL_NUMBERS[self.cell] = next(_next_number)
-                name += f" cell#{_CELL_NUMBERS[self.cell]}"
+                name += f" cell#{number}"
             self._plan_cells[memo] = (name, traced_ok)
         return self._plan_cells[memo]
 
@@ -501,8 +504,9 @@ class Recurrence(nn.Module):
         return None if traced is None else traced.kernel
 
     def _trace_key(self, x: Tensor, spec: _StateSpec) -> tuple:
-        """What a traced step depends on: the batch shape, dtypes, device, the modules' modes, the cell's
-        tensors and autocast."""
+        """What a traced step depends on: the cell object (:func:`_cell_number`: a cell put in its place, or
+        this module's deep copy, is traced anew), the batch shape, dtypes, device, the modules' modes, the
+        cell's tensors and autocast."""
         modes, tensors = [], []
         for module in self.cell.modules():  # one walk (asked on every call): modes, and what a graph takes
             modes.append(module.training)
@@ -512,7 +516,18 @@ class Recurrence(nn.Module):
                 if t is not None
             ]
         autocast = torch.is_autocast_enabled(x.device.type)
-        return (x.shape[0], x.shape[2:], x.dtype, spec, x.device, tuple(modes), tuple(tensors), autocast)
+        number = _cell_number(self.cell)
+        return (
+            number,
+            x.shape[0],
+            x.shape[2:],
+            x.dtype,
+            spec,
+            x.device,
+            tuple(modes),
+            tuple(tensors),
+            autocast,
+        )
 
     def _trace(self, x: Tensor, s0: Tensor, spec: _StateSpec, key: tuple | None = None) -> _Traced:
         """The cell's traced step for this batch shape (cached; ``key``: its :meth:`_trace_key`, where known),
@@ -1049,6 +1064,15 @@ def _platform(kernel: CellKernel | None) -> str | None:
 def _chunk_rows(d: int) -> int:
     """Rows per batched-gradient call."""
     return max(1, _JACOBIAN_ELEMENTS // d)
+
+
+def _cell_number(cell: nn.Module) -> int:
+    """``cell``'s number in this process (the first cell seen is 1): it tells cell objects apart for as long
+    as they live (held weakly: an ``id`` could be reused by a later cell)."""
+    number = _CELL_NUMBERS.get(cell)
+    if number is None:
+        number = _CELL_NUMBERS[cell] = next(_next_number)
+    return number
 
 
 def _probe_steps(batch: int, steps: int, d: int, factored: bool) -> int:

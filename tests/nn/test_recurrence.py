@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -807,8 +809,11 @@ class Activated(nn.Module):
 def test_different_cells_never_share_a_decision_and_copies_of_one_do(monkeypatch, measuring):
     x = torch.randn(4, 2, 3, dtype=F64, requires_grad=True)
     calls = fake_timer(monkeypatch, 1.0, 0.1)  # the scan measures faster
+    tanh = compare(Activated(torch.tanh).double(), x, None)
+    assert tanh.last_stats["path"] == "scan" and len(calls) == 3
     assert compare(Activated(torch.tanh).double(), x, None).last_stats["path"] == "scan" and len(calls) == 3
-    assert compare(Activated(torch.tanh).double(), x, None).last_stats["path"] == "scan" and len(calls) == 3
+    copied = copy.deepcopy(tanh)  # a copy of a traced cell: the same step, the same decision
+    assert compare(copied.cell, x, None, rec=copied).last_stats["path"] == "scan" and len(calls) == 3
     calls = fake_timer(monkeypatch, 0.1, 1.0)  # the scan measures slower: only a new cell sees it
     assert compare(Activated(torch.sigmoid).double(), x, None).last_stats["path"] == "autograd"
     assert len(calls) == 3 and len(recurrence_plans()) == 2
@@ -816,13 +821,25 @@ def test_different_cells_never_share_a_decision_and_copies_of_one_do(monkeypatch
     untraced = CheckedCell(3, 5).double()
     rec = compare(untraced, x, None, algorithm="linear")
     assert rec.last_stats["trace_reason"].startswith("tracing failed")
-    compare(untraced, x, None)
+    auto = compare(untraced, x, None)
     assert len(calls) == 6
     compare(untraced, x, None)  # the same cell in another module: its decision
     assert len(calls) == 6
     compare(CheckedCell(3, 5).double(), x, None)  # an equal cell, but another object: measured
     assert len(calls) == 9
-    assert sorted(shape.persist for shape in recurrence_plans()) == [False, False, True, True]
+    copied = copy.deepcopy(auto)
+    compare(copied.cell, x, None, rec=copied)  # so is a copy
+    assert len(calls) == 12
+    assert sorted(shape.persist for shape in recurrence_plans()) == [False, False, False, True, True]
+
+
+def test_a_used_module_deep_copies_and_pickles_and_its_copy_traces_again():
+    cell, x, h0 = make("gated", 2, 5)
+    rec = compare(cell, x, h0, algorithm="linear")
+    for copied in (copy.deepcopy(rec), pickle.loads(pickle.dumps(rec))):
+        assert not copied._traced and copied.cell is not cell
+        compare(copied.cell, x, h0, rec=copied)
+        assert copied.last_stats["path"] == "scan" and copied.last_stats["jacobians"] == "factored"
 
 
 def test_a_cached_decision_survives_torch_compile_and_nothing_is_measured_while_compiling(scan_wins):
