@@ -336,7 +336,7 @@ class CoprimeWidths(nn.Module):
     def forward(self, x, state):
         h, c = state
         z = torch.tanh(self.ih(x) + self.hh(torch.cat([h, c], -1)))
-        return z[:, : h.shape[-1]] * h, z[:, h.shape[-1] :] + 0.5 * c
+        return z[:, : h.shape[-1]] + 0.5 * h * z[:, : h.shape[-1]], z[:, h.shape[-1] :] + 0.5 * c
 
 
 FACTORED = [
