@@ -54,12 +54,22 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also where loaded by path
-import cell_jax  # noqa: E402 - after the path
-from device_runner import RESULTS, ROOT, SKIPPED, Runner, header, interleaved, ratio_text, write  # noqa: E402
+import cell_jax
+from device_runner import (
+    RESULTS,
+    ROOT,
+    SKIPPED,
+    Runner,
+    header,
+    interleaved,
+    markdown_table,
+    ratio_text,
+    write,
+)
 
-from lightning_bppsa.bench.measure import load_average, machine_description  # noqa: E402
-from lightning_bppsa.nn import Recurrence  # noqa: E402
-from lightning_bppsa.testing import relative_error  # noqa: E402
+from lightning_bppsa.bench.measure import load_average, machine_description
+from lightning_bppsa.nn import Recurrence
+from lightning_bppsa.testing import relative_error
 
 INPUTS = 8
 ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -442,8 +452,7 @@ def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[f
         "norm-wise relative error of the input's and parameters' gradients against autograd through the loop in "
         "float64.\n\n"
         f"Rows done: {len(done)} of {len(s.rows)} (a skipped row says why).\n\n"
-        "| " + " | ".join(COLUMNS) + " |\n|" + " --- |" * len(COLUMNS) + "\n"
-        + "".join("| " + " | ".join(r) + " |\n" for r in done)
+        + markdown_table(COLUMNS, done)
     )  # fmt: skip
     return text
 

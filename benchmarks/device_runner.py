@@ -14,7 +14,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,12 @@ def header(runner: Runner, title: str, versions: Iterable[str] = ()) -> str:
         f"# {title}\n\nDevice {device}; torch {torch.__version__}; cuDNN {torch.backends.cudnn.version() or 'none'}; "
         f"CuPy {cupy_version()}; {more}commit {commit()}; {now:%Y-%m-%d %H:%M} UTC; `{runner.command}`.\n\n"
     )
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table: the column names, the rule, one line per row."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    return "".join(line + "\n" for line in [*lines, *("| " + " | ".join(row) + " |" for row in rows)])
 
 
 def write(runner: Runner, name: str, text: str) -> None:

@@ -91,7 +91,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also where loaded by path
-from device_runner import (  # noqa: E402 - after the path
+from device_runner import (
     NO_CUDA,
     RESULTS,
     ROOT,
@@ -100,11 +100,12 @@ from device_runner import (  # noqa: E402 - after the path
     Runner,
     header,
     interleaved,
+    markdown_table,
     ms_text,
     ratio_text,
     write,
 )
-from device_runner import commit as _commit  # noqa: E402,F401 - tests/bench/test_gpu_command.py clears its cache
+from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
 
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -389,8 +390,7 @@ def _step_table(runner: Runner, done: list[list[str]], total: int) -> str:
         "fwd = no-grad forward. Grad relerr = max over parameters of |g - g64| / |g64| against torch's module "
         "in float64 (cuDNN on a GPU). BPPSA plan = `last_stats[\"plan\"]` after a step; speedup = cuDNN / BPPSA.\n\n"
         f"Rows done: {len(done)} of {total} (a skipped row says why).\n\n"
-        "| " + " | ".join(STEP_COLUMNS) + " |\n|" + " --- |" * len(STEP_COLUMNS) + "\n"
-        + "".join("| " + " | ".join(row) + " |\n" for row in done)
+        + markdown_table(STEP_COLUMNS, done)
     )  # fmt: skip
 
 
@@ -426,8 +426,7 @@ def chain_stage(runner: Runner) -> list[list[str]]:
         write(runner, "cuda-chain.md", header(runner, "Layer chains: cuDNN autograd vs SparseChain (auto)") + (
             "VGG-11's 8 convolutions + ReLUs + 5 max-pools (`lightning_bppsa.bench.vgg.build_case`), float32, "
             f"median of {runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up calls, {runner.timer}.\n\n"
-            "| " + " | ".join(CHAIN_COLUMNS) + " |\n|" + " --- |" * len(CHAIN_COLUMNS) + "\n"
-            + "".join("| " + " | ".join(row) + " |\n" for row in done)
+            + markdown_table(CHAIN_COLUMNS, done)
         ))  # fmt: skip
     return done
 
