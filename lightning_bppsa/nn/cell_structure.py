@@ -9,11 +9,15 @@ dependent Python control flow and ``.item()`` raise instead of being baked in) a
   rather than the aten overloads: several µs less per op).
 
 Before the split the graph is rewritten into one canonical form (:func:`_canonical`), so that a cell factors
-the same whichever way it is written and on every supported torch release: ``lerp`` / ``addcmul`` /
+the same whichever way it is written and on every supported torch release: in-place ops on the step's own
+values become their out-of-place forms where that provably computes the same
+(:func:`~lightning_bppsa.nn.cell_inplace.out_of_place`: torch's ``nn.LSTMCell`` / ``nn.GRUCell`` trace so),
+``unsafe_split`` becomes ``split``, ``lerp`` / ``addcmul`` /
 ``addcdiv`` become the adds and products they are, and pointwise ops on a whole ``(rows, m H)`` gate block
 split into ``(rows, H)`` pieces afterwards (``chunk``, ``split``, slicing, ``unbind`` of a ``(rows, m, H)``
 view) are written per piece; which ops are pointwise is the tag ``pointwise`` plus the ops some supported
-release leaves untagged.
+release leaves untagged. State tensors of different widths are traced as blocks of one width ``H`` (their
+widths' greatest common divisor), so a wide state tensor's pointwise ops are written per block the same way.
 
 The cell is *factorable* when the state reaches the new state only through (a) linear maps by weights
 that depend on parameters only (``mm`` / ``addmm`` of a state tensor, or of a ``cat`` of state tensors and
@@ -968,7 +972,7 @@ def _factor(
     full = (rows, width)
     shape = lambda n: tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), Tensor) else None  # noqa: E731
     if any(shape(s) != full for s in states):
-        return "the state tensors differ in width", []
+        return "the state tensors are not (rows, H)", []
     reads: dict[fx.Node, tuple[tuple[int, int], ...]] = {}  # linear operand -> (state, row offset in Wt)
     linear: dict[fx.Node, fx.Node] = {}  # mm / addmm node -> its weight node
     pieces: list[tuple[fx.Node, _Piece]] = []
