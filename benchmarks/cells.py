@@ -44,6 +44,7 @@ import shlex
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,6 +264,32 @@ def _recorded_backward(
     return backward
 
 
+def _jax_check(
+    cell: nn.Module,
+    x: torch.Tensor,
+    jax: Any,
+    reference: list[torch.Tensor],
+    quantities: Sequence[str],
+    result: dict,
+) -> tuple[dict[str, Callable[..., Any]], list[Any], Any]:
+    """JAX's jitted functions of ``cell``, its parameters and input on ``x``'s device; fills ``result`` with its
+    step's compile seconds and the gradient error of its step (and of its VJP where ``quantities`` time it)."""
+    steps = cell_jax.jax_steps(cell, x.shape[1], x.shape[2], jax)
+    where = _jax_device(jax, x.device.type)
+    params = [cell_jax.to_jax(jax, p, where) for p in cell.parameters()]
+    xs = cell_jax.to_jax(jax, x, where)
+    start = time.perf_counter()
+    _, (param_grads, x_grad) = jax.block_until_ready(steps["step"](params, xs))
+    result["compile"] = time.perf_counter() - start
+    result["err_JAX"] = _error([x_grad, *param_grads], reference)
+    if {"fwd", "bwd"} & set(quantities):
+        value, vjp = steps["forward"](params, xs)
+        param_grads, x_grad = steps["backward"](vjp, value)
+        vjp_error = _error([x_grad, *param_grads], reference)
+        result["err_JAX"] = vjp_error if isinstance(vjp_error, str) else max(result["err_JAX"], vjp_error)
+    return steps, params, xs
+
+
 def _arms(
     cell: nn.Module,
     x: torch.Tensor,
@@ -298,22 +325,12 @@ def _arms(
         result["err_JAX"] = result["compile"] = jax_reason
         return arms
     try:
-        steps = cell_jax.jax_steps(cell, x.shape[1], x.shape[2], jax)
-    except cell_jax.NotTranslated as error:
-        result["err_JAX"] = result["compile"] = f"n/a: {error}"
+        steps, params, xs = _jax_check(cell, x, jax, reference, quantities, result)
+    except Exception as error:  # noqa: BLE001 - JAX's failure (an op, XLA on this device) leaves the torch arms
+        result["err_JAX"] = result["compile"] = (
+            f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        )
         return arms
-    where = _jax_device(jax, x.device.type)
-    params = [cell_jax.to_jax(jax, p, where) for p in cell.parameters()]
-    xs = cell_jax.to_jax(jax, x, where)
-    start = time.perf_counter()
-    _, (param_grads, x_grad) = jax.block_until_ready(steps["step"](params, xs))
-    result["compile"] = time.perf_counter() - start
-    result["err_JAX"] = _error([x_grad, *param_grads], reference)
-    if {"fwd", "bwd"} & set(quantities):
-        value, vjp = steps["forward"](params, xs)
-        param_grads, x_grad = steps["backward"](vjp, value)
-        vjp_error = _error([x_grad, *param_grads], reference)
-        result["err_JAX"] = vjp_error if isinstance(vjp_error, str) else max(result["err_JAX"], vjp_error)
     recorded: list = []
 
     def backward() -> object:
@@ -384,9 +401,18 @@ def table_row(row: Row, r: dict) -> list[str]:
     ]
 
 
-def skipped_row(row: Row) -> list[str]:
-    """A row that did not fit before the deadline."""
-    return [*map(str, row), "-", SKIPPED, *["-"] * (len(COLUMNS) - 6)]
+def skipped_row(row: Row, why: str = SKIPPED) -> list[str]:
+    """A row with no figures, and why (it did not fit before the deadline, unless ``why`` says otherwise)."""
+    return [*map(str, row), "-", why, *["-"] * (len(COLUMNS) - 6)]
+
+
+def _measured_row(runner: Runner, row: Row, jax: Any, jax_reason: str | None, budget: float) -> list[str]:
+    """:func:`measure_row` as a table row; a row that fails says why and the next rows still run."""
+    try:
+        return table_row(row, measure_row(runner, row, jax, jax_reason, budget))
+    except Exception as error:  # noqa: BLE001 - one cell's failure must not lose the others' (nor gpu.py's stages)
+        traceback.print_exc()
+        return skipped_row(row, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
 def device_table(
@@ -402,11 +428,7 @@ def device_table(
     load_before = load_average()
     for index, row in enumerate(rows):
         budget = max(runner.left(), 0) / (len(rows) - index)
-        done.append(
-            table_row(row, measure_row(runner, row, jax, jax_reason, budget))
-            if budget > 0
-            else skipped_row(row)
-        )
+        done.append(_measured_row(runner, row, jax, jax_reason, budget) if budget > 0 else skipped_row(row))
         print("cells " + " | ".join(done[-1]), flush=True)
         write(runner, name, _table(runner, done, jax, load_before))
     return done

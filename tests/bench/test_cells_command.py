@@ -86,19 +86,48 @@ def test_the_jax_step_is_the_cell_s_math(name: str) -> None:
         assert relative_error(torch.tensor(jax.device_get(value)), reference) < 1e-5
 
 
+class Cumulative(nn.Module):
+    """A step reading the running sum over the state's coordinates (``cumsum``: no JAX counterpart here)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.lin = nn.Linear(inputs, hidden)
+
+    def forward(self, x, h):
+        return torch.tanh(self.lin(x) + h.cumsum(-1))
+
+
 def test_a_cell_with_an_op_jax_is_not_given_is_named() -> None:
-    class Cumulative(nn.Module):
-        state_size = 4
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(3, 4)
-
-        def forward(self, x, h):
-            return torch.tanh(self.lin(x) + h.cumsum(-1))
-
     with pytest.raises(cell_jax.NotTranslated, match=r"no JAX counterpart for aten\.cumsum"):
-        cell_jax.jax_cell(Cumulative(), 2, 3, jax)
+        cell_jax.jax_cell(Cumulative(3, 4), 2, 3, jax)
+
+
+def test_a_failing_jax_arm_leaves_the_torch_arms_and_a_failing_row_the_next(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setitem(cells.CELLS, "cumulative", Cumulative)
+    real = cells.measure_row
+
+    def failing_for_gated(runner, row, *args):
+        if row[0] == "gated":
+            raise RuntimeError("boom\nsecond line")
+        return real(runner, row, *args)
+
+    monkeypatch.setattr(cells, "measure_row", failing_for_gated)
+    shapes = cells.CellRows(
+        cells.rows_of(["gated", "cumulative"], 3, 2, 4), quantities=("step",), rounds=1, max_steps=1
+    )
+    failed, measured = cells.device_table(_runner(tmp_path, shapes), name="cells.md")
+    assert failed[5] == "failed: RuntimeError: boom" and failed[6:] == ["-"] * (len(cells.COLUMNS) - 6)
+    values = dict(zip(cells.COLUMNS, measured, strict=True))
+    assert (
+        values["step ms JAX"]
+        == values["grad err JAX"]
+        == "n/a: NotTranslated: no JAX counterpart for aten.cumsum.default"
+    )
+    assert float(values["step ms loop"]) > 0 and float(values["step ms Recurrence"]) > 0
+    assert float(values["grad err Recurrence"]) < 1e-5
 
 
 def test_the_tiny_table_has_every_arm_with_float64_checked_gradients(tmp_path: Path) -> None:
