@@ -286,12 +286,10 @@ class Recurrence(nn.Module):
         self.memory_budget, self.verify = memory_budget, verify
         self.last_stats: dict[str, Any] = {}
         self._unbatchable: str | None = None  # set once the batched calls failed for this cell
-        self._random: set[LayerShape] = (
-            set()
-        )  # "auto"'s shapes whose probe found the cell drawing random numbers
-        self._plan_cells: dict[
-            tuple, tuple[str, bool]
-        ] = {}  # the plan's name of the cell per trace (_plan_cell)
+        # "auto"'s shapes whose probe found the cell drawing random numbers
+        self._random: set[LayerShape] = set()
+        # "auto"'s key in the layer plan per trace key, verify and probed steps (_planned)
+        self._plan_shapes: dict[tuple, LayerShape] = {}
         self._traced: dict[tuple, _Traced] = {}  # the traced step per batch shape
         self._warned = False
 
@@ -302,7 +300,7 @@ class Recurrence(nn.Module):
         """The module without its traces (their fake tensors and compiled kernels neither copy nor pickle): a
         deep copy or an unpickled module traces its cell again on its first call."""
         state = super().__getstate__()
-        state.update(_traced={}, _plan_cells={})
+        state.update(_traced={}, _plan_shapes={})
         return state
 
     def forward(self, input: Tensor, state0: State | None = None) -> tuple[Tensor, State]:  # noqa: A002
@@ -442,10 +440,12 @@ class Recurrence(nn.Module):
         A cell the probe finds drawing random numbers or unbatchable runs autograd (nothing is cached)."""
         batch, steps = x.shape[:2]
         k = _probe_steps(batch, steps, spec.width, traced.factored)
-        cell, persist = self._plan_cell(key, traced)
-        shape = LayerShape(
-            cell, 1, 1, batch, k, math.prod(x.shape[2:]), spec.width, spec.dtype, str(x.device), persist
-        )
+        shape = self._plan_shapes.get((key, self.verify, k))
+        if shape is None:  # made once: a user's training loop asks every step
+            cell, persist = self._plan_cell(key, traced)
+            inputs = math.prod(x.shape[2:])
+            shape = LayerShape(cell, 1, 1, batch, k, inputs, spec.width, spec.dtype, str(x.device), persist)
+            self._plan_shapes[(key, self.verify, k)] = shape
         if shape in self._random:
             return "autograd", _RANDOM
         try:
@@ -470,22 +470,16 @@ class Recurrence(nn.Module):
         cells that compute differently. A cell that did not trace (its Python is all there is to tell it by)
         is also named by this object's number in the process, and kept in memory only.
         """
-        grads = tuple(p.requires_grad for p in self.cell.parameters())
-        memo = (key, grads, self.verify)
-        if memo not in self._plan_cells:
-            number, _, inputs, x_dtype, spec, _, modes, tensors, autocast = key  # B, device: the shape's own
-            classes = tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in self.cell.modules())
-            what = (classes, inputs, x_dtype, spec, modes, tensors, autocast, grads, self.verify)
-            parts = [repr(what), repr((traced.factored, _platform(traced.kernel)))]
-            traced_ok = traced.structure is not None
-            if traced_ok:
-                parts += _graph_texts(traced.structure)
-            digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-            name = f"Recurrence({type(self.cell).__qualname__}) {digest}"
-            if not traced_ok:
-                name += f" cell#{number}"
-            self._plan_cells[memo] = (name, traced_ok)
-        return self._plan_cells[memo]
+        number, _, inputs, x_dtype, spec, _, modes, tensors, autocast = key  # B, device: the shape's own
+        classes = tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in self.cell.modules())
+        what = (classes, inputs, x_dtype, spec, modes, tensors, autocast, self.verify)
+        parts = [repr(what), repr((traced.factored, _platform(traced.kernel)))]
+        traced_ok = traced.structure is not None
+        if traced_ok:
+            parts += _graph_texts(traced.structure)
+        digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        name = f"Recurrence({type(self.cell).__qualname__}) {digest}"
+        return (name, True) if traced_ok else (f"{name} cell#{number}", False)
 
     def _inference_kernel(self, x: Tensor, s0: Tensor, spec: _StateSpec) -> CellKernel | None:
         """The compiled loop for a call without gradients (the cell's trace for this batch shape, made here
@@ -506,12 +500,12 @@ class Recurrence(nn.Module):
     def _trace_key(self, x: Tensor, spec: _StateSpec) -> tuple:
         """What a traced step depends on: the cell object (:func:`_cell_number`: a cell put in its place, or
         this module's deep copy, is traced anew), the batch shape, dtypes, device, the modules' modes, the
-        cell's tensors and autocast."""
+        cell's tensors (shape, dtype, ``requires_grad``: what the checks' VJP covers) and autocast."""
         modes, tensors = [], []
         for module in self.cell.modules():  # one walk (asked on every call): modes, and what a graph takes
             modes.append(module.training)
             tensors += [
-                (t.dtype, t.shape)
+                (t.dtype, t.shape, t.requires_grad)
                 for t in (*module._parameters.values(), *module._buffers.values())
                 if t is not None
             ]
