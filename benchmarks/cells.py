@@ -445,6 +445,27 @@ def _cpu_model() -> str:
         return "unknown"
 
 
+#: issue 30's targets per device: (quantity, baseline, least speedup of Recurrence over it)
+TARGETS = {
+    "cpu": (("bwd", "loop", 10.0), ("step", "loop", 8.0)),
+    "cuda": (("step", "loop", 10.0), ("step", "JAX", 1.0)),
+}
+
+
+def summary(done: list[list[str]], device: str) -> str:
+    """One line per target of :data:`TARGETS`: how many measured rows meet it, and the speedups of those below."""
+    lines = []
+    for quantity, base, least in TARGETS[device]:
+        column = COLUMNS.index(f"{quantity} vs {base}")
+        measured = [(row[0], float(row[column][:-1])) for row in done if row[column].endswith("x")]
+        below = [f"{name} {speedup:.2f}x" for name, speedup in measured if speedup < least]
+        lines.append(
+            f"- {quantity} >= {least:g}x {base}: {len(measured) - len(below)} of {len(measured)} measured rows"
+            + (f"; below: {', '.join(below)}" if below else "")
+        )
+    return "".join(line + "\n" for line in lines)
+
+
 def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[float, ...]) -> str:
     s = runner.shapes
     versions = [
@@ -475,6 +496,7 @@ def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[f
         "float64.\n\n"
         f"Rows done: {len(done)} of {len(s.rows)} (a skipped row says why).\n\n"
         + markdown_table(COLUMNS, done)
+        + "\nIssue 30's targets (at B=16 T=1000 H=32):\n\n" + summary(done, runner.device)
     )  # fmt: skip
     return text
 

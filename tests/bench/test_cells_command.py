@@ -204,3 +204,19 @@ def test_a_cell_with_nothing_to_compare_says_so(tmp_path: Path, monkeypatch) -> 
     cells.device_table(_runner(tmp_path, shapes), name="cells.md")
     values = dict(zip(cells.COLUMNS, _rows((tmp_path / "cells.md").read_text())[0], strict=True))
     assert [values[f"grad err {arm}"] for arm in cells.ARMS] == [cells.ZERO_GRADIENT] * 3
+
+
+def test_the_summary_counts_the_rows_below_each_target() -> None:
+    def row(name: str, bwd: str, step: str) -> list[str]:
+        values = dict.fromkeys(cells.COLUMNS, "-") | {"cell": name, "bwd vs loop": bwd, "step vs loop": step}
+        return [values[column] for column in cells.COLUMNS]
+
+    done = [
+        row("a", "12.00x", "9.00x"),
+        row("b", "9.99x", "8.00x"),
+        row("c", "-", "-"),
+        row("d", "10.00x", "2.50x"),
+    ]
+    assert cells.summary(done, "cpu") == (
+        "- bwd >= 10x loop: 2 of 3 measured rows; below: b 9.99x\n- step >= 8x loop: 2 of 3 measured rows; below: d 2.50x\n"
+    )
