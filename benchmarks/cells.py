@@ -65,6 +65,7 @@ from device_runner import (
     interleaved,
     markdown_table,
     ratio_text,
+    uncommitted,
     write,
 )
 
@@ -482,7 +483,8 @@ def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[f
             f"Machine: {_cpu_model()} (/proc/cpuinfo); {machine_description()}; OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`. Load average "
             f"(1, 5, 15 min) {tuple(round(v, 2) for v in load_before)} before, "
-            f"{tuple(round(v, 2) for v in load_average())} after (this VM's reads ~1 while idle).\n\n"
+            f"{tuple(round(v, 2) for v in load_average())} after (this VM's reads ~1 while idle). Uncommitted files "
+            f"measured beside the commit: {uncommitted()}.\n\n"
         )
     statistic = "min" if runner.device == "cpu" else "median"
     text += (

@@ -132,6 +132,18 @@ def commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+def uncommitted(paths: Sequence[str] = ("lightning_bppsa", "kernels")) -> str:
+    """The files under ``paths`` that differ from the commit (``git status``): what a measurement ran beyond
+    :func:`commit` ("none", or "unknown" without git)."""
+    try:
+        done = subprocess.run(["git", "status", "--porcelain", "--", *paths], capture_output=True, text=True,
+                              cwd=ROOT, timeout=10, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    files = [line[3:] for line in done.stdout.splitlines() if line.strip()]
+    return ", ".join(files) if files else "none"
+
+
 @functools.cache
 def cupy_version() -> str:
     """CuPy's version, or "not installed"."""
