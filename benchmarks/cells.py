@@ -4,7 +4,8 @@ Cells: four written here the way a researcher would (a GRU-like gated cell, an I
 an LSTM variant with a tuple state, a leaky-memory cell with a tuple state and a gate block split after its
 sigmoid), then every factorable cell of the style corpus (``tests/nn/test_cell_corpus.py``'s ``FACTORED``:
 torch's LSTM / GRU formulas by hand gate block first, minGRU, minLSTM, LiGRU, IndRNN, a peephole LSTM, ...;
-``HandLSTM`` is the row once called ``lstm-block``). Per cell, same weights, one process, on one device:
+``HandLSTM`` is the row once called ``lstm-block``; read from the test module, so a cell added there is benchmarked
+too). Per cell, same weights, one process, on one device:
 
 - loop: the cell called in a Python loop, recorded by autograd;
 - Recurrence: ``Recurrence(cell, algorithm="linear")`` (the scan forced; its compiled loop, C on the CPU and
@@ -19,11 +20,11 @@ graph recorded once, ``retain_graph=True``; JAX: the jitted VJP on those residua
 the CPU clock or CUDA events around each call (each waited for; JAX's with ``block_until_ready``); the CPU
 table gives the min of the N x rounds calls, the GPU table the median. Gradient error: the largest norm-wise
 relative error of the input's and every parameter's gradient against autograd through the loop in float64.
-Loss: mean square of every step's output, float32, input size 8; "auto picks": what ``Recurrence(cell)``
+Loss: mean square of every step's output (the first state tensor), float32, input size 8; "auto picks": what ``Recurrence(cell)``
 (algorithm "auto") ran for one step.
 
     OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py          # CPU, every cell
-    OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # the first five
+    OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py --quick  # five: cells-cpu-quick.md
     python benchmarks/cells.py --device cuda          # GPU: writes benchmarks/results/cells-gpu.md
     python benchmarks/cells.py --device cpu --tiny    # smoke mode: tiny sizes, seconds
 
