@@ -1,51 +1,82 @@
 // Forward kernels of whole recurrent layers (one layer, one direction) that emit the states AND the
 // Jacobian factors the BPPSA backward needs, in one pass over time. Torch's gate order.
 //
-// Kernels (suffix f32 / f64 / f32_regs), all with the parameters of BPPSA_REC_PARAMS:
-//   bppsa_rnn_tanh_forward_*  h = tanh(gi + W h_prev + b)     no factor: f' = 1 - h² is a function of out
-//   bppsa_rnn_relu_forward_*  h = relu(gi + W h_prev + b)     no factor (f' = the mask h > 0, from out)
-//   bppsa_gru_forward_*       gh = W h_prev + b; r = σ(gi_r + gh_r), z = σ(gi_z + gh_z),
-//                             n = tanh(gi_n + r gh_n), h = (h_prev - n) z + n (torch's form);
-//                             f0 = scales [dn gh_n r(1-r), (h_prev-n) z(1-z), dn r]   (B, T, 3H)
-//                             f1 = z (B, T, H), f2 = dn = (1-z)(1-n²) (B, T, H)
-//   bppsa_lstm_forward_*      pre = gi + W h_prev (b_hh folded into gi); i, f, o = σ, g = tanh;
-//                             c = f c_prev + i g, h = o tanh(c); f0 = cells c_1..c_T (B, T, H),
-//                             f1 = activated gates [i, f, g, o] (B, T, 4H)
-// Every kernel writes out (B, T, H) = h_1..h_T. Inputs: gi (B, T, G H) (x W_ihᵀ + b_ih, plus b_hh for
-// RNN/LSTM when the caller folds it), w_hh (G H, H), b_hh (G H) or null, h0 (B, H), c0 (B, H) (LSTM only).
-// All contiguous, batch-major.
+// Cells (every kernel has the parameters of BPPSA_REC_PARAMS):
+//   rnn_tanh  h = tanh(gi + W h_prev + b)     no factor: f' = 1 - h² is a function of out
+//   rnn_relu  h = relu(gi + W h_prev + b)     no factor (f' = the mask h > 0, from out)
+//   gru       gh = W h_prev + b; r = σ(gi_r + gh_r), z = σ(gi_z + gh_z),
+//             n = tanh(gi_n + r gh_n), h = (h_prev - n) z + n (torch's form);
+//             f0 = scales [dn gh_n r(1-r), (h_prev-n) z(1-z), dn r]   (B, T, 3H)
+//             f1 = z (B, T, H), f2 = dn = (1-z)(1-n²) (B, T, H)
+//   lstm      pre = gi + W h_prev (b_hh folded into gi); i, f, o = σ, g = tanh;
+//             c = f c_prev + i g, h = o tanh(c); f0 = cells c_1..c_T (B, T, H),
+//             f1 = activated gates [i, f, g, o] (B, T, 4H)
+// Every kernel writes out (B, T, H) = h_1..h_T. Inputs: gi (B, T, G H) (x W_ihᵀ + b_ih, one GEMM before the
+// launch, plus b_hh for RNN/LSTM when the caller folds it), w_hh (G H, H), b_hh (G H) or null, h0 (B, H),
+// c0 (B, H) (LSTM only). All contiguous, batch-major.
 //
-// Schedule: one block per batch row (grid = B), persistent over the T steps. Thread j < H owns hidden
+// Two families, one block per batch row (grid = B), persistent over the T steps; thread j < H owns hidden
 // unit j: it computes the G gate pre-activations of unit j (G dot products of length H), applies the cell
-// and writes unit j of every output (neighbouring threads write neighbouring addresses: coalesced).
-// - W_hh is loaded ONCE: into registers in the *_f32_regs kernels (float32, H <= 32: thread j holds row j of
-//   each gate, G x 8 float4), else into shared memory, packed so that thread j reads its weights as 16-byte vectors
-//   (float4 / double2) and the 32 lanes of a warp read 32 consecutive vectors (no bank conflict):
-//       w[((g KC + kc) H + j) V + v] = W_hh[g H + j][kc V + v],  V = 16 / sizeof(T), KC = ceil(H / V)
-//   (columns k >= H are zero padding).
-// - The state h_{t-1} lives in shared memory (two buffers of KC V values: step t reads one and writes
-//   the other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The
-//   unit's own h_{t-1}[j] and c_{t-1}[j] stay in registers.
-// - gi_{t+1} is loaded into registers at the start of step t (its latency hides behind the dot products).
-// - The barrier is __syncwarp when the block is one warp (H <= 32), else __syncthreads.
-// - V independent partial sums per gate (one per vector lane) break the FMA dependency chain.
-// Shared memory: (G H + 2) KC V elements (2 KC V with W_hh in registers), computed by
-// kernels/recurrent_cuda.py:prepare (which also picks the *_f32_regs kernels), which returns
-// None (the caller runs torch's cuDNN forward) when it exceeds the device's per-block opt-in limit or
-// H > kMaxThreads.
+// and writes unit j of every output (neighbouring lanes write neighbouring addresses: coalesced).
+//
+// 1. bppsa_<cell>_forward_f32_h<H>: float32, H <= 32 a COMPILE-TIME constant (the module is compiled per H
+//    on demand with -DBPPSA_REC_HIDDEN=<H>, or for a list with BPPSA_REC_HIDDEN_LIST(X) = X(1) X(5) ...),
+//    one warp per row. A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from shared memory),
+//    the dot products (fully unrolled, W_hh in registers: G H floats per lane), the cell's functions, store
+//    h_t to shared memory, one __syncwarp. Everything else is kept off that path:
+//    - gi is staged through a ring of R = BPPSA_REC_RING step rows in shared memory, filled R - 1 steps
+//      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). On the old kernel a step's gi
+//      was loaded one step ahead, so every step waited for a global-load round trip (an L2 or DRAM latency,
+//      ~375 ns a step at B16 T1000 H20 on an H100, about one L2 round trip); R - 2 steps of lead hide it.
+//      PIPELINE INVARIANT (per lane, committed groups counted from the prologue's wait): iteration t
+//      commits exactly one group, holding the lane's words of step t + R - 1 (empty beyond T) bound for slot
+//      (t + R - 1) mod R = (t - 1) mod R, the slot step t - 1 read: every lane finished reading it before
+//      the barrier that ended step t - 1, and the copy is issued after that barrier (after step t's own
+//      loads, so that its instructions are not between the barrier and those loads). At the end of iteration
+//      t, wait<R - 2> retires the groups of iterations <= t + 2 - R, i.e. step t + 1's row (steps < R - 1
+//      come from the prologue, fully waited), and the barrier that follows makes it visible to every lane.
+//      So step t reads slot t mod R, complete and not overwritten until iteration t + 1 issues its copy.
+//    - b_hh is added to gi off the path ((gi + b) + dot; GRU's b_hn stays with its dot: r (W_hn h + b_hn)).
+//    - out and the factors are stored straight to global memory (stores do not wait), by the lanes j < H;
+//      lanes H..31 shadow unit H - 1 (no divergence on the path) and store nothing.
+//    - Rows per block: one. The rows are independent, so packing R rows into a warp (H <= 16) shares issue
+//      slots without shortening the dependent step; it pays only when B exceeds about 4 warps per SM
+//      (B > ~500 on an H100), beyond this design's range.
+// 2. bppsa_<cell>_forward_{f32,f64}: any H <= 256 that fits (float64, and float32 with H > 32), W_hh in
+//    shared memory, packed so that thread j reads its weights as 16-byte vectors (float4 / double2) and the 32
+//    lanes of a warp read 32 consecutive vectors (no bank conflict):
+//        w[((g KC + kc) H + j) V + v] = W_hh[g H + j][kc V + v],  V = 16 / sizeof(T), KC = ceil(H / V)
+//    (columns k >= H are zero padding); gi_{t+1} is loaded into registers at the start of step t; the
+//    barrier is __syncwarp when the block is one warp, else __syncthreads.
+// Both keep the state h_{t-1} in shared memory (two buffers of KC V values: step t reads one and writes the
+// other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
+// h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
+// Shared memory (computed by kernels/recurrent_cuda.py:shared_bytes, which with prepare picks the kernel
+// and returns None where the caller runs torch's forward): family 1 (2 KC 4 + R G H) floats, family 2
+// (G H + 2) KC V elements.
 #include "cuda_host_emulation.h"
 #include "recurrent_emulation.h"
+
+#ifndef BPPSA_REC_RING
+#define BPPSA_REC_RING 16  // recurrent_cuda.RING_DEPTH passes it explicitly
+#endif
 
 namespace {
 
 using i64 = long long;
-constexpr int kMaxThreads = 256;  // H <= 256: one thread per hidden unit
-constexpr int kRegsF32 = 8;       // the *_f32_regs kernels: 8 float4 per gate hold a row of W_hh, H <= 32
+constexpr int kMaxThreads = 256;  // family 2: H <= 256, one thread per hidden unit
+constexpr int kRing = BPPSA_REC_RING;
+static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one being filled");
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
 
 template <int C>
 constexpr int kGates = C == kGru ? 3 : C == kLstm ? 4 : 1;
+template <int C>
+constexpr int kFactors = C == kGru || C == kLstm ? 5 : 0;
+// GRU's b_hn is multiplied by r (it belongs to the hidden side); every other bias adds to gi.
+template <int C>
+__device__ constexpr bool bias_inside(int g) { return C == kGru && g == 2; }
 
 template <class T>
 struct alignas(16) Pack {  // one 16-byte shared-memory access
@@ -68,10 +99,173 @@ struct Layer {
     int hidden;
 };
 
-// KRegs = 0: W_hh in shared memory (any H that fits). KRegs > 0: thread j keeps its G KRegs weight vectors in
-// registers (H <= KRegs V; float32 with H <= 32) and shared memory holds only the state buffers.
-template <class T, int C, int KRegs>
-__device__ void layer_forward(const Layer<T>& p) {
+// The cell on one unit: u[g] = gi_g (+ b_g unless inside), v[g] = (W h_prev)_g (+ b_g if inside); c is the
+// LSTM's cell state (updated); f receives the unit's factors. Returns h_t.
+template <class T, int C>
+__device__ __forceinline__ T cell_update(const T (&u)[kGates<C>], const T (&v)[kGates<C>], T h_prev, T& c,
+                                         T (&f)[kFactors<C> ? kFactors<C> : 1]) {
+    if constexpr (C == kRnnTanh) {
+        return bppsa_rec::tanh_of(u[0] + v[0]);
+    } else if constexpr (C == kRnnRelu) {
+        const T a = u[0] + v[0];
+        return a <= T(0) ? T(0) : a;  // a NaN stays NaN, as torch's relu
+    } else if constexpr (C == kGru) {
+        const T r = bppsa_rec::sigmoid_of(u[0] + v[0]);
+        const T z = bppsa_rec::sigmoid_of(u[1] + v[1]);
+        const T n = bppsa_rec::tanh_of(u[2] + r * v[2]);
+        const T diff = h_prev - n;
+        const T dn = (T(1) - z) * (T(1) - n * n);
+        f[0] = dn * v[2] * r * (T(1) - r);  // scales
+        f[1] = diff * z * (T(1) - z);
+        f[2] = dn * r;
+        f[3] = z;
+        f[4] = dn;
+        return diff * z + n;
+    } else {
+        const T in = bppsa_rec::sigmoid_of(u[0] + v[0]);
+        const T forget = bppsa_rec::sigmoid_of(u[1] + v[1]);
+        const T cand = bppsa_rec::tanh_of(u[2] + v[2]);
+        const T og = bppsa_rec::sigmoid_of(u[3] + v[3]);
+        c = forget * c + in * cand;
+        f[0] = c;  // cells
+        f[1] = in;  // activated gates
+        f[2] = forget;
+        f[3] = cand;
+        f[4] = og;
+        return og * bppsa_rec::tanh_of(c);
+    }
+}
+
+// Running pointers to unit j of step t of every output of row b (advanced once per step: no 64-bit index
+// products in the loop), and the per-step stores.
+template <class T, int C>
+struct Outputs {
+    static constexpr int W0 = C == kGru ? 3 : 1, W1 = C == kLstm ? 4 : 1;  // factor widths, in units of H
+    T *out, *f0, *f1, *f2;
+
+    __device__ Outputs(const Layer<T>& p, i64 b, int H, int j) {
+        const i64 first = b * p.steps;  // row b, step 0
+        out = p.out + first * H + j;
+        f0 = kFactors<C> ? p.f0 + first * W0 * H + j : nullptr;
+        f1 = kFactors<C> ? p.f1 + first * W1 * H + j : nullptr;
+        f2 = C == kGru ? p.f2 + first * H + j : nullptr;
+    }
+    __device__ __forceinline__ void store(T h, const T (&f)[kFactors<C> ? kFactors<C> : 1], int H) {
+        *out = h;
+        if constexpr (C == kGru) {
+            f0[0] = f[0];
+            f0[H] = f[1];
+            f0[2 * H] = f[2];
+            *f1 = f[3];
+            *f2 = f[4];
+        } else if constexpr (C == kLstm) {
+            *f0 = f[0];
+#pragma unroll
+            for (int g = 0; g < 4; ++g) f1[g * H] = f[1 + g];
+        }
+    }
+    __device__ __forceinline__ void advance(int H) {
+        out += H;
+        if constexpr (kFactors<C> > 0) f0 += W0 * H, f1 += W1 * H;
+        if constexpr (C == kGru) f2 += H;
+    }
+};
+
+// ---- family 1: float32, H <= 32 known at compile time, W_hh in registers, gi through the ring -----------
+
+template <int C, int H>
+__device__ void fixed_forward(const Layer<float>& p) {
+    static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
+    constexpr int G = kGates<C>, GH = G * H, KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
+    const int lane = threadIdx.x % 32;
+    const bool active = lane < H;
+    const int j = active ? lane : H - 1;  // lanes >= H shadow unit H - 1 and store nothing
+    const i64 b = blockIdx.x, steps = p.steps;
+
+    BPPSA_DYNAMIC_SHARED(smem);
+    float* state = reinterpret_cast<float*>(smem);  // two buffers of P values (16-byte aligned)
+    float* ring = state + 2 * P;                    // kRing slots of one step's gi row (G H values)
+
+    const float* src = p.gi + b * steps * GH;  // row b's gi, step 0
+    bppsa_rec::RowCopy<GH> copy;
+    // prologue: steps 0 .. R-2 in flight together, waited for before the first step
+    for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start(ring + s * GH, src + s * GH);
+    copy.commit();
+    src += (kRing - 1) * GH;  // the row iteration 0 requests
+
+    float w[G][H], u_bias[G], v_bias[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int k = 0; k < H; ++k) w[g][k] = p.w_hh[(g * H + j) * H + k];
+        const float bias = p.b_hh ? p.b_hh[g * H + j] : 0.0f;
+        u_bias[g] = bias_inside<C>(g) ? 0.0f : bias;
+        v_bias[g] = bias_inside<C>(g) ? bias : 0.0f;
+    }
+    for (int e = lane; e < P; e += 32) {
+        state[e] = e < H ? p.h0[b * H + e] : 0.0f;
+        state[P + e] = 0.0f;  // padding of the other buffer (units < H are written before being read)
+    }
+    float h_own = p.h0[b * H + j], c_own = C == kLstm ? p.c0[b * H + j] : 0.0f;
+    Outputs<float, C> outputs(p, b, H, j);
+    copy.template wait<0>();
+    bppsa_rec::warp_barrier();
+
+    const float* h_in = state;
+    float* h_out = state + P;
+    int read = 0, write = (kRing - 1) * GH;  // slot offsets of step t and of step t + R - 1
+    for (i64 t = 0; t < steps; ++t) {
+        const float* x = ring + read;
+        float u[G], acc[G][A];
+#pragma unroll
+        for (int g = 0; g < G; ++g) u[g] = x[g * H + j] + u_bias[g];
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            const Pack<float> hv = reinterpret_cast<const Pack<float>*>(h_in)[kc];  // one broadcast LDS.128
+            const float* hk = hv.v;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                if (4 * kc + v >= H) break;
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    acc[g][v] = kc == 0 ? w[g][v] * hk[v] : fmaf(w[g][4 * kc + v], hk[v], acc[g][v]);
+            }
+        }
+        float v[G], f[kFactors<C> ? kFactors<C> : 1];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float sum = A == 4 ? (acc[g][0] + acc[g][1]) + (acc[g][2] + acc[g][3]) : acc[g][0];
+            if constexpr (A == 2 || A == 3) sum += acc[g][1];
+            if constexpr (A == 3) sum += acc[g][2];
+            v[g] = bias_inside<C>(g) ? sum + v_bias[g] : sum;  // x + 0.0f is not folded (-0)
+        }
+        const float h_new = cell_update<float, C>(u, v, h_own, c_own, f);
+        if (active) {
+            h_out[lane] = h_new;
+            outputs.store(h_new, f, H);
+        }
+        // The copy of step t + R - 1 into the slot step t - 1 read (free since the last barrier), issued
+        // after this step's loads: its instructions overlap the store of h_t instead of delaying the loads.
+        if (t + kRing - 1 < steps) copy.start(ring + write, src);
+        copy.commit();  // one group per iteration, empty near the end: wait<R - 2> counts steps
+        h_own = h_new;
+        outputs.advance(H);
+        src += GH;
+        read = read == (kRing - 1) * GH ? 0 : read + GH;
+        write = write == (kRing - 1) * GH ? 0 : write + GH;
+        copy.template wait<kRing - 2>();  // step t + 1's row has landed (in this lane's view) ...
+        bppsa_rec::warp_barrier();  // ... and in every lane's, with h_t; nobody reads slot t or h_in any more
+        const float* swap = h_out;
+        h_out = const_cast<float*>(h_in);
+        h_in = swap;
+    }
+    copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
+}
+
+// ---- family 2: any H, W_hh in shared memory -------------------------------------------------------------
+
+template <class T, int C>
+__device__ void shared_forward(const Layer<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
     const int H = p.hidden, KC = (H + V - 1) / V, P = KC * V, j = threadIdx.x;
     const bool active = j < H;
@@ -80,40 +274,22 @@ __device__ void layer_forward(const Layer<T>& p) {
 
     BPPSA_DYNAMIC_SHARED(smem);
     T* w = reinterpret_cast<T*>(smem);
-    T* state = w + (KRegs ? 0 : G * P * H);  // two buffers of P values
-    Pack<T> w_reg[G][KRegs ? KRegs : 1];
-    if constexpr (KRegs > 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int kc = 0; kc < KRegs; ++kc)
-#pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    const int k = kc * V + v;
-                    w_reg[g][kc].v[v] = active && k < H ? p.w_hh[(i64)(g * H + j) * H + k] : T(0);
-                }
-    } else {
-        for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
-            const int v = e % V, unit = e / V % H, gk = e / (V * H);  // gk = g KC + kc
-            const int k = gk % KC * V + v, g = gk / KC;
-            w[e] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
-        }
+    T* state = w + G * P * H;  // two buffers of P values
+    for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
+        const int v = e % V, unit = e / V % H, gk = e / (V * H);  // gk = g KC + kc
+        const int k = gk % KC * V + v, g = gk / KC;
+        w[e] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
     }
     for (int e = threadIdx.x; e < 2 * P; e += blockDim.x) state[e] = e < H ? p.h0[b * H + e] : T(0);
 
-    // Running pointers to unit j of step t (advanced once per step: no 64-bit index products in the loop).
-    constexpr int W0 = C == kGru ? 3 : 1, W1 = C == kLstm ? 4 : 1;  // factor widths, in units of H
-    const i64 first = b * steps;  // row b, step 0
-    const T* gi_t = p.gi + first * G * H + j;
-    T* out_t = p.out + first * H + j;
-    T* f0_t = C == kGru || C == kLstm ? p.f0 + first * W0 * H + j : nullptr;
-    T* f1_t = C == kGru || C == kLstm ? p.f1 + first * W1 * H + j : nullptr;
-    T* f2_t = C == kGru ? p.f2 + first * H + j : nullptr;
-
-    T h_own = T(0), c_own = T(0), bias[G], next[G];
+    const T* gi_t = p.gi + b * steps * G * H + j;
+    Outputs<T, C> outputs(p, b, H, j);
+    T h_own = T(0), c_own = T(0), u_bias[G], v_bias[G], next[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        bias[g] = active && p.b_hh ? p.b_hh[g * H + j] : T(0);
+        const T bias = active && p.b_hh ? p.b_hh[g * H + j] : T(0);
+        u_bias[g] = bias_inside<C>(g) ? T(0) : bias;
+        v_bias[g] = bias_inside<C>(g) ? bias : T(0);
         next[g] = active ? gi_t[g * H] : T(0);
     }
     if (active) {
@@ -127,9 +303,9 @@ __device__ void layer_forward(const Layer<T>& p) {
         const Pack<T>* h = reinterpret_cast<const Pack<T>*>(state + (t & 1) * P);
         T* h_next = state + ((t + 1) & 1) * P;
         if (active) {
-            T x[G];
+            T u[G];
 #pragma unroll
-            for (int g = 0; g < G; ++g) x[g] = next[g];
+            for (int g = 0; g < G; ++g) u[g] = next[g] + u_bias[g];
             if (t + 1 < steps)  // prefetch gi_{t+1}
 #pragma unroll
                 for (int g = 0; g < G; ++g) next[g] = gi_t[(G + g) * H];
@@ -139,76 +315,30 @@ __device__ void layer_forward(const Layer<T>& p) {
             for (int g = 0; g < G; ++g)
 #pragma unroll
                 for (int v = 0; v < V; ++v) acc[g][v] = T(0);
-            if constexpr (KRegs > 0) {
+            for (int kc = 0; kc < KC; ++kc) {
+                const Pack<T> hv = h[kc];
 #pragma unroll
-                for (int kc = 0; kc < KRegs; ++kc) {
-                    if (kc < KC) {
-                        const Pack<T> hv = h[kc];
+                for (int g = 0; g < G; ++g) {
+                    const Pack<T> wv = w_own[(g * KC + kc) * H];
 #pragma unroll
-                        for (int g = 0; g < G; ++g)
-#pragma unroll
-                            for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * w_reg[g][kc].v[v];
-                    }
-                }
-            } else {
-                for (int kc = 0; kc < KC; ++kc) {
-                    const Pack<T> hv = h[kc];
-#pragma unroll
-                    for (int g = 0; g < G; ++g) {
-                        const Pack<T> wv = w_own[(g * KC + kc) * H];
-#pragma unroll
-                        for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
-                    }
+                    for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
                 }
             }
-            T gh[G];
+            T v[G], f[kFactors<C> ? kFactors<C> : 1];
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 T sum = acc[g][0];
 #pragma unroll
-                for (int v = 1; v < V; ++v) sum += acc[g][v];
-                gh[g] = sum + bias[g];
+                for (int e = 1; e < V; ++e) sum += acc[g][e];
+                v[g] = bias_inside<C>(g) ? sum + v_bias[g] : sum;
             }
-
-            T h_new;
-            if constexpr (C == kRnnTanh) {
-                h_new = bppsa_rec::tanh_of(x[0] + gh[0]);
-            } else if constexpr (C == kRnnRelu) {
-                const T a = x[0] + gh[0];
-                h_new = a <= T(0) ? T(0) : a;  // a NaN stays NaN, as torch's relu
-            } else if constexpr (C == kGru) {
-                const T r = bppsa_rec::sigmoid_of(x[0] + gh[0]);
-                const T z = bppsa_rec::sigmoid_of(x[1] + gh[1]);
-                const T n = bppsa_rec::tanh_of(x[2] + r * gh[2]);
-                const T diff = h_own - n;
-                h_new = diff * z + n;
-                const T dn = (T(1) - z) * (T(1) - n * n);
-                f0_t[0] = dn * gh[2] * r * (T(1) - r);  // scales
-                f0_t[H] = diff * z * (T(1) - z);
-                f0_t[2 * H] = dn * r;
-                *f1_t = z;
-                *f2_t = dn;
-            } else {
-                const T in = bppsa_rec::sigmoid_of(x[0] + gh[0]);
-                const T forget = bppsa_rec::sigmoid_of(x[1] + gh[1]);
-                const T cand = bppsa_rec::tanh_of(x[2] + gh[2]);
-                const T og = bppsa_rec::sigmoid_of(x[3] + gh[3]);
-                c_own = forget * c_own + in * cand;
-                h_new = og * bppsa_rec::tanh_of(c_own);
-                *f0_t = c_own;  // cells
-                f1_t[0] = in;    // activated gates
-                f1_t[H] = forget;
-                f1_t[2 * H] = cand;
-                f1_t[3 * H] = og;
-            }
+            const T h_new = cell_update<T, C>(u, v, h_own, c_own, f);
             h_next[j] = h_new;
             h_own = h_new;
-            *out_t = h_new;
+            outputs.store(h_new, f, H);
         }
         gi_t += G * H;
-        out_t += H;
-        if constexpr (C == kGru || C == kLstm) f0_t += W0 * H, f1_t += W1 * H;
-        if constexpr (C == kGru) f2_t += H;
+        outputs.advance(H);
         // h_next is complete before anyone reads it; nobody reads h (the buffer step t+1 writes) any more
         if (one_warp)
             bppsa_rec::warp_barrier();
@@ -226,21 +356,42 @@ __device__ void layer_forward(const Layer<T>& p) {
 #define BPPSA_REC_HOST_ARGS(T)                                                                                \
     ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (const T*)a[4], (T*)a[5], (T*)a[6],     \
      (T*)a[7], (T*)a[8], (i64)a[9], (i64)a[10], (i64)a[11])
+#define BPPSA_REC_LAYER(T) Layer<T>{gi, w_hh, b_hh, h0, c0, out, f0, f1, f2, batch, steps, (int)hidden}
 
-#define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX, KREGS)                                                       \
+// family 1: the four cells at one compile-time H (BPPSA_REC_FIXED_KERNELS expands H before pasting it)
+#define BPPSA_REC_FIXED_KERNEL(NAME, CELL, H)                                                               \
+    extern "C" __global__ void __launch_bounds__(32) NAME BPPSA_REC_PARAMS(float) {                        \
+        fixed_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                     \
+    }                                                                                                       \
+    BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
+#define BPPSA_REC_FIXED_KERNELS_(H)                                        \
+    BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H) \
+    BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H) \
+    BPPSA_REC_FIXED_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)           \
+    BPPSA_REC_FIXED_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)
+#define BPPSA_REC_FIXED_KERNELS(H) BPPSA_REC_FIXED_KERNELS_(H)
+
+// family 2
+#define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_##NAME##_forward_##SUFFIX           \
         BPPSA_REC_PARAMS(T) {                                                                               \
-        layer_forward<T, CELL, KREGS>(                                                                      \
-            Layer<T>{gi, w_hh, b_hh, h0, c0, out, f0, f1, f2, batch, steps, (int)hidden});                  \
+        shared_forward<T, CELL>(BPPSA_REC_LAYER(T));                                                        \
     }                                                                                                       \
     BPPSA_ENTRY(bppsa_##NAME##_forward_##SUFFIX, BPPSA_REC_PARAMS(T), BPPSA_REC_HOST_ARGS(T))
+#define BPPSA_REC_KERNELS(T, SUFFIX)                 \
+    BPPSA_REC_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX) \
+    BPPSA_REC_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX) \
+    BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX)          \
+    BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX)
 
-#define BPPSA_REC_KERNELS(T, SUFFIX, KREGS)                 \
-    BPPSA_REC_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX, KREGS) \
-    BPPSA_REC_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX, KREGS) \
-    BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX, KREGS)          \
-    BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX, KREGS)
-
-BPPSA_REC_KERNELS(float, f32, 0)
-BPPSA_REC_KERNELS(double, f64, 0)
-BPPSA_REC_KERNELS(float, f32_regs, kRegsF32)  // one warp, W_hh in registers: H <= 32
+// The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
+// demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
+#ifdef BPPSA_REC_HIDDEN
+BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
+#else
+BPPSA_REC_KERNELS(float, f32)
+BPPSA_REC_KERNELS(double, f64)
+#ifdef BPPSA_REC_HIDDEN_LIST
+BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
+#endif
+#endif

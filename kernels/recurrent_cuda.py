@@ -11,8 +11,11 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
 - :func:`lstm_forward` ``(gi (B,T,4H), w_hh (4H,H), h0, c0) -> (out, cells (B,T,H), gates (B,T,4H))``, the
   cells ``c_1..c_T`` and the activated gates ``[i, f, g, o]``.
 
-Float32 layers with ``H <= 32`` run kernels that keep ``W_hh`` in registers (``*_f32_regs``); the others keep
-it in shared memory. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
+Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>``: one
+module per ``H``, compiled on the first launch of that ``H`` with ``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in
+registers, ``gi`` staged :data:`RING_DEPTH` steps ahead through shared memory); the others keep ``W_hh`` in
+shared memory (:data:`KERNELS`, one module compiled by :func:`available`). ``recurrent.cu``'s header says
+why. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
 forward there before anything runs); each function returns ``None`` where the kernels cannot run:
 a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
 (one thread per hidden unit), or the packed ``W_hh`` plus two state buffers above the device's shared memory
@@ -29,7 +32,7 @@ per block (opt-in limit: 163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond about
 
 A malformed shape raises ``ValueError`` naming the argument. :func:`available` says whether CuPy and a
 device are usable. The kernels load through the package's one CuPy loader
-(:mod:`lightning_bppsa.kernels.cupy_loader`): the source is compiled once per process and device with
+(:mod:`lightning_bppsa.kernels.cupy_loader`): each module is compiled once per process and device with
 NVRTC (CuPy caches the binary on disk), and a launch passes raw data pointers on
 ``torch.cuda.current_stream()``: no copy (but of non-contiguous inputs), no synchronisation.
 
@@ -39,8 +42,10 @@ the host emulation (:mod:`lightning_bppsa.kernels.recurrent_emulated`) runs the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,10 +58,12 @@ __all__ = [
     "CELLS",
     "KERNELS",
     "Launch",
+    "RING_DEPTH",
     "available",
     "forward",
     "gru_forward",
     "lstm_forward",
+    "module_options",
     "prepare",
     "refusal",
     "rnn_forward",
@@ -68,9 +75,13 @@ __all__ = [
 CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
 #: factor outputs per cell kind, as multiples of ``H`` in the last dimension
 _FACTORS = {"rnn_tanh": (), "rnn_relu": (), "gru": (3, 1, 1), "lstm": (1, 4)}
-KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64", "f32_regs"))
+#: the kernels of the module :func:`available` compiles: W_hh in shared memory, any H that fits
+KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64"))
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
-REGISTER_HIDDEN = 32  # float32 with H <= 32: the *_f32_regs kernels keep W_hh in registers (kRegsF32 float4s)
+FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp)
+#: steps of gi the H <= 32 kernels stage ahead in shared memory (BPPSA_REC_RING; a lead of RING_DEPTH - 2
+#: steps must cover a global load's latency: ~0.5-1 us on an H100 against ~0.1-0.2 us a step)
+RING_DEPTH = 16
 PORTABLE_SHARED_BYTES = cupy_loader.PORTABLE_SHARED_BYTES  # shared memory a block gets without the opt-in
 SM80_OPTIN_SHARED_BYTES = 163 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an A100
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -87,19 +98,32 @@ class Launch:
     args: tuple[int, ...]  # the 12 argument words of BPPSA_REC_PARAMS (pointers as addresses)
     # the tensors behind the pointers (contiguous copies included): alive until the launch is queued
     buffers: tuple[Tensor, ...] = field(default=(), repr=False, compare=False)
+    #: the -D options of the kernel's module (NVRTC's and the host emulation's g++'s): () for :data:`KERNELS`
+    options: tuple[str, ...] = ()
 
 
-def _weights_in_registers(hidden: int, element_bytes: int) -> bool:
-    return element_bytes == 4 and hidden <= REGISTER_HIDDEN
+def _fixed(hidden: int, element_bytes: int) -> bool:
+    return element_bytes == 4 and hidden <= FIXED_HIDDEN
+
+
+def module_options(hidden: int) -> tuple[str, ...]:
+    """The -D options of the module of the float32 kernels compiled for ``hidden`` (<= :data:`FIXED_HIDDEN`)."""
+    return (f"-DBPPSA_REC_HIDDEN={hidden}", f"-DBPPSA_REC_RING={RING_DEPTH}")
 
 
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
-    """Dynamic shared memory of a block: two state buffers, plus ``W_hh`` packed in 16-byte vectors unless
-    the kernel keeps it in registers (float32, ``H <= 32``)."""
+    """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors), plus ``W_hh`` packed
+    in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
+    the ring of :data:`RING_DEPTH` steps of ``gi``."""
+    return _shared_bytes(cell, hidden, element_bytes, fixed=_fixed(hidden, element_bytes))
+
+
+def _shared_bytes(cell: str, hidden: int, element_bytes: int, *, fixed: bool) -> int:
     width = 16 // element_bytes
     padded = math.ceil(hidden / width) * width
-    weight_rows = 0 if _weights_in_registers(hidden, element_bytes) else CELLS[cell] * hidden
-    return (weight_rows + 2) * padded * element_bytes
+    if fixed:
+        return (2 * padded + RING_DEPTH * CELLS[cell] * hidden) * element_bytes
+    return (CELLS[cell] * hidden + 2) * padded * element_bytes
 
 
 @functools.lru_cache(maxsize=256)
@@ -184,7 +208,7 @@ def prepare(
     inputs = [None if t is None else t.contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
     pointers = [0 if t is None else t.data_ptr() for t in inputs]
     factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
-    kernel, block, nbytes = _kernel_and_block(cell, gi.dtype, hidden)
+    kernel, block, nbytes, options = _kernel_and_block(cell, gi.dtype, hidden)
     launch = Launch(
         kernel=kernel,
         grid=batch,
@@ -192,6 +216,7 @@ def prepare(
         shared_bytes=nbytes,
         args=(*pointers, outputs[0].data_ptr(), *factors, batch, steps, hidden),
         buffers=(*(t for t in inputs if t is not None), *outputs),
+        options=options,
     )
     # After the launch is queued the copies may be freed: torch's caching allocator hands a freed block
     # only to work queued later on the same stream, so the kernel still reads valid memory.
@@ -199,13 +224,14 @@ def prepare(
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_and_block(cell: str, dtype: torch.dtype, hidden: int) -> tuple[str, int, int]:
-    """The entry point, threads per block and dynamic shared memory of a layer (once per shape: a training
-    loop asks every step)."""
+def _kernel_and_block(cell: str, dtype: torch.dtype, hidden: int) -> tuple[str, int, int, tuple[str, ...]]:
+    """The entry point, threads per block, dynamic shared memory and module options of a layer (once per
+    shape: a training loop asks every step)."""
     element_bytes = torch.finfo(dtype).bits // 8
-    suffix = _SUFFIX[dtype] + ("_regs" if _weights_in_registers(hidden, element_bytes) else "")
     nbytes = shared_bytes(cell, hidden, element_bytes)
-    return f"bppsa_{cell}_forward_{suffix}", 32 * math.ceil(hidden / 32), nbytes
+    if _fixed(hidden, element_bytes):
+        return f"bppsa_{cell}_forward_f32_h{hidden}", 32, nbytes, module_options(hidden)
+    return f"bppsa_{cell}_forward_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()
 
 
 Launcher = Callable[[Launch, torch.device], None]
@@ -260,8 +286,9 @@ _KERNELS_ON: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy F
 
 
 def _functions(device_index: int) -> dict:
-    """Every entry point of ``recurrent.cu``, compiled and loaded on a device once (each launch opts its
-    kernel in beyond 48 KiB of shared memory the first time it needs more: :func:`cupy_loader.launch`)."""
+    """The :data:`KERNELS` of ``recurrent.cu``, compiled and loaded on a device once, in the dict that also
+    takes the kernels compiled per ``H`` (each launch opts its kernel in beyond 48 KiB of shared memory the
+    first time it needs more: :func:`cupy_loader.launch`)."""
     functions = _KERNELS_ON.get(device_index)
     if functions is None:
         code = source()
@@ -270,12 +297,45 @@ def _functions(device_index: int) -> dict:
     return functions
 
 
+def _load(device_index: int, launch: Launch) -> tuple[object, Launch]:
+    """The function of ``launch`` (compiling its module on first use), and the launch to make with it.
+
+    NVRTC cannot compile inside a CUDA graph capture: a kernel compiled per ``H`` whose first launch is
+    captured runs as the shared-memory kernel of the same cell (same arguments, same results), with a
+    warning; a warm-up launch before capturing avoids it."""
+    functions = _functions(device_index)
+    if not launch.options:
+        return functions[launch.kernel], launch
+    try:
+        function = cupy_loader.load_function(device_index, source(), launch.kernel, launch.options)
+    except RuntimeError:
+        if not torch.cuda.is_current_stream_capturing():
+            raise
+        cell = launch.kernel[len("bppsa_") : launch.kernel.index("_forward")]
+        hidden = launch.args[-1]
+        nbytes = _shared_bytes(cell, hidden, 4, fixed=False)
+        fallback = dataclasses.replace(
+            launch, kernel=f"bppsa_{cell}_forward_f32", shared_bytes=nbytes, options=()
+        )
+        warnings.warn(
+            f"{launch.kernel} is first launched inside a CUDA graph capture, where it cannot be compiled: "
+            f"the capture runs {fallback.kernel} (slower); run the layer once before capturing",
+            stacklevel=3,
+        )
+        return functions[fallback.kernel], fallback
+    functions[launch.kernel] = function
+    return function, launch
+
+
 def _launch_cuda(launch: Launch, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    functions = _KERNELS_ON.get(index) or _functions(index)
-    cupy_loader.launch(
-        functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, launch.args
-    )
+    function = _KERNELS_ON.get(index, _NO_FUNCTIONS).get(launch.kernel)
+    if function is None:
+        function, launch = _load(index, launch)
+    cupy_loader.launch(function, index, launch.grid, launch.block, launch.shared_bytes, launch.args)
+
+
+_NO_FUNCTIONS: dict = {}
 
 
 def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor, c0: Tensor | None):

@@ -24,36 +24,56 @@ __all__ = ["build_arguments", "gru_forward", "library", "lstm_forward", "rnn_for
 _TIMEOUT, _ERROR = 1, 2  # BPPSA_EMU_TIMEOUT / BPPSA_EMU_ERROR in cuda_host_emulation.h
 
 
-def build_arguments(sanitize: str | None = None) -> dict:
-    """The keyword arguments of ``load_library`` for the emulated recurrent kernels (``sanitize``: e.g. "address")."""
+def build_arguments(sanitize: str | None = None, options: tuple[str, ...] = ()) -> dict:
+    """The keyword arguments of ``load_library`` for the emulated recurrent kernels of the module with the -D
+    ``options`` (a :class:`~lightning_bppsa.kernels.recurrent_cuda.Launch`'s; ``()``: the shared-memory
+    kernels) and ``sanitize`` (e.g. "address")."""
+    defines = dict(option[2:].split("=", 1) for option in options)
+    suffix = "".join(f"_{name.removeprefix('BPPSA_REC_').lower()}{value}" for name, value in defines.items())
+    hidden = defines.get("BPPSA_REC_HIDDEN")
+    kernels = (
+        [f"bppsa_{cell}_forward_f32_h{hidden}" for cell in recurrent_cuda.CELLS]
+        if hidden
+        else recurrent_cuda.KERNELS
+    )
     return {
-        "name": "bppsa_recurrent_emulated" + (f"_{sanitize}" if sanitize else ""),
+        "name": "bppsa_recurrent_emulated" + suffix + (f"_{sanitize}" if sanitize else ""),
         "sources": [str(kernel_path("recurrent.cu"))],
-        "compiler": ["g++", "-std=c++20", "-pthread", "-x", "c++"],
+        "compiler": ["g++", "-std=c++20", "-pthread", "-x", "c++", *options],
         "flag_sets": [["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]],
         "depends": [str(kernel_path("cuda_host_emulation.h")), str(kernel_path("recurrent_emulation.h"))],
-        "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in recurrent_cuda.KERNELS)],
+        "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in kernels)],
     }
 
 
-def library() -> ctypes.CDLL:
-    """The emulated kernels (built once, cached in ``$BPPSA_CACHE_DIR``)."""
-    lib = load_library(**build_arguments())
-    lib.bppsa_emu_launch.restype = ctypes.c_int
-    lib.bppsa_emu_launch.argtypes = LAUNCH_ARGTYPES
+_LIBRARIES: dict[tuple[str, ...], ctypes.CDLL] = {}
+
+
+def library(options: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The emulated kernels of the module with the -D ``options`` (built once, cached in ``$BPPSA_CACHE_DIR``)."""
+    lib = _LIBRARIES.get(options)
+    if lib is None:
+        lib = load_library(**build_arguments(options=options))
+        lib.bppsa_emu_launch.restype = ctypes.c_int
+        lib.bppsa_emu_launch.argtypes = LAUNCH_ARGTYPES
+        _LIBRARIES[options] = lib
     return lib
 
 
 def _launcher(resident: int | None, timeout: float):
     def launch(config: Launch, device: torch.device) -> None:
-        lib = library()
+        lib = library(config.options)
         words = (ctypes.c_uint64 * len(config.args))(*config.args)
         entry = ctypes.cast(getattr(lib, f"{config.kernel}_host"), ctypes.c_void_p)
         blocks = config.grid if resident is None else resident
         # blocks in a seeded order, no release jitter: these kernels have no inter-block communication
-        status = lib.bppsa_emu_launch(entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout, 1, 0.0)
+        status = lib.bppsa_emu_launch(
+            entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout, 1, 0.0
+        )
         if status == _TIMEOUT:
-            raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
+            raise LaunchTimeout(
+                f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s"
+            )
         if status == _ERROR:
             raise RuntimeError(f"{config.kernel}: an exception escaped an emulated thread")
 
@@ -79,7 +99,9 @@ def rnn_forward(
     timeout: float = 60.0,
 ) -> tuple[Tensor] | None:
     """:func:`lightning_bppsa.kernels.recurrent_cuda.rnn_forward` on CPU tensors."""
-    return _forward("rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None, shared_limit, resident, timeout)
+    return _forward(
+        "rnn_relu" if relu else "rnn_tanh", gi, w_hh, b_hh, h0, None, shared_limit, resident, timeout
+    )
 
 
 def gru_forward(

@@ -1,6 +1,6 @@
-// What kernels/recurrent.cu needs beyond kernels/cuda_host_emulation.h: a warp barrier and the math
-// functions, with one spelling for nvcc/NVRTC and for the host build (g++). Kept apart from the shared
-// emulation header so the two files can change independently.
+// What kernels/recurrent.cu needs beyond kernels/cuda_host_emulation.h: a warp barrier, the math functions
+// and the asynchronous row copy of the gi ring, with one spelling for nvcc/NVRTC and for the host build
+// (g++). Kept apart from the shared emulation header so the two files can change independently.
 #pragma once
 
 #ifdef __CUDACC__
@@ -13,6 +13,10 @@ __device__ __forceinline__ void warp_barrier() { __syncwarp(); }
 #else
 
 #include <math.h>
+
+#include <deque>
+#include <utility>
+#include <vector>
 
 namespace bppsa_rec {
 // The emulated warp has 32 OS threads meeting at its barrier (the block is padded to whole warps).
@@ -27,4 +31,82 @@ __device__ __forceinline__ float tanh_of(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_of(double x) { return tanh(x); }
 __device__ __forceinline__ float sigmoid_of(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ double sigmoid_of(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+// One lane's share of copying rows of N floats from global to shared memory: the 32 lanes of a warp copy a
+// row together, lane l the words l, l + 32, ... (4-byte copies: a row may start at any float). The API is
+// cp.async's: start() adds a row's copy to the open group, commit() closes the group, wait<P>() returns
+// once at most P of the committed groups may still be in flight; a copy is visible to the OTHER lanes only
+// after a warp barrier that follows the wait. Three implementations, one contract:
+// - sm_80 and later: cp.async (the copy bypasses the registers; nothing waits for it but wait<P>).
+// - older GPUs: a register stage, one row in flight: start() loads into registers (storing the previous
+//   row first), wait() stores them. A row started at the top of a step and waited for at its end still
+//   overlaps the step (rows started back to back, as in a prologue, wait for each other).
+// - the host emulation: the copies land as LATE as the contract allows (at the wait that retires their
+//   group), so a kernel that reads a row before waiting for it reads stale data in the tests.
+template <int N>
+struct RowCopy {
+    static constexpr int kWords = (N + 31) / 32;  // per lane
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    float value[kWords];
+    float* target = nullptr;
+
+    __device__ __forceinline__ void land() {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int k = 0; k < kWords; ++k)
+            if (lane + 32 * k < N) target[lane + 32 * k] = value[k];
+        target = nullptr;
+    }
+    __device__ __forceinline__ void start(float* dst, const float* src) {
+        if (target) land();
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int k = 0; k < kWords; ++k)
+            if (lane + 32 * k < N) value[k] = src[lane + 32 * k];
+        target = dst;
+    }
+    __device__ __forceinline__ void commit() {}
+    template <int Pending>
+    __device__ __forceinline__ void wait() {
+        if (target) land();
+    }
+#elif defined(__CUDACC__)
+    __device__ __forceinline__ void start(float* dst, const float* src) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int k = 0; k < kWords; ++k)
+            if (lane + 32 * k < N) {
+                const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + lane + 32 * k));
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src + lane + 32 * k)
+                             : "memory");
+            }
+    }
+    __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+    template <int Pending>
+    __device__ __forceinline__ void wait() {
+        asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
+    }
+#else
+    std::vector<std::pair<float*, const float*>> open;
+    std::deque<std::vector<std::pair<float*, const float*>>> committed;
+
+    void start(float* dst, const float* src) {
+        const int lane = threadIdx.x % 32;
+        for (int k = 0; k < kWords; ++k)
+            if (lane + 32 * k < N) open.emplace_back(dst + lane + 32 * k, src + lane + 32 * k);
+    }
+    void commit() {
+        committed.push_back(std::move(open));
+        open.clear();
+    }
+    template <int Pending>
+    void wait() {
+        while (committed.size() > static_cast<size_t>(Pending)) {
+            for (const auto& [dst, src] : committed.front()) *dst = *src;
+            committed.pop_front();
+        }
+    }
+#endif
+};
 }  // namespace bppsa_rec

@@ -10,6 +10,7 @@ skipped there.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -48,10 +49,14 @@ def check_layer(cell, batch, steps, hidden, dtype, backend, *, fold_bias=False, 
     layer = CASES.make_layer(cell, batch, steps, hidden, seed)
     actual = run_kernel(cell, CASES.kernel_inputs(cell, layer, dtype, fold_bias), backend)
     reference = CASES.torch_reference(cell, layer, torch.float64)
-    baseline = CASES.torch_reference(cell, layer, dtype) if dtype != torch.float64 else [None] * len(reference)
+    baseline = (
+        CASES.torch_reference(cell, layer, dtype) if dtype != torch.float64 else [None] * len(reference)
+    )
     for name, a, r, base in zip(CASES.NAMES[cell], actual, reference, baseline, strict=True):
         assert a.dtype == dtype
-        assert_derived_close(a, r, base, floor=1e-12 if dtype == torch.float64 else 1e-6, name=f"{cell} {name}")
+        assert_derived_close(
+            a, r, base, floor=1e-12 if dtype == torch.float64 else 1e-6, name=f"{cell} {name}"
+        )
 
 
 @pytest.mark.parametrize("steps", [1, 5, 37])
@@ -59,7 +64,9 @@ def check_layer(cell, batch, steps, hidden, dtype, backend, *, fold_bias=False, 
 @pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33, 64])
 @pytest.mark.parametrize("cell", CASES.CELLS)
 def test_float64_matches_torch(backend, cell, hidden, batch, steps):
-    check_layer(cell, batch, steps, hidden, torch.float64, backend, fold_bias=steps == 5, seed=hidden * 100 + steps)
+    check_layer(
+        cell, batch, steps, hidden, torch.float64, backend, fold_bias=steps == 5, seed=hidden * 100 + steps
+    )
 
 
 @pytest.mark.parametrize("hidden", [7, 33])
@@ -73,7 +80,9 @@ def test_long_sequence_against_cudnn(backend, cell):
     """B = 16, T = 1000, H = 20 in float32: as close to the float64 truth as cuDNN's own float32 forward."""
     layer = CASES.make_layer(cell, 16, 1000, 20, seed=5)
     actual = run_kernel(cell, CASES.kernel_inputs(cell, layer, torch.float32, False), backend)
-    module = {"rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cell]
+    module = {"rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[
+        cell
+    ]
     kwargs = {"nonlinearity": "relu" if cell == "rnn_relu" else "tanh"} if cell.startswith("rnn") else {}
     cudnn = module(CASES.INPUT_SIZE, 20, batch_first=True, **kwargs).to(backend.device)
     with torch.no_grad():
@@ -109,5 +118,44 @@ def test_non_contiguous_and_declined_inputs(backend):
     for a, r in zip(kernels.lstm_forward(**strided), kernels.lstm_forward(**args), strict=True):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
     assert kernels.lstm_forward(**{k: v.half() for k, v in args.items()}) is None
-    wide = CASES.kernel_inputs("rnn_tanh", CASES.make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False)
+    wide = CASES.kernel_inputs(
+        "rnn_tanh", CASES.make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False
+    )
     assert kernels.rnn_forward(**dict(zip(wide, backend.to(*wide.values()), strict=True)), relu=False) is None
+
+
+@pytest.mark.parametrize("hidden", [1, 5, 20, 31, 32])
+@pytest.mark.parametrize("cell", CASES.CELLS)
+def test_float32_per_hidden_kernels_around_the_ring_depth(backend, cell, hidden):
+    """The kernels compiled per H (gi staged through the shared-memory ring, cp.async on sm_80+): sequences
+    around the ring's depth, and a long one with many rows in flight. Emulated, the last two cases only
+    (tests/kernels/test_recurrent_cuda_emulated.py runs them all there)."""
+    long = (backend.size(cuda=2000, emulated=CASES.RING + 3), backend.size(cuda=48, emulated=2))
+    cases = [*CASES.RING_CASES, long] if backend.is_cuda else [CASES.RING_CASES[-1], long]
+    for steps, batch in cases:
+        check_layer(cell, batch, steps, hidden, torch.float32, backend, seed=hidden + steps)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_per_hidden_kernel_inside_a_cuda_graph(backend, warm):
+    """A per-H kernel captured in a CUDA graph gives its forward on replay. ``warm``: launched once before the
+    capture (the per-H kernel is captured); else an H never launched before (CuPy cannot compile inside a
+    capture: the shared-memory kernel of the cell is captured instead, with a warning)."""
+    hidden = 23 if warm else 29  # an H no other test of the session launches first
+    layer = CASES.make_layer("lstm", 3, 40, hidden, seed=hidden)
+    inputs = CASES.kernel_inputs("lstm", layer, torch.float32, False)
+    args = dict(zip(inputs, backend.to(*inputs.values()), strict=True))
+    if warm:
+        backend.recurrent.lstm_forward(**args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with backend.graph_capture() as replay:
+            captured = backend.recurrent.lstm_forward(**args)
+    assert (not warm and backend.is_cuda) == any("CUDA graph capture" in str(w.message) for w in caught)
+    replay()
+    if backend.is_cuda:
+        torch.cuda.synchronize()
+    reference = CASES.torch_reference("lstm", layer, torch.float64)
+    baseline = CASES.torch_reference("lstm", layer, torch.float32)
+    for name, a, r, base in zip(CASES.NAMES["lstm"], captured, reference, baseline, strict=True):
+        assert_derived_close(a.cpu(), r, base, floor=1e-6, name=f"captured lstm {name}")

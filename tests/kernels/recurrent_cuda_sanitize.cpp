@@ -1,7 +1,11 @@
 // A torch-free driver of kernels/recurrent.cu on the host emulation, built by
 // tests/kernels/test_recurrent_cuda_emulated.py under AddressSanitizer + UBSan (every global buffer is an
 // exact-size heap block: an out-of-bounds access aborts) and under ThreadSanitizer (a missing barrier
-// between the state buffers' writes and reads is a data race). Exit status: 0 when every launch finished.
+// between the state buffers' writes and reads is a data race; so is a gi-ring copy landing in a slot another
+// lane still reads). Exit status: 0 when every launch finished. The per-H float32 kernels are compiled for
+// a few H beside the shared-memory ones, with a ring of 3 slots so that 7 steps wrap it twice.
+#define BPPSA_REC_RING 3
+#define BPPSA_REC_HIDDEN_LIST(X) X(1) X(7) X(32)
 #include "recurrent.cu"
 
 #include <cstdio>
@@ -21,7 +25,7 @@ T* filled(std::vector<void*>& owned, long count) {  // random values in [-0.5, 0
 // One launch of `entry` for a cell with `gates` gates and factor outputs of widths factor_widths[i] * H.
 template <class T>
 int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_widths, bool lstm, bool bias,
-           long batch, long steps, long hidden, bool registers = false) {
+           long batch, long steps, long hidden, bool per_hidden = false) {
     std::vector<void*> owned;
     const long gh = gates * hidden;
     T* factors[3] = {nullptr, nullptr, nullptr};
@@ -32,7 +36,7 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
         (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, batch * steps * hidden),
         (uint64_t)factors[0], (uint64_t)factors[1], (uint64_t)factors[2], (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
     const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;  // as recurrent_cuda.py
-    const size_t shared = (registers ? 2 : gh + 2) * padded * sizeof(T);
+    const size_t shared = (per_hidden ? 2 * padded + BPPSA_REC_RING * gh : (gh + 2) * padded) * sizeof(T);
     const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
@@ -49,10 +53,15 @@ int main() {
         status |= launch<double>(bppsa_gru_forward_f64_host, 3, {3, 1, 1}, false, false, 1, 4, hidden);
         status |= launch<float>(bppsa_lstm_forward_f32_host, 4, {1, 4}, true, false, 2, 3, hidden);
         status |= launch<double>(bppsa_lstm_forward_f64_host, 4, {1, 4}, true, false, 1, 4, hidden);
-        if (hidden > 32) continue;  // the *_f32_regs kernels: W_hh in registers, shared memory = state only
-        status |= launch<float>(bppsa_rnn_relu_forward_f32_regs_host, 1, {}, false, true, 2, 3, hidden, true);
-        status |= launch<float>(bppsa_gru_forward_f32_regs_host, 3, {3, 1, 1}, false, false, 2, 3, hidden, true);
-        status |= launch<float>(bppsa_lstm_forward_f32_regs_host, 4, {1, 4}, true, false, 2, 3, hidden, true);
+    }
+    // the per-H kernels: W_hh in registers, shared memory = state buffers + the gi ring
+    for (long steps : {2L, 7L}) {
+        status |= launch<float>(bppsa_rnn_tanh_forward_f32_h1_host, 1, {}, false, true, 2, steps, 1, true);
+        status |= launch<float>(bppsa_rnn_relu_forward_f32_h7_host, 1, {}, false, true, 2, steps, 7, true);
+        status |= launch<float>(bppsa_gru_forward_f32_h7_host, 3, {3, 1, 1}, false, true, 2, steps, 7, true);
+        status |= launch<float>(bppsa_gru_forward_f32_h32_host, 3, {3, 1, 1}, false, false, 1, steps, 32, true);
+        status |= launch<float>(bppsa_lstm_forward_f32_h7_host, 4, {1, 4}, true, false, 2, steps, 7, true);
+        status |= launch<float>(bppsa_lstm_forward_f32_h32_host, 4, {1, 4}, true, false, 1, steps, 32, true);
     }
     std::printf("launch status %d\n", status);
     return status;

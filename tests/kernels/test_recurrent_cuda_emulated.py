@@ -3,7 +3,11 @@
 Same source, same launches (``recurrent_cuda.prepare``) as on a GPU, compared with torch's own layers
 (``torch._VF.rnn_tanh / rnn_relu / gru / lstm``) in float64 and with the Jacobian factors recomputed from
 torch's states (``jacobians.recurrent``). Float32 within ``assert_derived_close`` of the float64 truth, the
-torch float32 run as the baseline. Also the compile gate (nvcc, sm_80 and sm_90, no spill).
+torch float32 run as the baseline. The float32 kernels compiled per H (H <= 32) stage gi through a ring of
+``RING_DEPTH`` steps: sequences shorter than, as long as and longer than the ring, and tiny rings; the
+emulated asynchronous copies land as late as cp.async allows (``recurrent_emulation.h``), so a read before
+its wait reads stale data. Also the compile gate (nvcc, sm_80 and sm_90, no spill) and the loading of the
+per-H modules through the CuPy loader (a stand-in CuPy).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,7 +134,8 @@ def test_float64_matches_torch(cell, hidden, batch, steps):
 
 
 @needs_gxx
-@pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33])  # H <= 32: W_hh in registers; 33: in shared memory
+# H <= 32: the per-H kernels; 33: W_hh in shared memory
+@pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33])
 @pytest.mark.parametrize("cell", CELLS)
 def test_float32_within_derived_tolerance(cell, hidden):
     check_layer(cell, 3, 37, hidden, torch.float32, seed=hidden)
@@ -181,7 +187,9 @@ def test_declines_what_it_cannot_run():
     wide = kernel_inputs("lstm", make_layer("lstm", 1, 2, 64, seed=3), torch.float64, False)
     assert recurrent_cuda.shared_bytes("lstm", 64, 8) > recurrent_cuda.PORTABLE_SHARED_BYTES
     assert emulated.lstm_forward(**wide, shared_limit=recurrent_cuda.PORTABLE_SHARED_BYTES) is None
-    too_many_threads = kernel_inputs("rnn_tanh", make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False)
+    too_many_threads = kernel_inputs(
+        "rnn_tanh", make_layer("rnn_tanh", 1, 2, 257, seed=3), torch.float32, False
+    )
     assert emulated.rnn_forward(**too_many_threads, relu=False, shared_limit=1 << 30) is None
 
 
@@ -201,7 +209,9 @@ def test_bad_shapes_name_the_argument(change, message):
 
 
 def test_launch_config():
-    """One warp per row up to H = 32, whole warps above; shared memory = packed W_hh + two state buffers."""
+    """Float32 with H <= 32: the kernels compiled for that H (module options), one warp, shared memory = two
+    state buffers + the gi ring; otherwise one thread per unit in whole warps, packed W_hh + state buffers."""
+
     def prepare(cell, layer, dtype, **change):
         args = {"b_hh": None, "c0": None, **kernel_inputs(cell, layer, dtype, False), **change}
         return recurrent_cuda.prepare(cell, **args, device_type="cpu", shared_limit=1 << 20)
@@ -209,11 +219,18 @@ def test_launch_config():
     def launch(cell, hidden, dtype):
         return prepare(cell, make_layer(cell, 3, 4, hidden, seed=0), dtype)[0]
 
-    small = launch("gru", 20, torch.float32)  # W_hh in registers: shared memory holds the two state buffers
-    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_regs", 3, 32)
-    assert small.shared_bytes == 2 * 20 * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    depth = recurrent_cuda.RING_DEPTH
+    small = launch("gru", 20, torch.float32)
+    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_h20", 3, 32)
+    assert small.options == ("-DBPPSA_REC_HIDDEN=20", f"-DBPPSA_REC_RING={depth}")
+    assert small.shared_bytes == (2 * 20 + depth * 3 * 20) * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    odd = launch("lstm", 5, torch.float32)  # state buffers padded to whole float4 vectors, the ring is not
+    assert (odd.kernel, odd.shared_bytes) == ("bppsa_lstm_forward_f32_h5", (2 * 8 + depth * 4 * 5) * 4)
     shared = launch("gru", 20, torch.float64)
     assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
+    assert shared.options == () and shared.kernel in recurrent_cuda.KERNELS
+    wide = launch("lstm", 33, torch.float32)
+    assert (wide.kernel, wide.block, wide.options) == ("bppsa_lstm_forward_f32", 64, ())
     wide = launch("lstm", 33, torch.float64)
     assert (wide.kernel, wide.block) == ("bppsa_lstm_forward_f64", 64)
     assert wide.shared_bytes == (4 * 33 + 2) * 34 * 8  # H padded to whole double2 vectors
@@ -221,6 +238,76 @@ def test_launch_config():
     assert wide.args[2] == 0 and wide.args[4] != 0 and wide.args[8] == 0  # no b_hh, c0 given, 2 factors
     with pytest.raises(ValueError, match="c0 is required"):
         prepare("lstm", make_layer("lstm", 1, 2, 3, seed=0), torch.float64, c0=None)
+    # the per-H kernels always fit the portable 48 KiB: refusal() and prepare() agree on every H <= 32
+    for cell in CELLS:
+        assert recurrent_cuda.shared_bytes(cell, 32, 4) <= recurrent_cuda.PORTABLE_SHARED_BYTES
+        assert recurrent_cuda.refusal(cell, 32, torch.float32, recurrent_cuda.PORTABLE_SHARED_BYTES) is None
+
+
+RING = recurrent_cuda.RING_DEPTH
+#: (steps, batch) around the ring: shorter than its lead, as long as the prologue fills, the ring, one
+#: more step than the ring (the first reuse of slot 0), a long sequence (many wraps); B alternates 1 / 3
+RING_CASES = ((1, 3), (RING - 2, 1), (RING - 1, 3), (RING, 1), (RING + 1, 3), (3 * RING + 5, 1))
+
+
+@needs_gxx
+@pytest.mark.parametrize("hidden", [1, 5, 20, 31, 32])
+@pytest.mark.parametrize("cell", CELLS)
+def test_float32_per_hidden_kernels_around_the_ring_depth(cell, hidden):
+    for steps, batch in RING_CASES:
+        check_layer(cell, batch, steps, hidden, torch.float32, fold_bias=steps == RING, seed=hidden + steps)
+
+
+@needs_gxx
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("cell", CELLS)
+def test_float32_tiny_rings(monkeypatch, cell, depth):
+    """A ring of 2 slots (wait for everything each step) and of 3, wrapped many times: the invariant of
+    recurrent.cu's pipeline at its edge (a module built with -DBPPSA_REC_RING=<depth>)."""
+    monkeypatch.setattr(recurrent_cuda, "RING_DEPTH", depth)
+    recurrent_cuda._kernel_and_block.cache_clear()
+    try:
+        for steps, batch in ((1, 2), (depth, 1), (depth + 1, 3), (4 * depth + 3, 2)):
+            check_layer(cell, batch, steps, 6, torch.float32, seed=depth * 10 + steps)
+        assert recurrent_cuda.prepare(
+            cell, **{"b_hh": None, "c0": None, **kernel_inputs(cell, make_layer(cell, 1, 2, 6, 0), torch.float32, True)},
+            device_type="cpu", shared_limit=1 << 20,
+        )[0].options[-1] == f"-DBPPSA_REC_RING={depth}"  # fmt: skip
+    finally:
+        recurrent_cuda._kernel_and_block.cache_clear()
+
+
+def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device, monkeypatch):
+    """A per-H kernel's module is compiled on its first launch (with its -D options) and fetched once; the
+    shared-memory kernels load as before. Inside a CUDA graph capture, where NVRTC cannot run, the first
+    launch of an H runs the shared-memory kernel of the same cell with its own shared memory, and warns."""
+    fake, _ = fake_device
+    device = torch.device("cuda", 0)
+    launch = recurrent_cuda.Launch("bppsa_gru_forward_f32_h20", 2, 32, 4000, (1,) * 11 + (20,),
+                                   options=recurrent_cuda.module_options(20))  # fmt: skip
+    for _ in range(3):
+        recurrent_cuda._launch_cuda(launch, device)
+    code = recurrent_cuda.source()
+    options = (*recurrent_cuda.cupy_loader.NVRTC_OPTIONS, *launch.options)
+    assert fake.compiled[(0, code, options)] == 1 and fake.lookups[(0, launch.kernel)] == 1
+    assert len(fake.kernels[(0, launch.kernel)].calls) == 3
+    assert all(fake.lookups[(0, name)] == 1 for name in recurrent_cuda.KERNELS)
+
+    captured = recurrent_cuda.Launch("bppsa_lstm_forward_f32_h7", 1, 32, 2000, (2,) * 11 + (7,),
+                                     options=recurrent_cuda.module_options(7))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.warns(UserWarning, match="inside a CUDA graph capture"):
+        recurrent_cuda._launch_cuda(captured, device)
+    generic = fake.kernels[(0, "bppsa_lstm_forward_f32")]
+    assert generic.calls == [
+        ((1,), (32,), captured.args, recurrent_cuda._shared_bytes("lstm", 7, 4, fixed=False), 0x1000)
+    ]
+    assert (0, captured.kernel) not in fake.lookups  # nothing compiled inside the capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake.compile_error = RuntimeError("NVRTC: error")
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="NVRTC"):  # outside a capture: raised
+        warnings.simplefilter("error")
+        recurrent_cuda._launch_cuda(captured, device)
 
 
 def test_available_is_false_without_cuda_here():
@@ -228,18 +315,40 @@ def test_available_is_false_without_cuda_here():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: tests/gpu/test_recurrent_cuda.py checks the real kernels")
     assert not ok and reason
-    assert recurrent_cuda.gru_forward(torch.zeros(1, 2, 3), torch.zeros(3, 1), None, torch.zeros(1, 1)) is None
+    assert (
+        recurrent_cuda.gru_forward(torch.zeros(1, 2, 3), torch.zeros(3, 1), None, torch.zeros(1, 1)) is None
+    )
+
+
+#: the H of the per-H kernels the compile gates build (the largest H holds the most registers)
+GATE_HIDDEN = (1, 5, 20, 31, 32)
+
+
+def gate_source(directory: Path) -> Path:
+    """A file compiling recurrent.cu with the per-H kernels of :data:`GATE_HIDDEN` beside the others."""
+    wrapper = directory / "recurrent_gate.cu"
+    hidden = " ".join(f"X({h})" for h in GATE_HIDDEN)
+    wrapper.write_text(
+        f"#define BPPSA_REC_RING {recurrent_cuda.RING_DEPTH}\n#define BPPSA_REC_HIDDEN_LIST(X) {hidden}\n"
+        f'#include "{kernel_path("recurrent.cu")}"\n'
+    )
+    return wrapper
 
 
 @pytest.mark.slow
-def test_compile_gate_sm80_sm90_no_spill():  # ~3 s of nvcc
+def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the CUDA compile gate needs the CUDA toolkit (no GPU needed)")
-    usage = _nvcc.ptxas_report("recurrent.cu", ("sm_80", "sm_90"))  # -warn-spills -Werror: a spill raises
+    usage = _nvcc.ptxas_report(str(gate_source(tmp_path)), ("sm_80", "sm_90"))  # -warn-spills -Werror
+    fixed = [f"bppsa_{cell}_forward_f32_h{h}" for cell in CELLS for h in GATE_HIDDEN]
     for arch, kernels in usage.items():
-        assert sorted(kernels) == sorted(recurrent_cuda.KERNELS), f"{arch}: ptxas reported {sorted(kernels)}"
+        assert sorted(kernels) == sorted([*recurrent_cuda.KERNELS, *fixed]), (
+            f"{arch}: ptxas reported {sorted(kernels)}"
+        )
         for name, use in kernels.items():
-            assert (use.stack_bytes, use.spill_store_bytes, use.spill_load_bytes) == (0, 0, 0), f"{arch} {name}"
+            assert (use.stack_bytes, use.spill_store_bytes, use.spill_load_bytes) == (0, 0, 0), (
+                f"{arch} {name}"
+            )
             assert 0 < use.registers <= 255 and use.static_shared_bytes == 0, f"{arch} {name}: {use}"
         print(f"\n{arch} registers: " + ", ".join(f"{k}={v.registers}" for k, v in sorted(kernels.items())))
 
@@ -253,11 +362,12 @@ def test_nvrtc_compiles_what_cupy_loads():
     except Exception as err:  # no CuPy, or CuPy without its NVRTC library
         pytest.skip(f"CuPy's NVRTC is not usable here ({type(err).__name__}: {err})")
     for arch in ("compute_80", "compute_90"):
-        program = nvrtc.createProgram(recurrent_cuda.source(), "recurrent.cu", [], [])
-        try:
-            nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17"])
-        except nvrtc.NVRTCError:
-            pytest.fail(f"NVRTC ({arch}) failed:\n{nvrtc.getProgramLog(program)}")
+        for options in ((), *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN)):
+            program = nvrtc.createProgram(recurrent_cuda.source(), "recurrent.cu", [], [])
+            try:
+                nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17", *options])
+            except nvrtc.NVRTCError:
+                pytest.fail(f"NVRTC ({arch}, {options}) failed:\n{nvrtc.getProgramLog(program)}")
 
 
 @pytest.mark.slow  # ~5 s per sanitizer build
@@ -267,8 +377,15 @@ def test_sanitized_launches(tmp_path, sanitizers):
     (the one barrier per step orders the state buffers' writes before the next step's reads)."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++ to build the emulated kernels")
-    for name in sanitizers.replace("address", "asan").replace("undefined", "ubsan").replace("thread", "tsan").split(","):
-        runtime = subprocess.run(["g++", f"-print-file-name=lib{name}.so"], capture_output=True, text=True).stdout
+    for name in (
+        sanitizers.replace("address", "asan")
+        .replace("undefined", "ubsan")
+        .replace("thread", "tsan")
+        .split(",")
+    ):
+        runtime = subprocess.run(
+            ["g++", f"-print-file-name=lib{name}.so"], capture_output=True, text=True
+        ).stdout
         if not os.path.isabs(runtime.strip()):
             pytest.skip(f"g++ has no lib{name} (the sanitizer runtime is not installed)")
     driver = Path(__file__).with_name("recurrent_cuda_sanitize.cpp")
