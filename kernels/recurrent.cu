@@ -64,7 +64,7 @@
 namespace {
 
 using i64 = long long;
-constexpr int kMaxThreads = 256;  // family 2: H <= 256, one thread per hidden unit
+[[maybe_unused]] constexpr int kMaxThreads = 256;  // family 2: H <= 256, one thread per hidden unit
 constexpr int kRing = BPPSA_REC_RING;
 static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one being filled");
 
