@@ -25,9 +25,11 @@
 //    the dot products (fully unrolled, W_hh in registers: G H floats per lane), the cell's functions, store
 //    h_t to shared memory, one __syncwarp. Everything else is kept off that path:
 //    - gi is staged through a ring of R = BPPSA_REC_RING step rows in shared memory, filled R - 1 steps
-//      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). On the old kernel a step's gi
-//      was loaded one step ahead, so every step waited for a global-load round trip (an L2 or DRAM latency,
-//      ~375 ns a step at B16 T1000 H20 on an H100, about one L2 round trip); R - 2 steps of lead hide it.
+//      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). The previous kernel loaded a
+//      step's gi one step ahead, so a step could not be shorter than a global-load round trip: on an H100
+//      it took ~375 ns a step at B16 T1000 H20 (gi in L2) against a modelled ~100 ns of dependent work, and
+//      ~2x that at B256 T10000 (gi from DRAM): our reading of those measurements, not a profile. R - 2
+//      steps of lead (~1.4 us at 100 ns a step) cover either latency.
 //      PIPELINE INVARIANT (per lane, committed groups counted from the prologue's wait): iteration t
 //      commits exactly one group, holding the lane's words of step t + R - 1 (empty beyond T) bound for slot
 //      (t + R - 1) mod R = (t - 1) mod R, the slot step t - 1 read: every lane finished reading it before
@@ -38,10 +40,11 @@
 //      So step t reads slot t mod R, complete and not overwritten until iteration t + 1 issues its copy.
 //    - b_hh is added to gi off the path ((gi + b) + dot; GRU's b_hn stays with its dot: r (W_hn h + b_hn)).
 //    - out and the factors are stored straight to global memory (stores do not wait), by the lanes j < H;
-//      lanes H..31 shadow unit H - 1 (no divergence on the path) and store nothing.
-//    - Rows per block: one. The rows are independent, so packing R rows into a warp (H <= 16) shares issue
-//      slots without shortening the dependent step; it pays only when B exceeds about 4 warps per SM
-//      (B > ~500 on an H100), beyond this design's range.
+//      lanes H..31 shadow unit H - 1 (every read in bounds, no per-lane guard inside the step) and store
+//      nothing.
+//    - Rows per block: one. The rows are independent, so packing several rows into a warp (H <= 16)
+//      shares issue slots without shortening the dependent step; it pays only when B exceeds about 4 warps
+//      per SM (one per scheduler: B > ~500 on an H100), beyond this design's range.
 // 2. bppsa_<cell>_forward_{f32,f64}: any H <= 256 that fits (float64, and float32 with H > 32), W_hh in
 //    shared memory, packed so that thread j reads its weights as 16-byte vectors (float4 / double2) and the 32
 //    lanes of a warp read 32 consecutive vectors (no bank conflict):
