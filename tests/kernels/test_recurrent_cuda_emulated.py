@@ -285,9 +285,12 @@ def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device
     device = torch.device("cuda", 0)
     launch = recurrent_cuda.Launch("bppsa_gru_forward_f32_h20", 2, 32, 4000, (1,) * 11 + (20,),
                                    options=recurrent_cuda.module_options(20))  # fmt: skip
+    code = recurrent_cuda.source()
+    reads = []
+    monkeypatch.setattr(recurrent_cuda, "source", lambda: reads.append(1) or code)
     for _ in range(3):
         recurrent_cuda._launch_cuda(launch, device)
-    code = recurrent_cuda.source()
+    assert len(reads) == 2  # the shared-memory module and the per-H one, once each: later launches look up
     options = (*recurrent_cuda.cupy_loader.NVRTC_OPTIONS, *launch.options)
     assert fake.compiled[(0, code, options)] == 1 and fake.lookups[(0, launch.kernel)] == 1
     assert len(fake.kernels[(0, launch.kernel)].calls) == 3
