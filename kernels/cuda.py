@@ -14,13 +14,18 @@ registers them for ``"cuda"``):
 The math is :mod:`lightning_bppsa.scan`'s: ``g_n`` = the last-state gradient, ``g_t = g_{t+1} J_t + δ_t``
 (row gradients; ``δ`` only for a per-step ``grad`` of shape ``(B, n + 1, d)``). ``algorithm`` picks the kernel:
 
-- ``"linear"``: ``bppsa_warpsweep_*`` for ``d <= 32``: one warp per batch row runs the ``n`` steps in order,
-  the state in registers (one value per lane, broadcast by ``__shfl_sync``), a factored ``W`` loaded once
-  into shared memory, each step's operand loaded one step ahead (``k <= 5`` weight tiles, ``m = k d``);
-  otherwise ``bppsa_sweep_*``, one block per batch row, every step through shared memory.
+- ``"linear"``: ``bppsa_warpsweep_*`` for ``d <= 32`` (``k <= 5`` weight tiles, ``m = k d``): one warp per
+  batch row runs the ``n`` steps in order, the state in registers (one value per lane, broadcast by
+  ``__shfl_sync``), from a module compiled for that ``(d, k)`` (:func:`module_options`: loops unrolled,
+  register indices static); each step's column of ``J_t`` is formed in registers during the step before
+  (factored: from ``W`` held in registers where :func:`warp_layout` says it fits, else in shared memory),
+  and the operands are staged up to 32 steps ahead in a shared-memory ring filled by ``cp.async``
+  (:func:`warp_layout`; the invariant is in ``scan.cu``); otherwise ``bppsa_sweep_*``, one block per batch
+  row, every step through shared memory.
 - ``"chunked"`` and ``"blelloch"``: ``bppsa_chunked_*``, ONE launch of ``B * ceil(n / chunk_size)`` blocks:
   chunk aggregates, a decoupled look-back carry chain between ticket-ordered blocks, and a sweep of
-  every chunk (see the header of ``scan.cu``; for ``d <= 32`` by warp 0 with the warp-resident step). Its shared memory holds two ``(d + 1) x d`` matrices:
+  every chunk (see the header of ``scan.cu``; for ``d <= 32`` by warp 0 with the warp-resident step, from the
+  same specialised module). Its shared memory holds two ``(d + 1) x d`` matrices:
   the launch opts in to the device's whole per-block shared memory (``shared_memory_per_block_optin``,
   227 KiB on an H100: ``d`` up to 169 float32 / 119 float64; 48 KiB without the opt-in: 77 / 54);
   wider states are planned as the sweep (:func:`refusal`), and a single chunk is the sweep. Deterministic: a chunk's carry is recomputed by the
@@ -31,8 +36,10 @@ Float16 / bfloat16 inputs run in float32 (as the torch implementation does); oth
 contiguous (a copy only when they are not). CuPy (>= 14, with NVRTC: the ``cuda12`` / ``cuda13`` extras)
 is used through the package's one loader (:mod:`lightning_bppsa.kernels.cupy_loader`): the module is
 compiled once per process and device (NVRTC; CuPy keeps the binary in ``$CUPY_CACHE_DIR``) by
-:func:`available` or :func:`prepare`, never inside a CUDA graph capture (a first call there raises), and a
-launch passes raw data pointers on ``torch.cuda.current_stream()``: no copies, no synchronisation.
+:func:`available` or :func:`prepare` (the generic module), and the module of a ``d <= 32`` chain's ``(d, k)``
+by its first launch or ``prepare(device, warp_shape)``; never inside a CUDA graph capture (a first call
+there raises: run one step before capturing), and a launch passes raw data pointers on
+``torch.cuda.current_stream()``: no copies, no synchronisation.
 
 Host cost per launch: the output and (chunked) the scratch from torch's caching allocator, the launch of a
 cached :func:`launch_config`, one argument tuple, the kernel. The chunked kernel's look-back flags and
@@ -71,8 +78,12 @@ __all__ = [
     "kernel_args",
     "launch_config",
     "prepare",
+    "module_kernels",
+    "module_options",
+    "WarpLayout",
+    "warp_layout",
     "warp_resident",
-    "warp_weight_bytes",
+    "warp_shape",
     "source_path",
     "run",
     "scan_dense",
@@ -89,13 +100,32 @@ MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of 
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
 WARP = 32  # lanes of a warp: the warp-resident sweep's block, and its widest state
 MAX_TILES = 5  # kMaxTiles in scan.cu: the warp sweep's factored weight has m = k d rows, k <= 5
-GROUP = 4  # kGroup in scan.cu: the warp sweep's operand rows go in groups of 4 (W gets 3 zero rows after it)
+#: the old warp sweep's group of operand rows: only lightning_bppsa.cuda_cost_model's band still counts in it
+GROUP = 4
+MAX_DEPTH = 32  # kMaxDepth in scan.cu: ring slots of the warp sweep at most
+WARP_SHARED_BYTES = 47 * 1024  # kWarpSharedBytes in scan.cu: a warp sweep's ring + shared W
+REGISTER_WORDS = 160  # kRegisterWords in scan.cu: W in registers where W and two columns take this many words
 KERNELS = tuple(
     f"bppsa_{schedule}_{chain}_{suffix}"
     for schedule in ("sweep", "chunked", "warpsweep")
     for chain in ("dense", "factored")
     for suffix in ("f32", "f64")
 )
+
+
+def module_kernels(warp_shape: tuple[int, int] | None) -> tuple[str, ...]:
+    """The entry points of the module compiled for ``warp_shape`` (``(d, k)``: the chunked kernels and the warp
+    sweeps of that shape) or of the generic module (``None``: the chunked kernels and the block sweeps)."""
+    schedules = ("chunked", "warpsweep") if warp_shape else ("sweep", "chunked")
+    return tuple(k for k in KERNELS if k.split("_")[1] in schedules)
+
+
+def module_options(warp_shape: tuple[int, int] | None) -> tuple[str, ...]:
+    """The compiler options (NVRTC, nvcc or g++) of the module for ``warp_shape`` (see :func:`module_kernels`)."""
+    if warp_shape is None:
+        return ()
+    d, k = warp_shape
+    return (f"-DBPPSA_WARP_D={d}", f"-DBPPSA_WARP_K={k}")
 
 
 @dataclass(frozen=True)
@@ -107,24 +137,76 @@ class Launch:
     block: int  # threads per block (a multiple of 32)
     shared_bytes: int  # dynamic shared memory per block
     static_bytes: int  # the kernel's static shared memory (STATIC_SHARED_BYTES)
-    tile_rows: int  # operand rows streamed through shared memory at once (warp sweep: W's rows, resident)
+    tile_rows: int  # operand rows streamed through shared memory at once (warp sweep: its ring's depth)
     chunk: int  # steps per chunk (n for the sweep)
     work_elements: int  # scratch elements of the compute dtype (chunk aggregates and carries)
     sync_words: (
         int  # 64-bit words: ticket counter and chunk flags (never cleared per launch: _look_back_flags)
     )
+    #: (d, k) of the module specialised for the warp-resident step (warp sweep, or the chunked kernel's chunk
+    #: sweeps; k = 1 for a dense chain), ``None``: the generic module (:func:`module_options`)
+    warp_shape: tuple[int, int] | None = None
 
 
 def warp_resident(*, factored: bool, d: int, m: int) -> bool:
-    """Whether a chain runs its sweeps with the warp-resident step (``warp_resident`` in scan.cu: ``d <= 32``
-    and, factored, ``m = k d`` with ``k <= MAX_TILES``): the ``"linear"`` kernel and the chunked kernel's
-    chunk sweeps. Its staged ``W`` (at most 163 rows of 32 float64: 41.7 KiB) fits every device's 48 KiB."""
-    return d <= WARP and (not factored or (m % d == 0 and m // d <= MAX_TILES))
+    """Whether a chain runs its sweeps with the warp-resident step (``d <= 32`` and, factored, ``m = k d`` with
+    ``k <= MAX_TILES``): the ``"linear"`` kernel and the chunked kernel's chunk sweeps, from the module
+    specialised for :func:`warp_shape`. Its shared memory (:func:`warp_layout`) fits every device's 48 KiB."""
+    return 1 <= d <= WARP and (not factored or (m % d == 0 and 1 <= m // d <= MAX_TILES))
 
 
-def warp_weight_bytes(*, factored: bool, m: int, element_bytes: int) -> int:
-    """Shared memory of the staged ``W`` of the warp-resident step (rows of 32 words, ``GROUP - 1`` zero rows after)."""
-    return (m + GROUP - 1) * WARP * element_bytes if factored else 0
+def warp_shape(*, factored: bool, d: int, m: int) -> tuple[int, int] | None:
+    """``(d, k)`` of the module a chain's sweeps run from (``k = m / d`` tiles; 1 for a dense chain), ``None``
+    where the chain is not :func:`warp_resident` (the generic module)."""
+    if not warp_resident(factored=factored, d=d, m=m):
+        return None
+    return d, m // d if factored else 1
+
+
+@dataclass(frozen=True)
+class WarpLayout:
+    """The warp sweep's shared memory (``WarpLayout`` in scan.cu, which this mirrors; a test compares them)."""
+
+    depth: int  # ring slots: a step's operand is staged up to depth - 1 steps ahead of the one formed
+    slot: int  # elements of one slot (one step's operand, padded to whole 16-byte vectors)
+    weight_in_registers: (
+        bool  # factored: W held in registers (else transposed in shared memory after the ring)
+    )
+    lean: bool  # the chunked kernel's variant: the column formed in its own step, W in shared memory
+    shared_bytes: int  # the ring and (if not in registers) W
+
+
+def _whole_vectors(n: int, vector: int) -> int:
+    return -(-n // vector) * vector
+
+
+def _lane_stride(
+    n: int, vector: int
+) -> int:  # an odd number of vectors: one vector per lane, no bank conflict
+    return (-(-n // vector) | 1) * vector
+
+
+@functools.lru_cache(maxsize=256)
+def warp_layout(*, factored: bool, d: int, k: int, element_bytes: int, lean: bool = False) -> WarpLayout:
+    """The shared memory of the warp sweep of ``(d, k)`` (``k`` weight tiles; 1 for a dense chain); ``lean``:
+    the chunked kernel's chunk sweeps (fewer registers: ``W`` always in shared memory).
+
+    A slot holds a step's operand (factored: ``k`` tiles of ``s_t``, ``u_t``, ``delta_t``; dense: the rows
+    of ``J_t^T``, padded so that each lane reads its own row without bank conflicts, and ``delta_t``). ``W``
+    stays in registers (not lean) where it and two register columns take at most ``REGISTER_WORDS`` 32-bit
+    words per lane (the compile gate checks that no shape spills). The depth is the largest power of two
+    ``<= MAX_DEPTH`` whose ring fits ``WARP_SHARED_BYTES`` with a shared ``W``.
+    """
+    vector = 16 // element_bytes
+    part = _whole_vectors(d, vector)
+    operand = k * part + part if factored else d * _lane_stride(d, vector)
+    slot = operand + part
+    in_registers = factored and not lean and (k + 2) * d * element_bytes // 4 <= REGISTER_WORDS
+    weight = WARP * _lane_stride(k * part, vector) if factored and not in_registers else 0
+    depth, budget = MAX_DEPTH, WARP_SHARED_BYTES - weight * element_bytes
+    while depth > 2 and depth * slot * element_bytes > budget:
+        depth //= 2
+    return WarpLayout(depth, slot, in_registers, lean, (depth * slot + weight) * element_bytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,33 +295,40 @@ def launch_config(
         and refusal("chunked", d=d, element_bytes=element_bytes, shared_limit=shared_limit, affine=affine)
         is None
     )
-    warp = warp_resident(factored=factored, d=d, m=m)
-    weight_bytes = warp_weight_bytes(factored=factored, m=m, element_bytes=element_bytes) if warp else 0
+    warp = warp_shape(factored=factored, d=d, m=m)
+    layout = (
+        warp_layout(factored=factored, d=d, k=warp[1], element_bytes=element_bytes, lean=chunked)
+        if warp
+        else None
+    )
+    warp_bytes = layout.shared_bytes if layout else 0
     if chunked:
         tile_rows = min(operand_rows, (chunked_budget - matrices - vectors) // row_bytes)
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
             block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
-            # the chunk sweep's staged W reuses the same memory (max, not sum)
-            shared_bytes=max(matrices + vectors + tile_rows * row_bytes, weight_bytes),
+            # the chunk sweeps' ring and W reuse the same memory (max, not sum)
+            shared_bytes=max(matrices + vectors + tile_rows * row_bytes, warp_bytes),
             static_bytes=STATIC_SHARED_BYTES["chunked"],
             tile_rows=tile_rows,
             chunk=chunk,
             work_elements=batch * chunks * (rows * d + d),
             sync_words=1 + batch * chunks,
+            warp_shape=warp,
         )
     if warp:
         return Launch(
             kernel=f"bppsa_warpsweep_{chain}_{suffix}",
             grid=batch,
             block=WARP,
-            shared_bytes=weight_bytes,
+            shared_bytes=warp_bytes,
             static_bytes=STATIC_SHARED_BYTES["warpsweep"],
-            tile_rows=operand_rows if factored else 0,
+            tile_rows=layout.depth,
             chunk=n,
             work_elements=0,
             sync_words=0,
+            warp_shape=warp,
         )
     why = refusal("linear", d=d, element_bytes=element_bytes, shared_limit=shared_limit)
     if why:
@@ -460,21 +549,28 @@ def device_shared_limit(device_index: int) -> int:
     return cupy_loader.shared_limit(device_index)
 
 
-_KERNELS_ON: dict[int, dict] = {}  # device index -> {kernel name: loaded cupy Function}
+#: (device index, warp shape or None) -> {kernel name: loaded cupy Function}
+_KERNELS_ON: dict[tuple[int, tuple[int, int] | None], dict] = {}
 
 
-def prepare(device_index: int) -> dict:
-    """Compile (NVRTC) and load the kernels on a device, once; opt every kernel in to the device's
-    whole shared memory and check its static shared memory against ``STATIC_SHARED_BYTES``.
+def prepare(device_index: int, warp_shape: tuple[int, int] | None = None) -> dict:
+    """Compile (NVRTC) and load a module's kernels on a device, once: the generic module, or the one
+    specialised for ``warp_shape`` (``(d, k)``, see :func:`module_options`); opt every kernel in to the
+    device's whole shared memory and check its static shared memory against ``STATIC_SHARED_BYTES``.
 
-    Returns ``{kernel name: cupy Function}``. Call it before capturing a CUDA graph: inside a capture
-    the first scan raises instead of compiling (loading a module is not a capturable operation).
+    Returns ``{kernel name: cupy Function}``. Call it (or run one scan of each shape) before capturing a
+    CUDA graph: inside a capture a module's first scan raises instead of compiling (loading a module is
+    not a capturable operation).
     """
-    functions = _KERNELS_ON.get(device_index)
+    key = (device_index, warp_shape)
+    functions = _KERNELS_ON.get(key)
     if functions is not None:
         return functions
-    code = source()
-    functions = {name: cupy_loader.load_function(device_index, code, name) for name in KERNELS}
+    code, options = source(), module_options(warp_shape)
+    functions = {
+        name: cupy_loader.load_function(device_index, code, name, options)
+        for name in module_kernels(warp_shape)
+    }
     limit = device_shared_limit(device_index)
     for name, function in functions.items():
         static = STATIC_SHARED_BYTES[name.split("_")[1]]
@@ -484,7 +580,7 @@ def prepare(device_index: int) -> dict:
                 f"budgets {static} B (STATIC_SHARED_BYTES)"
             )
         cupy_loader.reserve_shared(function, limit - static)  # here, not in a launch a graph may capture
-    _KERNELS_ON[device_index] = functions
+    _KERNELS_ON[key] = functions
     return functions
 
 
@@ -494,7 +590,7 @@ def _device_index(device: torch.device) -> int:
 
 def _launch_cuda(launch: Launch, args: list, device: torch.device) -> None:
     index = _device_index(device)
-    functions = _KERNELS_ON.get(index) or prepare(index)
+    functions = _KERNELS_ON.get((index, launch.warp_shape)) or prepare(index, launch.warp_shape)
     cupy_loader.launch(functions[launch.kernel], index, launch.grid, launch.block, launch.shared_bytes, args)
 
 

@@ -7,7 +7,11 @@
 // BPPSA_SHARED), __syncthreads as a futex barrier, the warp collectives the kernels use (__ballot_sync,
 // __shfl_sync, __syncwarp; masks honoured: a calling lane outside the mask is an error, lanes outside
 // it vote nothing, a shuffle from a lane outside it is an error) through a per-warp exchange buffer
-// and barrier, the ticket atomic and the flags (bppsa::take_ticket / reset_ticket /
+// and barrier, asynchronous global -> shared copies (bppsa::copy_async / copy_async_commit /
+// copy_async_wait, cp.async on sm_80+: each copy lands, by a seeded coin, either at once or only when a
+// wait makes it due, the two ends of what a GPU may do, so a read of a ring slot before its wait or a copy
+// into a slot still being read shows; copies still pending when a block ends are an error), 16-byte
+// shared-memory vector loads (bppsa::load_shared_vector: a misaligned address is an error), the ticket atomic and the flags (bppsa::take_ticket / reset_ticket /
 // load_relaxed / fence_acq_rel / store_release, 64-bit words) through std::atomic_ref, and a bound on the blocks
 // resident at once, which is what a kernel with inter-block waits needs for forward progress.
 // Blocks are dispatched in a seeded random order (a GPU promises no order: a kernel that assumes
@@ -54,6 +58,44 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 // Data published by another block: read through L2 (no stale L1 line), write through to L2.
 template <class T> __device__ __forceinline__ T load_shared_global(const T* p) { return __ldcg(p); }
 template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v) { __stcg(p, v); }
+
+// Asynchronous copies of one 4- or 8-byte element from global to shared memory (cp.async.ca, sm_80+):
+// copy_async queues one, copy_async_commit closes this thread's current group, copy_async_wait<N> waits
+// until at most the N most recent groups of this thread are pending. A thread waits for its own copies
+// only: a warp barrier after the wait shares them with the other lanes. Before sm_80: a plain load and
+// store, complete at once (correct, not overlapped).
+template <class T>
+__device__ __forceinline__ void copy_async(T* shared_dst, const T* global_src) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "copy_async: 4- or 8-byte elements");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(__cvta_generic_to_global(global_src)),
+                 "n"(sizeof(T))
+                 : "memory");
+#else
+    *shared_dst = *global_src;
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+// 16 bytes of shared memory (p 16-byte aligned) in one load: 4 floats or 2 doubles.
+__device__ __forceinline__ void load_shared_vector(const float* p, float (&v)[4]) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+}
+__device__ __forceinline__ void load_shared_vector(const double* p, double (&v)[2]) {
+    const double2 x = *reinterpret_cast<const double2*>(p);
+    v[0] = x.x, v[1] = x.y;
+}
 }  // namespace bppsa
 
 #define BPPSA_ENTRY(name, params, call_args)
@@ -71,6 +113,8 @@ template <class T> __device__ __forceinline__ void store_shared_global(T* p, T v
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdint>
+#include <deque>
 #include <cstring>
 #include <memory>
 #include <latch>
@@ -149,6 +193,14 @@ struct ThreadState {
     size_t static_offset = 0;  // bump allocator for BPPSA_SHARED, reset when a block starts
     std::minstd_rand random;   // jitter of this thread's release stores, seeded per (launch, block, thread)
     double jitter_us = 0;
+    // asynchronous copies not landed yet: the open group, then the committed groups (oldest first)
+    struct Copy {
+        void* dst;
+        const void* src;
+        size_t bytes;
+    };
+    std::vector<Copy> open;
+    std::deque<std::vector<Copy>> committed;
 };
 inline thread_local ThreadState self;
 
@@ -242,7 +294,47 @@ inline void spin_pause() {
 inline void prefetch_l1(const void*) {}
 template <class T> inline T load_shared_global(const T* p) { return *p; }
 template <class T> inline void store_shared_global(T* p, T v) { *p = v; }
+// A copy lands at once or when a wait makes it due (a seeded coin per copy): both are what a GPU may do.
+template <class T>
+inline void copy_async(T* shared_dst, const T* global_src) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "copy_async: 4- or 8-byte elements");
+    auto& self = bppsa_emu::self;
+    if ((self.random() >> 8) & 1u)
+        *shared_dst = *global_src;
+    else
+        self.open.push_back({shared_dst, global_src, sizeof(T)});
+}
+inline void copy_async_commit() {
+    auto& self = bppsa_emu::self;
+    self.committed.push_back(std::move(self.open));
+    self.open.clear();
+}
+template <int N>
+inline void copy_async_wait() {
+    auto& self = bppsa_emu::self;
+    while (self.committed.size() > static_cast<size_t>(N)) {
+        for (const auto& copy : self.committed.front()) std::memcpy(copy.dst, copy.src, copy.bytes);
+        self.committed.pop_front();
+    }
+}
+template <class T, int N>
+inline void load_shared_vector(const T* p, T (&v)[N]) {
+    static_assert(N * sizeof(T) == 16, "load_shared_vector: 16 bytes");
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw std::logic_error("load_shared_vector: address not 16-byte aligned");
+    for (int i = 0; i < N; ++i) v[i] = p[i];
+}
 }  // namespace bppsa
+
+namespace bppsa_emu {
+// A block's thread ends: an asynchronous copy still pending would land in the next block's shared memory.
+inline void end_block_thread() {
+    bool pending = !self.open.empty();
+    for (const auto& group : self.committed) pending = pending || !group.empty();
+    self.open.clear();
+    self.committed.clear();
+    if (pending) throw std::logic_error("bppsa: asynchronous copies still pending when the block ended");
+}
+}  // namespace bppsa_emu
 
 #define BPPSA_DYNAMIC_SHARED(name) unsigned char* name = bppsa_emu::self.block->shared.data()
 
@@ -313,6 +405,7 @@ extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* 
                         self.static_offset = 0;
                         self.random.seed(static_cast<unsigned>(seed * 1000003u + b * 1024u + t));
                         entry(args);
+                        end_block_thread();
                         block.barrier.wait();  // the block ends before its shared memory is reused
                     }
                 } catch (const Aborted&) {

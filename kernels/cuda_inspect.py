@@ -8,7 +8,6 @@ never imports it.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil
@@ -17,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_bppsa.kernels.cuda import GROUP, source_path
+from lightning_bppsa.kernels.cuda import module_options, source_path
 
 __all__ = ["KernelUsage", "SassLoop", "WarpStep", "ptx", "ptxas_usage", "sass_loops", "warp_step_counts"]
 
@@ -33,8 +32,13 @@ class KernelUsage:
     static_shared_bytes: int
 
 
-def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = None) -> dict[str, dict[str, KernelUsage]]:
-    """Compile ``scan.cu`` with nvcc for ``archs`` (one front-end pass) and return ptxas's report per arch and kernel.
+def ptxas_usage(
+    archs: tuple[str, ...] = ("sm_80", "sm_90"),
+    nvcc: str | None = None,
+    warp_shape: tuple[int, int] | None = None,
+) -> dict[str, dict[str, KernelUsage]]:
+    """Compile ``scan.cu`` with nvcc for ``archs`` (one front-end pass) and return ptxas's report per arch and kernel:
+    the generic module, or the one specialised for ``warp_shape`` (``(d, k)``: ``cuda.module_options``).
 
     ptxas runs with ``-warn-spills -Werror``: a spill fails the compilation (``RuntimeError`` with the
     command and its output). Needs only nvcc, no GPU or driver. Raises ``FileNotFoundError`` without nvcc.
@@ -46,7 +50,7 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             nvcc, "-fatbin", "-std=c++17", *gencodes, "-Xptxas", "-v", "-Xptxas", "-warn-spills",
-            "-Xptxas", "-Werror", "-o", f"{tmp}/scan.fatbin", str(source_path("scan.cu")),
+            "-Xptxas", "-Werror", *module_options(warp_shape), "-o", f"{tmp}/scan.fatbin", str(source_path("scan.cu")),
         ]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -59,12 +63,17 @@ def ptxas_usage(archs: tuple[str, ...] = ("sm_80", "sm_90"), nvcc: str | None = 
         ).groups()
         registers = re.search(r"Used (\d+) registers", entry).group(1)
         smem = re.search(r"(\d+) bytes smem", entry)
-        usage[arch][name] = KernelUsage(int(registers), int(stack), int(stores), int(loads), int(smem.group(1)) if smem else 0)
+        usage[arch][name] = KernelUsage(
+            int(registers), int(stack), int(stores), int(loads), int(smem.group(1)) if smem else 0
+        )
     return usage
 
 
-def ptx(arch: str = "compute_90", nvcc: str | None = None) -> dict[str, str]:
-    """``scan.cu`` compiled to PTX by nvcc (no GPU needed): ``{kernel name: its PTX body}``.
+def ptx(
+    arch: str = "compute_90", nvcc: str | None = None, warp_shape: tuple[int, int] | None = None
+) -> dict[str, str]:
+    """``scan.cu`` (the module of ``warp_shape``, see :func:`ptxas_usage`) compiled to PTX by nvcc (no GPU
+    needed): ``{kernel name: its PTX body}``.
 
     For static checks of what the emulator cannot see, e.g. the cache operators of the look-back's loads.
     Raises ``FileNotFoundError`` without nvcc, ``RuntimeError`` (with nvcc's output) if it fails.
@@ -73,7 +82,8 @@ def ptx(arch: str = "compute_90", nvcc: str | None = None) -> dict[str, str]:
     if nvcc is None:
         raise FileNotFoundError("nvcc not found on PATH")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-ptx", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.ptx", str(source_path("scan.cu"))]
+        cmd = [nvcc, "-ptx", "-std=c++17", f"-arch={arch}", *module_options(warp_shape), "-o", f"{tmp}/scan.ptx",
+               str(source_path("scan.cu"))]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-3000:]}")
@@ -101,9 +111,12 @@ def _wheel_tool(name: str) -> str | None:
     return str(found[-1]) if found else None
 
 
-def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, list[SassLoop]]:
-    """The innermost loops of every kernel's SASS (nvcc -cubin, then ``cuobjdump -sass``; no GPU needed),
-    in code order: what the cost model's per-step instruction counts come from.
+def sass_loops(
+    arch: str = "sm_90", cuobjdump: str | None = None, warp_shape: tuple[int, int] | None = None
+) -> dict[str, list[SassLoop]]:
+    """The innermost loops of every kernel's SASS (nvcc -cubin, then ``cuobjdump -sass``; no GPU needed) of the
+    module of ``warp_shape`` (see :func:`ptxas_usage`), in code order: what the cost model's per-step
+    instruction counts come from.
 
     Needs ``cuobjdump`` and ``nvdisasm`` (the ``[dev]`` extra installs NVIDIA's wheels of them; found on
     ``PATH``, else in those wheels; ``nvdisasm`` beside ``cuobjdump``); raises ``FileNotFoundError``
@@ -115,17 +128,19 @@ def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, l
         raise FileNotFoundError("sass_loops needs nvcc and cuobjdump on PATH")
     env = {**os.environ, "NVDISASM_PATH": os.environ.get("NVDISASM_PATH", str(Path(cuobjdump).parent))}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", "-o", f"{tmp}/scan.cubin", str(source_path("scan.cu"))]
+        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", *module_options(warp_shape), "-o", f"{tmp}/scan.cubin",
+               str(source_path("scan.cu"))]  # fmt: skip
         subprocess.run(cmd, capture_output=True, text=True, check=True)
-        sass = subprocess.run([cuobjdump, "-sass", f"{tmp}/scan.cubin"], capture_output=True, text=True, env=env)
+        sass = subprocess.run(
+            [cuobjdump, "-sass", f"{tmp}/scan.cubin"], capture_output=True, text=True, env=env
+        )
     if sass.returncode != 0 or "Function :" not in sass.stdout:
         raise FileNotFoundError(f"cuobjdump -sass failed (nvdisasm missing?): {sass.stderr.strip()[-300:]}")
     loops: dict[str, list[SassLoop]] = {}
     for chunk in sass.stdout.split("Function : ")[1:]:
         name = chunk.split()[0]
         code = [
-            (int(m.group(1), 16), m.group(2))
-            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", chunk)
+            (int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", chunk)
         ]
         back = []  # (target, branch address) of every backward branch
         for address, text in code:
@@ -138,7 +153,10 @@ def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, l
         found = []
         for lo, hi in sorted(innermost):
             body = [text for address, text in code if lo <= address <= hi]
-            opcodes = tuple((words[1] if words[0].startswith("@") else words[0]).split(".")[0] for words in map(str.split, body))
+            opcodes = tuple(
+                (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+                for words in map(str.split, body)
+            )
             kinds: dict[str, int] = {}
             for op in opcodes:
                 kinds[op] = kinds.get(op, 0) + 1
@@ -151,24 +169,18 @@ def sass_loops(arch: str = "sm_90", cuobjdump: str | None = None) -> dict[str, l
 class WarpStep:
     """What one step of a warp-resident sweep issues, per warp (from its SASS: :func:`warp_step_counts`)."""
 
-    group: int  # one group of GROUP operand rows (shuffles, operand reads, FMAs, the uniform exit test)
-    overhead: int  # the rest of a step (next operand's loads, output store, loop control)
+    instructions: int  # every instruction of a step (half the main loop, which holds two)
+    shuffles: int  # SHFL: d per step (2 d for float64), the broadcast of the state
+    fmas: int  # FFMA + FMUL (float32) or DFMA + DMUL (float64): the column's k d (factored) and the chain's d + 1
+    copies: int  # LDGSTS: the asynchronous copies staging a later step's operand (this lane's share)
 
 
-def warp_step_counts(loop: SassLoop, element_bytes: int) -> WarpStep:
-    """Split the main loop of a ``bppsa_warpsweep_*`` kernel (two steps, every group unrolled) into the
-    instructions of one group of operand rows and the rest of a step.
-
-    A group is what lies between the first shuffles of two consecutive groups (``GROUP`` shuffles each,
-    two per float64 value): the median of those distances; the rest is half the loop minus its groups.
-    Raises ``ValueError`` if the loop holds no whole number of shuffle groups.
-    """
-    per_group = GROUP * (element_bytes // 4)
-    shuffles = [i for i, op in enumerate(loop.opcodes) if op == "SHFL"]
-    if not shuffles or len(shuffles) % (2 * per_group):
-        raise ValueError(f"{len(shuffles)} shuffles in the loop: not two steps of {per_group}-shuffle groups")
-    starts = shuffles[::per_group]
-    distances = sorted(b - a for a, b in itertools.pairwise(starts))
-    group = distances[len(distances) // 2]
-    groups_per_step = len(starts) // 2
-    return WarpStep(group=group, overhead=loop.instructions // 2 - groups_per_step * group)
+def warp_step_counts(loop: SassLoop) -> WarpStep:
+    """One step of the main loop of a ``bppsa_warpsweep_*`` kernel (two steps, every loop over d unrolled:
+    the largest innermost loop of the kernel's SASS). Raises ``ValueError`` if the loop's shuffles do not
+    split in two equal steps."""
+    shuffles = loop.kinds.get("SHFL", 0)
+    if not shuffles or shuffles % 2:
+        raise ValueError(f"{shuffles} shuffles in the loop: not two steps")
+    fmas = sum(loop.kinds.get(op, 0) for op in ("FFMA", "FMUL", "DFMA", "DMUL"))
+    return WarpStep(loop.instructions // 2, shuffles // 2, fmas // 2, loop.kinds.get("LDGSTS", 0) // 2)

@@ -7,7 +7,9 @@ for only that many), which checks that the inter-block waits cannot deadlock; bl
 in a random order drawn from ``seed`` (0: index order), and the thread of every release store of a
 flag then stalls up to ``jitter_us`` (its block stays at what it announced: the window between a
 block's two announcements).
-Slow (a barrier costs a few context switches): keep grids tiny.
+Slow (a barrier costs a few context switches): keep grids tiny. Like the CUDA path, one library per module:
+the generic one, and one per ``(d, k)`` of a ``d <= 32`` chain (``cuda.module_options``: ~2-3 s of g++ once,
+then cached), so the emulation runs the very specialisation a GPU compiles.
 
 Build through :func:`lightning_bppsa.kernels._build.load_library` into ``$BPPSA_CACHE_DIR``;
 A ThreadSanitizer variant (``build_arguments("thread")``) loads only into a process started with
@@ -34,16 +36,20 @@ class LaunchTimeout(RuntimeError):
     """An emulated launch did not finish in time (a deadlock: it was aborted)."""
 
 
-def build_arguments(sanitize: str | None = None) -> dict:
-    """The keyword arguments of ``load_library`` for the emulated kernels (plain data: a process that
-    must not import torch, such as a ThreadSanitizer run, can build the same library from them)."""
+def build_arguments(sanitize: str | None = None, warp_shape: tuple[int, int] | None = None) -> dict:
+    """The keyword arguments of ``load_library`` for the emulated kernels of one module (``warp_shape``: see
+    ``cuda.module_options``; plain data: a process that must not import torch, such as a ThreadSanitizer
+    run, can build the same library from them)."""
+    shape = f"_d{warp_shape[0]}_k{warp_shape[1]}" if warp_shape else ""
+    layout = ["bppsa_warp_layout"] if warp_shape else []
+    flags = ["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]
     return {
-        "name": "bppsa_scan_emulated" + (f"_{sanitize}" if sanitize else ""),
+        "name": "bppsa_scan_emulated" + shape + (f"_{sanitize}" if sanitize else ""),
         "sources": [str(cuda.source_path("scan.cu"))],
         "compiler": _COMPILER,
-        "flag_sets": [["-O1", "-g", f"-fsanitize={sanitize}"] if sanitize else ["-O2"]],
+        "flag_sets": [[*flags, *cuda.module_options(warp_shape)]],
         "depends": [str(cuda.source_path("cuda_host_emulation.h"))],
-        "symbols": ["bppsa_emu_launch", *(f"{k}_host" for k in cuda.KERNELS)],
+        "symbols": ["bppsa_emu_launch", *layout, *(f"{k}_host" for k in cuda.module_kernels(warp_shape))],
     }
 
 
@@ -61,11 +67,14 @@ LAUNCH_ARGTYPES = [
 ]
 
 
-def library() -> ctypes.CDLL:
-    """The emulated kernels (built once, cached)."""
-    lib = load_library(**build_arguments())
+def library(warp_shape: tuple[int, int] | None = None) -> ctypes.CDLL:
+    """The emulated kernels of one module (built once, cached): the generic one, or ``warp_shape``'s."""
+    lib = load_library(**build_arguments(warp_shape=warp_shape))
     lib.bppsa_emu_launch.restype = ctypes.c_int
     lib.bppsa_emu_launch.argtypes = LAUNCH_ARGTYPES
+    if warp_shape:  # bppsa_warp_layout(factored, element_bytes, lean, depth): the layout scan.cu compiled
+        lib.bppsa_warp_layout.restype = ctypes.c_longlong
+        lib.bppsa_warp_layout.argtypes = [ctypes.c_longlong] * 4
     return lib
 
 
@@ -73,7 +82,7 @@ def _launcher(resident: int | None, timeout: float, seed: int, jitter_us: float)
     def launch(config: cuda.Launch, args: list, device: torch.device) -> None:
         if device.type != "cpu":
             raise ValueError(f"the emulated kernels take CPU tensors; got {device}")
-        lib = library()
+        lib = library(config.warp_shape)
         if config.work_elements:  # poisoned scratch (all-ones bytes: NaN): reading unpublished data shows
             ctypes.memset(args[5], 0xFF, config.work_elements * (8 if config.kernel.endswith("f64") else 4))
         words = (ctypes.c_uint64 * len(args))(*args)
@@ -83,9 +92,14 @@ def _launcher(resident: int | None, timeout: float, seed: int, jitter_us: float)
             entry, words, config.grid, config.block, config.shared_bytes, blocks, timeout, seed, jitter_us
         )
         if status == _TIMEOUT:
-            raise LaunchTimeout(f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s")
+            raise LaunchTimeout(
+                f"{config.kernel} ({config.grid} blocks, {blocks} resident) did not finish in {timeout} s"
+            )
         if status == _ERROR:
-            raise RuntimeError(f"{config.kernel}: an emulated thread failed (a bad warp mask, or shared memory exhausted)")
+            raise RuntimeError(
+                f"{config.kernel}: an emulated thread failed (a bad warp mask, shared memory exhausted, a "
+                "misaligned vector load, copies pending at a block's end, or a kernel invariant)"
+            )
 
     return launch
 

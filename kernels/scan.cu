@@ -3,7 +3,8 @@
 // Three kernels per chain kind (dense, factored) and dtype (f32, f64):
 //
 //   bppsa_warpsweep_*  d <= 32 (factored: k <= 5 weight tiles): one warp per batch row runs the n steps
-//                    in order, the state in registers (see "The warp-resident sweep" below).
+//                    in order, the state in registers, operands staged through a cp.async ring, from a
+//                    module compiled for that (d, k) (see "The warp-resident sweep" below).
 //   bppsa_sweep_*    wider states: one block per batch row runs the n steps in order, through shared memory.
 //   bppsa_chunked_*  ONE launch of B * p blocks, p = ceil(n / c): a block takes a ticket (atomicAdd),
 //                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps (the block
@@ -15,7 +16,7 @@
 //                       gradient through the aggregates in between: its carry g_{hi+1};
 //                    3. publishes its own inclusive g_lo = carry C + b (flag INCLUSIVE), then
 //                    4. sweeps its c steps from the carry, writing out[b, t] (d <= 32: warp 0 alone,
-//                       with the warp-resident step).
+//                       with the warp-resident step, in a module compiled for that (d, k)).
 //                    A block waits only on chunks with smaller tickets, i.e. blocks that already
 //                    started: no forward-progress deadlock whatever the scheduler does.
 //
@@ -47,13 +48,16 @@
 // Shared memory (dynamic, bytes computed by kernels/cuda.py:launch_config, which also budgets the
 // chunked kernels' static words: STATIC_SHARED_BYTES there, checked against ptxas): two R x d
 // matrices (chunked), two d-vectors, and a tile of `tile_rows` x d operand rows; every step streams
-// its operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits.
+// its operand (J_t, or the scaled rows s_t[j] W[j]) through the tile, so any d fits. The warp sweeps
+// (d <= 32): their operand ring and, where it is not in registers, W (WarpLayout below).
 #include "cuda_host_emulation.h"
 
 namespace {
 
 constexpr int kMatrixBlock = 2;  // a thread computes kMatrixBlock x kMatrixBlock outputs of a matrix step
 constexpr int kMaxThreads = 256;
+template <class T>  // __launch_bounds__ of the chunked kernels: <= 65536 / (256 x this) registers a thread
+constexpr int kChunkedBlocksPerSm = sizeof(T) == 4 ? 2 : 1;
 constexpr unsigned kAggregate = 1, kInclusive = 2;  // a chunk flag's state: its low 2 bits, the epoch above
 constexpr int kLookBack = 32;                       // predecessors inspected at once (one warp)
 
@@ -284,140 +288,247 @@ __device__ void sweep_kernel(const Problem<T>& p, int tile_rows) {
 
 // ---- The warp-resident sweep (d <= 32): one warp per batch row, the state in registers --------------
 //
-// Lane c owns g[c] (lanes >= d hold 0, kept so: the padding below multiplies their g); a step is
-// y[c] = delta[c] + u[c] g[c] + sum_j a_j A[j][c], the a_j broadcast from the lane that holds them by
-// __shfl_sync: no barrier and no shared-memory round trip of the state. The operand of the next step
-// (scales / diagonal / delta, or a Jacobian column) is loaded into registers while this one computes.
-// Factored: W (m x d, m = k d) is loaded ONCE per block into shared memory with a row stride of 32
-// words (lane c reads W[j][c] at j * 32 + c: a compile-time offset per row, consecutive lanes on
-// consecutive banks). Dense: lane c loads column c of J_t (row c of jacobians_t: strided across lanes,
-// every element index clamped to d - 1). Loops over operand rows run in groups of kGroup rows (lanes l0 .. l0 + 3, an
-// immediate shuffle source and shared offset each) and leave at the first group past d (uniform): rows
-// d .. group end read padding that a dead lane's g = 0 cancels, and no integer division is executed.
+// Compiled per state size: a module built with -DBPPSA_WARP_D=d -DBPPSA_WARP_K=k (kernels/cuda.py compiles
+// one per (d, k) on first use; NVRTC caches it) has d and the factored weight's tile count k as constants,
+// so every loop below is unrolled and every register index is static. Lane c owns g[c] (lanes >= d are
+// dead: they compute on clamped addresses and drop the result; nobody reads their state). A step is
+//
+//     y[c] = delta[c] + u[c] g[c] + sum_l g[l] J[l][c],      g[l] broadcast by __shfl_sync from lane l,
+//
+// with lane c's column J[.][c] of the step in registers (dense: read from the ring; factored:
+// J[l][c] = sum_i s_t[i d + l] W[i d + l][c], the k scales broadcast from the ring, W in registers where it
+// fits, else lane c's transposed column in shared memory). The linear kernel forms the column during the
+// step before, off the dependent chain, which is then d shuffles and d FMAs in kChains independent partial
+// sums (fixed association: bit-identical run to run). The chunked kernel's chunk sweeps run the lean
+// variant (Lean: the column formed in its own step, W in shared memory): about half the registers, so
+// that the block's matrix products keep their occupancy.
+//
+// Operands are staged up to S steps ahead (S = WarpLayout::kDepth) in a ring of S slots in shared memory,
+// filled by asynchronous copies (cp.async; one commit group per step, empty groups past the chain's end
+// keep the count uniform). Step t lives in slot t mod S. Let f = t - 1 (linear) or t (Lean) be the step
+// formed in iteration t (steps descending). Invariant, per iteration t:
+//   1. wait until at most S - 2 groups are pending: step f's copies (this lane's) have landed;
+//   2. __syncwarp: every lane's copies of step f are visible, and every lane has finished forming step
+//      f + 1 from its slot (in iteration t + 1), so
+//   3. slot f + 1 is free: the copies of step f + 1 - S (the same slot) are issued into it, then committed;
+//   4. step f is formed from its slot into registers (linear: while step t's chain runs).
+// So S - 1 steps are in flight while one is formed. S is the largest power of two <= kMaxDepth
+// whose ring (plus a shared W) fits kWarpSharedBytes: for factored f32 chains (a step's operand is
+// (k + 2) d values) 32, or 16 where a shared W takes its room; fewer for dense ones (d^2 + d values a step:
+// 8 at d = 32 f32, 4 f64). At ~50-150 ns a step, 15-31 steps in flight cover a global-memory latency of
+// ~1-2 us.
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
-constexpr int kGroup = 4;
-constexpr int kMaxTiles = 5;  // factored weight rows m = k d with k <= 5 (LSTM: 5 tiles of [h; c])
-
-template <class T, bool Factored>
-struct WarpOperand;
+constexpr int kMaxTiles = 5;                 // factored weight rows m = k d with k <= 5 (LSTM: 5 tiles of [h; c])
+constexpr int kChains = 4;                   // partial sums of a step's dot product (hides the FMA latency)
+constexpr int kMaxDepth = 32;                // ring slots at most
+constexpr int kWarpSharedBytes = 47 * 1024;  // ring + shared W: every device's 48 KiB, with the chunked kernel's static words
+constexpr int kRegisterWords = 160;  // W in registers where it and two columns take this many 32-bit words a lane (no spill: the compile gate)
 
 template <class T>
-struct WarpOperand<T, true> {  // s_t (lane l holds s_t[i d + l] of tile i), u_t[l], delta_t[l]
-    T s[kMaxTiles], u, delta;
-    // `lane` is clamped to d - 1 on dead lanes (valid addresses; their result is dropped)
-    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, int tiles) {
-        const i64 step = b * p.n + t;
-        const T* scales = p.scales + step * p.m + lane;
+constexpr int vector_elements() {  // elements of one 16-byte shared-memory load
+    return 16 / (int)sizeof(T);
+}
+template <class T>
+constexpr int whole_vectors(int n) {  // n rounded up to whole vectors
+    return (n + vector_elements<T>() - 1) / vector_elements<T>() * vector_elements<T>();
+}
+template <class T>
+constexpr int lane_stride(int n) {  // an odd number of whole vectors >= n: one vector per lane, no bank conflict
+    const int vectors = (n + vector_elements<T>() - 1) / vector_elements<T>();
+    return (vectors | 1) * vector_elements<T>();
+}
+constexpr int ring_depth(int slot_bytes, int budget) {
+    int depth = kMaxDepth;
+    while (depth > 2 && depth * slot_bytes > budget) depth /= 2;
+    return depth;
+}
+
+// Shared memory of a warp sweep (elements of T, from the block's dynamic base): S slots, then (if W is
+// not in registers) W transposed, lane c's column at c * kWeightStride, tile i at i * kPart.
+// Slot: factored [s_t tile 0 .. k - 1 | u_t | delta_t], each kPart long; dense [J_t^T rows, kRow apart | delta_t].
+// kernels/cuda.py:warp_layout computes the same (a test compares them).
+template <class T, bool Factored, int D, int K, bool Lean>
+struct WarpLayout {
+    static constexpr int kVector = vector_elements<T>();
+    static constexpr int kPart = whole_vectors<T>(D);
+    static constexpr int kRow = lane_stride<T>(D);
+    static constexpr int kU = Factored ? K * kPart : D * kRow;
+    static constexpr int kDelta = Factored ? kU + kPart : kU;
+    static constexpr int kSlot = kDelta + kPart;  // whole vectors: every slot 16-byte aligned
+    static constexpr bool kWeightInRegisters = Factored && !Lean && (K + 2) * D * (int)sizeof(T) / 4 <= kRegisterWords;
+    static constexpr int kWeightStride = lane_stride<T>(K * kPart);
+    static constexpr int kWeight = Factored && !kWeightInRegisters ? kWarp * kWeightStride : 0;
+    static constexpr int kDepth = ring_depth(kSlot * (int)sizeof(T), kWarpSharedBytes - kWeight * (int)sizeof(T));
+    static constexpr int kBytes = (kDepth * kSlot + kWeight) * (int)sizeof(T);
+    static_assert(kBytes <= kWarpSharedBytes, "a warp sweep's shared memory exceeds its budget");
+    static_assert((kDepth & (kDepth - 1)) == 0 && kDepth >= 2, "the ring's depth is a power of two >= 2");
+};
+
+// Steps hi .. lo of row b by warp 0 of the block, from the carry g_{hi+1} (lane c holds `g`), writing
+// out[b, t]; `shared`: the block's dynamic shared memory (WarpLayout), free for the sweep.
+template <class T, bool Factored, int D, int K, bool Lean>
+struct WarpSweep {
+    using L = WarpLayout<T, Factored, D, K, Lean>;
+    static constexpr int S = L::kDepth, V = L::kVector;
+    struct Column {  // one step's operand as lane c holds it: J[l][c] (l < d), u_t[c], delta_t[c]
+        T j[D];
+        T u, delta;
+    };
+
+    const Problem<T>& p;
+    i64 b;
+    T* ring;
+    int lane, c;  // c: the lane's column, clamped to d - 1 on dead lanes (valid addresses)
+    bool live;
+    const T* w_shared;
+    T w[L::kWeightInRegisters ? K * D : 1];  // W[j][c], j < k d (registers)
+
+    __device__ WarpSweep(const Problem<T>& problem, i64 row, T* shared)
+        : p(problem), b(row), ring(shared), lane((int)threadIdx.x), c(lane < D ? lane : D - 1), live(lane < D),
+          w_shared(shared + S * L::kSlot + lane * L::kWeightStride) {
+        if constexpr (Factored) {
+            T* own = shared + S * L::kSlot + lane * L::kWeightStride;  // this lane's column only: no barrier
 #pragma unroll
-        for (int i = 0; i < kMaxTiles; ++i) {
-            if (i == tiles) break;
-            s[i] = scales[i * p.d];
+            for (int i = 0; i < K; ++i)
+#pragma unroll
+                for (int l = 0; l < D; ++l) {
+                    const T v = p.mat[(i64)(i * D + l) * D + c];
+                    if constexpr (L::kWeightInRegisters)
+                        w[i * D + l] = v;
+                    else
+                        own[i * L::kPart + l] = v;
+                }
         }
-        u = p.diagonal ? p.diagonal[step * p.d + lane] : T(0);
-        const T* direct = p.direct(b, t);
-        delta = direct ? direct[lane] : T(0);
+        // what no copy writes (no u_t, no delta_t) reads 0 in every slot; the prologue's barrier shares it
+        for (int s = 0; s < S; ++s) {
+            if (Factored && !p.diagonal && lane < L::kPart) ring[s * L::kSlot + L::kU + lane] = T(0);
+            if (!p.affine && lane < L::kPart) ring[s * L::kSlot + L::kDelta + lane] = T(0);
+        }
     }
-    // y[c] = delta[c] + u[c] g[c] + sum_i sum_l (g[l] s[i d + l]) W[i d + l][c]; w: column c of W, stride 32
-    __device__ T apply(T g, const T* w, int d, int tiles) const {
-        T acc = delta + u * g;
+
+    __device__ T* slot(i64 t) const { return ring + (int)(t & (S - 1)) * L::kSlot; }
+
+    // Queue the copies of step t's operand into `to` (its slot), the warp's lanes over consecutive elements.
+    __device__ void stage(i64 t, T* to) const {
+        const i64 step = b * p.n + t;
+        if constexpr (Factored) {
+            const T* s = p.scales + step * (K * D);
 #pragma unroll
-        for (int i = 0; i < kMaxTiles; ++i) {
-            if (i == tiles) break;  // uniform: the whole warp leaves together
-            const T a = g * s[i];
-            const T* rows = w + i * d * kWarp;
+            for (int e0 = 0; e0 < K * D; e0 += kWarp) {
+                const int e = e0 + lane;
+                if (e < K * D) bppsa::copy_async(to + e / D * L::kPart + e % D, s + e);
+            }
+            if (p.diagonal && live) bppsa::copy_async(to + L::kU + lane, p.diagonal + step * D + lane);
+        } else {
+            const T* jt = p.mat + step * (D * D);
 #pragma unroll
-            for (int l0 = 0; l0 < kWarp; l0 += kGroup) {
-                if (l0 >= d) break;
-#pragma unroll
-                for (int l = l0; l < l0 + kGroup; ++l) acc += __shfl_sync(kFullMask, a, l) * rows[l * kWarp];
+            for (int e0 = 0; e0 < D * D; e0 += kWarp) {
+                const int e = e0 + lane;
+                if (e < D * D) bppsa::copy_async(to + e / D * L::kRow + e % D, jt + e);
             }
         }
-        return acc;
-    }
-};
-
-template <class T>
-struct WarpOperand<T, false> {  // column c of J_t (J_t[i][c] = jacobians_t[c][i]) and delta_t[c]
-    T column[kWarp], delta;
-    __device__ void load(const Problem<T>& p, i64 b, i64 t, int lane, int) {
-        const T* jt = p.mat + ((b * p.n + t) * p.d + lane) * p.d;
-        const int last = p.d - 1;
-#pragma unroll
-        for (int i0 = 0; i0 < kWarp; i0 += kGroup) {
-            if (i0 > last) break;
-#pragma unroll
-            for (int i = i0; i < i0 + kGroup; ++i) column[i] = jt[i < last ? i : last];  // padding: finite
-        }
         const T* direct = p.direct(b, t);
-        delta = direct ? direct[lane] : T(0);
+        if (direct && live) bppsa::copy_async(to + L::kDelta + lane, direct + lane);
     }
-    // y[c] = delta[c] + sum_i g[i] J_t[i][c]
-    __device__ T apply(T g, const T*, int d, int) const {
-        T acc = delta;
+
+    // Lane c's operand of the step in slot `from`, into registers.
+    __device__ void form(Column& col, const T* from) const {
 #pragma unroll
-        for (int i0 = 0; i0 < kWarp; i0 += kGroup) {
-            if (i0 >= d) break;
+        for (int l0 = 0; l0 < D; l0 += V) {
+            T acc[V];
+            if constexpr (Factored) {
 #pragma unroll
-            for (int i = i0; i < i0 + kGroup; ++i) acc += __shfl_sync(kFullMask, g, i) * column[i];
+                for (int i = 0; i < K; ++i) {
+                    T s[V], wv[V];
+                    bppsa::load_shared_vector(from + i * L::kPart + l0, s);  // the same address in every lane
+                    if constexpr (L::kWeightInRegisters) {
+#pragma unroll
+                        for (int v = 0; v < V; ++v) wv[v] = l0 + v < D ? w[i * D + l0 + v] : T(0);
+                    } else {
+                        bppsa::load_shared_vector(w_shared + i * L::kPart + l0, wv);
+                    }
+#pragma unroll
+                    for (int v = 0; v < V; ++v) acc[v] = i == 0 ? s[v] * wv[v] : acc[v] + s[v] * wv[v];
+                }
+            } else {
+                bppsa::load_shared_vector(from + c * L::kRow + l0, acc);  // row c of J_t^T: column c of J_t
+            }
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                if (l0 + v < D) col.j[l0 + v] = acc[v];
         }
-        return acc;
+        col.u = Factored ? from[L::kU + c] : T(0);
+        col.delta = from[L::kDelta + c];
+    }
+
+    // y[c] = delta[c] + u[c] g[c] + sum_l g[l] J[l][c]: the step's dependent chain.
+    __device__ static T apply(T g, const Column& col) {
+        static_assert(kChains == 4, "the final sum below adds four partial sums");
+        T acc[kChains] = {T(0), T(0), T(0), T(0)};
+#pragma unroll
+        for (int l = 0; l < D; ++l) acc[l % kChains] += __shfl_sync(kFullMask, g, l) * col.j[l];
+        T own = col.delta;
+        if constexpr (Factored) own += col.u * g;  // dense: no u_t (0 * g is not folded away: NaN, -0)
+        return own + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    }
+
+    __device__ void run(T g, i64 lo, i64 hi) {
+        constexpr int ahead = Lean ? 0 : 1;  // step t forms step t - ahead
+        for (int i = 0; i < S - 1 + ahead; ++i) {  // prologue: steps hi, hi - 1, .., one group each
+            if (hi - i >= lo) stage(hi - i, slot(hi - i));
+            bppsa::copy_async_commit();
+        }
+        Column even, odd;  // two register operands used in turn (linear): no copies between them
+        if constexpr (!Lean) {
+            bppsa::copy_async_wait<S - 1>();  // step hi landed (this lane's copies) ...
+            __syncwarp(kFullMask);             // ... and every lane's
+            form(even, slot(hi));
+        }
+        auto step = [&](Column& current, Column& next, i64 t) {
+            const i64 formed = t - ahead;
+            bppsa::copy_async_wait<S - 2>();  // 1. step `formed` landed (this lane's copies)
+            __syncwarp(kFullMask);             // 2. every lane's; every lane is done with slot formed + 1
+            if (formed + 1 - S >= lo) stage(formed + 1 - S, slot(formed + 1));  // 3. the same slot
+            bppsa::copy_async_commit();
+            // 4. (linear at t = lo: a slot's old contents, never used)
+            form(Lean ? current : next, slot(formed));
+            g = apply(g, current);
+            if (live) p.out_row(b, t)[lane] = g;
+        };
+        for (i64 t = hi; t >= lo; t -= 2) {
+            step(even, odd, t);
+            if (t > lo) step(odd, even, t - 1);
+        }
+        bppsa::copy_async_wait<0>();  // nothing in flight when the block ends (the groups left are empty)
     }
 };
 
-// Whether the warp-resident sweep takes this chain (kernels/cuda.py:warp_resident decides the same).
-template <bool Factored>
-__device__ bool warp_resident(int d, int m) {
-    return d <= kWarp && (!Factored || (m % d == 0 && m / d <= kMaxTiles));
-}
+#ifdef BPPSA_WARP_D
+constexpr int kWarpD = BPPSA_WARP_D;
+constexpr int kWarpK = BPPSA_WARP_K;
+static_assert(1 <= kWarpD && kWarpD <= kWarp && 1 <= kWarpK && kWarpK <= kMaxTiles, "BPPSA_WARP_D / _K out of range");
 
-// Warp 0 of the block stages W in shared memory `w` (factored): rows padded to 32 words, kGroup - 1 zero
-// rows after the last (the padding of the last group).
-template <class T, bool Factored>
-__device__ void stage_warp_weight(const Problem<T>& p, T* w) {
-    if (!Factored) return;
-    const bool live = (int)threadIdx.x < p.d;
-    for (int j = 0; j < p.m + kGroup - 1; ++j)
-        w[j * kWarp + threadIdx.x] = live && j < p.m ? p.mat[(i64)j * p.d + threadIdx.x] : T(0);
-    __syncwarp(kFullMask);
-}
+// The module's specialisation: the chain it serves (d, and for a factored chain k tiles), else a trap.
+template <class T, bool Factored, bool Lean>
+using WarpSweepOf = WarpSweep<T, Factored, kWarpD, Factored ? kWarpK : 1, Lean>;
 
-// Steps hi .. lo of row b by warp 0, from the carry g_{hi+1} (lane c holds its element `g`), writing
-// out[b, t]; w: the staged W (factored).
-template <class T, bool Factored>
-__device__ void warp_sweep(const Problem<T>& p, i64 b, i64 lo, i64 hi, T g, const T* w) {
-    const int d = p.d, tiles = Factored ? p.m / p.d : 1;  // once per call
-    const bool live = (int)threadIdx.x < d;
-    const int lane = live ? (int)threadIdx.x : d - 1;  // a dead lane loads lane d - 1's operand, drops its result
-    const T* w_column = w + threadIdx.x;
-    g = live ? g : T(0);
-    // Two operand buffers used in turn (no register copies): a step computes from one while the next
-    // step's operand loads into the other.
-    WarpOperand<T, Factored> even, odd;
-    even.load(p, b, hi, lane, tiles);
-    auto step = [&](const WarpOperand<T, Factored>& current, WarpOperand<T, Factored>& next, i64 t) {
-        if (t > lo) next.load(p, b, t - 1, lane, tiles);
-        const T y = current.apply(g, w_column, d, tiles);
-        g = live ? y : T(0);
-        if (live) p.out_row(b, t)[lane] = g;
-    };
-    for (i64 t = hi; t >= lo; t -= 2) {
-        step(even, odd, t);
-        if (t > lo) step(odd, even, t - 1);
-    }
+template <bool Factored, class T>
+__device__ void check_warp_shape(const Problem<T>& p) {
+    if (p.d != kWarpD || (Factored && p.m != kWarpK * kWarpD)) bppsa::fail();
 }
 
 template <class T, bool Factored>
 __device__ void warp_sweep_kernel(const Problem<T>& p) {
     BPPSA_DYNAMIC_SHARED(smem);
-    T* w = reinterpret_cast<T*>(smem);
-    stage_warp_weight<T, Factored>(p, w);
+    check_warp_shape<Factored>(p);
     const i64 b = blockIdx.x;
-    const bool live = (int)threadIdx.x < p.d;
+    const bool live = (int)threadIdx.x < kWarpD;
     const T g = live ? p.last(b)[threadIdx.x] : T(0);
     if (live) p.out_row(b, p.n)[threadIdx.x] = g;
-    warp_sweep<T, Factored>(p, b, 0, p.n - 1, g, w);
+    WarpSweepOf<T, Factored, false>(p, b, reinterpret_cast<T*>(smem)).run(g, 0, p.n - 1);
 }
+#endif
 
 // Raise a chunk's flag to `value` (epoch * 4 + state). Called right after the product that stored what it
 // announces (st.cg): that product's closing barrier orders every thread's stores before thread 0's
@@ -431,6 +542,9 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
     BPPSA_DYNAMIC_SHARED(smem);
     BPPSA_SHARED(unsigned, shared_ticket, 1);
     BPPSA_SHARED(int, shared_hops, 1);
+#ifdef BPPSA_WARP_D
+    check_warp_shape<Factored>(p);
+#endif
     const int d = p.d, R = d + p.affine;
     T* mat_x = reinterpret_cast<T*>(smem);
     T* mat_y = mat_x + R * d;
@@ -516,19 +630,18 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
     }
     if (q + 1 < chunks) publish(&flags[q * p.batch + b], inclusive_flag);
 
-    // 4. The per-step gradients of the chunk: by warp 0 alone where the warp-resident step applies (the
-    //    carry x is complete: the last product or copy above ended with a barrier; then W, staged over
-    //    the matrices, is all the shared memory still in use), else by the whole block.
-    if (warp_resident<Factored>(d, p.m)) {
-        if (threadIdx.x >= kWarp) return;
-        const T carry = (int)threadIdx.x < d ? x[threadIdx.x] : T(0);
-        __syncwarp(kFullMask);  // every lane has its carry before W overwrites it
-        T* w = reinterpret_cast<T*>(smem);
-        stage_warp_weight<T, Factored>(p, w);
-        warp_sweep<T, Factored>(p, b, lo, hi, carry, w);
-        return;
-    }
+    // 4. The per-step gradients of the chunk: in a module specialised for d <= 32, by warp 0 alone with the
+    //    warp-resident step (the carry x is complete: the last product or copy above ended with a barrier;
+    //    then the warp's ring and W, over the matrices, are all the shared memory still in use), else by
+    //    the whole block.
+#ifdef BPPSA_WARP_D
+    if (threadIdx.x >= kWarp) return;
+    const T carry = (int)threadIdx.x < d ? x[threadIdx.x] : T(0);
+    __syncwarp(kFullMask);  // every lane has its carry before the ring overwrites it
+    WarpSweepOf<T, Factored, true>(p, b, reinterpret_cast<T*>(smem)).run(carry, lo, hi);
+#else
     sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
+#endif
 }
 
 }  // namespace
@@ -544,7 +657,21 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
 #define BPPSA_PROBLEM(T) \
     Problem<T> { mat, scales, diagonal, grad, out, n, batch, (int)d, (int)m, (int)affine }
 
-#define BPPSA_KERNELS(T, SUFFIX)                                                                        \
+// A module holds the chunked kernels and either (specialised, -DBPPSA_WARP_D) the warp sweeps or (generic)
+// the block sweeps; kernels/cuda.py picks the module per launch (Launch.warp_shape).
+#define BPPSA_CHUNKED_KERNELS(T, SUFFIX)                                                                 \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, kChunkedBlocksPerSm<T>)                                           \
+        bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
+        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                  \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, kChunkedBlocksPerSm<T>)                                           \
+        bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
+        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                   \
+    }                                                                                                   \
+    BPPSA_ENTRY(bppsa_chunked_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                       \
+    BPPSA_ENTRY(bppsa_chunked_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
+
+#define BPPSA_SWEEP_KERNELS(T, SUFFIX)                                                                  \
     extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_sweep_dense_##SUFFIX BPPSA_PARAMS(T) { \
         sweep_kernel<T, false>(BPPSA_PROBLEM(T), (int)tile_rows);                                       \
     }                                                                                                   \
@@ -552,18 +679,8 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
         bppsa_sweep_factored_##SUFFIX BPPSA_PARAMS(T) {                                                  \
         sweep_kernel<T, true>(BPPSA_PROBLEM(T), (int)tile_rows);                                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
-        bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
-        chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                  \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1)                                           \
-        bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
-        chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                   \
-    }                                                                                                   \
     BPPSA_ENTRY(bppsa_sweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                         \
-    BPPSA_ENTRY(bppsa_sweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                      \
-    BPPSA_ENTRY(bppsa_chunked_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                       \
-    BPPSA_ENTRY(bppsa_chunked_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
+    BPPSA_ENTRY(bppsa_sweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
 
 // One warp per block: the block is the row's warp (launch_config: block = 32, grid = B).
 #define BPPSA_WARP_KERNELS(T, SUFFIX)                                                                   \
@@ -576,7 +693,26 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
     BPPSA_ENTRY(bppsa_warpsweep_dense_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))                     \
     BPPSA_ENTRY(bppsa_warpsweep_factored_##SUFFIX, BPPSA_PARAMS(T), BPPSA_HOST_ARGS(T))
 
-BPPSA_KERNELS(float, f32)
-BPPSA_KERNELS(double, f64)
+BPPSA_CHUNKED_KERNELS(float, f32)
+BPPSA_CHUNKED_KERNELS(double, f64)
+#ifdef BPPSA_WARP_D
 BPPSA_WARP_KERNELS(float, f32)
 BPPSA_WARP_KERNELS(double, f64)
+#ifndef __CUDACC__
+// The host emulation's view of the layout, for the test that kernels/cuda.py:warp_layout computes the same.
+template <class T, bool Lean>
+long long warp_layout_value(long long factored, long long depth) {
+    if (factored) return depth ? WarpSweepOf<T, true, Lean>::S : WarpSweepOf<T, true, Lean>::L::kBytes;
+    return depth ? WarpSweepOf<T, false, Lean>::S : WarpSweepOf<T, false, Lean>::L::kBytes;
+}
+// The shared bytes (depth = 0) or the ring's depth (depth = 1) of the module's warp sweep.
+extern "C" long long bppsa_warp_layout(long long factored, long long element_bytes, long long lean, long long depth) {
+    if (element_bytes == 4)
+        return lean ? warp_layout_value<float, true>(factored, depth) : warp_layout_value<float, false>(factored, depth);
+    return lean ? warp_layout_value<double, true>(factored, depth) : warp_layout_value<double, false>(factored, depth);
+}
+#endif
+#else
+BPPSA_SWEEP_KERNELS(float, f32)
+BPPSA_SWEEP_KERNELS(double, f64)
+#endif

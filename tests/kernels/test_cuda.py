@@ -53,15 +53,44 @@ def test_linear_uses_one_block_per_row():
 @pytest.mark.parametrize("element_bytes", [4, 8])
 @pytest.mark.parametrize(("d", "tiles"), [(1, 1), (7, 3), (20, 1), (20, 3), (32, 5)])
 def test_linear_with_d_up_to_32_uses_one_warp_per_row(d, tiles, element_bytes):
-    """The warp-resident sweep: a block is one warp, the factored W (padded to rows of 32 words, GROUP - 1
-    zero rows after it) is its only shared memory."""
+    """The warp-resident sweep: a block is one warp, from the module compiled for (d, k); its shared memory is
+    the operand ring (and W where W is not in registers), ``tile_rows`` the ring's depth."""
     launch = config(algorithm="linear", d=d, m=tiles * d, element_bytes=element_bytes)
     suffix = {4: "f32", 8: "f64"}[element_bytes]
     assert (launch.kernel, launch.grid, launch.block) == (f"bppsa_warpsweep_factored_{suffix}", 16, 32)
-    assert launch.shared_bytes == (tiles * d + cuda.GROUP - 1) * 32 * element_bytes
+    assert launch.warp_shape == (d, tiles)
+    layout = cuda.warp_layout(factored=True, d=d, k=tiles, element_bytes=element_bytes)
+    assert (launch.shared_bytes, launch.tile_rows) == (layout.shared_bytes, layout.depth)
     assert (launch.work_elements, launch.sync_words, launch.static_bytes) == (0, 0, 0)
     dense = config(algorithm="linear", d=d, m=d, factored=False, element_bytes=element_bytes)
-    assert (dense.kernel, dense.block, dense.shared_bytes) == (f"bppsa_warpsweep_dense_{suffix}", 32, 0)
+    assert (dense.kernel, dense.block, dense.warp_shape) == (f"bppsa_warpsweep_dense_{suffix}", 32, (d, 1))
+    dense_layout = cuda.warp_layout(factored=False, d=d, k=1, element_bytes=element_bytes)
+    assert dense.shared_bytes == dense_layout.shared_bytes and not dense_layout.weight_in_registers
+
+
+@pytest.mark.parametrize("element_bytes", [4, 8])
+def test_warp_layout_depth_and_weight_placement(element_bytes):
+    """The ring is a power of two of at most 32 slots within 47 KiB with a shared W; W in registers where it and
+    two columns take at most 160 words (the GRU at d = 20 float32: yes; the LSTM at d = 32: no); a factored
+    float32 ring is at least 16 deep (32 with W in registers); the chunked kernel's (lean) sweeps keep W in
+    shared memory."""
+    for d in range(1, 33):
+        for k in range(1, 6):
+            for factored in (True, False):
+                layout = cuda.warp_layout(factored=factored, d=d, k=k, element_bytes=element_bytes)
+                assert layout.depth in (2, 4, 8, 16, 32) and layout.shared_bytes <= cuda.WARP_SHARED_BYTES
+                words = (k + 2) * d * element_bytes // 4
+                assert layout.weight_in_registers == (factored and words <= cuda.REGISTER_WORDS)
+                if factored and element_bytes == 4:  # 32 deep, at least 16 where a shared W takes room
+                    assert layout.depth == 32 or (layout.depth == 16 and not layout.weight_in_registers), (
+                        d,
+                        k,
+                    )
+                lean = cuda.warp_layout(factored=factored, d=d, k=k, element_bytes=element_bytes, lean=True)
+                assert not lean.weight_in_registers and lean.slot == layout.slot
+    gru = cuda.warp_layout(factored=True, d=20, k=3, element_bytes=4)
+    assert gru.weight_in_registers and gru.shared_bytes == 32 * (3 * 20 + 2 * 20) * 4
+    assert not cuda.warp_layout(factored=True, d=32, k=5, element_bytes=4).weight_in_registers
 
 
 def test_warp_sweep_limits_fall_back_to_the_block_sweep():
@@ -229,13 +258,13 @@ def test_shared_limit_below_48_kib_is_refused():
 
 @pytest.mark.parametrize("element_bytes", [4, 8])
 @pytest.mark.parametrize(("d", "tiles"), [(1, 1), (20, 3), (32, 5)])
-def test_chunked_launch_holds_the_warp_step_weight(d, tiles, element_bytes):
-    """For d <= 32 the chunk sweeps stage W (padded) over the chunk matrices: the launch gives the larger."""
+def test_chunked_launch_holds_the_warp_step_ring(d, tiles, element_bytes):
+    """For d <= 32 the chunk sweeps put their ring and W over the chunk matrices: the launch gives the larger,
+    from the module of (d, k)."""
     launch = config(d=d, m=tiles * d, element_bytes=element_bytes, affine=True)
     assert launch.kernel.startswith("bppsa_chunked_") and cuda.warp_resident(factored=True, d=d, m=tiles * d)
-    assert launch.shared_bytes >= cuda.warp_weight_bytes(
-        factored=True, m=tiles * d, element_bytes=element_bytes
-    )
+    lean = cuda.warp_layout(factored=True, d=d, k=tiles, element_bytes=element_bytes, lean=True)
+    assert launch.shared_bytes >= lean.shared_bytes and launch.warp_shape == (d, tiles)
     assert not cuda.warp_resident(factored=True, d=33, m=33) and not cuda.warp_resident(
         factored=True, d=20, m=120
     )

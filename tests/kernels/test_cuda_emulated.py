@@ -8,6 +8,7 @@ One OS thread per CUDA thread: the grids stay tiny. ``resident`` bounds the bloc
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -118,6 +119,106 @@ def test_warp_sweep_any_number_of_weight_tiles(tiles, diagonal, d, dtype):
     args = [None if t is None else t.to(dtype) for t in (weight, scales, diag, grad)]
     out = emulated.scan_factored(*args, "linear", 1)
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The warp sweep compiled per (d, k), its operands staged through a ring of `depth` slots (cp.async)
+# --------------------------------------------------------------------------------------------------
+
+RING_SHAPES = [(d, k) for d in (1, 5, 8, 20, 31, 32) for k in (1, 3, 5)]  # + dense (its module is (d, 1))
+
+
+def ring_depth(d: int, k: int | None, dtype: torch.dtype, lean: bool = False) -> int:
+    return cuda.warp_layout(
+        factored=k is not None, d=d, k=k or 1, element_bytes=dtype.itemsize, lean=lean
+    ).depth
+
+
+def check_chain(d, k, n, dtype, algorithm="linear", chunk=1, batch=1, seed=1, resident=None):
+    """One factored (k tiles, u_t, per-step delta) or dense (k None, last-state gradient) chain of n steps
+    through the emulated kernels, against the float64 loop; returns the output."""
+    gen = torch.Generator().manual_seed(1000 * d + 10 * (k or 0) + n)
+    if k is None:
+        jt, grad = make_dense(batch, n, d, False, gen)
+        out = emulated.scan_dense(
+            jt.to(dtype), grad.to(dtype), algorithm, chunk, seed=seed, resident=resident
+        )
+        check(out, jt, grad, dtype)
+        return out
+    weight, scales, diag, grad = make_factored(batch, n, d, k, True, True, gen)
+    args = [t.to(dtype) for t in (weight, scales, diag, grad)]
+    out = emulated.scan_factored(*args, algorithm, chunk, seed=seed, resident=resident)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, None], ids=["k1", "k3", "k5", "dense"])
+@pytest.mark.parametrize("d", [5, 20])
+def test_warp_sweep_ring_quick(d, k):
+    """n = depth - 1, depth, depth + 1 (the ring's boundaries: fewer steps than slots, exactly full, one
+    reuse of a slot) and 2 depth + 3 (every slot reused twice), float32, against the float64 loop."""
+    depth = ring_depth(d, k, torch.float32)
+    for n in (depth - 1, depth, depth + 1, 2 * depth + 3):
+        check_chain(d, k, n, torch.float32)
+
+
+@pytest.mark.slow  # ~1-2 min: 18 modules built once, then ~100 emulated launches
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [1, 3, 5, None], ids=["k1", "k3", "k5", "dense"])
+@pytest.mark.parametrize("d", [1, 8, 31, 32])
+def test_warp_sweep_ring_boundaries_every_shape(d, k, dtype):
+    """The same boundaries for d = 1 (31 dead lanes), 8, 31 (one dead lane), 32 (none), both dtypes (W in
+    registers or in shared memory, rings of 2 to 32 slots)."""
+    depth = ring_depth(d, k, dtype)
+    for n in sorted({1, depth - 1, depth, depth + 1, 2 * depth + 3} - {0}):
+        check_chain(d, k, n, dtype, batch=2 if n < 8 else 1)
+
+
+@pytest.mark.parametrize(("d", "k"), [(5, 3), (20, 1), (8, None)], ids=["d5k3", "d20k1", "d8dense"])
+def test_warp_sweep_ring_in_chunk_sweeps(d, k):
+    """The chunked kernel's lean chunk sweeps: chunks of depth - 1, depth and depth + 1 steps (a last partial
+    chunk each), a few blocks resident."""
+    depth = ring_depth(d, k, torch.float32, lean=True)
+    for chunk in (depth - 1, depth, depth + 1):
+        check_chain(d, k, 2 * chunk + 3, torch.float32, "chunked", chunk, resident=2)
+
+
+def test_warp_sweep_bit_identical_whatever_the_copies_timing():
+    """Copies landing at other times (another seed: each copy lands at once or only at its wait) and another
+    block order give the same bits, linear and chunked."""
+    for algorithm, chunk in (("linear", 1), ("chunked", 9)):
+        runs = [check_chain(20, 3, 40, torch.float32, algorithm, chunk, batch=2, seed=s) for s in (1, 2, 3)]
+        assert all(torch.equal(runs[0], other) for other in runs[1:])
+
+
+@pytest.mark.parametrize(("d", "k"), [(5, 3), (20, 1), (20, 3), (32, 5)])
+def test_warp_layout_is_the_kernels(d, k):
+    """cuda.warp_layout (which sizes the launches' shared memory) is what scan.cu compiled for (d, k)."""
+    lib = emulated.library((d, k))
+    for element_bytes in (4, 8):
+        for factored in (True, False):
+            for lean in (False, True):
+                layout = cuda.warp_layout(
+                    factored=factored, d=d, k=k if factored else 1, element_bytes=element_bytes, lean=lean
+                )
+                if not factored and k != 1:
+                    continue  # a dense chain runs from the module of (d, 1)
+                compiled = [lib.bppsa_warp_layout(factored, element_bytes, lean, depth) for depth in (0, 1)]
+                assert compiled == [layout.shared_bytes, layout.depth], (factored, element_bytes, lean)
+
+
+def test_a_module_refuses_a_chain_of_another_shape():
+    """A launch of the (20, 3) module with a chain of d = 5 traps (bppsa::fail) instead of reading out of bounds."""
+    launch = cuda.launch_config(factored=True, element_bytes=4, n=4, batch=1, d=5, m=15, affine=True,
+                                algorithm="linear", chunk_size=1)  # fmt: skip
+    wrong = dataclasses.replace(launch, warp_shape=(20, 3))
+    weight, scales, diag, grad = make_factored(1, 4, 5, 3, True, True, torch.Generator().manual_seed(0))
+    launcher = emulated._launcher(None, 20.0, 1, 0.0)
+    with pytest.raises(RuntimeError, match="an emulated thread failed"):
+        cuda.run(
+            weight.float(), scales.float(), diag.float(), grad.float(), algorithm="linear", chunk_size=1,
+            launcher=lambda config, args, device: launcher(wrong, args, device),
+        )  # fmt: skip
 
 
 CHUNKED_CASES = [  # (batch, n, d, chunk, resident, per_step); chunk counts odd where possible
@@ -404,8 +505,23 @@ extern "C" __global__ void probe(const double* in, double* out, float* out32, lo
         out[lane] = __shfl_sync(0x0000ffffu, in[lane], 0);
     } else if (mode == 2) {  // lanes 0-15 call with their own mask but read lane 20, outside it
         if (lane < 16) out[lane] = __shfl_sync(0x0000ffffu, in[lane], 20);
-    } else {
+    } else if (mode == 3) {
         __syncwarp(0x0000ffffu);
+    } else {  // asynchronous copies into shared memory, then read back by the next lane (vector loads)
+        BPPSA_DYNAMIC_SHARED(smem);
+        double* ring = reinterpret_cast<double*>(smem);
+        bppsa::copy_async(ring + lane, in + lane);
+        bppsa::copy_async_commit();
+        bppsa::copy_async(ring + 32 + lane, in + lane);  // a second group
+        bppsa::copy_async_commit();
+        if (mode == 4) bppsa::copy_async_wait<1>();  // the first group landed; the second may not have
+        if (mode == 5) bppsa::copy_async_wait<0>();
+        __syncwarp(0xffffffffu);
+        double v[2];
+        bppsa::load_shared_vector(ring + (mode == 6 ? 1 : 2 * (lane / 2)), v);  // mode 6: misaligned
+        out[lane] = v[lane % 2];
+        out32[lane] = float(ring[32 + lane]);
+        if (mode == 4) bppsa::copy_async_wait<0>();  // mode 7 leaves the second group pending at the end
     }
 }
 extern "C" void probe_host(const uint64_t* a) {
@@ -433,7 +549,7 @@ def warp_probe(tmp_path_factory):
         out, out32 = torch.full((32,), float("nan"), dtype=torch.float64), torch.full((32,), float("nan"))
         words = (ctypes.c_uint64 * 4)(values.data_ptr(), out.data_ptr(), out32.data_ptr(), mode)
         entry = ctypes.cast(lib.probe_host, ctypes.c_void_p)
-        return lib.bppsa_emu_launch(entry, words, 1, 32, 0, 1, 20.0, 0, 0.0), values, (out, out32)
+        return lib.bppsa_emu_launch(entry, words, 1, 32, 1024, 1, 20.0, 0, 0.0), values, (out, out32)
 
     return launch
 
@@ -447,11 +563,36 @@ def test_emulated_shuffle_moves_values_between_lanes(warp_probe):
 
 
 @pytest.mark.parametrize(
-    "mode", [1, 2, 3], ids=["caller-outside-mask", "source-outside-mask", "syncwarp-partial"]
+    "mode",
+    [1, 2, 3, 6, 7],
+    ids=[
+        "caller-outside-mask",
+        "source-outside-mask",
+        "syncwarp-partial",
+        "misaligned-vector",
+        "copies-pending",
+    ],
 )
 def test_emulated_warp_collectives_refuse_a_bad_mask(warp_probe, mode):
+    """Also refused: a 16-byte vector load from an address that is not 16-byte aligned, and asynchronous
+    copies still pending when a block ends (they would land in the next block's shared memory)."""
     status, _, _ = warp_probe(mode)
     assert status == 2  # BPPSA_EMU_ERROR: the kernel's thread threw
+
+
+@pytest.mark.parametrize("mode", [4, 5], ids=["wait-for-one-group", "wait-for-all"])
+def test_emulated_async_copies_land_by_their_wait(warp_probe, mode):
+    """After copy_async_wait<N> the groups older than the N newest have landed (and a warp barrier shares
+    them); the newer ones may not have: in mode 4 the second group (waited only after the reads) is, by the
+    seeded coin of each copy, partly still the shared memory's old zeros when read."""
+    status, values, (out, out32) = warp_probe(mode)
+    assert status == 0
+    assert torch.equal(out, values)  # the first group: landed, read back by vector loads
+    landed = out32 == values.float()
+    if mode == 5:
+        assert landed.all()
+    else:
+        assert (landed | (out32 == 0)).all() and not landed.all() and landed.any()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -168,9 +168,10 @@ def test_a_chunked_scan_launches_nothing_but_its_kernel_in_steady_state(monkeypa
 
 def test_scan_launcher_makes_one_stream_wrapper_per_torch_stream(fake_device):
     fake, current = fake_device
-    kernel = cuda.prepare(0)["bppsa_warpsweep_factored_f32"]
     launch = cuda.launch_config(factored=True, element_bytes=4, n=7, batch=2, d=4, m=4, affine=True,
                                 algorithm="linear", chunk_size=1)  # fmt: skip
+    module = cuda.prepare(0, launch.warp_shape)  # the module of (d, k) = (4, 1)
+    kernel = module["bppsa_warpsweep_factored_f32"]
     args = [11, 12, 0, 13, 14, 0, 0, 7, 2, 4, 4, 7, 1, 4]
     device = torch.device("cuda", 0)
     for handle in (0x1000, 0x1000, 0x2000, 0x1000):
@@ -201,10 +202,10 @@ def test_recurrent_launcher_fetches_each_kernel_once(fake_device):
 
 def test_scan_launcher_enters_another_device_only(fake_device):
     fake, _ = fake_device
-    cuda.prepare(0), cuda.prepare(1)
-    fake.devices_entered.clear()
     launch = cuda.launch_config(factored=True, element_bytes=4, n=3, batch=1, d=2, m=2, affine=False,
                                 algorithm="linear", chunk_size=1)  # fmt: skip
+    cuda.prepare(0, launch.warp_shape), cuda.prepare(1, launch.warp_shape)  # the module of (d, k) = (2, 1)
+    fake.devices_entered.clear()
     for device in (torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)):
         cuda._launch_cuda(launch, [0] * 14, device)
     assert fake.devices_entered == [
