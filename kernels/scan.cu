@@ -422,7 +422,9 @@ struct WarpSweep {
             if (p.diagonal && live) bppsa::copy_async(to + L::kU + lane, p.diagonal + step * D + lane);
         } else {
             const T* jt = p.mat + step * (D * D);
-#pragma unroll
+            // lean (chunked kernel, <= 128 registers): not fully unrolled, or the copies' offsets, hoisted
+            // out of the step loop, take the registers (spills at d = 22 .. 30 float32)
+#pragma unroll(Lean ? 4 : 32)
             for (int e0 = 0; e0 < D * D; e0 += kWarp) {
                 const int e = e0 + lane;
                 if (e < D * D) bppsa::copy_async(to + e / D * L::kRow + e % D, jt + e);

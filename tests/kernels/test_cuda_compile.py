@@ -13,8 +13,9 @@ from lightning_bppsa.kernels import cuda, cuda_inspect
 
 ARCHS = ("sm_80", "sm_90")
 #: warp-sweep modules (d, k) compiled by the gate: the smallest and widest states, the GRU and LSTM at the
-#: largest d whose W stays in registers (float32: (k + 2) d <= 160; float64: <= 80) and just past it
-WARP_SHAPES = [(1, 1), (5, 3), (16, 3), (20, 3), (22, 5), (23, 5), (32, 3), (32, 4), (32, 5)]
+#: largest d whose W stays in registers (float32: (k + 2) d <= 160; float64: <= 80) and just past it, and a
+#: dense d = 26, where the chunked kernel's fully unrolled copies spilled at 128 registers
+WARP_SHAPES = [(1, 1), (5, 3), (16, 3), (20, 3), (22, 5), (23, 5), (26, 1), (32, 3), (32, 4), (32, 5)]
 #: the chunked kernels' register cap (__launch_bounds__(256, kChunkedBlocksPerSm): 2 blocks float32, 1 float64)
 CHUNKED_REGISTERS = {"f32": 128, "f64": 255}
 
