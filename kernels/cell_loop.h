@@ -5,8 +5,13 @@
      H, M, D              the width of a state tensor, their number, the flat state width M H
      NK, KH               the number of linear pieces (0: none) and their width NK H
      NI                   the number of input-part values the pointwise part reads
+     NS, NF               the kept columns (H wide) of the scales and of the partials by the input values: those
+                          not zero by the graph's structure, in the generator's order (nn/cell_kernel.py _Layout)
      CLO, CHI             the state columns the pieces read (both products skip the others)
-     NDIRECT, DIRECT_STATES  with several states: those read directly (identity tiles after the pieces')
+     CELL_PRODUCTS(G, S, F, OUT)  OUT(k, Σ S(n) G(p)) for each piece k, then OUT(NK + i, Σ F(n) G(p)) for each
+                          input value i: the sums over the kept columns n (of new state p) of its partials
+     CELL_DIRECT(G, S, ADD)  with several states: ADD(q, Σ S(n) G(p)) for each state q read directly (the kept
+                          columns of its identity tile)
      cell_values(row, prev, piece, in, stride, next)
      cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart)
                           the step's pointwise part for one batch row: the new state from the old one, the
@@ -82,17 +87,21 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
     return 0;
 }
 
-/* One row's backward products: o = [pieces k | inputs i] of Σ_p partial[(k M + p) H + j] g[p H + j] (the new
-   states' gradient g times their partials by each piece and input value, summed over the new states p),
-   from the scales' first NK M H columns s and the input partials f. */
+/* the generated sums' accessors, at coordinate j of a row: the new states' gradient g, the row's kept scales s
+   and input partials f, its products o and the carry */
+#define ROW_G(p) g[(p) * H + j]
+#define ROW_S(n) s[(n) * H + j]
+#define ROW_F(n) f[(n) * H + j]
+#define ROW_OUT(k, e) o[(k) * H + j] = (e);
+#define ROW_ADD(q, e) carry[(q) * H + j] += (e);
+
+/* One row's backward products: o = [pieces k | inputs i] of Σ_p partial_k[p] g[p] (the new states' gradient g
+   times their partials by each piece and input value, summed over the new states p whose partial is kept),
+   from the kept scales s and input partials f. */
 static inline void row_products(const REAL* g, const REAL* s, const REAL* f, REAL* o) {
-    for (int64_t k = 0; k < NK + NI; ++k) {
-        const REAL* partial = k < NK ? s + k * M * H : f + (k - NK) * M * H;
-        for (int64_t j = 0; j < H; ++j) {
-            REAL acc = partial[j] * g[j];
-            for (int64_t p = 1; p < M; ++p) acc += partial[p * H + j] * g[p * H + j];
-            o[k * H + j] = acc;
-        }
+    (void)g; (void)s; (void)f; (void)o;
+    for (int64_t j = 0; j < H; ++j) {
+        CELL_PRODUCTS(ROW_G, ROW_S, ROW_F, ROW_OUT)
     }
 }
 
@@ -107,7 +116,7 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
     (void)threads;
 #endif
     for (int64_t r = 0; r < rows; ++r)
-        row_products(grad + (r + r / steps + 1) * D, scales + r * scale_width, fpart + r * NI * D,
+        row_products(grad + (r + r / steps + 1) * D, scales + r * scale_width, fpart + r * NF * H,
                      out + r * (NK + NI) * H);
     return 0;
 }
@@ -118,7 +127,7 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
      products[row] = [pieces k | inputs i] as bppsa_cell_cotangent, from g_t;
      g_{t-1} = direct_{t-1} + g_t J_t = direct_{t-1} + u wt (u the pieces' products, wt = (KH, D) the
                pieces' weight rows; only the state columns [CLO, CHI) any piece reads) + the direct terms
-               (one state: diagonal; several: the scales' identity-tile columns after the pieces').
+               (one state: diagonal; several: the kept columns of the identity tiles, CELL_DIRECT).
    direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T (s_0 has none), else
    unused; final: (B, D), a further direct gradient of s_T, or NULL. As two arguments, so that the outputs'
    gradients are read where autograd left them (no (B, T + 1, D) copy). out: (B, D), the gradient of s_0:
@@ -150,7 +159,7 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                     const char* ahead = (const char*)(s - PREFETCH_STEPS * scale_width);
                     for (int64_t e = 0; e < scale_width * (int64_t)sizeof(REAL); e += 64) __builtin_prefetch(ahead + e);
                 }
-                row_products(g, s, fpart + row * NI * D, o);
+                row_products(g, s, fpart + row * NF * H, o);
                 /* CARRY_SETS partial sums over the pieces' rows: as many independent FMA chains as that many
                    times the read columns' vectors (one set of a few vectors would be latency-bound) */
                 REAL part[CARRY_SETS][CHI > CLO ? CHI - CLO : 1];
@@ -174,14 +183,8 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                 if (M == 1 && diagonal) {
                     for (int64_t j = 0; j < H; ++j) carry[j] += g[j] * diagonal[row * D + j];
                 }
-                for (int64_t i = 0; i < NDIRECT; ++i) {
-                    const REAL* tile = s + (NK + i) * M * H;
-                    const int64_t q = DIRECT_STATES[i];
-                    for (int64_t j = 0; j < H; ++j) {
-                        REAL acc = tile[j] * g[j];
-                        for (int64_t p = 1; p < M; ++p) acc += tile[p * H + j] * g[p * H + j];
-                        carry[q * H + j] += acc;
-                    }
+                for (int64_t j = 0; j < H; ++j) {
+                    CELL_DIRECT(ROW_G, ROW_S, ROW_ADD)
                 }
                 REAL* prev = g == rows[0] ? rows[1] : rows[0];
                 if (per_step && t >= 2) {

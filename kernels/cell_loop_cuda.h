@@ -2,11 +2,10 @@
    as three kernels, compiled from its traced step by lightning_bppsa/nn/cell_cuda.py. The generated source is the
    C source lightning_bppsa/nn/cell_kernel.py makes (its defines and the step's pointwise part, cell_values and
    cell_partials, run by one thread per coordinate j), then this file. Besides cell_loop.h's defines (REAL, H, M,
-   D, NK, KH, NI, CLO, CHI) it defines:
+   D, NK, KH, NI, NS, NF, CLO, CHI, CELL_PRODUCTS, CELL_DIRECT: the kept partials' sums) it defines:
 
      CELL_INPUT_PARAMS, CELL_INPUT_POINTERS, CELL_INPUT_STRIDES, CELL_INPUT_HOST_ARGS(base)
                           the NI input-part values as kernel parameters (pointer, row stride) and their host words
-     CELL_DIRECT_TILE(q)  with several states: the identity tile of state q read directly (-1: none), a constant
 
    Every parameter is a 64-bit word (pointers and long long: CuPy packs Python ints so). States are (B, T + 1, D);
    rows of the other arrays are (b, t) flattened, as on the CPU.
@@ -24,7 +23,7 @@
      the pieces' ones also to shared memory (double-buffered: one barrier per step), then forms g_{t-1} at its
      coordinates: the pieces' products times the wt = (KH, D) columns [CLO, CHI) (staged as the forward's),
      plus the diagonal (one
-     state) or the identity tiles of the states read directly, plus the direct gradient.
+     state) or the kept columns of the identity tiles of the states read directly, plus the direct gradient.
    bppsa_cell_cotangent: the products of every row from a states' gradient the scan made elsewhere
      (a grid-stride loop over (row, j)). */
 
@@ -33,19 +32,26 @@ typedef long long i64;
 #define CELL_MAX_THREADS 256 /* H <= 256: one thread per coordinate (lightning_bppsa/nn/cell_cuda.py checks) */
 #define CELL_CW (CHI - CLO)  /* the state columns the pieces read */
 
-/* One coordinate's products: o[k] = Σ_p partial_k[p H + j] g[p] for the pieces k < NK (their scales s) and the
-   input values (their partials f), written to out[k H]; the pieces' also to shared[k H] (when not null). */
+/* the generated sums' accessors for thread j: the new states' gradient g (registers), a row's kept scales s and
+   input partials f, its products (out, and the pieces' in shared), the carry */
+#define CU_G(p) g[p]
+#define CU_S(n) s[(n) * H + j]
+#define CU_F(n) f[(n) * H + j]
+#define CU_OUT(k, e)                                              \
+    {                                                             \
+        const REAL v_ = (e);                                      \
+        out[(k) * H + j] = v_;                                    \
+        if (shared != nullptr && (k) < NK) shared[(k) * H + j] = v_; \
+    }
+#define CU_ADD(q, e) carry[q] += (e);
+
+/* One coordinate's products: o[k] = Σ_p partial_k[p H + j] g[p] over the kept partials, for the pieces k < NK
+   (their scales s) and the input values (their partials f), written to out[k H]; the pieces' also to
+   shared[k H] (when not null). */
 __device__ __forceinline__ void cell_products(const REAL (&g)[M], const REAL* __restrict__ s, const REAL* __restrict__ f,
                                               int j, REAL* __restrict__ out, REAL* __restrict__ shared) {
-#pragma unroll
-    for (int k = 0; k < NK + NI; ++k) {
-        const REAL* partial = (k < NK ? s + k * M * H : f + (k - NK) * M * H) + j;
-        REAL acc = partial[0] * g[0];
-#pragma unroll
-        for (int p = 1; p < M; ++p) acc += partial[p * H] * g[p];
-        out[k * H + j] = acc;
-        if (shared != nullptr && k < NK) shared[k * H + j] = acc;
-    }
+    (void)g; (void)s; (void)f;
+    CELL_PRODUCTS(CU_G, CU_S, CU_F, CU_OUT)
 }
 
 extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
@@ -126,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
         const i64 row = b * steps + t - 1;
         const REAL* s = scales + row * scale_width;
         REAL* ob = o + (t & 1) * KH;
-        if (j < H) cell_products(g, s, fpart + row * NI * D, j, products + row * (NK + NI) * H, ob);
+        if (j < H) cell_products(g, s, fpart + row * NF * H, j, products + row * (NK + NI) * H, ob);
         __syncthreads();  // ob complete; the other buffer is written next step while late threads read this one
         if (j < H) {
             REAL carry[M];
@@ -138,14 +144,9 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
                     for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * ws];
                 }
                 if (M == 1 && diagonal != nullptr) acc += g[0] * diagonal[row * D + j];
-                const int tile = CELL_DIRECT_TILE(q);
-                if (tile >= 0) {
-                    const REAL* u = s + (NK + tile) * M * H + j;
-#pragma unroll
-                    for (int p = 0; p < M; ++p) acc += u[p * H] * g[p];
-                }
                 carry[q] = acc;
             }
+            CELL_DIRECT(CU_G, CU_S, CU_ADD)
             const REAL* d = per_step && t >= 2 ? direct + (b * steps + t - 2) * D + j : nullptr;
 #pragma unroll
             for (int q = 0; q < M; ++q) g[q] = (d ? d[q * H] : REAL(0)) + carry[q];
@@ -172,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
         REAL g[M];
 #pragma unroll
         for (int p = 0; p < M; ++p) g[p] = gr[p * H];
-        cell_products(g, scales + r * scale_width, fpart + r * NI * D, j, out + r * (NK + NI) * H, nullptr);
+        cell_products(g, scales + r * scale_width, fpart + r * NF * H, j, out + r * (NK + NI) * H, nullptr);
     }
 }
 BPPSA_ENTRY(bppsa_cell_cuda_cotangent, (),

@@ -58,6 +58,19 @@ class FactoredJacobians:
     def state_size(self) -> int:
         return self.weight.shape[1]
 
+    @property
+    def width(self) -> int:
+        """The rows of ``weight`` (``k d``): the scan's products' inner size."""
+        return self.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.scales.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
     def to(self, dtype: torch.dtype) -> FactoredJacobians:
         """The same chain with every factor in ``dtype`` (``self`` when nothing changes)."""
         parts = [self.weight, self.scales] + ([self.diagonal] if self.diagonal is not None else [])

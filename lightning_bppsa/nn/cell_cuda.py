@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,11 +84,11 @@ class Launch:
     staged: bool = False  # the pieces' weights staged in shared memory (forward, backward)
 
 
-def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, list]:
-    """The CUDA source of ``structure``'s loop in ``dtype`` and the input-part values it reads, in order (the
-    C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list); :class:`Unsupported` where the generator
-    does not compile the graph."""
-    text, inputs = cell_kernel._generate(structure, dtype, TARGET)
+def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, list, cell_kernel._Layout]:
+    """The CUDA source of ``structure``'s loop in ``dtype``, the input-part values it reads, in order, and the
+    partials it keeps (the C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list and ``_Layout``);
+    :class:`Unsupported` where the generator does not compile the graph."""
+    text, inputs, layout = cell_kernel._generate(structure, dtype, TARGET)
     for header in _HEADERS:
         # inlined once each: their include guards would only warn in the main file
         text = text.replace(
@@ -102,13 +101,12 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
         n_states=structure.n_states, pieces=len(structure.pieces),
         read_columns=(max(read) - min(read) + 1) * h if read else 0, element_bytes=dtype.itemsize,
     )  # fmt: skip
-    return source, inputs
+    return source, inputs, layout
 
 
 def _epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
-    """After the step: the kernels' parameter macros (the input values as (pointer, row stride) pairs, the
-    identity tiles of the states read directly), then the kernels."""
-    tile = "".join(f"(q) == {q} ? {i} : " for i, q in enumerate(cell_kernel._direct(structure))) + "-1"
+    """After the step: the kernels' parameter macros (the input values as (pointer, row stride) pairs), then the
+    kernels."""
     pointers = ", ".join(f"in{k}" for k in range(n_inputs))
     strides = ", ".join(f"st{k}" for k in range(n_inputs))
     params = "".join(f", const REAL* __restrict__ in{k}, int64_t st{k}" for k in range(n_inputs))
@@ -116,7 +114,6 @@ def _epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
         f", (const REAL*)a[base + {2 * k}], (int64_t)a[base + {2 * k + 1}]" for k in range(n_inputs)
     )
     return [
-        f"#define CELL_DIRECT_TILE(q) ({tile})",
         f"#define CELL_INPUT_PARAMS {params}",
         f"#define CELL_INPUT_POINTERS {pointers}",
         f"#define CELL_INPUT_STRIDES {strides}",
@@ -194,7 +191,7 @@ class CudaCellKernel(CellKernel):
                 f"the state tensors are {structure.width} wide; the CUDA loop takes at most {MAX_THREADS}"
             )
         backend = CupyBackend() if backend is None else backend
-        source, self._inputs = generate(structure, dtype)
+        source, self._inputs, self._layout = generate(structure, dtype)
         limit = backend.shared_limit(device)
         for name in KERNELS:
             need = launch_config(source, name, 1, 1, limit).shared_bytes
@@ -203,9 +200,7 @@ class CudaCellKernel(CellKernel):
         backend.load(source, device)
         self.structure, self.dtype, self.source, self.platform = structure, dtype, source, backend.platform
         self._library = _Launches(source, backend, device)
-        self._buffers = threading.local()
-        #: elements per step of the partials by the input values that a forward with partials keeps
-        self.input_partial_elements = len(self._inputs) * structure.n_states * structure.width
+        self._start()
 
 
 def _address(value: int | None) -> int:

@@ -12,8 +12,10 @@ differs):
 
 - the states ``(B, T + 1, d)``;
 - the scales (and diagonal) of the :class:`~lightning_bppsa.jacobians.FactoredJacobians`, in the layout
-  ``CellStructure.scale_columns`` gives;
-- the partials by the input part's values.
+  ``CellStructure.scale_columns`` gives, less the partials that are zero by the graph's structure (no
+  differentiable path from the piece or state to the new state: an LSTM's memory by its output gate, most of a
+  state traced as many narrow blocks): those are neither stored nor swept (:class:`_Layout`);
+- the partials by the input part's values (those not structurally zero).
 
 The backward (:meth:`CellKernel.scan`) is one C sweep: the linear scan of those Jacobians with, per row and
 step, the products ``g ⊙ partials`` by every piece and input value; :meth:`CellKernel.vjp` turns them into
@@ -28,6 +30,7 @@ broadcast per row or per coordinate, raises :class:`Unsupported`: the traced gra
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -101,16 +104,90 @@ class Unsupported(Exception):
 
 
 @dataclass(frozen=True)
-class CellFactors:
-    """What a forward with partials wrote: the step Jacobians, the partials by the input part's values, and
-    the input part itself recorded by autograd from ``x_flat`` and the cell's tensors (the backward pulls the
-    products back through it without running it again)."""
+class _Layout:
+    """Which partials the compiled loop keeps: those of ``structure.scale_columns`` (at ``scale_columns``) and of
+    the new states by the input values (``input_columns``: ``(input i, new state p)``) that are not zero by the
+    traced graph's structure (no path from the leaf to the new state through differentiable operands: zero
+    for every input, e.g. an LSTM's memory by its output gate), ``H`` columns each, in that order."""
 
-    jacobians: FactoredJacobians
-    input_partials: Tensor  # (B T, n_inputs m H): the partial of new state p by input value i at [i, p]
+    structure: CellStructure
+    scale_columns: tuple[int, ...]
+    input_columns: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class CellFactors:
+    """What a forward with partials wrote: the step Jacobians' factors in the loop's layout (:class:`_Layout`:
+    structurally zero partials are neither stored nor swept), the partials by the input part's values, and
+    the input part itself recorded by autograd from ``x_flat`` and the cell's tensors (the backward pulls the
+    products back through it without running it again). :attr:`jacobians` is the same Jacobians as
+    :class:`~lightning_bppsa.jacobians.FactoredJacobians` (for scans other than the loop's own sweep)."""
+
+    layout: _Layout
+    scales: Tensor  # (B, T, kept scale columns H)
+    diagonal: Tensor | None  # (B, T, d): one state read directly
+    piece_weight: Tensor | None  # (pieces H, d): the pieces' linear maps as rows (CellStructure.piece_weight)
+    input_partials: Tensor  # (B T, kept input columns H)
     frontier: list[Tensor]
     offsets: list[Tensor | None]  # per piece its input-only terms (None: zero; empty: none at all), recorded
     x_flat: Tensor
+
+    @functools.cached_property
+    def jacobians(self) -> FactoredJacobians:
+        """The step Jacobians as :class:`~lightning_bppsa.jacobians.FactoredJacobians` in the structure's full
+        layout: its weight and scales are made on their first read (the loop's own sweep reads neither)."""
+        return _ExpandedJacobians(self)
+
+
+class _ExpandedJacobians(FactoredJacobians):
+    """:class:`CellFactors` as :class:`~lightning_bppsa.jacobians.FactoredJacobians`: ``weight`` (the structure's
+    :meth:`~lightning_bppsa.nn.cell_structure.CellStructure.factor_weight`) and ``scales`` (the kept columns in
+    their places, zeros elsewhere) made on first read; the sizes without either."""
+
+    def __init__(self, factors: CellFactors) -> None:  # noqa: D107 - the fields are made on demand
+        object.__setattr__(self, "_factors", factors)
+        object.__setattr__(self, "diagonal", factors.diagonal)
+
+    @functools.cached_property
+    def weight(self) -> Tensor:  # type: ignore[override]
+        factors = self._factors
+        frontier = [None if v is None else v.detach() for v in factors.frontier]
+        return factors.layout.structure.factor_weight(frontier, factors.scales)
+
+    @functools.cached_property
+    def scales(self) -> Tensor:  # type: ignore[override]
+        compact, layout = self._factors.scales, self._factors.layout
+        batch, steps = compact.shape[:2]
+        h = layout.structure.width
+        full = compact.new_zeros(batch, steps, len(layout.structure.scale_columns), h)
+        full[:, :, list(layout.scale_columns)] = compact.view(batch, steps, -1, h)
+        return full.view(batch, steps, -1)
+
+    @property
+    def batch_size(self) -> int:
+        return self._factors.scales.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self._factors.scales.shape[1]
+
+    @property
+    def state_size(self) -> int:
+        structure = self._factors.layout.structure
+        return structure.n_states * structure.width
+
+    @property
+    def width(self) -> int:
+        structure = self._factors.layout.structure
+        return len(structure.scale_columns) * structure.width
+
+    @property
+    def device(self) -> torch.device:
+        return self._factors.scales.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._factors.scales.dtype
 
 
 @dataclass(frozen=True)
@@ -135,11 +212,20 @@ class CellKernel:
         if stack > _STACK_BYTES:
             raise Unsupported(f"the state is too wide for the compiled loop's stack arrays ({stack} bytes)")
         self.structure, self.dtype = structure, dtype
-        source, self._inputs = _generate(structure, dtype)
+        source, self._inputs, self._layout = _generate(structure, dtype)
         self._library = _load(source)
+        self._start()
+
+    def _start(self) -> None:
+        """What every kernel keeps beside its library (the CUDA twin's constructor calls it too)."""
         self._buffers = threading.local()
+        self._pool: dict[str, list[Tensor]] = {}
+        self._pool_lock = threading.Lock()
+        h = self.structure.width
         #: elements per step of the partials by the input values that a forward with partials keeps
-        self.input_partial_elements = len(self._inputs) * structure.n_states * structure.width
+        self.input_partial_elements = len(self._layout.input_columns) * h
+        #: elements per step of the Jacobians' factors a forward with partials keeps (the kept scales, the diagonal)
+        self.factor_elements = len(self._layout.scale_columns) * h + (h if self.structure.has_diagonal else 0)
 
     def forward(
         self, tensors: list[Tensor], x_flat: Tensor, s0: Tensor, batch: int, partials: bool
@@ -148,18 +234,18 @@ class CellKernel:
         ``partials`` the factors the backward needs (then autograd records the input part, from ``x_flat``
         and ``tensors`` where they require grad; nothing else is recorded)."""
         structure = self.structure
-        m, h, d = structure.n_states, structure.width, s0.shape[-1]
+        h, d = structure.width, s0.shape[-1]
         rows = x_flat.shape[0]
         steps = rows // batch
         with torch.set_grad_enabled(partials):
             recorded, recorded_offsets = structure.kernel_inputs(tensors, x_flat)
         with torch.no_grad():
             frontier = [None if v is None else v.detach() for v in recorded]
-            weight = structure.factor_weight(frontier, s0)
             pieces = len(structure.pieces)
-            wc = offsets = None
+            weight = wc = offsets = None
             if pieces:  # the pieces' linear maps, and their input-only terms once for all rows (recorded)
-                wc = _piece_rows(weight, structure).T.contiguous()
+                weight = structure.piece_weight(frontier, s0)
+                wc = weight.T.contiguous()
                 if structure.has_offsets:
                     offsets = _joined([None if v is None else v.detach() for v in recorded_offsets], rows, h)
             inputs = [_laid_out(frontier[i.frontier], i.layout, rows) for i in self._inputs]
@@ -167,9 +253,10 @@ class CellKernel:
             states[:, 0] = s0
             scales = diagonal = input_partials = None
             if partials:
-                scales = s0.new_empty(batch, steps, len(structure.scale_columns) * h)
-                diagonal = s0.new_empty(batch, steps, d) if structure.has_diagonal else None
-                input_partials = s0.new_empty(rows, len(self._inputs) * m * h)
+                layout = self._layout
+                scales = self._output("scales", (batch, steps, len(layout.scale_columns) * h), s0)
+                diagonal = self._output("diagonal", (batch, steps, d), s0) if structure.has_diagonal else None
+                input_partials = self._output("input_partials", (rows, len(layout.input_columns) * h), s0)
             pointers = (ctypes.c_void_p * max(1, len(inputs)))(*(t.data_ptr() for t, _ in inputs))
             strides = (ctypes.c_int64 * max(1, len(inputs)))(*(s for _, s in inputs))
             self._library.bppsa_cell_forward(
@@ -189,7 +276,7 @@ class CellKernel:
         if not partials:
             return states, None
         return states, CellFactors(
-            FactoredJacobians(weight, scales, diagonal), input_partials, recorded, recorded_offsets, x_flat
+            self._layout, scales, diagonal, weight, input_partials, recorded, recorded_offsets, x_flat
         )
 
     def scan(
@@ -201,22 +288,20 @@ class CellKernel:
         gradient ``(B, d)`` and the products :meth:`vjp` takes (which carry what the VJP needs of the other
         states' gradients). Both results are this thread's scratch buffers: valid until the next backward
         of this kernel (copy what must outlive it)."""
-        jacobians, structure = factors.jacobians, self.structure
-        batch, steps, h = jacobians.batch_size, jacobians.length, structure.width
-        d, pieces = jacobians.state_size, len(structure.pieces)
+        structure, like = self.structure, factors.scales
+        batch, steps, h = like.shape[0], like.shape[1], structure.width
+        d, pieces = structure.n_states * h, len(structure.pieces)
         grad_steps, grad_final = (None if g is None else g.contiguous() for g in (grad_steps, grad_final))
-        like = jacobians.scales
-        wt = _piece_rows(jacobians.weight, structure).contiguous() if pieces else None
         out = self._buffer("out", like, (batch, d))
         products = self._buffer("products", like, (batch * steps, (pieces + len(self._inputs)) * h))
         self._library.bppsa_cell_backward(
             batch,
             steps,
             _native.threads(batch),
-            _pointer(wt),
-            _pointer(jacobians.scales),
-            jacobians.scales.shape[-1],
-            _pointer(jacobians.diagonal),
+            _pointer(factors.piece_weight),
+            _pointer(like),
+            like.shape[-1],
+            _pointer(factors.diagonal),
             _pointer(factors.input_partials),
             _pointer(grad_steps),
             int(grad_steps is not None),
@@ -229,7 +314,7 @@ class CellKernel:
     def products(self, factors: CellFactors, grad: Tensor) -> Tensor:
         """The backward's products ``(B T, (pieces + input values) H)``: the states' gradient ``grad`` ``(B, T + 1,
         d)`` (a scan's) times the partials by each piece and input value, summed over the new states."""
-        scales, grad = factors.jacobians.scales, grad.contiguous()
+        scales, grad = factors.scales, grad.contiguous()
         batch, steps = scales.shape[:2]
         products = self._buffer(
             "products",
@@ -247,6 +332,26 @@ class CellKernel:
             _pointer(products),
         )
         return products
+
+    def _output(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A forward's factor buffer (kept until the backward): on the CPU one of this kernel's buffers that nothing
+        references any more (the last backward's factors were freed), as a new view, else a new one. A new
+        multi-MB buffer every forward costs its page faults: above glibc's mmap threshold (32 MB at most) every
+        allocation is fresh pages, measured 20 ms of a 35 ms forward for a 55 MB buffer (WideMemory, H = 32)."""
+        if like.device.type != "cpu" or _SOLE is None:
+            return like.new_empty(shape)
+        with self._pool_lock:
+            held = self._pool.setdefault(name, [])
+            free = [i for i, t in enumerate(held) if _use_count(t) == _SOLE]
+            for i in free:
+                if held[i].shape == shape and held[i].dtype == like.dtype:
+                    return held[i].view(shape)
+            buffer = like.new_empty(shape)
+            if free:
+                held[free[0]] = buffer
+            elif len(held) < _POOLED:
+                held.append(buffer)
+            return buffer.view(shape)
 
     def _buffer(self, name: str, like: Tensor, shape: tuple[int, ...]) -> Tensor:
         """A backward's scratch buffer, reused from this thread's last backward of the same shape: the products
@@ -278,19 +383,12 @@ class CellKernel:
         input_grads = products[:, len(pieces) * h :].view(rows, len(self._inputs), h)
         outs, grads = [], []
         if pieces:
-            # pieces = offsets + prev @ (blocks of the weights): the blocks' gradient is prevᵀ @ the pieces'
-            # gradients; the offsets' (input-only terms) goes through their recorded graph
+            # pieces = offsets + prev @ rowsᵀ (the weights' blocks, CellStructure.piece_weight): the rows' gradient
+            # is the pieces' gradientsᵀ @ prev; the offsets' (input-only terms) goes through their recorded graph
             low = min(q for piece in pieces for q, _ in piece.reads)  # only the states the pieces read
             high = max(q for piece in pieces for q, _ in piece.reads) + 1
             prev = states[:, :-1, low * h : high * h].reshape(rows, (high - low) * h)
-            blocks = prev.T @ products[:, : len(pieces) * h]
-            weights: dict[int, Tensor] = {}
-            for k, piece in enumerate(pieces):
-                if frontier[piece.weight].requires_grad:
-                    grad = weights.setdefault(piece.weight, torch.zeros_like(frontier[piece.weight]))
-                    for q, row in piece.reads:
-                        block = blocks[(q - low) * h : (q - low + 1) * h, k * h : (k + 1) * h]
-                        grad[row : row + h, piece.offset : piece.offset + h] += block
+            weights = structure.piece_weight_grads(products[:, : len(pieces) * h].T @ prev, low * h, frontier)
             outs += [frontier[w] for w in weights]
             grads += list(weights.values())
             terms = [(k, v) for k, v in enumerate(factors.offsets) if v is not None and v.requires_grad]
@@ -317,14 +415,6 @@ def _check(structure: CellStructure, dtype: torch.dtype) -> None:
         raise Unsupported("the pieces' input-only terms do not separate from the states")
 
 
-def _piece_rows(weight: Tensor, structure: CellStructure) -> Tensor:
-    """``(pieces H, d)``: the factored weight's rows of each piece once (its row block for new state 0; the
-    blocks of the other new states repeat it)."""
-    m, h = structure.n_states, structure.width
-    pieces = len(structure.pieces)
-    return weight.view(-1, h, weight.shape[-1])[: pieces * m : m].reshape(pieces * h, weight.shape[-1])
-
-
 def _joined(terms: list[Tensor | None], rows: int, h: int) -> Tensor:
     """The pieces' input-only terms as one ``(rows, pieces H)`` row-major tensor: without a copy where they
     are its column blocks already (the structure makes them so where it can), else concatenated."""
@@ -348,6 +438,20 @@ def _laid_out(value: Tensor, layout: str, rows: int) -> tuple[Tensor, int]:
     return value.reshape(-1).contiguous(), 0
 
 
+def _use_count(tensor: Tensor) -> int:
+    """How many tensors (and storage handles) share ``tensor``'s storage."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+#: factor buffers a kernel keeps per name for reuse: a training loop's last forward's factors live until its next
+#: forward returns (its outputs are replaced then), so two alternate; one more for a graph kept for later
+_POOLED = 3
+try:  # the count of a tensor nothing else shares (its own, and the storage handle asked)
+    _SOLE: int | None = _use_count(torch.empty(1))
+except (AttributeError, RuntimeError):  # a release without the count: every forward allocates
+    _SOLE = None
+
+
 def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -369,17 +473,8 @@ class Target:
     epilogue: Callable[[CellStructure, int], list[str]]
 
 
-def _direct(structure: CellStructure) -> list[int]:
-    """The states read directly that the loop treats as identity tiles (one state read directly: the diagonal)."""
-    return structure.direct_states if structure.n_states > 1 else []
-
-
 def _c_epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
-    direct = _direct(structure)
-    return [
-        f"static const int64_t DIRECT_STATES[] = {{{', '.join(map(str, direct)) or '0'}}};",
-        '#include "cell_loop.h"',
-    ]
+    return ['#include "cell_loop.h"']
 
 
 #: the CPU loop: C compiled with kernels/cell_loop.h, one coordinate per iteration
@@ -391,10 +486,14 @@ C = Target(
     epilogue=_c_epilogue,
 )
 
+_ZERO = "(REAL)0"  # the emitter's partial where the graph has no path from the leaf (zero for every input)
 
-def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) -> tuple[str, list[_Input]]:
-    """The source of ``structure``'s loop in ``dtype`` for ``target`` and the input-part values it reads, in
-    order."""
+
+def _generate(
+    structure: CellStructure, dtype: torch.dtype, target: Target = C
+) -> tuple[str, list[_Input], _Layout]:
+    """The source of ``structure``'s loop in ``dtype`` for ``target``, the input-part values it reads, in order,
+    and which partials it keeps (:class:`_Layout`: those the emitter's forward mode does not find zero)."""
     graph = structure.pointwise.graph
     n_frontier, m, h = len(structure.frontier_is_row), structure.n_states, structure.width
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -433,21 +532,23 @@ def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) 
     piece_leaf = {k: placeholders[n_frontier + m + k] for k in range(len(structure.pieces))}
     input_leaf = [placeholders[spec.frontier] for spec in inputs]
     by_position = lambda leaf: state_leaf[leaf] if leaf < m else piece_leaf[leaf - m]  # noqa: E731
+    # the kept partials: (column, new state p, leaf, expression), the scales' then the input values'
+    scales = [(c, p, leaf, emitter.partial(outputs[p], by_position(leaf)))
+              for c, (p, leaf) in enumerate(structure.scale_columns)]  # fmt: skip
+    scales = [column for column in scales if column[3] != _ZERO]
+    by_inputs = [
+        (i, p, emitter.partial(outputs[p], node)) for i, node in enumerate(input_leaf) for p in range(m)
+    ]
+    by_inputs = [column for column in by_inputs if column[2] != _ZERO]
+    layout = _Layout(structure, tuple(c for c, *_ in scales), tuple((i, p) for i, p, _ in by_inputs))
     stores_values = [f"next[{p * h} + j] = {emitter.value(out)};" for p, out in enumerate(outputs)]
     stores_partials = list(stores_values)
-    width = len(structure.scale_columns) * h
-    for c, (p, leaf) in enumerate(structure.scale_columns):
-        stores_partials.append(
-            f"scales[row * {width} + {c * h} + j] = {emitter.partial(outputs[p], by_position(leaf))};"
-        )
+    for n, (_, _, _, expr) in enumerate(scales):
+        stores_partials.append(f"scales[row * {len(scales) * h} + {n * h} + j] = {expr};")
     if structure.has_diagonal:
         stores_partials.append(f"diagonal[row * {h} + j] = {emitter.partial(outputs[0], state_leaf[0])};")
-    n_inputs = len(inputs) * m * h
-    for i, node in enumerate(input_leaf):
-        for p in range(m):
-            stores_partials.append(
-                f"fpart[row * {n_inputs} + {(i * m + p) * h} + j] = {emitter.partial(outputs[p], node)};"
-            )
+    for n, (_, _, expr) in enumerate(by_inputs):
+        stores_partials.append(f"fpart[row * {len(by_inputs) * h} + {n * h} + j] = {expr};")
     signature = "int64_t row, const REAL* restrict prev, const REAL* restrict piece, const REAL* const* in, const int64_t* stride, REAL* restrict next"
     body = lambda lines, stores: "\n".join(  # noqa: E731
         ["    " + line for line in loads]
@@ -457,6 +558,22 @@ def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) 
     )
     real = "float" if dtype == torch.float32 else "double"
     read = sorted({q for piece in structure.pieces for q, _ in piece.reads})
+    pieces = len(structure.pieces)
+    # the backward's sums over the kept partials, spelled by the loop through its accessors G(p) (the new states'
+    # gradient at state p), S(n) / F(n) (kept scale / input column n), OUT(k, e) (product k), ADD(q, e) (state q)
+    total = lambda terms: " + ".join(terms) or _ZERO  # noqa: E731
+    products = [
+        f"OUT({k}, {total([f'S({n}) * G({p})' for n, (_, p, leaf, _) in enumerate(scales) if leaf == m + k])})"
+        for k in range(pieces)
+    ] + [
+        f"OUT({pieces + i}, {total([f'F({n}) * G({p})' for n, (j, p, _) in enumerate(by_inputs) if j == i])})"
+        for i in range(len(inputs))
+    ]
+    direct = [
+        f"ADD({q}, {total(terms)})"
+        for q in (structure.direct_states if m > 1 else [])
+        if (terms := [f"S({n}) * G({p})" for n, (_, p, leaf, _) in enumerate(scales) if leaf == q])
+    ]
     source = "\n".join(
         [
             f"/* Generated by {target.generator} from a cell's traced step. */",
@@ -465,12 +582,15 @@ def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) 
             f"#define H {h}",
             f"#define M {m}",
             f"#define D {m * h}",
-            f"#define NK {len(structure.pieces)}",
-            f"#define KH {len(structure.pieces) * h}",
+            f"#define NK {pieces}",
+            f"#define KH {pieces * h}",
             f"#define NI {len(inputs)}",
+            f"#define NS {len(scales)}",
+            f"#define NF {len(by_inputs)}",
             f"#define CLO {min(read, default=0) * h}",
             f"#define CHI {(max(read) + 1) * h if read else 0}",
-            f"#define NDIRECT {len(_direct(structure))}",
+            f"#define CELL_PRODUCTS(G, S, F, OUT) {' '.join(products)}",
+            f"#define CELL_DIRECT(G, S, ADD) {' '.join(direct)}",
             f"{target.qualifier} void cell_values({signature}) {{",
             "    (void)stride;",
             body(emitter.lines(values_only=True), stores_values),
@@ -483,7 +603,7 @@ def _generate(structure: CellStructure, dtype: torch.dtype, target: Target = C) 
             "",
         ]
     )
-    return source, inputs
+    return source, inputs, layout
 
 
 def _layout(node: fx.Node, is_row: bool, rows: int, h: int, dtype: torch.dtype) -> str:

@@ -313,27 +313,70 @@ class CellStructure:
         return self.n_states == 1 and bool(self._direct)
 
     def factor_weight(self, frontier: list[Tensor], like: Tensor) -> Tensor:
-        """The factored Jacobians' shared weight ``(len(scale_columns) H, d)`` from the input part's values."""
+        """The factored Jacobians' shared weight ``(len(scale_columns) H, d)`` from the input part's values: each
+        piece's rows (:meth:`piece_weight`) once per new state, then an identity tile per state read directly."""
         m, h = self.n_states, self.width
-        if m == 1 and all(len(piece.reads) == 1 for _, piece in self._pieces):
-            # each piece's block, transposed
-            blocks = [frontier[piece.weight][row : row + h, piece.offset : piece.offset + h].T
-                      for _, piece in self._pieces for _, row in piece.reads]  # fmt: skip
-            return torch.cat(blocks, 0) if blocks else like.new_zeros(0, h)
-        eye = torch.eye(h, dtype=like.dtype, device=like.device)
-        weights = []
-        for _, piece in self._pieces:
-            w_t = frontier[piece.weight]
-            block = [like.new_zeros(h, h) for _ in range(m)]
-            for q, row in piece.reads:
-                block[q] = block[q] + w_t[row : row + h, piece.offset : piece.offset + h].T
-            weights.append(torch.cat(block, 1).repeat(m, 1))  # the same row block for every new state p
+        rows = self.piece_weight(frontier, like)
+        pieces = len(self._pieces)
+        weights = [rows.view(pieces, 1, h, m * h).expand(pieces, m, h, m * h).reshape(pieces * m * h, m * h)]
         if m > 1:  # ∂s'_p/∂s_q for the states q read directly: identity tiles
+            eye = torch.eye(h, dtype=like.dtype, device=like.device)
             for q in self._direct:
-                weights.append(
-                    torch.cat([eye if j == q else torch.zeros_like(eye) for j in range(m)], 1).repeat(m, 1)
-                )
-        return torch.cat(weights, 0) if weights else like.new_zeros(0, m * h)
+                tile = like.new_zeros(h, m * h)
+                tile[:, q * h : (q + 1) * h] = eye
+                weights.append(tile.repeat(m, 1))
+        return torch.cat(weights, 0) if len(weights) > 1 else weights[0]
+
+    def piece_weight(self, frontier: list[Tensor], like: Tensor) -> Tensor:
+        """``(pieces H, d)``: the pieces' linear maps as rows, ``piece_k = s @ rows[k H:(k + 1) H].T`` (the blocks of
+        the weights the pieces read, transposed, at the column blocks of the states they read; one indexed copy
+        per weight, not a copy per piece and state block)."""
+        m, h = self.n_states, self.width
+        out = like.new_zeros(len(self._pieces) * h, m * h)
+        for w, (dst, src) in self._piece_indices(frontier, out.device).items():
+            out.view(-1).index_put_((dst,), frontier[w].reshape(-1)[src], accumulate=True)
+        return out
+
+    def piece_weight_grads(self, grad: Tensor, low: int, frontier: list[Tensor]) -> dict[int, Tensor]:
+        """The gradients of the weights the pieces read (frontier index -> gradient, for those requiring grad)
+        from the gradient ``grad`` of :meth:`piece_weight`'s columns from ``low`` on (``(pieces H, columns)``)."""
+        full = grad
+        if low or grad.shape[-1] != self.n_states * self.width:
+            full = grad.new_zeros(grad.shape[0], self.n_states * self.width)
+            full[:, low : low + grad.shape[-1]] = grad
+        grads = {}
+        for w, (dst, src) in self._piece_indices(frontier, grad.device).items():
+            if frontier[w].requires_grad:
+                out = grad.new_zeros(frontier[w].shape)
+                out.view(-1).index_put_((src,), full.reshape(-1)[dst], accumulate=True)
+                grads[w] = out
+        return grads
+
+    def _piece_indices(
+        self, frontier: list[Tensor], device: torch.device
+    ) -> dict[int, tuple[Tensor, Tensor]]:
+        """Per weight the pieces read, ``(dst, src)``: flat indices into :meth:`piece_weight`'s rows and into the
+        weight (``Wt``, row-major), ``rows[k H + a, q H + b] += Wt[row + b, offset_k + a]`` for every piece ``k``
+        and state block ``(q, row)`` it reads. Made once per weight shape and device."""
+        key = (device, tuple(tuple(frontier[p.weight].shape) for _, p in self._pieces))
+        cached = getattr(self, "_indices", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        h, d = self.width, self.n_states * self.width
+        a = torch.arange(h).view(h, 1)  # the piece's coordinate (a row of its block)
+        b = torch.arange(h).view(1, h)  # the state block's coordinate
+        parts: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        for k, (_, piece) in enumerate(self._pieces):
+            columns = frontier[piece.weight].shape[-1]
+            dst, src = parts.setdefault(piece.weight, ([], []))
+            for q, row in piece.reads:
+                dst.append(((k * h + a) * d + q * h + b).reshape(-1))
+                src.append(((row + b) * columns + piece.offset + a).reshape(-1))
+        indices = {
+            w: (torch.cat(dst).to(device), torch.cat(src).to(device)) for w, (dst, src) in parts.items()
+        }
+        self._indices = (key, indices)
+        return indices
 
 
 def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple: bool) -> CellStructure:

@@ -598,3 +598,47 @@ def test_a_cell_modifying_its_buffer_in_place_is_not_traced():
     states = (torch.zeros(2, 4, dtype=F64), torch.zeros(2, 4, dtype=F64))
     with pytest.raises(NotTraceable, match=r"modifies a parameter or buffer in place \(aten.add_.Tensor\)"):
         trace_cell(cell, torch.randn(2, 3, dtype=F64), states, is_tuple=True)
+
+
+@pytest.mark.parametrize(
+    ("cell_type", "kept", "full"),
+    [(HandLSTM, 9, 10), (WideMemory, 17, 27), (CoprimeWidths, 10, 50)],
+    ids=lambda c: getattr(c, "__name__", str(c)),
+)
+def test_the_compiled_loop_keeps_only_the_partials_not_zero_by_structure(cell_type, kept, full):
+    """The loop stores and sweeps only the partials a path of the traced graph connects (an LSTM's memory does not
+    depend on its output gate; a state traced as narrow blocks has each new block depend on its own blocks
+    only): every column it drops is zero in autograd's partials on random inputs, every one it keeps is not,
+    and its factors expanded are the torch path's Jacobians."""
+    torch.manual_seed(6)
+    cell = cell_type(3, 5).to(F64)
+    rows, params = 6, list(cell.parameters())
+    states = tuple(torch.randn(rows, n, dtype=F64) for n in cell.state_size)
+    x = torch.randn(rows, 3, dtype=F64)
+    structure = trace_cell(cell, x, states, is_tuple=True)
+    _, factors = cell_kernel.CellKernel(structure, F64).forward(params, x, torch.cat(states, -1), rows, True)
+    reference, _ = structure.linearize(params, x, states, rows)
+    columns = reference.scales.view(rows, full, structure.width).abs().amax((0, 2))
+    chosen = list(factors.layout.scale_columns)
+    assert len(chosen) == kept and len(structure.scale_columns) == full
+    assert all(columns[c] > 0 for c in chosen)
+    assert all(columns[c] == 0 for c in range(full) if c not in chosen)
+    assert factors.scales.shape[-1] == kept * structure.width
+    torch.testing.assert_close(factors.jacobians.scales, reference.scales, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(factors.jacobians.weight, reference.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cell_type", [WideMemory, CoprimeWidths], ids=lambda c: c.__name__)
+def test_a_scan_other_than_the_sweep_reads_the_kept_partials_expanded_exactly(cell_type):
+    """``algorithm="blelloch"``: the scan reads the compiled loop's factors as FactoredJacobians (the kept columns
+    in their places, zeros elsewhere), exact against autograd through the loop."""
+    torch.manual_seed(7)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(6, 3, 3, dtype=F64, requires_grad=True)
+    module = Recurrence(cell, algorithm="blelloch")
+    cell.output_fn = lambda state: torch.cat(state, -1)
+    ours = _grads(lambda: module(x)[0], [x, *cell.parameters()])
+    assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
+    theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -82,7 +82,7 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged)
     cell = cell_type(3, hidden).to(F64)
     batch, steps = 2, 4
     structure, s0 = _structure(cell, batch)
-    source, _ = generate(structure, F64)
+    source, *_ = generate(structure, F64)
     buffers = max(launch_config(source, name, 1, 1, 0).shared_bytes for name in cell_cuda.KERNELS)
     backend = EmulatedBackend(shared_limit=H100_SHARED_BYTES if staged else buffers)
     ours, theirs = CudaCellKernel(structure, F64, CPU, backend), CellKernel(structure, F64)
@@ -91,11 +91,11 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged)
     states_c, factors_c = theirs.forward(cell_tensors(cell), x_flat, s0, batch, True)
     close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # noqa: E731
     close(states, states_c)
-    close(factors.jacobians.scales, factors_c.jacobians.scales)
+    close(factors.scales, factors_c.scales)
     close(factors.input_partials, factors_c.input_partials)
-    assert (factors.jacobians.diagonal is None) == (factors_c.jacobians.diagonal is None)
-    if factors.jacobians.diagonal is not None:
-        close(factors.jacobians.diagonal, factors_c.jacobians.diagonal)
+    assert (factors.diagonal is None) == (factors_c.diagonal is None)
+    if factors.diagonal is not None:
+        close(factors.diagonal, factors_c.diagonal)
     d = s0.shape[-1]
     per_step, final = torch.randn(batch, steps, d, dtype=F64), torch.randn(batch, d, dtype=F64)
     for grads in ((per_step, final), (None, final), (per_step, None)):
@@ -122,7 +122,7 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged)
 def test_launches_stage_the_read_weight_rows_and_the_products_grid_covers_every_row():
     # pieces f, g of [x, h] and kk(k): they read states 0 and 2, so state columns [0, 3 H) are staged
     structure, _ = _structure(CASES.ThreeStates(3, 40).to(F64), 2)
-    source, _ = generate(structure, F64)
+    source, *_ = generate(structure, F64)
     assert (source.width, source.n_states, source.pieces, source.read_columns) == (40, 3, 3, 120)
     weights, limit = 120 * 120 * 8, H100_SHARED_BYTES
     forward = launch_config(source, "bppsa_cell_cuda_forward", 7, 9, limit)
@@ -217,8 +217,8 @@ def test_the_cuda_source_has_the_c_loops_step_statements():
     """One generator for both targets: the CUDA source's step functions are the C loop's statements, only the
     target's spelling around them (qualifiers, the loop over j, includes, the loop's own header) differs."""
     structure, _ = _structure(CASES.ThreeStates(3, 4).to(F64), 2)
-    c_text, c_inputs = cell_kernel._generate(structure, F64)
-    source, cuda_inputs = generate(structure, F64)
+    c_text, c_inputs, _ = cell_kernel._generate(structure, F64)
+    source, cuda_inputs, _ = generate(structure, F64)
     assert c_inputs == cuda_inputs
 
     def step(text: str, target: cell_kernel.Target) -> str:
@@ -231,10 +231,14 @@ def test_the_cuda_source_has_the_c_loops_step_statements():
     assert step(c_text, cell_kernel.C) == step(source.text, cell_cuda.TARGET)
     assert step(c_text, cell_kernel.C).count("LOOP") == 2
     assert "const int64_t j = threadIdx.x;" in source.text and '#include "cell_loop.h"' not in source.text
-    assert (
-        "static const int64_t DIRECT_STATES" not in source.text
-        and "CELL_DIRECT_TILE(q) ((q) == 0 ? 0" in source.text
-    )
+    # the backward's sums over the kept partials: the same macros, spelled by each loop's accessors
+    sums = [
+        line
+        for line in c_text.splitlines()
+        if line.startswith(("#define CELL_PRODUCTS", "#define CELL_DIRECT"))
+    ]
+    assert len(sums) == 2 and all(line in source.text.splitlines() for line in sums)
+    assert "ADD(" in sums[1]  # ThreeStates reads a state directly
 
 
 def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_loader(monkeypatch):
@@ -258,7 +262,7 @@ def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_l
     loader = Loader()
     monkeypatch.setattr(cell_cuda, "_loader", lambda: loader)
     structure, _ = _structure(CASES.SmoothOps(3, 4).to(F64), 2)
-    source, _ = generate(structure, F64)
+    source, *_ = generate(structure, F64)
     backend = cell_cuda.CupyBackend()
     backend.load(source, torch.device("cuda", 1))
     assert [(c[1], c[2]) for c in calls] == [(1, name) for name in cell_cuda.KERNELS]
@@ -290,7 +294,7 @@ def test_nvcc_compiles_the_generated_source(tmp_path, dtype):
         pytest.skip("nvcc is not on PATH: the CUDA compile check needs the CUDA toolkit (no GPU needed)")
     for cell_type in CELLS:
         structure, _ = _structure(cell_type(3, 5).to(dtype), 2, dtype)
-        source, _ = generate(structure, dtype)
+        source, *_ = generate(structure, dtype)
         path = tmp_path / f"{cell_type.__name__}.cu"
         path.write_text(source.text)
         cmd = [nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-o", str(path.with_suffix(".cubin")), str(path)]

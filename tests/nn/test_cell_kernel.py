@@ -317,3 +317,32 @@ def test_the_sweep_takes_the_outputs_and_the_final_states_gradients_as_given(cel
     theirs = torch.autograd.grad(loss(steps, steps[-1]), leaves)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_forwards_factor_buffers_are_reused_only_once_nothing_references_them():
+    """A forward's factors go into a buffer of an earlier forward only where no tensor shares that buffer any more
+    (a view of the factors keeps it); the reused buffer then holds the new forward's factors."""
+    if cell_kernel._SOLE is None:
+        pytest.skip("this torch release gives no storage use count: every forward allocates its buffers")
+    torch.manual_seed(10)
+    cell = ThreeStates(3, 4).to(F64)
+    module = Recurrence(cell, algorithm="linear")
+    x = torch.randn(5, 2, 3, dtype=F64)
+    module(x.requires_grad_())
+    (traced,) = module._traced.values()
+    kernel, params = traced.kernel, list(cell.parameters())
+    x_flat, s0 = x.detach().reshape(10, 3), torch.zeros(2, 12, dtype=F64)
+    _, first = kernel.forward(params, x_flat, s0, 2, True)
+    _, second = kernel.forward(params, x_flat * 2, s0, 2, True)
+    address = first.scales.data_ptr()
+    assert second.scales.data_ptr() != address
+    view, kept = first.scales[:, :1], first.scales[:, :1].clone()
+    del first
+    _, third = kernel.forward(params, x_flat * 3, s0, 2, True)
+    assert third.scales.data_ptr() != address
+    torch.testing.assert_close(view, kept, rtol=0, atol=0)
+    del view
+    _, fourth = kernel.forward(params, x_flat * 4, s0, 2, True)
+    assert fourth.scales.data_ptr() == address
+    _, fresh = cell_kernel.CellKernel(traced.structure, F64).forward(params, x_flat * 4, s0, 2, True)
+    torch.testing.assert_close(fourth.scales, fresh.scales, rtol=0, atol=0)
