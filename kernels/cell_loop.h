@@ -98,7 +98,8 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
 /* One row's backward products: o = [pieces k | inputs i] of Σ_p partial_k[p] g[p] (the new states' gradient g
    times their partials by each piece and input value, summed over the new states p whose partial is kept),
    from the kept scales s and input partials f. */
-static inline void row_products(const REAL* g, const REAL* s, const REAL* f, REAL* o) {
+static inline void row_products(const REAL* restrict g, const REAL* restrict s, const REAL* restrict f,
+                                REAL* restrict o) {
     (void)g; (void)s; (void)f; (void)o;
     for (int64_t j = 0; j < H; ++j) {
         CELL_PRODUCTS(ROW_G, ROW_S, ROW_F, ROW_OUT)

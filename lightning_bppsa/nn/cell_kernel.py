@@ -136,7 +136,8 @@ class CellFactors:
     def jacobians(self) -> FactoredJacobians:
         """The step Jacobians as :class:`~lightning_bppsa.jacobians.FactoredJacobians` in the structure's full
         layout: its weight and scales are made on their first read (the loop's own sweep reads neither)."""
-        return _ExpandedJacobians(self)
+        # not the factors themselves: a cycle through this cache would keep their buffers until a collection
+        return _ExpandedJacobians(self.layout, self.scales, self.diagonal, self.frontier)
 
 
 class _ExpandedJacobians(FactoredJacobians):
@@ -144,19 +145,22 @@ class _ExpandedJacobians(FactoredJacobians):
     :meth:`~lightning_bppsa.nn.cell_structure.CellStructure.factor_weight`) and ``scales`` (the kept columns in
     their places, zeros elsewhere) made on first read; the sizes without either."""
 
-    def __init__(self, factors: CellFactors) -> None:  # noqa: D107 - the fields are made on demand
-        object.__setattr__(self, "_factors", factors)
-        object.__setattr__(self, "diagonal", factors.diagonal)
+    def __init__(  # noqa: D107 - the fields are made on demand
+        self, layout: _Layout, compact: Tensor, diagonal: Tensor | None, frontier: list[Tensor | None]
+    ) -> None:
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_compact", compact)
+        object.__setattr__(self, "_frontier", frontier)
+        object.__setattr__(self, "diagonal", diagonal)
 
     @functools.cached_property
     def weight(self) -> Tensor:  # type: ignore[override]
-        factors = self._factors
-        frontier = [None if v is None else v.detach() for v in factors.frontier]
-        return factors.layout.structure.factor_weight(frontier, factors.scales)
+        frontier = [None if v is None else v.detach() for v in self._frontier]
+        return self._layout.structure.factor_weight(frontier, self._compact)
 
     @functools.cached_property
     def scales(self) -> Tensor:  # type: ignore[override]
-        compact, layout = self._factors.scales, self._factors.layout
+        compact, layout = self._compact, self._layout
         batch, steps = compact.shape[:2]
         h = layout.structure.width
         full = compact.new_zeros(batch, steps, len(layout.structure.scale_columns), h)
@@ -165,29 +169,29 @@ class _ExpandedJacobians(FactoredJacobians):
 
     @property
     def batch_size(self) -> int:
-        return self._factors.scales.shape[0]
+        return self._compact.shape[0]
 
     @property
     def length(self) -> int:
-        return self._factors.scales.shape[1]
+        return self._compact.shape[1]
 
     @property
     def state_size(self) -> int:
-        structure = self._factors.layout.structure
+        structure = self._layout.structure
         return structure.n_states * structure.width
 
     @property
     def width(self) -> int:
-        structure = self._factors.layout.structure
+        structure = self._layout.structure
         return len(structure.scale_columns) * structure.width
 
     @property
     def device(self) -> torch.device:
-        return self._factors.scales.device
+        return self._compact.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._factors.scales.dtype
+        return self._compact.dtype
 
 
 @dataclass(frozen=True)
