@@ -14,7 +14,8 @@ too). Per cell, same weights, one process, on one device:
   graph interpreted in ``jax.numpy`` (``benchmarks/cell_jax.py``), the torch weights copied.
 
 Quantities: forward (gradients recorded; JAX: ``jit(vjp)``, which keeps the residuals), backward alone (on a
-graph recorded once, ``retain_graph=True``; JAX: the jitted VJP on those residuals) and the whole step
+graph recorded just before each call, untimed; JAX: the jitted VJP on the residuals of a forward run just
+before, untimed) and the whole step
 (forward + backward; JAX: ``jit(value_and_grad)``). For each quantity the three arms run interleaved
 (:func:`device_runner.interleaved`: a warm-up call each, then rounds of N calls of each in turn), timed by
 the CPU clock or CUDA events around each call (each waited for; JAX's with ``block_until_ready``); the CPU
@@ -252,18 +253,20 @@ def _path(stats: dict) -> str:
     return f"{form}, torch path" + (f" ({reason})" if reason else "")
 
 
-def _recorded_backward(
-    forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor]
-) -> Callable[[], object]:
-    """The backward alone, on a graph the first call records (the warm-up call, untimed) and every call reuses."""
-    graph: list[torch.Tensor] = []
+class Backward:
+    """The backward alone: :meth:`prepare` (untimed, :meth:`device_runner.Runner.call_seconds`) runs ``forward``
+    and keeps what the backward needs; a call runs ``backward`` on it, once. A fresh graph per call: a graph
+    reused with ``retain_graph`` would leave out what a backward computes once per graph and keeps."""
 
-    def backward() -> object:
-        if not graph:
-            graph.append(forward().pow(2).mean())
-        return torch.autograd.grad(graph[0], leaves, retain_graph=True)
+    def __init__(self, forward: Callable[[], Any], backward: Callable[[Any], object]) -> None:
+        self.forward, self.backward, self.recorded = forward, backward, None
 
-    return backward
+    def prepare(self) -> None:
+        self.recorded = self.forward()
+
+    def __call__(self) -> object:
+        recorded, self.recorded = self.recorded, None
+        return self.backward(recorded)
 
 
 def _jax_check(
@@ -314,7 +317,10 @@ def _arms(
         result[f"err_{name}"] = _error(_gradients(loss, leaves), reference)
         arms[name] = {
             "fwd": forward,
-            "bwd": _recorded_backward(forward, leaves),
+            "bwd": Backward(
+                lambda forward=forward: forward().pow(2).mean(),
+                lambda loss: torch.autograd.grad(loss, leaves),
+            ),
             "step": lambda forward=forward: torch.autograd.grad(forward().pow(2).mean(), leaves),
         }
     result["path"] = _path(scan.last_stats)
@@ -333,17 +339,12 @@ def _arms(
             f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
         )
         return arms
-    recorded: list = []
-
-    def backward() -> object:
-        if not recorded:  # the residuals of one forward, kept like the torch arms' recorded graph
-            recorded.extend(steps["forward"](params, xs))
-        value, vjp = recorded
-        return jax.block_until_ready(steps["backward"](vjp, value))
-
     arms["JAX"] = {
         "fwd": lambda: jax.block_until_ready(steps["forward"](params, xs)),
-        "bwd": backward,
+        "bwd": Backward(
+            lambda: jax.block_until_ready(steps["forward"](params, xs)),
+            lambda f: jax.block_until_ready(steps["backward"](f[1], f[0])),
+        ),
         "step": lambda: jax.block_until_ready(steps["step"](params, xs)),
     }
     return arms
@@ -493,7 +494,7 @@ def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[f
         "output; `d` = the flat state size. ms: the "
         f"{statistic} of {s.rounds} interleaved rounds of up to {s.max_steps} calls per arm after a warm-up call, "
         f"{runner.timer} (host time included; JAX waited for with block_until_ready). fwd = forward with gradients "
-        "recorded (JAX: jit(vjp), residuals kept; its matrix products in full float32, `jax_default_matmul_precision='highest'`, as torch's), bwd = backward alone on a graph recorded once (JAX: the jitted VJP), "
+        "recorded (JAX: jit(vjp), residuals kept; its matrix products in full float32, `jax_default_matmul_precision='highest'`, as torch's), bwd = backward alone on a fresh graph recorded untimed before each call (JAX: the jitted VJP on fresh residuals), "
         "step = both (JAX: jit(value_and_grad)). Speedups: loop / Recurrence and JAX / Recurrence. Grad err: largest "
         "norm-wise relative error of the input's and parameters' gradients against autograd through the loop in "
         "float64.\n\n"

@@ -58,9 +58,17 @@ class Runner:
         return "CUDA events" if self.device == "cuda" else "the CPU clock"
 
     def call_seconds(self, fn: Callable[[], object], calls: int) -> list[float]:
-        """Seconds of each of ``calls`` calls of ``fn``, each waited for (host time included)."""
+        """Seconds of each of ``calls`` calls of ``fn``, each waited for (host time included).
+
+        Where ``fn`` has a ``prepare`` method, it runs before each call, untimed (e.g. the forward whose graph the
+        timed backward consumes); on CUDA it is waited for before the call's start."""
         times = []
+        prepare = getattr(fn, "prepare", None)
         for _ in range(calls):
+            if prepare is not None:
+                prepare()
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
             if self.device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

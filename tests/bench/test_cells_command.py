@@ -221,3 +221,18 @@ def test_the_summary_counts_the_rows_below_each_target() -> None:
     assert cells.summary(done, "cpu") == (
         "- bwd >= 10x loop: 2 of 3 measured rows; below: b 9.99x\n- step >= 8x loop: 2 of 3 measured rows; below: d 2.50x\n"
     )
+
+
+def test_a_prepared_call_is_timed_without_its_preparation(tmp_path: Path) -> None:
+    """``Backward.prepare`` (the forward) runs before every timed call and outside its time."""
+    clock, calls = FakeClock(), []
+    runner = cells.Runner("cpu", cells.TINY, deadline=1e4, clock=clock, results=tmp_path)
+
+    def forward() -> str:
+        clock.now += 100.0  # a slow forward: seen in the timings if it were timed
+        calls.append("forward")
+        return "graph"
+
+    backward = cells.Backward(forward, lambda graph: calls.append(f"backward of {graph}"))
+    assert runner.call_seconds(backward, 2) == [pytest.approx(1e-3)] * 2
+    assert calls == ["forward", "backward of graph"] * 2
