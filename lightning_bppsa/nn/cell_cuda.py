@@ -88,7 +88,7 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
     """The CUDA source of ``structure``'s loop in ``dtype``, the input-part values it reads, in order, and the
     partials it keeps (the C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list and ``_Layout``);
     :class:`Unsupported` where the generator does not compile the graph."""
-    text, inputs, layout = cell_kernel._generate(structure, dtype, TARGET)
+    text, inputs, layout = cell_kernel._generated(structure, dtype, TARGET)
     for header in _HEADERS:
         # inlined once each: their include guards would only warn in the main file
         text = text.replace(

@@ -45,7 +45,7 @@ from torch import Tensor, fx
 
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.kernels import _build, _native
-from lightning_bppsa.nn.cell_structure import CellStructure, _adjacent
+from lightning_bppsa.nn.cell_structure import CellStructure, KernelView, _adjacent
 
 __all__ = ["C", "CellFactors", "CellKernel", "Target", "Unsupported"]
 
@@ -111,6 +111,7 @@ class _Layout:
     for every input, e.g. an LSTM's memory by its output gate), ``H`` columns each, in that order."""
 
     structure: CellStructure
+    view: KernelView  # what of the structure the loop reads
     scale_columns: tuple[int, ...]
     input_columns: tuple[tuple[int, int], ...]
 
@@ -216,7 +217,7 @@ class CellKernel:
         if stack > _STACK_BYTES:
             raise Unsupported(f"the state is too wide for the compiled loop's stack arrays ({stack} bytes)")
         self.structure, self.dtype = structure, dtype
-        source, self._inputs, self._layout = _generate(structure, dtype)
+        source, self._inputs, self._layout = _generated(structure, dtype, C)
         self._library = _load(source)
         self._start()
 
@@ -242,7 +243,7 @@ class CellKernel:
         rows = x_flat.shape[0]
         steps = rows // batch
         with torch.set_grad_enabled(partials):
-            recorded, recorded_offsets = structure.kernel_inputs(tensors, x_flat)
+            recorded, recorded_offsets = self._layout.view.values(tensors, x_flat)
         with torch.no_grad():
             frontier = [None if v is None else v.detach() for v in recorded]
             pieces = len(structure.pieces)
@@ -419,7 +420,7 @@ def _check(structure: CellStructure, dtype: torch.dtype) -> None:
         raise Unsupported(f"the Jacobians do not factor ({structure.reason})")
     if dtype not in (torch.float32, torch.float64):
         raise Unsupported(f"{dtype} (float32 and float64 are compiled)")
-    if not structure.input_terms_separate:
+    if not structure.kernel_views:
         raise Unsupported("the pieces' input-only terms do not separate from the states")
 
 
@@ -497,13 +498,29 @@ C = Target(
 _ZERO = "(REAL)0"  # the emitter's partial where the graph has no path from the leaf (zero for every input)
 
 
-def _generate(
-    structure: CellStructure, dtype: torch.dtype, target: Target = C
+def _generated(
+    structure: CellStructure, dtype: torch.dtype, target: Target
 ) -> tuple[str, list[_Input], _Layout]:
-    """The source of ``structure``'s loop in ``dtype`` for ``target``, the input-part values it reads, in order,
-    and which partials it keeps (:class:`_Layout`: those the emitter's forward mode does not find zero)."""
-    graph = structure.pointwise.graph
-    n_frontier, m, h = len(structure.frontier_is_row), structure.n_states, structure.width
+    """:func:`_generate` of the first of the structure's kernel views it compiles (the input part's pointwise
+    values taken into the step where they can be); :class:`Unsupported` where none compiles (the last reason)."""
+    error = Unsupported("the pieces' input-only terms do not separate from the states")
+    for view in structure.kernel_views:
+        try:
+            return _generate(structure, dtype, target, view)
+        except Unsupported as failed:
+            error = failed
+    raise error
+
+
+def _generate(
+    structure: CellStructure, dtype: torch.dtype, target: Target = C, view: KernelView | None = None
+) -> tuple[str, list[_Input], _Layout]:
+    """The source of ``structure``'s loop in ``dtype`` for ``target`` reading ``view`` (default: the structure's
+    last, the pointwise part as the torch path runs it), the input-part values it reads, in order, and which
+    partials it keeps (:class:`_Layout`: those the emitter's forward mode does not find zero)."""
+    view = structure.kernel_views[-1] if view is None else view
+    graph = view.pointwise.graph
+    n_frontier, m, h = len(view.frontier_is_row), structure.n_states, structure.width
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     rows = structure.trace_rows
     leaves: dict[fx.Node, str] = {}  # placeholder -> its C value (a leaf of the derivatives)
@@ -512,7 +529,7 @@ def _generate(
         if not node.users:
             continue
         if i < n_frontier:
-            layout = _layout(node, structure.frontier_is_row[i], rows, h, dtype)
+            layout = _layout(node, view.frontier_is_row[i], rows, h, dtype)
             k = len(inputs)
             inputs.append(_Input(i, layout))
             index = {"full": "in{k}[j]", "column": "in{k}[j]", "row": "in{k}", "scalar": "in{k}"}[layout]
@@ -548,7 +565,7 @@ def _generate(
         (i, p, emitter.partial(outputs[p], node)) for i, node in enumerate(input_leaf) for p in range(m)
     ]
     by_inputs = [column for column in by_inputs if column[2] != _ZERO]
-    layout = _Layout(structure, tuple(c for c, *_ in scales), tuple((i, p) for i, p, _ in by_inputs))
+    layout = _Layout(structure, view, tuple(c for c, *_ in scales), tuple((i, p) for i, p, _ in by_inputs))
     stores_values = [f"next[{p * h} + j] = {emitter.value(out)};" for p, out in enumerate(outputs)]
     stores_partials = list(stores_values)
     for n, (_, _, _, expr) in enumerate(scales):

@@ -33,6 +33,7 @@ Anything else is not factorable (``reason`` says why).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -71,6 +72,25 @@ class _Piece:
     weight: int  # index of ``Wt`` (``(in, out)``) among the frontier values
     offset: int
     reads: tuple[tuple[int, int], ...]  # (state index, row offset of its block in Wt)
+
+
+@dataclass(frozen=True)
+class KernelView:
+    """What a compiled loop reads of a factored :class:`CellStructure`: its pointwise graph ``(*frontier, *states,
+    *pieces) -> new states``, per frontier value whether it has a row per input row, and the graph making the
+    frontier values the loop reads (the pieces' weights, the values the pointwise graph reads) and the pieces'
+    input-only terms from the cell's tensors and ``x``. The pieces' weights are at the structure's frontier
+    indices."""
+
+    pointwise: fx.GraphModule
+    frontier_is_row: tuple[bool, ...]
+    inputs: fx.GraphModule
+
+    def values(self, tensors: list[Tensor], x: Tensor) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        """``(frontier, terms)`` for all rows of ``x`` (``None`` for the frontier values the loop does not read)."""
+        values = list(self.inputs.forward(*tensors, x))
+        n = len(self.frontier_is_row)
+        return values[:n], values[n:]
 
 
 class CellStructure:
@@ -127,25 +147,34 @@ class CellStructure:
             # the pieces' input-only terms (a bias, input values concatenated with the states), without the states;
             # only the compiled loop needs them: a graph they do not separate from leaves it None
             self._input_terms: fx.GraphModule | None = None
-            self._kernel_inputs: fx.GraphModule | None = None
-            self._pointwise = _extract(
-                gm, [*frontier, *states, *(p for p, _ in self._pieces)], outputs, pointwise
+            self._views: list[KernelView] = []
+            pieces = [p for p, _ in self._pieces]
+            self._pointwise = _extract(gm, [*frontier, *states, *pieces], outputs, pointwise)
+            view = lambda front, part: _kernel_view(  # noqa: E731
+                gm, [*tensor_nodes, x_node], front, states, linear, pieces, part, outputs, origin, width
             )
             try:
-                terms_graph = _input_terms(gm, frontier, states, linear, [p for p, _ in self._pieces], width)
-                # what the compiled loop reads of the input part: the pieces' weights, the values the pointwise
-                # part reads, the pieces' input-only terms, in one graph from the cell's tensors and x
-                read = [bool(n.users) for n in self._pointwise.graph.nodes if n.op == "placeholder"][
-                    : len(frontier)
-                ]
-                needed = {piece.weight for _, piece in self._pieces} | {i for i, r in enumerate(read) if r}
-                precompute = _extract(gm, [*tensor_nodes, x_node], frontier)
-                self._kernel_inputs = _thin_aware(
-                    _folded_biases(_composed(gm, precompute, terms_graph, needed))
-                )
-                self._input_terms = _thin_aware(terms_graph)
+                self._input_terms = _thin_aware(_input_terms(gm, frontier, states, linear, pieces, width))
+                self._views.append(view(frontier, pointwise))
             except Exception:  # noqa: BLE001 - the torch path does not use them
                 pass
+            absorbed = _absorbable(gm, pointwise, origin, rows, width, states[0].meta["val"].dtype)
+            if self._views and absorbed:
+                # the input part's pointwise values that only the pointwise part reads, computed in the compiled
+                # step instead (one pass, no autograd through them): the frontier's values they replace are None
+                # (positions kept: the pieces' weights are frontier indices), their operands appended
+                # in the graph's order: a split's pieces then stay in its order, so that their gradients (the
+                # loop's adjacent product columns) join without a copy
+                extra = {
+                    a for n in absorbed for a in n.all_input_nodes if a not in absorbed and a not in frontier
+                }
+                front = [None if n in absorbed else n for n in frontier] + [
+                    n for n in gm.graph.nodes if n in extra
+                ]
+                with contextlib.suppress(Exception):  # the view without them stays
+                    self._views.insert(
+                        0, view(front, [n for n in gm.graph.nodes if n in absorbed] + pointwise)
+                    )
             terms = (
                 []
                 if self._input_terms is None
@@ -194,6 +223,13 @@ class CellStructure:
         """Whether :meth:`input_terms` can run (the linear part's graph let the states be dropped)."""
         return self._input_terms is not None
 
+    @property
+    def kernel_views(self) -> list[KernelView]:
+        """What a compiled loop may read of the structure, the one to try first first: the input part's pointwise
+        values that only the pointwise part reads taken into the step (where there are such), then the
+        pointwise part as the torch path runs it (``[]`` where the pieces' input-only terms do not separate)."""
+        return list(self._views)
+
     def input_terms(self, frontier: list[Tensor]) -> list[Tensor | None]:
         """Per piece, its input-only terms (``(rows, H)``, or ``(H,)`` for a bias alone; ``None``: zero): the
         piece with the states set to zero, computed without them (``cat([x, h]) @ W`` as ``x @ W[:I]``)."""
@@ -207,11 +243,9 @@ class CellStructure:
         """``(frontier, terms)``: the input part's values for all rows of ``x`` that the compiled loop reads (the
         pieces' weights and the values the pointwise part reads; ``None`` for the others) and :meth:`input_terms`,
         computed together (a bias added to an input projection's product is taken into its GEMM's bias)."""
-        if self._kernel_inputs is None:
+        if not self._views:
             raise NotTraceable("the pieces' input-only terms do not separate from the states")
-        values = list(self._kernel_inputs.forward(*tensors, x))
-        n = len(self._frontier_is_row)
-        return values[:n], values[n:]
+        return self._views[-1].values(tensors, x)
 
     def loop(
         self, tensors: list[Tensor], x: Tensor, states: tuple[Tensor, ...], steps: int
@@ -675,14 +709,20 @@ def _signature(gm: fx.GraphModule) -> list[tuple]:
 
 
 def _extract(
-    gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], nodes: list[fx.Node] | None = None
+    gm: fx.GraphModule,
+    inputs: list[fx.Node | None],
+    outputs: list[fx.Node | None],
+    nodes: list[fx.Node] | None = None,
 ) -> fx.GraphModule:
-    """A graph computing ``outputs`` from ``inputs`` with ``gm``'s nodes (``nodes``, or all those needed)."""
+    """A graph computing ``outputs`` from ``inputs`` with ``gm``'s nodes (``nodes``, or all those needed); a
+    ``None`` input is a placeholder nothing reads, a ``None`` output is ``None``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
-        env[node] = graph.placeholder(f"in_{i}")
-        env[node].meta = node.meta
+        placeholder = graph.placeholder(f"in_{i}")
+        if node is not None:
+            env[node] = placeholder
+            placeholder.meta = node.meta
     allowed = None if nodes is None else set(nodes)
     for node in gm.graph.nodes:
         if (
@@ -693,10 +733,10 @@ def _extract(
             continue
         if all(a in env for a in node.all_input_nodes):
             env[node] = graph.node_copy(node, lambda n: env[n])
-    missing = [o.name for o in outputs if o not in env]
+    missing = [o.name for o in outputs if o is not None and o not in env]
     if missing:
         raise NotTraceable(f"the traced step's parts do not separate ({missing[0]})")
-    graph.output([env[o] for o in outputs])
+    graph.output([None if o is None else env[o] for o in outputs])
     graph.eliminate_dead_code()
     return fx.GraphModule(gm, graph)
 
@@ -799,12 +839,14 @@ def _input_terms(
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node | None] = {}  # None: zero
     for i, node in enumerate(frontier):
-        env[node] = graph.placeholder(f"in_{i}")
-        env[node].meta = node.meta
+        placeholder = graph.placeholder(f"in_{i}")
+        if node is not None:  # a frontier value the compiled step computes itself
+            env[node] = placeholder
+            placeholder.meta = node.meta
     env.update({s: None for s in states})
     # a column block of another frontier value is taken from it here (blocks join: _wide)
     for node in frontier:
-        source = _split_source(node)
+        source = None if node is None else _split_source(node)
         if source in env:
             env.setdefault(node.args[0], graph.node_copy(node.args[0], lambda n: env[n]))
             env[node] = graph.node_copy(node, lambda n: env[n])
@@ -988,6 +1030,65 @@ def _sum_of_terms(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node | N
         scale = alpha if node.target is aten.add.Tensor else -alpha
         return b if scale == 1 else _call(graph, aten.mul.Tensor, b, scale)
     return graph.node_copy(node, lambda n: env[n])
+
+
+def _kernel_view(
+    gm: fx.GraphModule,
+    sources: list[fx.Node],
+    frontier: list[fx.Node | None],
+    states: list[fx.Node],
+    linear: list[fx.Node],
+    pieces: list[fx.Node],
+    pointwise: list[fx.Node],
+    outputs: list[fx.Node],
+    origin: dict[fx.Node, int],
+    width: int,
+) -> KernelView:
+    """The :class:`KernelView` of the pointwise nodes ``pointwise`` reading ``frontier`` (``None``: a value they
+    compute themselves), the states and the pieces; ``sources`` are the cell's tensors' and ``x``'s nodes."""
+    graph = _extract(gm, [*frontier, *states, *pieces], outputs, pointwise)
+    terms = _input_terms(gm, frontier, states, linear, pieces, width)
+    read = [bool(n.users) for n in graph.graph.nodes if n.op == "placeholder"][: len(frontier)]
+    weights = {frontier.index(n.args[-1]) for n in linear if n.target in _LINEAR}
+    needed = weights | {i for i, r in enumerate(read) if r}
+    inputs = _thin_aware(_folded_biases(_composed(gm, _extract(gm, sources, frontier), terms, needed)))
+    is_row = tuple(n is not None and origin[n] == _INPUT for n in frontier)
+    return KernelView(graph, is_row, inputs)
+
+
+def _absorbable(
+    gm: fx.GraphModule,
+    pointwise: list[fx.Node],
+    origin: dict[fx.Node, int],
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+) -> set[fx.Node]:
+    """The input part's pointwise values a compiled step may compute itself: ``(rows, H)`` in the state's dtype,
+    read only by the pointwise part (or by other such values), of operands the step reads per coordinate
+    (``(rows, H)``, ``(rows, 1)``, ``(H,)``, ``(1, H)`` or one element)."""
+    fits = {(rows, width), (rows, 1), (width,), (1, width)}
+
+    def operand(node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return isinstance(val, Tensor) and (tuple(val.shape) in fits or (val.numel() == 1 and val.dim() <= 2))
+
+    part, absorbed = set(pointwise), set()
+    for node in reversed(gm.graph.nodes):  # users first
+        val = node.meta.get("val")
+        if (
+            node.op == "call_function"
+            and origin.get(node) == _INPUT
+            and _pointwise(node.target)
+            and isinstance(val, Tensor)
+            and tuple(val.shape) == (rows, width)
+            and val.dtype == dtype
+            and node.users
+            and all(u in part or u in absorbed for u in node.users)
+            and all(operand(a) for a in node.all_input_nodes)
+        ):
+            absorbed.add(node)
+    return absorbed
 
 
 def _ancestors(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:

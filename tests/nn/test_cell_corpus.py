@@ -642,3 +642,45 @@ def test_a_scan_other_than_the_sweep_reads_the_kept_partials_expanded_exactly(ce
     theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+class SineGated(nn.Module):
+    """minGRU with a gate the generator cannot compile (``sin`` of the input's projection): that stays in torch."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.state_size = hidden
+        self.lin = nn.Linear(inputs, 2 * hidden)
+
+    def forward(self, x, h):
+        z, candidate = self.lin(x).chunk(2, -1)
+        z = torch.sin(z)
+        return (1 - z) * h + z * candidate
+
+
+@pytest.mark.parametrize(
+    ("cell_type", "in_step"),
+    [(MinLSTM, True), (SineGated, False)],
+    ids=lambda c: getattr(c, "__name__", str(c)),
+)
+def test_input_only_pointwise_values_the_step_alone_reads_are_computed_in_the_compiled_step(
+    cell_type, in_step
+):
+    """minLSTM's ``f / (f + i)`` and ``i / (f + i) * candidate`` depend on the input only: the compiled step computes
+    them from ``f``, ``i`` and ``candidate`` (no autograd through them), the torch path's step reads them made
+    for all rows; an op the generator lacks keeps them in torch (the loop still compiled). Exact either way."""
+    torch.manual_seed(8)
+    cell = cell_type(3, 5).to(F64)
+    x = torch.randn(6, 3, 3, dtype=F64, requires_grad=True)
+    module, ours = _recurrence(cell, x)
+    assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
+    (traced,) = module._traced.values()
+    structure, kernel = traced.structure, traced.kernel
+    assert len(structure.kernel_views) == 2
+    assert (kernel._layout.view is structure.kernel_views[0]) == in_step
+    ops = lambda graph: {str(n.target) for n in graph.nodes if n.op == "call_function"}  # noqa: E731
+    assert "aten.div.Tensor" not in ops(structure.pointwise.graph) or cell_type is SineGated
+    assert ("aten.div.Tensor" in ops(kernel._layout.view.pointwise.graph)) == in_step
+    theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
