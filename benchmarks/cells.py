@@ -428,12 +428,12 @@ def device_table(
         jax, jax_reason = import_jax(runner.device)
     name = name or f"cells-{'gpu' if runner.device == 'cuda' else 'cpu'}.md"
     rows, done = runner.shapes.rows, []
-    load_before = load_average()
+    load_before, changed_before = load_average(), uncommitted()
     for index, row in enumerate(rows):
         budget = max(runner.left(), 0) / (len(rows) - index)
         done.append(_measured_row(runner, row, jax, jax_reason, budget) if budget > 0 else skipped_row(row))
         print("cells " + " | ".join(done[-1]), flush=True)
-        write(runner, name, _table(runner, done, jax, load_before))
+        write(runner, name, _table(runner, done, jax, load_before, changed_before))
     return done
 
 
@@ -469,7 +469,9 @@ def summary(done: list[list[str]], device: str) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[float, ...]) -> str:
+def _table(
+    runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[float, ...], changed_before: str
+) -> str:
     s = runner.shapes
     versions = [
         f"JAX {jax.__version__} (jaxlib {__import__('jaxlib').__version__})" if jax else "JAX not installed"
@@ -485,8 +487,8 @@ def _table(runner: Runner, done: list[list[str]], jax: Any, load_before: tuple[f
             f"Machine: {_cpu_model()} (/proc/cpuinfo); {machine_description()}; OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`. Load average "
             f"(1, 5, 15 min) {tuple(round(v, 2) for v in load_before)} before, "
-            f"{tuple(round(v, 2) for v in load_average())} after (this VM's reads ~1 while idle). Uncommitted files "
-            f"measured beside the commit: {uncommitted()}.\n\n"
+            f"{tuple(round(v, 2) for v in load_average())} after (this VM's reads ~1 while idle). Files differing from the "
+            f"commit under lightning_bppsa/ and kernels/: {changed_before} at the start, {uncommitted()} at the end.\n\n"
         )
     statistic = "min" if runner.device == "cpu" else "median"
     text += (

@@ -135,7 +135,10 @@ def test_the_tiny_table_has_every_arm_with_float64_checked_gradients(tmp_path: P
     cells.device_table(_runner(tmp_path, shapes), name="cells.md")
     text = (tmp_path / "cells.md").read_text()
     assert "JAX 0." in text and "Rows done: 1 of 1" in text and "min of 2 interleaved rounds" in text
-    assert "Load average (1, 5, 15 min)" in text and "Uncommitted files measured beside the commit: " in text
+    assert (
+        "Load average (1, 5, 15 min)" in text
+        and "Files differing from the commit under lightning_bppsa/ and kernels/: " in text
+    )
     (row,) = _rows(text)
     assert dict(zip(cells.COLUMNS[:6], row, strict=False)) == {
         "cell": "HandLSTM", "H": "3", "B": "2", "T": "5", "d": "6", "Recurrence path": "factored, compiled loop (cpu)",
