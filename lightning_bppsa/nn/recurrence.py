@@ -83,7 +83,7 @@ decisions. ``last_stats["plan"]`` says what ran (``"scan"``, ``"autograd (why)"`
 a backward through 256 steps``. Dense
 Jacobians cost ``~d`` times a batched backward of the cell, so the dense scan pays for small ``B d²``
 (e.g. ``B = 1``) only; the factored scan pays far more often, but its ``O(B (k + 1) d²)`` steps still lose
-to autograd for wide joint states at larger ``B`` (``benchmarks/results/cells-cpu.md``); a fixed rule would
+to autograd for wide joint states at larger ``B`` (measured on earlier commits); a fixed rule would
 get it wrong for some cells. The probe runs under a forked RNG and also finds cells that draw random numbers
 or cannot be batched before the scan's forward: those run autograd (the fallback as above, not cached as a
 timing). Other values (``"linear"``, ``"blelloch"``, ``"chunked"``)
