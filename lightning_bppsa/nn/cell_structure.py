@@ -973,6 +973,68 @@ def _composed(
     return fx.GraphModule(gm, graph)
 
 
+def _sliced_as_split(gm: fx.GraphModule, width: int) -> fx.GraphModule:
+    """``v[:, k H:(k + 1) H]`` of a 2-D value ``v`` as block ``k`` of ``v``'s canonical split into ``H`` columns (as
+    :class:`_Blocks` splits it), and a chunk of ``v`` into ``H``-wide blocks as that split: with
+    :func:`_deduplicated`, one split of ``v`` whose pieces' gradients autograd joins once (a slice's backward
+    fills a zero ``v``-sized gradient, each split's pads its missing pieces with zeros, then the sum of all)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target in _SPLITS and _last_dim(_dim(node, 2), node):
+            sizes = [piece.shape[-1] for piece in node.meta["val"]]
+            if all(
+                size == width for size in sizes
+            ):  # a chunk into H-wide blocks: the canonical split's spelling
+                node.target, node.args, node.kwargs = (
+                    aten.split_with_sizes.default,
+                    (node.args[0], sizes, -1),
+                    {},
+                )
+            continue
+        if node.target is not aten.slice.Tensor or not _last_dim(_dim(node, 1), node):
+            continue
+        source, args = node.args[0], node.args
+        columns = source.meta["val"].shape[-1]
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        end = args[3] if len(args) > 3 and args[3] is not None else columns
+        start, end = (v + columns if v < 0 else min(v, columns) for v in (start, end))
+        if (len(args) > 4 and args[4] != 1) or end - start != width or start % width or columns % width:
+            continue
+        with graph.inserting_after(source):
+            split = _call(graph, aten.split_with_sizes.default, source, [width] * (columns // width), -1)
+        with graph.inserting_after(split):
+            block = _call(graph, operator.getitem, split, start // width)
+        node.replace_all_uses_with(block)
+        graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def _deduplicated(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each op computed once from the same operands (the graph is pure): a split the pieces' terms take
+    again from a value the pointwise part reads pieces of is the frontier's own split, so that autograd gets
+    all its pieces' gradients at one split (one concatenation, not one per split with zeros, then a sum)."""
+    freeze = lambda a: (  # noqa: E731
+        tuple(freeze(x) for x in a)
+        if isinstance(a, (list, tuple))
+        else tuple(sorted((k, freeze(v)) for k, v in a.items()))
+        if isinstance(a, dict)
+        else a
+    )
+    seen: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        key = (node.target, freeze(node.args), freeze(node.kwargs))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(node)
+        else:
+            seen[key] = node
+    gm.recompile()
+    return gm
+
+
 def _folded_biases(gm: fx.GraphModule) -> fx.GraphModule:
     """``mm(a, w) + b`` and ``addmm(c, a, w) + b`` (``b`` a bias, the product read nowhere else) as one
     ``addmm(c + b, a, w)``: one pass over the ``(rows, n)`` product, not two (``ih(x) + b_hh``), and one bias
@@ -1051,7 +1113,8 @@ def _kernel_view(
     read = [bool(n.users) for n in graph.graph.nodes if n.op == "placeholder"][: len(frontier)]
     weights = {frontier.index(n.args[-1]) for n in linear if n.target in _LINEAR}
     needed = weights | {i for i, r in enumerate(read) if r}
-    inputs = _thin_aware(_folded_biases(_composed(gm, _extract(gm, sources, frontier), terms, needed)))
+    inputs = _composed(gm, _extract(gm, sources, frontier), terms, needed)
+    inputs = _thin_aware(_folded_biases(_deduplicated(_sliced_as_split(inputs, width))))
     is_row = tuple(n is not None and origin[n] == _INPUT for n in frontier)
     return KernelView(graph, is_row, inputs)
 

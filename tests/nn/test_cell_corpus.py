@@ -684,3 +684,19 @@ def test_input_only_pointwise_values_the_step_alone_reads_are_computed_in_the_co
     theirs = _grads(lambda: _loop(cell, x), [x, *cell.parameters()])
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cell_type", [HandGRU, CoupledGRU, TorchGRUCell], ids=lambda c: c.__name__)
+def test_the_compiled_loops_input_part_splits_each_projection_once(cell_type):
+    """The pieces' input-only terms and the input values the step reads are blocks of one projection (sliced,
+    chunked, or split again for the terms): the loop's input part takes them from one split of it, so that the
+    backward joins their gradients once (no zero-padded gradient per split or slice, then their sum)."""
+    cell = cell_type(3, 5).to(F64)
+    states = (torch.zeros(4, 5, dtype=F64),)
+    structure = trace_cell(cell, torch.randn(4, 3, dtype=F64), states, is_tuple=False)
+    graph = structure.kernel_views[-1].inputs.graph
+    splits = Counter(n.args[0] for n in graph.nodes if n.op == "call_function" and "split" in str(n.target))
+    assert splits and max(splits.values()) == 1, splits
+    assert not [
+        n for n in graph.nodes if n.target is torch.ops.aten.slice.Tensor and n.meta["val"].shape[-1] == 5
+    ]
