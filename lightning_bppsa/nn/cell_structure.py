@@ -29,6 +29,13 @@ output's shape ``(rows, H)``. Then the step Jacobian is, per row,
 gets from one reverse pass per state tensor over all rows (the part is pointwise, so the gradient of a
 sum is each coordinate's own partial) and returns as :class:`~lightning_bppsa.jacobians.FactoredJacobians`.
 Anything else is not factorable (``reason`` says why).
+
+A compiled loop (:mod:`~lightning_bppsa.nn.cell_kernel`) reads a factored structure through a
+:class:`KernelView`: the pointwise part, and the input part's values it reads made for all rows in one graph
+(each projection split once into its ``H``-wide blocks). Its first view also computes, per step, the input
+part's pointwise ``(rows, H)`` values that only the pointwise part reads (minLSTM's ``f / (f + i)``): one
+pass in the loop instead of several over all rows and their autograd backward; the last view is the
+pointwise part as the torch path runs it.
 """
 
 from __future__ import annotations

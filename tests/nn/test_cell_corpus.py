@@ -644,13 +644,8 @@ def test_a_scan_other_than_the_sweep_reads_the_kept_partials_expanded_exactly(ce
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-class SineGated(nn.Module):
+class SineGated(MinGRU):
     """minGRU with a gate the generator cannot compile (``sin`` of the input's projection): that stays in torch."""
-
-    def __init__(self, inputs: int, hidden: int) -> None:
-        super().__init__()
-        self.state_size = hidden
-        self.lin = nn.Linear(inputs, 2 * hidden)
 
     def forward(self, x, h):
         z, candidate = self.lin(x).chunk(2, -1)
