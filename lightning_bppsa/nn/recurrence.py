@@ -420,8 +420,8 @@ class Recurrence(nn.Module):
         form, per_step = (
             ("factored", traced.structure.factor_elements) if traced.factored else ("dense", spec.width**2)
         )
-        if traced.kernel is not None:  # the compiled loop also keeps the partials by the input values
-            per_step += traced.kernel.input_partial_elements
+        if traced.kernel is not None:  # the compiled loop keeps its nonzero columns and the input partials
+            per_step = traced.kernel.factor_elements + traced.kernel.input_partial_elements
         need = batch * steps * per_step * spec.dtype.itemsize
         if need > self.memory_budget:
             return (
@@ -839,9 +839,9 @@ def _linear_plan(algorithm: str, jacobians: FactoredJacobians) -> bool:
         n=jacobians.length,
         d=jacobians.state_size,
         batch=jacobians.batch_size,
-        width=jacobians.weight.shape[0],
-        device=jacobians.scales.device.type,
-        dtype=jacobians.scales.dtype,
+        width=jacobians.width,  # sizes only: the compiled loop's Jacobians build weight / scales on first read
+        device=jacobians.device.type,
+        dtype=jacobians.dtype,
     )
     return plan.algorithm == "linear"
 

@@ -428,17 +428,48 @@ def test_bad_arguments_are_rejected():
         Recurrence(cell)(torch.randn(5, 4, 2))
 
 
+class _SeparateMemory(nn.Module):
+    """``(h, m)``: ``h' = tanh(a)``, ``m' = m σ(b)``, ``[a | b]`` one linear map of ``[h | m]`` and ``x``: half of
+    the factor columns the torch path lays out are structurally zero (``m'`` reads neither ``h`` nor ``m``
+    through ``a``, ``h'`` none through ``b``)."""
+
+    state_size = (4, 4)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hh, self.ih = nn.Linear(8, 8), nn.Linear(3, 8)
+
+    def forward(self, x, state):
+        h, m = state
+        a, b = (self.hh(torch.cat([h, m], -1)) + self.ih(x)).chunk(2, -1)
+        return torch.tanh(a), m * torch.sigmoid(b)
+
+
+def test_auto_budgets_the_compiled_loops_factors_as_kept_not_the_full_layout(scan_wins):
+    torch.manual_seed(0)
+    cell = _SeparateMemory().double()
+    x = torch.randn(6, 3, 3, dtype=F64, requires_grad=True)
+    h0 = tuple(torch.randn(3, 4, dtype=F64, requires_grad=True) for _ in range(2))
+    (traced,) = compare(cell, x, h0, algorithm="linear")._traced.values()
+    kept = traced.kernel.factor_elements + traced.kernel.input_partial_elements
+    assert kept < traced.structure.factor_elements  # the case: zero columns neither stored nor budgeted
+    need = 3 * 6 * kept * 8
+    assert compare(cell, x, h0, memory_budget=need).last_stats["path"] == "scan"
+    assert compare(cell, x, h0, memory_budget=need - 1).last_stats["path"] == "autograd"
+
+
 def test_auto_runs_autograd_where_the_scan_has_nothing_to_do_or_does_not_fit(scan_wins):
     cell, x, h0 = make("gated", 3, 6)
     assert (
         compare(cell, x[:1].detach().requires_grad_(), h0).last_stats["reason"]
         == "auto: one step, nothing to scan"
     )
-    # B T float64s per step: the factors (gate pieces, the diagonal of z h) and the compiled loop's partials by
-    # its input values, as the trace counts them (which ones are kept is the trace's business)
+    # B T float64s per step: the factors (gate pieces, the diagonal of z h) as the compiled loop keeps them (its
+    # structurally nonzero columns) and its partials by its input values; the torch path's full layout without it
     (traced,) = compare(cell, x, h0, algorithm="linear")._traced.values()
-    per_step = traced.structure.factor_elements + (
-        traced.kernel.input_partial_elements if traced.kernel else 0
+    kernel = traced.kernel
+    per_step = (
+        kernel.factor_elements + kernel.input_partial_elements if kernel else traced.structure.factor_elements
     )
     factors = 3 * 6 * per_step * 8
     rec = compare(cell, x, h0, memory_budget=factors - 1)
@@ -927,3 +958,21 @@ def test_only_a_traced_cells_decision_is_kept_on_disk_and_another_process_reads_
     assert result.returncode == 0, result.stderr
     measured = "measured: scan 100 ms vs torch 1e+03 ms for a backward through 6 steps (on-disk plan cache)"
     assert result.stdout.strip() == measured
+
+
+def test_the_compiled_loops_linear_backward_never_expands_its_factors(monkeypatch):
+    """The loop's own sweep reads the kept columns: planning it must not build the full-layout Jacobians (their
+    ``scales`` / ``weight`` are the torch path's, tens to hundreds of MB a backward for wide tuple states)."""
+    from lightning_bppsa.nn import cell_kernel
+
+    def refuse(self):
+        raise AssertionError("the full-layout Jacobians were built")
+
+    torch.manual_seed(0)
+    cell = _SeparateMemory().double()
+    x = torch.randn(6, 3, 3, dtype=F64, requires_grad=True)
+    h0 = tuple(torch.randn(3, 4, dtype=F64, requires_grad=True) for _ in range(2))
+    rec = compare(cell, x, h0, algorithm="linear")  # the trace's one-time check compares the full layouts
+    monkeypatch.setattr(cell_kernel._ExpandedJacobians, "scales", property(refuse))
+    monkeypatch.setattr(cell_kernel._ExpandedJacobians, "weight", property(refuse))
+    assert compare(cell, x, h0, rec=rec).last_stats["cell_kernel"] == "cpu"
