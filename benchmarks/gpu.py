@@ -83,7 +83,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +139,8 @@ CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "pla
 #: the share of the time left at the start that each stage of ``--all`` may use at most; the paper's
 #: grids, last, get what the others leave
 STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "cells": 0.125, "calib": 0.4}
+#: every stage of ``--all`` in its order (``paper``: the paper's grids, which get the time the others leave)
+STAGES = (*STAGE_SHARES, "paper")
 #: the user-cells stage's seconds at most (its share of the default 480 s)
 CELLS_SECONDS = 60.0
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
@@ -300,6 +302,18 @@ def _kernel_call(factors: tuple, algorithm: str, chunk: int) -> Callable[[], obj
 # --------------------------------------------------------------------------------------------------
 # Stage 1: tests/gpu
 # --------------------------------------------------------------------------------------------------
+
+
+def _refusal(algorithm: str, d: int, chunk: int, length: int) -> str | None:
+    """Why the CUDA kernels cannot launch a kernel-alone row (the launcher raises rather than run another
+    schedule); ``None`` where they can."""
+    from lightning_bppsa.kernels import cuda as kernels
+
+    if algorithm == "linear" or chunk >= length:
+        return None
+    return kernels.refusal(
+        algorithm, d=d, element_bytes=4, shared_limit=kernels.current_shared_limit(), affine=False
+    )
 
 
 def _text(output: str | bytes | None) -> str:
@@ -563,6 +577,8 @@ def calib_shape(
             add("kernel", _slow(ms), algorithm, chunk)
         elif runner.left() <= 0:
             add("kernel", SKIPPED, algorithm, chunk)
+        elif refused := _refusal(algorithm, d, chunk, length):
+            add("kernel", f"refused: {refused}", algorithm, chunk)
         else:
             if factors is None:  # allocated only where a kernel runs (the largest shapes' are GiBs)
                 factors = _factors("RNN", d, batch, length, runner.device)
@@ -744,21 +760,33 @@ def write_measurements(runner: Runner) -> None:
 
 
 def run_all(
-    runner: Runner, tests_command: Sequence[str] = TESTS_COMMAND, committed: Path = COMMITTED_CALIB
+    runner: Runner,
+    tests_command: Sequence[str] = TESTS_COMMAND,
+    committed: Path = COMMITTED_CALIB,
+    stages: Collection[str] = STAGES,
 ) -> None:
     """tests/gpu, the whole-step table, the layer chains, the user cells, the calibration grid, the paper's
     grids, in that order, before
     ``runner.deadline``: each stage gets at most its share (:data:`STAGE_SHARES`) of the time left at the
     start, the paper's grids the rest; what does not fit is written as skipped. Each stage writes its files
-    as it goes, so a killed run leaves what was finished."""
+    as it goes, so a killed run leaves what was finished. ``stages``: those to run (a rerun of the ones an
+    earlier run did not finish); the others' shares go to them in proportion."""
     times = CommittedTimes.load(committed)
-    total = max(runner.left(), 0)
-    tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
-    step_stage(runner.until(STAGE_SHARES["step"] * total))
-    chain_stage(runner.until(STAGE_SHARES["chain"] * total))
-    cells_stage(runner.until(min(STAGE_SHARES["cells"] * total, CELLS_SECONDS)))
-    calib_stage(runner.until(STAGE_SHARES["calib"] * total), times)
-    write_measurements(runner)
+    chosen = sum(share for stage, share in STAGE_SHARES.items() if stage in stages)
+    scale = sum(STAGE_SHARES.values()) / chosen if chosen else 1.0
+    total = max(runner.left(), 0) * scale
+    if "tests" in stages:
+        tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
+    if "step" in stages:
+        step_stage(runner.until(STAGE_SHARES["step"] * total))
+    if "chain" in stages:
+        chain_stage(runner.until(STAGE_SHARES["chain"] * total))
+    if "cells" in stages:
+        cells_stage(runner.until(min(STAGE_SHARES["cells"] * total, CELLS_SECONDS * scale)))
+    if "calib" in stages:
+        calib_stage(runner.until(STAGE_SHARES["calib"] * total), times)
+    if "paper" in stages:
+        write_measurements(runner)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1009,6 +1037,10 @@ def main() -> None:
         default="cuda",
         help="cpu: the smoke mode (CPU clock, no CUDA kernels)",
     )
+    parser.add_argument(
+        "--stages", default=",".join(STAGES), metavar="LIST",
+        help="with --all: the stages to run, comma-separated (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (with --device cpu: the smoke mode)")
     parser.add_argument(
         "--results", type=Path, default=RESULTS, help="where the files go (default: %(default)s)"
@@ -1023,6 +1055,11 @@ def main() -> None:
     within = args.within or next((v for k, v in defaults.items() if getattr(args, k)), math.inf)
     if args.within is not None and args.within <= 0:
         parser.error(f"--within must be > 0 seconds; got {args.within}")
+    stages = [stage for stage in args.stages.split(",") if stage]
+    if set(stages) - set(STAGES):
+        parser.error(
+            f"--stages: unknown {sorted(set(stages) - set(STAGES))}; the stages are {','.join(STAGES)}"
+        )
     if args.first_contact and args.device != "cuda":
         parser.error("--first-contact runs the CUDA sanitizers: it needs --device cuda")
     if args.device == "cuda":
@@ -1046,7 +1083,7 @@ def main() -> None:
     if args.first_contact:
         sys.exit(first_contact(runner))
     if args.all:
-        run_all(runner)
+        run_all(runner, stages=stages)
     else:
         write_measurements(runner)
 
