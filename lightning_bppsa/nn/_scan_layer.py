@@ -9,8 +9,8 @@ and, for cells with a cell state, ``c_n``:
   plan), made once, eagerly, before the forward op runs, kept on the autograd context and reported in
   ``stats["plan"]``; while ``torch.compile`` traces nothing is planned, and each op plans at run time;
 - forward: ``bppsa::recurrent_forward`` (states and Jacobian factors in one pass); under autocast it computes
-  in the parameters' dtype and rounds its outputs to the autocast dtype (exact states for the backward, as
-  cuDNN keeps its state in float32);
+  in the parameters' dtype and rounds its outputs to the dtype torch's layer returns there (exact states for
+  the backward, as cuDNN keeps its state in float32; :func:`layer_autocast_dtype`);
 - backward: ``bppsa::recurrent_backward`` (scan, gate gradients and the GEMMs of Eq. 2, in the parameters'
   dtype), with autocast off whatever autocast state ``backward()`` is called under; a recomputed forward
   runs under the forward's (:mod:`~lightning_bppsa.nn._autocast`);
@@ -39,8 +39,19 @@ __all__ = ["LayerFunction", "forward_only"]
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast runs a recurrent layer in on ``device_type``, or ``None`` outside autocast."""
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
+        return layer_autocast_dtype(device_type, torch.get_autocast_dtype(device_type))
     return None
+
+
+def layer_autocast_dtype(device_type: str, autocast: torch.dtype) -> torch.dtype:
+    """The dtype torch's own recurrent layer takes under autocast to ``autocast`` on ``device_type``: on CUDA
+    with cuDNN, float16 whatever ``autocast`` is (torch's autocast wrapper of ``_cudnn_rnn`` casts to half,
+    also under bfloat16 autocast), else ``autocast``. A BPPSA layer rounds its outputs to the same dtype, so
+    that it returns what torch's does (bfloat16 outputs on an H100 gave input gradients 2x less exact than
+    torch's float16 ones)."""
+    if device_type == "cuda" and torch.backends.cudnn.enabled:
+        return torch.float16
+    return autocast
 
 
 #: the tensor types an op implementation may be called on directly (a subclass may handle the op itself)
@@ -62,15 +73,17 @@ def _dispatched(tensors) -> bool:
     )
 
 
-def _lowered(autocast: torch.dtype | None, weights) -> torch.dtype | None:
+def _lowered(cell: str, device_type: str, autocast: torch.dtype | None, weights) -> torch.dtype | None:
     """The dtype autocast (``autocast``: :func:`_autocast_dtype`) gives this layer's outputs, ``None`` where
-    they keep the parameters' dtype.
+    they keep the parameters' dtype, as torch's layer's do (its CPU GRU: the float32 state enters each output).
 
     Under autocast the layer computes its states and Jacobian factors in the parameters' dtype and rounds
     only its outputs: the backward then reads exact states, as cuDNN's half-precision layers keep their
     state in float32 (states rounded to bfloat16 each step made the gradients 3-20x less accurate than
     cuDNN's on an H100)."""
-    return None if autocast == weights[0].dtype else autocast
+    if autocast == weights[0].dtype or (device_type == "cpu" and cell == "gru"):
+        return None
+    return autocast
 
 
 def _op_inputs(dtype: torch.dtype | None, x: Tensor, h0: Tensor, c0: Tensor | None, weights) -> list:
@@ -86,12 +99,12 @@ def _forward_op(cell: str, call: LayerCall | None, args: list) -> list[Tensor]:
     return recurrent_forward(cell, args[0], args[1], args[2], list(args[3:]), call)
 
 
-def _timed_forward(cell: str, call: LayerCall | None, stats: dict, lowered: bool, args: list):
-    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode). ``lowered`` (under
-    autocast): the op runs with autocast off, so its input projection, a torch GEMM, computes in the
-    parameters' dtype too."""
+def _timed_forward(cell: str, call: LayerCall | None, stats: dict, autocast: bool, args: list):
+    """:func:`_forward_op`, its seconds added to ``stats["forward_seconds"]`` (eager mode). ``autocast`` (on):
+    the op runs with autocast off, so its input projection, a torch GEMM, computes in the parameters' dtype
+    too."""
     start = clock()
-    if not lowered:
+    if not autocast:
         results = _forward_op(cell, call, args)
     else:
         with without_autocast(args[0].device.type):
@@ -112,9 +125,10 @@ def _outputs(cell: str, out: Tensor, results: list[Tensor], low: torch.dtype | N
 def forward_only(cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights):
     """:class:`LayerFunction`'s outputs where no gradient is needed (inference, also under
     ``torch.inference_mode``): the forward op alone, nothing kept for a backward. Same arguments."""
-    low = _lowered(_autocast_dtype(x.device.type), weights)
-    args = _op_inputs(None if low is None else weights[0].dtype, x, h0, c0, weights)
-    results = _timed_forward(cell, None, stats, low is not None, args)
+    autocast = _autocast_dtype(x.device.type)
+    low = _lowered(cell, x.device.type, autocast, weights)
+    args = _op_inputs(None if autocast is None else weights[0].dtype, x, h0, c0, weights)
+    results = _timed_forward(cell, None, stats, autocast is not None, args)
     return _outputs(cell, results[0] if low is None else results[0].to(low), results, low)
 
 
@@ -128,14 +142,14 @@ class LayerFunction(torch.autograd.Function):
         ctx, cell: str, algorithm: str, stats: dict, x: Tensor, h0: Tensor, c0: Tensor | None, *weights
     ):
         ctx.low = _autocast_dtype(x.device.type)  # the reference backward recomputes torch's forward in it
-        low = _lowered(ctx.low, weights)
-        ctx.compute = None if low is None else weights[0].dtype
+        low = _lowered(cell, x.device.type, ctx.low, weights)
+        ctx.compute = None if ctx.low is None else weights[0].dtype
         args = _op_inputs(ctx.compute, x, h0, c0, weights)
         ctx.call = None
         if not torch.compiler.is_compiling():  # traced: each op plans when it runs, never in the graph
             ctx.call = plan_call(CELLS[cell], algorithm, args[0], args[1], args[2], args[3:])
             stats["scan_algorithm"], stats["plan"] = ctx.call.scan.text, str(ctx.call)
-        results = _timed_forward(cell, ctx.call, stats, low is not None, args)
+        results = _timed_forward(cell, ctx.call, stats, ctx.compute is not None, args)
         outputs = 2 if CELLS[cell].has_cell_state else 1
         ctx.cell, ctx.algorithm, ctx.stats = cell, algorithm, stats
         ctx.autocast = autocast_state(x.device.type)

@@ -59,3 +59,20 @@ def test_recurrence_gradients_do_not_depend_on_where_backward_runs(backend, auto
         ours, CHECKS.Loop(cell), torch.randn(4, 40, 3, device=backend.device), autocast,
         path=lambda: ours.last_stats["path"], same_tolerance=SAME,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", list(CHECKS.LAYERS))
+def test_recurrent_layer_returns_torchs_dtypes_under_autocast(backend, autocast, cell):
+    # torch's cuDNN layers compute in float16 under bfloat16 autocast too: the outputs' dtypes must match
+    ours, reference = CHECKS.layer_pair(cell, "linear", backend.device)
+    x = torch.randn(4, 40, 3, device=backend.device, requires_grad=True)
+    with torch.autocast(*autocast):
+        got = ours(x)
+        try:
+            want = reference(x)
+        except RuntimeError:  # oneDNN refuses torch's LSTM under CPU float16 autocast (the emulated backend)
+            assert (backend.device.type, cell) == ("cpu", "LSTM")
+            want = got
+    flat = [t.dtype for t in (got[0], *(got[1] if cell == "LSTM" else (got[1],)))]
+    expected = [t.dtype for t in (want[0], *(want[1] if cell == "LSTM" else (want[1],)))]
+    assert flat == expected

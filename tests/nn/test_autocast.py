@@ -190,6 +190,20 @@ def test_under_autocast_a_layer_computes_in_its_parameters_dtype_and_rounds_only
     ref_out, ref_state = layer(x)
     states = state if cell == "LSTM" else (state,)
     ref_states = ref_state if cell == "LSTM" else (ref_state,)
+    # torch's CPU GRU returns float32 under autocast (its float32 state enters each output): so does ours
+    low = torch.float32 if cell == "GRU" else torch.bfloat16
     for got, want in zip((out, *states), (ref_out, *ref_states), strict=True):
-        assert got.dtype == torch.bfloat16
-        assert torch.equal(got, want.to(torch.bfloat16))
+        assert got.dtype == low
+        assert torch.equal(got, want.to(low))
+
+
+def test_the_layer_takes_torchs_dtype_under_autocast():
+    # torch's autocast wrapper of _cudnn_rnn casts to float16 also under bfloat16 autocast: a BPPSA layer on
+    # CUDA rounds its outputs to float16 too (bfloat16 ones were 2x less exact than torch's on an H100)
+    from lightning_bppsa.nn._scan_layer import layer_autocast_dtype
+
+    assert layer_autocast_dtype("cuda", torch.bfloat16) is torch.float16
+    assert layer_autocast_dtype("cuda", torch.float16) is torch.float16
+    assert layer_autocast_dtype("cpu", torch.bfloat16) is torch.bfloat16
+    with torch.backends.cudnn.flags(enabled=False):  # torch's native CUDA layers follow autocast's dtype
+        assert layer_autocast_dtype("cuda", torch.bfloat16) is torch.bfloat16
