@@ -8,6 +8,10 @@ dependent Python control flow and ``.item()`` raise instead of being baked in) a
 - the *state part*: nodes depending on the state, which it runs per step (calling torch's own functions
   rather than the aten overloads: several µs less per op).
 
+The trace writes torch's fused CUDA cell ops (``aten._thnn_fused_lstm_cell`` / ``_thnn_fused_gru_cell``, which
+``nn.LSTMCell`` / ``nn.GRUCell`` call on CUDA) as their pointwise math (:mod:`~lightning_bppsa.nn.cell_fused`):
+those cells trace on CUDA to the graph they trace to on the CPU. Any other op stays as it is.
+
 Before the split the graph is rewritten into one canonical form (:func:`_canonical`), so that a cell factors
 the same whichever way it is written and on every supported torch release: in-place ops on the step's own
 values become their out-of-place forms where that provably computes the same
@@ -53,6 +57,7 @@ from torch.func import functional_call
 
 from lightning_bppsa import gemm
 from lightning_bppsa.jacobians.factored import FactoredJacobians
+from lightning_bppsa.nn.cell_fused import FUSED_CELL_DECOMPOSITIONS
 from lightning_bppsa.nn.cell_inplace import out_of_place
 
 __all__ = ["CellStructure", "NotTraceable", "cell_tensors", "describe", "trace_cell"]
@@ -461,10 +466,14 @@ def trace_cell(cell: nn.Module, x: Tensor, states: tuple[Tensor, ...], is_tuple:
             for _ in range(n)
         ]
         inputs = [x.new_empty(rows, *x.shape[1:]), *blocks]
-        devices = [x.device] if x.device.type == "cuda" else []
+        # (a fake CUDA tensor on a build without CUDA has no generator to fork)
+        devices = [x.device] if x.device.type == "cuda" and torch.cuda.is_available() else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                gm = torch.fx.experimental.proxy_tensor.make_fx(step, tracing_mode="fake")(*tensors, *inputs)
+                # torch's fused CUDA cell ops as their pointwise math: nn.LSTMCell / nn.GRUCell factor on CUDA too
+                gm = torch.fx.experimental.proxy_tensor.make_fx(
+                    step, FUSED_CELL_DECOMPOSITIONS, tracing_mode="fake"
+                )(*tensors, *inputs)
         except Exception as error:  # noqa: BLE001 - any failure to trace keeps calling the cell
             raise NotTraceable(f"tracing failed ({describe(error)})") from None
         roles = ["a parameter or buffer"] * len(tensors) + ["its input x"] + ["its state"] * sum(groups)
