@@ -138,7 +138,7 @@ COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
 CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "plan", "note")
 #: the share of the time left at the start that each stage of ``--all`` may use at most; the paper's
 #: grids, last, get what the others leave
-STAGE_SHARES = {"tests": 0.2, "step": 0.2, "chain": 0.05, "cells": 0.125, "calib": 0.4}
+STAGE_SHARES = {"tests": 0.2, "step": 0.2, "overhead": 0.05, "chain": 0.05, "cells": 0.125, "calib": 0.35}
 #: every stage of ``--all`` in its order (``paper``: the paper's grids, which get the time the others leave)
 STAGES = (*STAGE_SHARES, "paper")
 #: the user-cells stage's seconds at most (its share of the default 480 s)
@@ -171,6 +171,7 @@ class Shapes:
     paper_hidden: int
     max_steps: int  # timed calls of each function per round, at most
     chain: tuple[tuple[str, int, int], ...] = ()  # VGG-11's conv chain: (weights, B, channel divisor)
+    overhead: tuple[Workload, ...] = ()  # where "auto" keeps torch's layer: what our module adds to it
     cells: tuple[int, int, int] = (32, 16, 1000)  # the user-cells stage: (H, B, T) of every cell
     cell_names: tuple[str, ...] = ()  # ... and which cells (benchmarks/cells.py's names; all where empty)
     rounds: int = 3
@@ -190,6 +191,10 @@ GPU_SHAPES = Shapes(
     paper_hidden=HIDDEN,
     max_steps=20,
     chain=(("dense", 1, 1), ("dense", 16, 1), ("pruned 97%", 1, 1), ("pruned 97%", 16, 1)),
+    overhead=(
+        ("RNN", 16, 100, 1, 32), ("RNN", 64, 100, 1, 32), ("RNN", 16, 100, 1, 64), ("RNN", 64, 100, 1, 8),
+        ("GRU", 16, 1034, 12, 20), ("LSTM", 16, 1034, 12, 20), ("RNN", 16, 1000, 32, 128),
+    ),
 )  # fmt: skip
 #: the smoke mode (``--device cpu --tiny``): every stage, on shapes a CPU runs in seconds
 TINY_SHAPES = Shapes(
@@ -202,6 +207,7 @@ TINY_SHAPES = Shapes(
     paper_hidden=4,
     max_steps=2,
     chain=(("dense", 1, 16), ("pruned 97%", 2, 16)),
+    overhead=(("RNN", 2, 6, 1, 3),),
     cells=(3, 2, 5),
     cell_names=("gated",),
 )
@@ -406,6 +412,56 @@ def _step_table(runner: Runner, done: list[list[str]], total: int) -> str:
         f"Rows done: {len(done)} of {total} (a skipped row says why).\n\n"
         + markdown_table(STEP_COLUMNS, done)
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 2a: what our module adds where "auto" keeps torch's layer
+# --------------------------------------------------------------------------------------------------
+
+OVERHEAD_COLUMNS = (
+    "cell", "B", "T", "in", "H", "torch step ms", "torch again ms", "BPPSA step ms", "BPPSA - torch us",
+    "torch again - torch us", "BPPSA plan",
+)  # fmt: skip
+#: interleaved rounds per workload: the differences sought (~10 us) are below one round's spread
+OVERHEAD_ROUNDS = 10
+
+
+def overhead_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
+    """One row of :data:`OVERHEAD_COLUMNS`: torch's module, a second copy of it (how far two runs of the same
+    code differ here) and ours (``"auto"``), interleaved, within ``budget`` seconds."""
+    cell, batch, length, inputs, hidden = workload
+    ref, ours, x = _pair(cell, inputs, hidden, batch, length, runner.device)
+    rounds = dataclasses.replace(runner, shapes=dataclasses.replace(runner.shapes, rounds=OVERHEAD_ROUNDS))
+    calls = {
+        "torch": train_step(ref, x),
+        "again": train_step(copy.deepcopy(ref), x),
+        "bppsa": train_step(ours, x),
+    }
+    times = interleaved(rounds, calls, budget)
+    if any(isinstance(t, str) for t in times.values()):
+        return [*map(str, workload), *[times["bppsa"]] * (len(OVERHEAD_COLUMNS) - len(workload))]
+    return [
+        *map(str, workload), *(ms_text(times[name]) for name in calls),
+        f"{(times['bppsa'] - times['torch']) * 1e6:.0f}", f"{(times['again'] - times['torch']) * 1e6:.0f}",
+        ours.last_stats.get("plan", ""),
+    ]  # fmt: skip
+
+
+def overhead_stage(runner: Runner) -> list[list[str]]:
+    """:func:`overhead_row` of every workload of ``shapes.overhead``, ``cuda-overhead.md`` rewritten after each."""
+    workloads = runner.shapes.overhead
+    done: list[list[str]] = []
+    for index, workload in enumerate(workloads):
+        done.append(overhead_row(runner, workload, 0.9 * max(runner.left(), 0) / (len(workloads) - index)))
+        print("overhead " + " | ".join(done[-1]), flush=True)
+        write(runner, "cuda-overhead.md", header(runner, 'What lightning_bppsa adds where "auto" keeps torch\'s layer') + (
+            "Whole training step (as in `cuda-step.md`) of torch's module, of a second copy of it (the spread of two "
+            f"runs of the same code) and of lightning_bppsa's (\"auto\"), median of {OVERHEAD_ROUNDS} interleaved "
+            f"rounds after {WARMUP} warm-up steps, {runner.timer}. Where the plan is torch's layer (autograd), "
+            "BPPSA - torch is what our module adds per step.\n\n"
+            f"Rows done: {len(done)} of {len(workloads)}.\n\n" + markdown_table(OVERHEAD_COLUMNS, done)
+        ))  # fmt: skip
+    return done
 
 
 # --------------------------------------------------------------------------------------------------
@@ -779,6 +835,8 @@ def run_all(
         tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
     if "step" in stages:
         step_stage(runner.until(STAGE_SHARES["step"] * total))
+    if "overhead" in stages:
+        overhead_stage(runner.until(STAGE_SHARES["overhead"] * total))
     if "chain" in stages:
         chain_stage(runner.until(STAGE_SHARES["chain"] * total))
     if "cells" in stages:

@@ -86,7 +86,7 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_file_has_the_header(full_run: Path) -> None:
-    for name in ("cuda-tests.md", "cuda-step.md", "cuda-chain.md", "cuda-calib.md", "cuda-gpu.md"):
+    for name in ("cuda-tests.md", "cuda-step.md", "cuda-overhead.md", "cuda-chain.md", "cuda-calib.md", "cuda-gpu.md"):
         line = _read(full_run, name).splitlines()[2]
         for part in ("Device CPU", "torch ", "cuDNN ", "CuPy ", "commit abc1234", " UTC", "gpu.py"):
             assert part in line, (name, part, line)
@@ -255,13 +255,20 @@ def test_plan_columns(plan: str, columns: tuple[str, str]) -> None:
 
 def test_the_command_line_builds_the_smoke_runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen = []
-    monkeypatch.setattr(bench, "run_all", seen.append)
+    monkeypatch.setattr(bench, "run_all", lambda runner, stages: seen.append((runner, stages)))
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--within", "100", "--device", "cpu", "--tiny",
                                       "--results", str(tmp_path)])  # fmt: skip
     bench.main()
-    (runner,) = seen
+    ((runner, stages),) = seen
     assert runner.device == "cpu" and runner.shapes == bench.TINY_SHAPES and runner.results == tmp_path
     assert 0 < runner.left() <= 100 * (1 - bench.MARGIN)
+    assert stages == list(bench.STAGES)
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--device", "cpu", "--stages", "calib,cells"])
+    bench.main()
+    assert seen[-1][1] == ["calib", "cells"]
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--device", "cpu", "--stages", "calib,bogus"])
+    with pytest.raises(SystemExit):
+        bench.main()
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--within", "0", "--device", "cpu"])
     with pytest.raises(SystemExit):
         bench.main()
@@ -271,3 +278,26 @@ def test_the_chain_table_has_both_weights_and_says_which_path_ran(full_run: Path
     rows = _table_rows(_read(full_run, "cuda-chain.md"))
     assert [row[:2] for row in rows] == [["dense", "1"], ["pruned 97%", "2"]]
     assert all(row[-1].startswith(("scan", "autograd")) and row[3] != "" for row in rows)
+
+
+def test_the_overhead_table_compares_torch_with_itself_and_with_ours(full_run: Path) -> None:
+    rows = _table_rows(_read(full_run, "cuda-overhead.md"))
+    assert [row[:5] for row in rows] == [[str(v) for v in w] for w in bench.TINY_SHAPES.overhead]
+    for row in rows:
+        torch_ms, again_ms, ours_ms, ours_us, again_us = map(float, row[5:10])
+        assert abs(ours_us - (ours_ms - torch_ms) * 1e3) <= 1 and abs(again_us - (again_ms - torch_ms) * 1e3) <= 1
+
+
+def test_stages_run_alone_and_share_the_time_of_the_others(tmp_path: Path) -> None:
+    shares = []
+    clock = FakeClock()
+    runner = _runner(tmp_path, clock, budget=100.0)
+    original = bench.Runner.until
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench.Runner, "until", lambda self, seconds: shares.append(seconds) or original(self, seconds))
+        bench.run_all(runner, tests_command=FAKE_TESTS, stages=["overhead", "calib"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-calib.csv", "cuda-calib.md", "cuda-overhead.md"]
+    # the two stages share all the time the whole command would give its five (the paper's grids not run)
+    total = sum(bench.STAGE_SHARES.values())
+    chosen = bench.STAGE_SHARES["overhead"] + bench.STAGE_SHARES["calib"]
+    assert shares[0] == pytest.approx(100.0 * bench.STAGE_SHARES["overhead"] * total / chosen, rel=1e-3)
