@@ -35,7 +35,7 @@ def _load(name: str):
     return module
 
 
-CASES, CUDA_CASES = _load("test_cell_kernel"), _load("test_cell_cuda")
+CASES, CUDA_CASES, CORPUS = _load("test_cell_kernel"), _load("test_cell_cuda"), _load("test_cell_corpus")
 
 
 class GateBlockGRU(nn.Module):
@@ -98,6 +98,32 @@ def test_gradients_equal_autograd_through_the_loop_in_float64(loop_backend, cell
     assert stats["path"] == "scan" and stats["jacobians"] == "factored", stats
     assert stats["cell_kernel"] == _platform(loop_backend), stats["cell_kernel_reason"]
     theirs = _grads(cell, x, leaves, last_only)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("algorithm", ["linear", "blelloch"])
+@pytest.mark.parametrize("cell_type", [CORPUS.TorchLSTMCell, CORPUS.TorchGRUCell], ids=lambda c: c.__name__)
+def test_torchs_own_cells_factor_and_equal_autograd_through_their_loop(loop_backend, cell_type, algorithm):
+    """``nn.LSTMCell`` / ``nn.GRUCell`` (issue 30): on CUDA they call torch's fused cell ops
+    (``aten._thnn_fused_lstm_cell`` / ``_thnn_fused_gru_cell``), which the trace writes as their pointwise math
+    (nn/cell_fused.py): the Jacobians factor, the CUDA loop runs, and the gradients equal autograd through the
+    Python loop of the cell itself (the fused kernels, float64) to 1e-10. Emulated, the cells trace to their CPU
+    form: the same checks on the CPU dispatch."""
+    torch.manual_seed(3)
+    hidden = loop_backend.size(cuda=40, emulated=5)  # two warps per block on the GPU
+    steps, batch = loop_backend.size(cuda=50, emulated=6), loop_backend.size(cuda=8, emulated=3)
+    cell = cell_type(3, hidden).to(loop_backend.device, F64)
+    if isinstance(cell.state_size, tuple):  # the loss reads every state tensor
+        cell.output_fn = lambda state: torch.cat(state, -1)
+    x = torch.randn(steps, batch, 3, dtype=F64, device=loop_backend.device, requires_grad=True)
+    leaves = [x, *cell.parameters()]
+    module = Recurrence(cell, algorithm=algorithm)
+    ours = _grads(module, x, leaves, False)
+    stats = module.last_stats
+    assert stats["path"] == "scan" and stats["jacobians"] == "factored", stats
+    assert stats["cell_kernel"] == _platform(loop_backend), stats["cell_kernel_reason"]
+    theirs = _grads(cell, x, leaves, False)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
