@@ -277,7 +277,8 @@ def test_the_command_line_builds_the_smoke_runner(monkeypatch: pytest.MonkeyPatc
 def test_the_chain_table_has_both_weights_and_says_which_path_ran(full_run: Path) -> None:
     rows = _table_rows(_read(full_run, "cuda-chain.md"))
     assert [row[:2] for row in rows] == [["dense", "1"], ["pruned 97%", "2"]]
-    assert all(row[-1].startswith(("scan", "autograd")) and row[3] != "" for row in rows)
+    assert all(row[-1].startswith(("scan", "autograd")) and "" not in row[2:5] for row in rows)
+    assert all(float(row[3]) > 0 for row in rows)  # the second copy of torch's model ran
 
 
 def test_the_overhead_table_compares_torch_with_itself_and_with_ours(full_run: Path) -> None:
