@@ -85,6 +85,12 @@ def _grads(module_or_cell, x, leaves, last_only: bool):
 @pytest.mark.parametrize("cell_type", [*CUDA_CASES.CELLS, GateBlockGRU])
 def test_gradients_equal_autograd_through_the_loop_in_float64(loop_backend, cell_type, algorithm, last_only):
     torch.manual_seed(0)
+    _check_float64(loop_backend, cell_type, algorithm, last_only)
+
+
+def _check_float64(loop_backend, cell_type, algorithm: str, last_only: bool) -> None:
+    """``Recurrence(cell_type(...))`` factors, runs the CUDA loop, and its outputs and gradients equal autograd
+    through the Python loop of the cell in float64 to 1e-10."""
     hidden = loop_backend.size(cuda=40, emulated=5)  # two warps per block on the GPU
     steps, batch = loop_backend.size(cuda=50, emulated=6), loop_backend.size(cuda=8, emulated=3)
     cell = cell_type(3, hidden).to(loop_backend.device, F64)
@@ -111,21 +117,7 @@ def test_torchs_own_cells_factor_and_equal_autograd_through_their_loop(loop_back
     Python loop of the cell itself (the fused kernels, float64) to 1e-10. Emulated, the cells trace to their CPU
     form: the same checks on the CPU dispatch."""
     torch.manual_seed(3)
-    hidden = loop_backend.size(cuda=40, emulated=5)  # two warps per block on the GPU
-    steps, batch = loop_backend.size(cuda=50, emulated=6), loop_backend.size(cuda=8, emulated=3)
-    cell = cell_type(3, hidden).to(loop_backend.device, F64)
-    if isinstance(cell.state_size, tuple):  # the loss reads every state tensor
-        cell.output_fn = lambda state: torch.cat(state, -1)
-    x = torch.randn(steps, batch, 3, dtype=F64, device=loop_backend.device, requires_grad=True)
-    leaves = [x, *cell.parameters()]
-    module = Recurrence(cell, algorithm=algorithm)
-    ours = _grads(module, x, leaves, False)
-    stats = module.last_stats
-    assert stats["path"] == "scan" and stats["jacobians"] == "factored", stats
-    assert stats["cell_kernel"] == _platform(loop_backend), stats["cell_kernel_reason"]
-    theirs = _grads(cell, x, leaves, False)
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _check_float64(loop_backend, cell_type, algorithm, False)
 
 
 @pytest.mark.parametrize("cell_type", [CASES.SmoothOps, GateBlockGRU])
