@@ -1,27 +1,39 @@
 """The calibrated CUDA model of one recurrent layer's training step: torch's own layer (cuDNN) vs the scan.
 
-Fitted on measurements (an H100, 2026-11-26, torch 2.11 + cuDNN 9.19, package commit 87e86d4; the data is
-``benchmarks/results/calib-h100-2026-11-26.csv``, its provenance beside it), not derived from instruction
-counts. It is what the layer plan (:mod:`lightning_bppsa.layer_plan`) uses where it cannot measure: before
-the first measurement of a shape, for shapes too large to measure twice, and while ``torch.compile`` traces
-or a CUDA graph is captured. It also picks the scan kernel and chunk on CUDA (:func:`fastest_kernel`).
+Fitted on measurements, not derived from instruction counts: the calibration grid of ``benchmarks/gpu.py`` on
+one H100 80GB HBM3 (2026-11-26 18:24-18:29 UTC, torch 2.11.0+cu130, cuDNN 9.19, CuPy 14.2), package commit
+eeeac3a (the warp sweep per ``(d, k)``, the chunked kernel's look-back with epoch flags, the forward kernels
+per ``H``); the data is ``benchmarks/results/calib-h100-2026-11-26-eeeac3a.csv``. (The first H100 run, of
+the older kernels at commit 87e86d4, is ``calib-h100-2026-11-26.csv``: history, no longer fitted.) It is
+what the layer plan (:mod:`lightning_bppsa.layer_plan`) uses where it cannot measure: before the first
+measurement of a shape, for shapes too large to measure twice, and while ``torch.compile`` traces or a CUDA
+graph is captured. It also picks the scan kernel and chunk on CUDA (:func:`fastest_kernel`).
 
 Per call, for a cell with ``G`` gate blocks, hidden ``H``, scan state ``d``, factored operand rows ``m``,
 batch ``B`` and ``n`` steps (seconds):
 
-- torch (cuDNN's persistent kernels): ``max(host, gpu + n (step + wide G H² + √B row + B mac G H²))`` (the
-  measured cost per step grows as √B below B = 256);
-- scan: ``max(host, gpu + forward + kernel + n B G H elementwise)``: the host's Python per call (~1.6 ms a
-  step today, more than cuDNN's whole step at small sizes) against the GPU's work, whichever is longer;
-- the scan kernels (:func:`kernel_seconds`): the sweep ``n`` dependent steps (warp-resident for ``d <= 32``:
-  ``n (w0 + w1 m + w2 B m)``; else a block per row streaming its operand tile: ``n s d min(m, 128)`` per
-  wave of blocks); the chunked kernel ``c`` matrix steps (``~ d m`` and ``d² m``: the tile is re-read), ``p``
-  dependent carries and a throughput term ``B n d m (q1 + q2 d)``; where its matrices do not fit shared memory
-  the launch is the sweep (:func:`runs_chunked`), and so is the model.
+- torch (cuDNN's persistent kernels): ``max(host, gpu + n (step + wide G H² + √B row + B batch + B mac G H²))``;
+- scan: ``max(host, gpu + forward) + kernel + n B G H elementwise``: the host's Python up to the scan's launch
+  (~1.2 ms, more than cuDNN's whole step at small sizes) overlaps the forward kernel (:func:`forward_seconds`:
+  ``n`` steps of a constant per kernel family), the scan and the backward's elementwise work come after both
+  (measured additive: at T = 100 the d = 64 / 128 steps are ~1.1 ms plus their kernel alone);
+- the scan kernels (:func:`kernel_seconds`, for a layer's per-step gradient: ``affine``): the sweep ``n``
+  dependent steps (warp-resident for ``d <= 32``: ``n (w0 + w1 m)``, the same for every ``B`` measured; else a
+  block per row streaming its operand tile: ``n s d min(m, 128)`` per wave of blocks); the chunked kernel
+  every block's ``c`` matrix steps (``matrix_step + matrix_pass x passes x m``: a pass covers ``2 x 2``
+  outputs per thread of the ``(d + 1) x d`` aggregate, so d = 32 takes two passes of 256 threads) in waves of
+  the blocks an SM holds, or the SMs' throughput over all ``B n`` steps, whichever is longer; ``p`` dependent
+  carries (``~ d²`` each); the chunk's sweep. Where its matrices do not fit shared memory the launch is the
+  sweep (:func:`runs_chunked`), and so is the model.
 
-Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``): kernels over 256 measured
-launches (median error ~17%, worst ~3x at d >= 64, where the scan never wins), the steps over the 72 rows of
-the RNN grid d in {8..256} x B in {1..256} x T in {100, 1000, 10000}.
+Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
+error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
+shape, d = 20 B = 1 T = 100), cuDNN's step on 72 shapes (median 11%, worst 1.56x at T = 100, where cuDNN
+measured 0.57-1.33 ms), the scan step on 121 measured steps (forced linear / chunked and ``auto``'s; median
+6%, worst 1.41x) of the RNN grid d in {8..256} x B in {1..256} x T in {100, 1000, 10000}. At 58 of the 59
+shapes where both were measured, the path it picks costs within 10% of the faster; at d = 20 B = 64 T = 1000
+1.13x, within the spread of repeated measurements there (``tests/test_cuda_step_model.py``). Only RNN cells
+(``G = 1``) were measured: the ``G`` terms are a form, not a fit.
 """
 
 from __future__ import annotations
@@ -30,99 +42,160 @@ import math
 from dataclasses import dataclass
 
 from lightning_bppsa.kernels import cuda as cuda_kernel
+from lightning_bppsa.kernels import recurrent_cuda
 
-__all__ = ["KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel", "kernel_seconds",
-           "runs_chunked", "step_seconds"]  # fmt: skip
+__all__ = ["KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel", "forward_seconds",
+           "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
 
 H100_SMS = 132
 H100_SHARED = 232448  # the per-block shared memory opt-in the kernels launch with on an H100
+H100_SM_SHARED = 233472  # shared memory per SM (228 KiB) ...
+H100_BLOCK_RESERVED = 1024  # ... of which the driver reserves 1 KiB per resident block
+H100_SM_THREADS = 2048
+H100_SM_BLOCKS = 32
 
 
 @dataclass(frozen=True)
 class KernelConstants:
     """Seconds per unit of the scan kernels' terms (see the module docstring)."""
 
-    launch: float = 7.15e-05
-    warp_step: float = 2.17e-07
-    warp_operand: float = 5.27e-09
-    warp_row_operand: float = 2.33e-11
-    sweep_element: float = 1.61e-09
-    chunk_fixed: float = 7.85e-05
-    matrix_step: float = 1.16e-06
-    matrix_element: float = 3.03e-09
-    matrix_cube: float = 2.7e-12
-    carry: float = 1.38e-06
-    carry_element: float = 1.75e-11
-    throughput: float = 2.62e-12
-    throughput_wide: float = 4.75e-13
+    launch: float = 3.87e-05
+    warp_step: float = 8.23e-08
+    warp_operand: float = 3.83e-09
+    sweep_element: float = 1.51e-09
+    chunk_fixed: float = 5.51e-05
+    matrix_step: float = 7.49e-07
+    matrix_pass: float = 7.68e-08
+    carry: float = 9.36e-07
+    carry_element: float = 7.55e-10
+    throughput: float = 5.94e-10
+    throughput_slot: float = 4.5e-13
 
 
 @dataclass(frozen=True)
 class StepConstants:
     """Seconds per unit of the whole-step terms (see the module docstring)."""
 
-    torch_host: float = 0.000932
-    torch_gpu: float = 0.000158
-    torch_step: float = 5.63e-07
-    torch_wide: float = 4.23e-11
-    torch_row: float = 8.24e-08
-    torch_mac: float = 2.38e-13
-    scan_host: float = 0.00162
-    scan_gpu: float = 0.000423
-    forward_step: float = 3.57e-07
-    forward_wide: float = 3.18e-11
-    forward_row: float = 1.63e-11
-    forward_mac: float = 3.79e-12
-    elementwise: float = 1.3e-11
+    torch_host: float = 0.000897
+    torch_gpu: float = 0.000289
+    torch_step: float = 6.5e-07
+    torch_wide: float = 3.79e-11
+    torch_row: float = 5.07e-08
+    torch_batch: float = 2.36e-09
+    torch_mac: float = 2.39e-13
+    scan_host: float = 0.00117
+    scan_gpu: float = 0.000103
+    forward_step: float = 2e-07
+    generic_step: float = 4.47e-08
+    generic_unit: float = 5.54e-09
+    elementwise: float = 3.52e-11
 
 
 KERNELS = KernelConstants()
 STEPS = StepConstants()
 
 
-def runs_chunked(*, n: int, d: int, m: int, chunk: int, element_bytes: int = 4, shared_limit: int = H100_SHARED) -> bool:
-    """Whether a chunked launch of this shape runs the chunked kernel (else its matrices do not fit shared
-    memory, or there is one chunk, and the launch is the sweep)."""
-    launch = cuda_kernel.launch_config(
-        factored=True, element_bytes=element_bytes, n=max(n, 1), batch=1, d=d, m=m, affine=True,
+def _chunked_launch(
+    *,
+    n: int,
+    d: int,
+    m: int,
+    chunk: int,
+    batch: int,
+    element_bytes: int,
+    shared_limit: int = H100_SHARED,
+    affine: bool = True,
+) -> cuda_kernel.Launch:
+    return cuda_kernel.launch_config(
+        factored=True, element_bytes=element_bytes, n=max(n, 1), batch=batch, d=d, m=m, affine=affine,
         algorithm="chunked", chunk_size=chunk, shared_limit=shared_limit,
     )  # fmt: skip
+
+
+def runs_chunked(
+    *, n: int, d: int, m: int, chunk: int, element_bytes: int = 4, shared_limit: int = H100_SHARED
+) -> bool:
+    """Whether a chunked launch of this shape runs the chunked kernel (else its matrices do not fit shared
+    memory, or there is one chunk, and the launch is the sweep)."""
+    launch = _chunked_launch(
+        n=n, d=d, m=m, chunk=chunk, batch=1, element_bytes=element_bytes, shared_limit=shared_limit
+    )
     return launch.kernel.startswith("bppsa_chunked")
 
 
 def _sweep_seconds(k: KernelConstants, *, n: int, d: int, m: int, batch: int, element_bytes: int) -> float:
     if d <= cuda_kernel.WARP:
-        return n * (k.warp_step + k.warp_operand * m + k.warp_row_operand * batch * m)
+        return n * (k.warp_step + k.warp_operand * m)
     resident = max(1, H100_SHARED // (element_bytes * d * m + 1))
     waves = math.ceil(batch / (H100_SMS * resident))
     return n * k.sweep_element * d * min(m, 128) * waves
 
 
+def _waves(grid: int, block: int, shared_bytes: int) -> int:
+    """Rounds of ``grid`` blocks on an H100's SMs (threads, blocks and shared memory per SM bound the blocks
+    resident at once; registers are not counted)."""
+    per_sm = min(
+        H100_SM_BLOCKS, H100_SM_THREADS // block, H100_SM_SHARED // (shared_bytes + H100_BLOCK_RESERVED)
+    )
+    return math.ceil(grid / (H100_SMS * max(1, per_sm)))
+
+
 def kernel_seconds(
-    algorithm: str, *, n: int, d: int, m: int, batch: int, chunk: int, element_bytes: int = 4,
+    algorithm: str,
+    *,
+    n: int,
+    d: int,
+    m: int,
+    batch: int,
+    chunk: int,
+    element_bytes: int = 4,
+    affine: bool = True,
     constants: KernelConstants = KERNELS,
 ) -> float:
     """Predicted seconds of one scan launch (``"linear"``: the sweep; ``"chunked"`` / ``"blelloch"``: the
-    chunked kernel with chunk ``chunk``, or the sweep where that launch is the sweep)."""
+    chunked kernel with chunk ``chunk``, or the sweep where that launch is the sweep). ``affine``: a per-step
+    gradient, as a layer's backward passes (the chunk aggregates get a row: ``d + 1`` of them)."""
     k = constants
     sweep = _sweep_seconds(k, n=n, d=d, m=m, batch=batch, element_bytes=element_bytes)
-    if algorithm == "linear" or not runs_chunked(n=n, d=d, m=m, chunk=chunk, element_bytes=element_bytes):
+    launch = _chunked_launch(
+        n=n, d=d, m=m, chunk=chunk, batch=batch, element_bytes=element_bytes, affine=affine
+    )
+    if algorithm == "linear" or not launch.kernel.startswith("bppsa_chunked"):
         return k.launch + sweep
-    carries = math.ceil(n / chunk)
-    matrix = k.matrix_step + k.matrix_element * d * m + k.matrix_cube * d * d * m
+    # a matrix step: each thread computes MATRIX_BLOCK² outputs over the m operand rows, in passes over the
+    # (d + affine) x d outputs (d = 32: one pass, two with the affine row)
+    block = cuda_kernel.MATRIX_BLOCK
+    cells = math.ceil((d + int(affine)) / block) * math.ceil(d / block)
+    passes = math.ceil(cells / launch.block)
+    matrix = k.matrix_step + k.matrix_pass * passes * m
+    # every block's c matrix steps, in waves of resident blocks, or the SMs' throughput over all B n steps
+    # (every lane of every pass issues, idle ones included)
+    waves = _waves(launch.grid, launch.block, launch.shared_bytes + launch.static_bytes)
+    issued = passes * launch.block * block * block * m
+    aggregates = max(waves * chunk * matrix, batch * n * (k.throughput + k.throughput_slot * issued))
     return (
-        k.chunk_fixed + chunk * matrix + carries * (k.carry + k.carry_element * d)
-        + batch * n * d * m * (k.throughput + k.throughput_wide * d)
+        k.chunk_fixed + aggregates + math.ceil(n / chunk) * (k.carry + k.carry_element * d * d)
         + _sweep_seconds(k, n=chunk, d=d, m=m, batch=1, element_bytes=element_bytes)
     )  # fmt: skip
 
 
 def _chunks(n: int) -> list[int]:
     """Chunk sizes worth trying: powers of two below ``n`` and ``~sqrt(n)`` (the balance of both phases)."""
-    return sorted({2**k for k in range(1, int(math.log2(max(n, 2))) + 1) if 2**k < n} | {max(2, math.isqrt(n))})
+    return sorted(
+        {2**k for k in range(1, int(math.log2(max(n, 2))) + 1) if 2**k < n} | {max(2, math.isqrt(n))}
+    )
 
 
-def fastest_kernel(algorithm: str, *, n: int, d: int, m: int, batch: int, element_bytes: int = 4) -> tuple[str, int]:
+def fastest_kernel(
+    algorithm: str,
+    *,
+    n: int,
+    d: int,
+    m: int,
+    batch: int,
+    element_bytes: int = 4,
+    constants: KernelConstants = KERNELS,
+) -> tuple[str, int]:
     """``(algorithm, chunk)`` the CUDA kernels run: ``"linear"`` as asked; ``"chunked"`` / ``"blelloch"`` with
     the chunk predicted fastest, or ``"linear"`` where no chunked launch fits (said, not silent: the plan then
     reports the sweep); ``"auto"`` the faster of the two."""
@@ -131,30 +204,58 @@ def fastest_kernel(algorithm: str, *, n: int, d: int, m: int, batch: int, elemen
     fitting = [c for c in _chunks(n) if runs_chunked(n=n, d=d, m=m, chunk=c, element_bytes=element_bytes)]
     if not fitting:
         return "linear", 1
-    chunk = min(fitting, key=lambda c: kernel_seconds("chunked", n=n, d=d, m=m, batch=batch, chunk=c,
-                                                      element_bytes=element_bytes))  # fmt: skip
+    common = dict(n=n, d=d, m=m, batch=batch, element_bytes=element_bytes, constants=constants)
+    chunk = min(fitting, key=lambda c: kernel_seconds("chunked", chunk=c, **common))
     if algorithm != "auto":
         return algorithm, chunk
-    chunked = kernel_seconds("chunked", n=n, d=d, m=m, batch=batch, chunk=chunk, element_bytes=element_bytes)
-    linear = kernel_seconds("linear", n=n, d=d, m=m, batch=batch, chunk=1, element_bytes=element_bytes)
+    chunked = kernel_seconds("chunked", chunk=chunk, **common)
+    linear = kernel_seconds("linear", chunk=1, **common)
     return ("chunked", chunk) if chunked < linear else ("linear", 1)
 
 
+def forward_seconds(
+    *, gates: int, hidden: int, n: int, element_bytes: int = 4, constants: StepConstants = STEPS
+) -> float:
+    """Predicted seconds of the scan's forward kernel over ``n`` steps (:mod:`lightning_bppsa.kernels.recurrent_cuda`):
+    one block per batch row (no waves below ~500 rows), a thread per hidden unit doing ``G`` dot products of
+    length ``H`` a step. Float32 with ``H <= 32`` runs the kernels compiled for their ``H`` (``W_hh`` in
+    registers, one warp): measured the same a step for every ``H`` of the grid; the others the generic kernel
+    (``W_hh`` in shared memory), whose step grows with ``G H``."""
+    s = constants
+    if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
+        return n * s.forward_step
+    return n * (s.generic_step + s.generic_unit * gates * hidden)
+
+
 def step_seconds(
-    path: str, *, gates: int, hidden: int, d: int, m: int, batch: int, n: int, algorithm: str = "auto",
-    element_bytes: int = 4, constants: StepConstants = STEPS, kernels: KernelConstants = KERNELS,
+    path: str,
+    *,
+    gates: int,
+    hidden: int,
+    d: int,
+    m: int,
+    batch: int,
+    n: int,
+    algorithm: str = "auto",
+    element_bytes: int = 4,
+    constants: StepConstants = STEPS,
+    kernels: KernelConstants = KERNELS,
 ) -> float:
     """Predicted seconds of one layer's training step (forward + backward) on the ``path`` ``"torch"``
     (cuDNN) or ``"scan"`` (its kernels, ``algorithm`` resolved by :func:`fastest_kernel`)."""
     s = constants
     macs = gates * hidden * hidden
     if path == "torch":
-        gpu = s.torch_gpu + n * (s.torch_step + s.torch_wide * macs + math.sqrt(batch) * s.torch_row + batch * s.torch_mac * macs)
-        return max(s.torch_host, gpu)
+        per_step = (s.torch_step + s.torch_wide * macs + math.sqrt(batch) * s.torch_row + batch * s.torch_batch
+                    + batch * s.torch_mac * macs)  # fmt: skip
+        return max(s.torch_host, s.torch_gpu + n * per_step)
     if path != "scan":
         raise ValueError(f"path must be 'torch' or 'scan'; got {path!r}")
-    name, chunk = fastest_kernel(algorithm, n=n, d=d, m=m, batch=batch, element_bytes=element_bytes)
+    name, chunk = fastest_kernel(
+        algorithm, n=n, d=d, m=m, batch=batch, element_bytes=element_bytes, constants=kernels
+    )
     kernel = kernel_seconds(name, n=n, d=d, m=m, batch=batch, chunk=chunk, element_bytes=element_bytes,
                             constants=kernels)  # fmt: skip
-    forward = n * (s.forward_step + s.forward_wide * macs + batch * (s.forward_row + s.forward_mac * macs))
-    return max(s.scan_host, s.scan_gpu + forward + kernel + s.elementwise * batch * n * gates * hidden)
+    forward = forward_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=s)
+    # the host's Python up to the scan's launch overlaps the forward; the scan and what follows it do not
+    return max(s.scan_host, s.scan_gpu + forward) + kernel + s.elementwise * batch * n * gates * hidden

@@ -1,8 +1,15 @@
-"""The calibrated CUDA model against the committed H100 measurements (no GPU needed)."""
+"""The calibrated CUDA model against the committed H100 measurements (no GPU needed).
+
+Data: ``benchmarks/results/calib-h100-2026-11-26-eeeac3a.csv`` (package commit eeeac3a), read by
+``benchmarks/fit_cuda_model.py``, which also fitted the constants under test.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import math
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -12,40 +19,103 @@ from lightning_bppsa import cuda_step_model as model
 _FIT = Path(__file__).resolve().parents[1] / "benchmarks" / "fit_cuda_model.py"
 
 
-def _load_data():
+def _fit_module():
     spec = importlib.util.spec_from_file_location("fit_cuda_model", _FIT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.load()
+    return module
 
 
-def _pick(d: int, batch: int, steps: int) -> str:
-    common = dict(gates=1, hidden=d, d=d, m=d, batch=batch, n=steps)
-    return "scan" if model.step_seconds("scan", **common) < model.step_seconds("torch", **common) else "torch"
+fit = _fit_module()
+DATA = fit.load()
+
+#: (d, B, T) -> why the model's pick there costs more than 10% over the faster measured path. Only rows whose
+#: miss is explained by the data itself, with a bound on how far the pick may be off.
+KNOWN_MISSES = {
+    # The model picks the scan (predicted 1.42 ms vs cuDNN 1.52); the grid measured cuDNN 1.379 ms and the scan
+    # 1.563 (chunked) / 1.754 (linear), 1.13x. Repeated measurements of the same shape in the same run spread
+    # wider than that margin: the layer plan's own paired measurement (the step_bppsa row's plan note) read
+    # scan 1.38 ms vs torch 1.25 ms, and the d = 20 scan steps at B = 16 / 64, T = 1000 measured 0.3-0.5 ms
+    # above those at d = 8 and d = 32 while their kernels alone did not (0.20-0.22 ms vs 0.22-0.24 at d = 32)
+    # and the T = 10000 steps did not either: no term proportional to d, B or T can carry that.
+    (20, 64, 1000): 1.15,
+}
 
 
 def test_the_model_picks_a_path_within_10_percent_of_the_faster_measured_on_every_row():
-    _, steps, plans = _load_data()
-    rows = sorted({key[1:] for key in steps})
-    assert len(rows) == 72
-    misses = []
-    for d, batch, length in rows:
-        cudnn = steps[("step_cudnn", d, batch, length)]
-        # BPPSA's step measured the scan only where that commit's plan ran it (else it ran cuDNN too)
-        scan = steps[("step_bppsa", d, batch, length)] if plans[(d, batch, length)][0] == "scan" else None
-        best = min(cudnn, scan if scan is not None else cudnn)
-        picked = _pick(d, batch, length)
-        got = cudnn if picked == "torch" else scan
-        if got is None or got > 1.1 * best:  # a scan never measured at this shape counts as a miss
-            misses.append((d, batch, length, picked, got, best))
-    assert not misses
+    """Issue 28/29: on every shape where cuDNN's step and a scan step were measured, the path the model picks
+    costs within 10% of the faster measured path (cuDNN vs the best measured scan), but for the known misses."""
+    rows = fit.decisions(DATA)
+    assert len(rows) == 59  # 72 shapes less the 13 where no scan step was measured (over 50 ms, or refused)
+    misses = {(x.d, x.batch, x.n): x.cost for x in rows if x.cost > fit.TOLERANCE}
+    assert misses.keys() == KNOWN_MISSES.keys(), misses
+    for key, cost in misses.items():
+        assert cost <= KNOWN_MISSES[key], (key, cost)
+    # the calls that matter most: T = 10000 with d <= 32 (the scan measured 1.6-4x faster) and d = 64, B = 1
+    # (1.26x); T = 100 (cuDNN faster at every shape)
+    picks = {(x.d, x.batch, x.n): x.picked for x in rows}
+    assert all(picks[(d, b, 10000)] == "scan" for d in (8, 20, 32) for b in (1, 16, 64, 256))
+    assert picks[(64, 1, 10000)] == "scan"
+    assert all(pick == "torch" for (_, _, n), pick in picks.items() if n == 100)
 
 
 def test_the_model_keeps_the_scan_where_it_measured_several_times_faster():
-    # T = 10000, d = 8 / 20: the scan measured 1.6-2.3x cuDNN's step
-    assert [_pick(d, 16, 10000) for d in (8, 20)] == ["scan", "scan"]
-    # d = 128 / 256 at B = 16, T = 1000: the scan measured 19x / 11x slower
-    assert [_pick(d, 16, 1000) for d in (128, 256)] == ["torch", "torch"]
+    # T = 10000, d = 8 / 20, B = 16: the scan measured 3.0-3.4x cuDNN's step
+    common = dict(batch=16, n=10000)
+    assert all(fit.step("scan", d, **common) < fit.step("torch", d, **common) for d in (8, 20))
+    # d = 128 / 256 at B = 16, T = 1000: the scan measured 17x slower (d = 256 not measured: ~50 ms alone)
+    assert all(fit.step("scan", d, 16, 1000) > 5 * fit.step("torch", d, 16, 1000) for d in (128, 256))
+
+
+def test_every_measured_launch_is_predicted_within_1_5x_but_one_anomalous_shape():
+    """The kernel model's form: every measured launch within 1.5x, but those of d=20 B=1 T=100, where the
+    sweep of 100 steps measured longer than the same sweep of 1000 steps (0.265 vs 0.195 ms: not the kernel's
+    cost, the measurement's)."""
+    alone = {(x.algorithm, x.d, x.batch, x.n): x.seconds for x in DATA.launches if x.algorithm == "linear"}
+    assert alone[("linear", 20, 1, 100)] > alone[("linear", 20, 1, 1000)]
+    errors = fit.kernel_residuals(DATA, model.KERNELS)
+    off = {(x.d, x.batch, x.n) for x, r in zip(DATA.launches, errors, strict=True) if abs(r) > math.log(1.5)}
+    assert off == {(20, 1, 100)}
+    assert sorted(abs(r) for r in errors)[len(errors) // 2] < math.log(1.1)  # median error under 10%
+
+
+def test_the_kernel_picked_among_the_measured_launches_is_within_10_percent_of_the_fastest():
+    """What :func:`fastest_kernel` decides, on the launches the grid measured at each shape (linear and chunk 16 /
+    64 / 256): the one the model predicts fastest measured within 10% of the fastest, but at d=20 B=1 T=100 (the
+    anomalous shape above)."""
+    shapes = defaultdict(list)
+    for x in DATA.launches:
+        shapes[(x.d, x.batch, x.n)].append(x)
+    off = {}
+    for key, launches in shapes.items():
+        picked = min(launches, key=lambda x: fit.predicted_kernel(x.algorithm, *key, x.chunk))
+        cost = picked.seconds / min(x.seconds for x in launches)
+        if cost > fit.TOLERANCE:
+            off[key] = cost
+    assert off.keys() == {(20, 1, 100)}, off
+
+
+def test_every_scan_step_is_predicted_within_1_5x_with_its_kernel_as_measured():
+    """The scan step's form (host, forward, kernel, elementwise) on all 121 measured scan steps that ran the
+    CUDA forward kernel, forced linear / chunked included: the d = 32 chunked steps measured ~2x their kernel
+    alone (a layer's per-step gradient adds a row to the aggregates: two passes of 256 threads instead of one)."""
+    errors = fit.scan_residuals(DATA, model.STEPS, model.KERNELS)
+    assert len(errors) == 121
+    assert max(abs(r) for r in errors) < math.log(1.5)
+
+
+def test_the_per_step_gradient_row_doubles_the_chunked_aggregates_at_d_32_only():
+    common = dict(n=10000, m=32, batch=256, chunk=64)
+    ratio = model.kernel_seconds("chunked", d=32, **common) / model.kernel_seconds(
+        "chunked", d=32, affine=False, **common
+    )
+    assert 1.8 < ratio < 2.1
+    common["m"] = 20
+    ratio = model.kernel_seconds("chunked", d=20, **common) / model.kernel_seconds(
+        "chunked", d=20, affine=False, **common
+    )
+    assert ratio < 1.1
 
 
 def test_a_chunked_launch_that_does_not_fit_is_predicted_and_planned_as_the_sweep():
@@ -53,6 +123,19 @@ def test_a_chunked_launch_that_does_not_fit_is_predicted_and_planned_as_the_swee
     assert model.fastest_kernel("chunked", n=1000, d=256, m=256, batch=16) == ("linear", 1)
     sweep = model.kernel_seconds("linear", n=1000, d=256, m=256, batch=16, chunk=1)
     assert model.kernel_seconds("chunked", n=1000, d=256, m=256, batch=16, chunk=16) == sweep
+
+
+def test_the_forward_kernel_family_follows_the_kernels_compiled_per_hidden_size():
+    # float32 H <= 32: one warp, W_hh in registers: the same a step for every H; else the generic kernel
+    per_h = [model.forward_seconds(gates=1, hidden=h, n=1000) for h in (8, 32)]
+    assert per_h[0] == per_h[1] == 1000 * model.STEPS.forward_step
+    generic = [
+        model.forward_seconds(gates=1, hidden=32, n=1000, element_bytes=8),
+        model.forward_seconds(gates=1, hidden=33, n=1000),
+        model.forward_seconds(gates=4, hidden=64, n=1000),
+    ]
+    s = model.STEPS
+    assert generic == [1000 * (s.generic_step + s.generic_unit * units) for units in (32, 33, 256)]
 
 
 def test_bad_path_is_refused_with_its_name():
