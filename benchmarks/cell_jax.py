@@ -19,6 +19,8 @@ from torch import fx, nn
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from lightning_bppsa.nn.cell_fused import FUSED_CELL_DECOMPOSITIONS
+
 __all__ = ["NotTranslated", "jax_cell", "jax_steps", "to_jax"]
 
 
@@ -49,7 +51,8 @@ def _trace(cell: nn.Module, rows: int, inputs: int) -> fx.GraphModule:
         *(torch.empty(rows, s, dtype=like.dtype, device=like.device) for s in _state_sizes(cell)),
     ]
     with torch.no_grad():  # functionalized: writes through views become *_scatter ops
-        return make_fx(functionalize(step), tracing_mode="fake")(
+        # torch's fused CUDA cell ops (nn.LSTMCell / GRUCell on a GPU) as their pointwise math, as Recurrence traces them
+        return make_fx(functionalize(step), FUSED_CELL_DECOMPOSITIONS, tracing_mode="fake")(
             *(p.detach() for p in cell.parameters()), *example
         )
 

@@ -239,3 +239,31 @@ def test_a_prepared_call_is_timed_without_its_preparation(tmp_path: Path) -> Non
     backward = cells.Backward(forward, lambda graph: calls.append(f"backward of {graph}"))
     assert runner.call_seconds(backward, 2) == [pytest.approx(1e-3)] * 2
     assert calls == ["forward", "backward of graph"] * 2
+
+
+class FusedLSTMStep(nn.Module):
+    """``nn.LSTMCell``'s step as torch runs it on CUDA: its fused op (no CPU kernel: only a trace runs here)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTMCell(inputs, hidden)
+        self.state_size = (hidden, hidden)
+
+    def forward(self, x, state):
+        h, c = state
+        gates = (x @ self.lstm.weight_ih.t(), h @ self.lstm.weight_hh.t())
+        hy, cy, _ = torch.ops.aten._thnn_fused_lstm_cell(*gates, c, self.lstm.bias_ih, self.lstm.bias_hh)
+        return hy, cy
+
+
+def test_torchs_fused_cuda_cell_op_translates_to_jax_as_its_math() -> None:
+    # the JAX arm traces as Recurrence does: nn.LSTMCell on a GPU (its fused op) is LSTMCell's pointwise math
+    torch.manual_seed(0)
+    cell = FusedLSTMStep(3, 4)
+    x, h, c = torch.randn(5, 3), torch.randn(5, 4), torch.randn(5, 4)
+    expected = cell.lstm(x, (h, c))
+    step = cell_jax.jax_cell(cell, 5, 3, jax)
+    got = step([cell_jax.to_jax(jax, p.detach()) for p in cell.parameters()],
+               (cell_jax.to_jax(jax, h), cell_jax.to_jax(jax, c)), cell_jax.to_jax(jax, x))  # fmt: skip
+    for value, reference in zip(got, expected, strict=True):
+        assert relative_error(torch.tensor(jax.device_get(value)), reference) < 1e-5
