@@ -570,13 +570,19 @@ def test_states_of_different_widths_are_traced_as_blocks_of_their_common_divisor
     for ours in (new, outs):
         assert [tuple(t.shape) for t in ours] == [(6, n) for n in sizes]
         torch.testing.assert_close(torch.cat(ours, -1), torch.cat(expected, -1), rtol=1e-12, atol=1e-12)
-    flat = torch.cat(states, -1).requires_grad_()
-    step = lambda s: torch.cat(cell(x, s.split(list(sizes), -1)), -1)  # noqa: E731
-    dense = torch.func.jacrev(step)(flat)  # (6, d, 6, d)
-    rows = torch.arange(6)
+    assert_jacobians_of(jacobians, lambda s: torch.cat(cell(x, s.split(list(sizes), -1)), -1), states)
+
+
+def assert_jacobians_of(jacobians, step, states) -> None:
+    """``jacobians`` (of ``rows`` rows, factored) equal the dense per-row Jacobians of ``step(flat) -> flat``
+    (the flat state: ``states`` concatenated) at ``states``, float64 to 1e-12 (shared with test_cell_fused)."""
+    flat = torch.cat(states, -1)
+    rows, width = flat.shape
+    dense = torch.func.jacrev(step)(flat)  # (rows, d, rows, d)
+    index = torch.arange(rows)
     torch.testing.assert_close(
-        jacobians.dense().reshape(6, sum(sizes), sum(sizes)),
-        dense[rows, :, rows].transpose(1, 2),
+        jacobians.dense().reshape(rows, width, width),
+        dense[index, :, index].transpose(1, 2),
         rtol=1e-12,
         atol=1e-12,
     )

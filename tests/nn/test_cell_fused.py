@@ -10,6 +10,9 @@ torch's CPU cell on the same weights.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,18 @@ from lightning_bppsa.nn.cell_fused import FUSED_CELL_DECOMPOSITIONS
 from lightning_bppsa.nn.cell_structure import trace_cell
 
 F64 = torch.float64
+
+
+def _corpus():
+    """tests/nn/test_cell_corpus.py (its Jacobian check)."""
+    path = Path(__file__).resolve().with_name("test_cell_corpus.py")
+    spec = importlib.util.spec_from_file_location("_corpus_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CORPUS = _corpus()
 aten = torch.ops.aten
 LSTM_OP, GRU_OP = aten._thnn_fused_lstm_cell.default, aten._thnn_fused_gru_cell.default
 
@@ -161,14 +176,7 @@ def test_a_cell_calling_the_fused_op_traces_to_torchs_cell_math_and_jacobians(ce
         out = reference(x, tuple(flat.split(list(sizes), -1)) if is_tuple else flat)
         return torch.cat(out, -1) if is_tuple else out
 
-    dense = torch.func.jacrev(step)(torch.cat(states, -1))  # (6, d, 6, d)
-    rows = torch.arange(6)
-    torch.testing.assert_close(
-        jacobians.dense().reshape(6, sum(sizes), sum(sizes)),
-        dense[rows, :, rows].transpose(1, 2),
-        rtol=1e-12,
-        atol=1e-12,
-    )
+    CORPUS.assert_jacobians_of(jacobians, step, states)
 
 
 class ReadsWorkspace(FusedLSTM):
