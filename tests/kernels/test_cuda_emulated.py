@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -24,6 +25,18 @@ from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.testing import assert_derived_close
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+
+
+def _load_launch_tests():
+    """tests/kernels/test_cuda.py, for its ``config`` (cuda.launch_config with one test shape's defaults)."""
+    path = Path(__file__).with_name("test_cuda.py")
+    spec = importlib.util.spec_from_file_location("_launch_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAUNCH_TESTS = _load_launch_tests()
 
 
 def plain_loop(jacobians_t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -111,8 +124,8 @@ def test_warp_sweep_any_number_of_weight_tiles(tiles, diagonal, d, dtype):
     """The warp sweep keeps k <= 5 weight tiles (RNN 1, GRU 3, LSTM 5) resident; with or without u_t."""
     gen = torch.Generator().manual_seed(tiles * 100 + d)
     weight, scales, diag, grad = make_factored(2, 15, d, tiles, diagonal, True, gen)
-    launch = cuda.launch_config(
-        factored=True, element_bytes=dtype.itemsize, n=15, batch=2, d=d, m=tiles * d, affine=True,
+    launch = LAUNCH_TESTS.config(
+        element_bytes=dtype.itemsize, n=15, batch=2, d=d, m=tiles * d, affine=True,
         algorithm="linear", chunk_size=1,
     )  # fmt: skip
     assert launch.kernel.startswith("bppsa_warpsweep_factored_") and launch.block == 32
@@ -209,8 +222,7 @@ def test_warp_layout_is_the_kernels(d, k):
 
 def test_a_module_refuses_a_chain_of_another_shape():
     """A launch of the (20, 3) module with a chain of d = 5 traps (bppsa::fail) instead of reading out of bounds."""
-    launch = cuda.launch_config(factored=True, element_bytes=4, n=4, batch=1, d=5, m=15, affine=True,
-                                algorithm="linear", chunk_size=1)  # fmt: skip
+    launch = LAUNCH_TESTS.config(n=4, batch=1, d=5, m=15, affine=True, algorithm="linear", chunk_size=1)
     wrong = dataclasses.replace(launch, warp_shape=(20, 3))
     weight, scales, diag, grad = make_factored(1, 4, 5, 3, True, True, torch.Generator().manual_seed(0))
     launcher = emulated._launcher(None, 20.0, 1, 0.0)
@@ -410,17 +422,7 @@ def test_thread_sanitizer_finds_no_race(tmp_path):
 
 def test_launch_config_is_what_cuda_uses():
     """The emulated launch goes through cuda.launch_config: a chunked call makes B * ceil(n / c) blocks."""
-    launch = cuda.launch_config(
-        factored=True,
-        element_bytes=8,
-        n=130,
-        batch=3,
-        d=20,
-        m=60,
-        affine=True,
-        algorithm="chunked",
-        chunk_size=10,
-    )
+    launch = LAUNCH_TESTS.config(element_bytes=8, n=130, batch=3, d=20, m=60, affine=True, chunk_size=10)
     assert (launch.kernel, launch.grid, launch.chunk) == ("bppsa_chunked_factored_f64", 39, 10)
     assert launch.block % 32 == 0 and launch.shared_bytes <= cuda.SHARED_BYTES
 
@@ -445,17 +447,10 @@ def test_wide_dense_sweep_takes_several_passes_and_tiles():
     """d = 260 > 256 threads: two output passes; J_t (260 x 260 float64) streamed in 13 tiles per step."""
     gen = torch.Generator().manual_seed(260)
     jt, grad = make_dense(1, 2, 260, True, gen)
-    launch = cuda.launch_config(
-        factored=False,
-        element_bytes=8,
-        n=2,
-        batch=1,
-        d=260,
-        m=260,
-        affine=True,
-        algorithm="linear",
-        chunk_size=2,
-    )
+    launch = LAUNCH_TESTS.config(
+        factored=False, element_bytes=8, n=2, batch=1, d=260, m=260, affine=True,
+        algorithm="linear", chunk_size=2,
+    )  # fmt: skip
     assert launch.block < 260 and launch.tile_rows < 260  # the multi-pass, multi-tile path
     check(emulated.scan_dense(jt, grad, "linear", 2), jt, grad, torch.float64)
 
@@ -464,17 +459,7 @@ def test_wide_factored_chunks_take_several_passes_and_tiles():
     """d = 50 (float32): 3 passes of 2 x 2 outputs per thread, the 150 scaled weight rows in 2 tiles."""
     gen = torch.Generator().manual_seed(50)
     weight, scales, diag, grad = make_factored(1, 6, 50, 3, True, True, gen)
-    launch = cuda.launch_config(
-        factored=True,
-        element_bytes=4,
-        n=6,
-        batch=1,
-        d=50,
-        m=150,
-        affine=True,
-        algorithm="chunked",
-        chunk_size=3,
-    )
+    launch = LAUNCH_TESTS.config(n=6, batch=1, d=50, m=150, affine=True, chunk_size=3)
     assert launch.kernel == "bppsa_chunked_factored_f32" and launch.tile_rows < 150
     out = emulated.scan_factored(*(t.float() for t in (weight, scales, diag, grad)), "chunked", 3)
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
