@@ -129,14 +129,18 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
      g_{t-1} = direct_{t-1} + g_t J_t = direct_{t-1} + u wt (u the pieces' products, wt = (KH, D) the
                pieces' weight rows; only the state columns [CLO, CHI) any piece reads) + the direct terms
                (one state: diagonal; several: the kept columns of the identity tiles, CELL_DIRECT).
-   direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T (s_0 has none), else
-   unused; final: (B, D), a further direct gradient of s_T, or NULL. As two arguments, so that the outputs'
-   gradients are read where autograd left them (no (B, T + 1, D) copy). out: (B, D), the gradient of s_0:
+   direct: the direct gradients of the new states s_1..s_T (s_0 has none) in their first direct_width columns
+   (0: none; the other columns' are zero), that of s_t at direct + b * batch_stride + (t - 1) * step_stride,
+   unit stride along the columns; final: (B, D), a further direct gradient of s_T, or NULL. As they are
+   given, so that the outputs' gradients are read where autograd left them: no (B, T + 1, D) copy, nor a
+   zero-filled (B, T, D) one where the outputs are the first state tensor of several, nor a transposed copy
+   of time-major outputs. out: (B, D), the gradient of s_0:
    the products carry everything else the VJP needs, so the other states' gradients stay in two rows of
    this thread's stack (not written out: B (T + 1) D elements a step). Returns 0. */
 int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* wt, const REAL* scales,
                         int64_t scale_width, const REAL* diagonal, const REAL* fpart, const REAL* direct,
-                        int per_step, const REAL* final, REAL* out, REAL* products) {
+                        int64_t direct_width, int64_t batch_stride, int64_t step_stride, const REAL* final,
+                        REAL* out, REAL* products) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #else
@@ -148,10 +152,12 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
         thread_rows(batch, &lo, &hi);
         REAL carry[D], rows[2][D];
         for (int64_t b = lo; b < hi; ++b) {
-            const REAL* last = per_step ? direct + (b * steps + steps - 1) * D : NULL;
+            /* s_t's direct gradient at given + (t - 1) step_stride */
+            const REAL* given = direct_width > 0 ? direct + b * batch_stride : NULL;
             const REAL* own = final ? final + b * D : NULL;
             REAL* g = rows[0];
-            for (int64_t c = 0; c < D; ++c) g[c] = (last ? last[c] : 0) + (own ? own[c] : 0);
+            for (int64_t c = 0; c < D; ++c) g[c] = own ? own[c] : 0;
+            for (int64_t c = 0; c < direct_width; ++c) g[c] += given[(steps - 1) * step_stride + c];
             for (int64_t t = steps; t >= 1; --t) {
                 const int64_t row = b * steps + t - 1;
                 const REAL* s = scales + row * scale_width;
@@ -188,12 +194,10 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                     CELL_DIRECT(ROW_G, ROW_S, ROW_ADD)
                 }
                 REAL* prev = g == rows[0] ? rows[1] : rows[0];
-                if (per_step && t >= 2) {
-                    const REAL* d = direct + (b * steps + t - 2) * D;
-                    for (int64_t c = 0; c < D; ++c) prev[c] = d[c] + carry[c];
-                } else {
-                    for (int64_t c = 0; c < D; ++c) prev[c] = carry[c];
-                }
+                const int64_t width = t >= 2 ? direct_width : 0;
+                const REAL* d = width > 0 ? given + (t - 2) * step_stride : NULL;
+                for (int64_t c = 0; c < width; ++c) prev[c] = d[c] + carry[c];
+                for (int64_t c = width; c < D; ++c) prev[c] = carry[c];
                 g = prev;
             }
             for (int64_t c = 0; c < D; ++c) out[b * D + c] = g[c];

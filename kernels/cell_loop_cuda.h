@@ -103,12 +103,15 @@ BPPSA_ENTRY(bppsa_cell_cuda_forward, (),
             ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (REAL*)a[4], (i64)a[5], (REAL*)a[6],
              (REAL*)a[7], (REAL*)a[8], (i64)a[9] CELL_INPUT_HOST_ARGS(10)))
 
-/* direct: with per_step (B, T, D), the direct gradients of the new states s_1..s_T, else unused; final: (B, D),
-   a further direct gradient of s_T, or null; out: (B, D), the gradient of s_0; products: (B T, (NK + NI) H). */
+/* direct: the direct gradients of the new states s_1..s_T in their first direct_width columns (0: none; the
+   others' are zero), that of s_t at direct + b * batch_stride + (t - 1) * step_stride (as cell_loop.h reads
+   them); final: (B, D), a further direct gradient of s_T, or null; out: (B, D), the gradient of s_0;
+   products: (B T, (NK + NI) H). */
 extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
     bppsa_cell_cuda_backward(i64 batch, i64 steps, const REAL* __restrict__ wt, const REAL* __restrict__ scales,
                              i64 scale_width, const REAL* __restrict__ diagonal, const REAL* __restrict__ fpart,
-                             const REAL* __restrict__ direct, i64 per_step, const REAL* __restrict__ final,
+                             const REAL* __restrict__ direct, i64 direct_width, i64 batch_stride, i64 step_stride,
+                             const REAL* __restrict__ final,
                              REAL* __restrict__ out, REAL* __restrict__ products, i64 staged) {
     (void)batch;
     BPPSA_DYNAMIC_SHARED(smem);
@@ -120,11 +123,12 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
     const int j = threadIdx.x;
     if (staged)
         for (int e = j; e < KH * CELL_CW; e += blockDim.x) shared_w[e] = wt[(e / CELL_CW) * D + CLO + e % CELL_CW];
+    const REAL* given = direct_width > 0 ? direct + b * batch_stride + j : nullptr;  // s_t's at (t - 1) step_stride
     REAL g[M];
 #pragma unroll
     for (int p = 0; p < M; ++p) {
         const int c = p * H + j;
-        g[p] = j < H ? (per_step ? direct[(b * steps + steps - 1) * D + c] : REAL(0)) + (final ? final[b * D + c] : REAL(0))
+        g[p] = j < H ? (c < direct_width ? given[(steps - 1) * step_stride + p * H] : REAL(0)) + (final ? final[b * D + c] : REAL(0))
                      : REAL(0);
     }
     __syncthreads();
@@ -147,9 +151,9 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
                 carry[q] = acc;
             }
             CELL_DIRECT(CU_G, CU_S, CU_ADD)
-            const REAL* d = per_step && t >= 2 ? direct + (b * steps + t - 2) * D + j : nullptr;
+            const REAL* d = given && t >= 2 ? given + (t - 2) * step_stride : nullptr;
 #pragma unroll
-            for (int q = 0; q < M; ++q) g[q] = (d ? d[q * H] : REAL(0)) + carry[q];
+            for (int q = 0; q < M; ++q) g[q] = (d && q * H + j < direct_width ? d[q * H] : REAL(0)) + carry[q];
         }
     }
     if (j < H)
@@ -158,8 +162,8 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
 }
 BPPSA_ENTRY(bppsa_cell_cuda_backward, (),
             ((i64)a[0], (i64)a[1], (const REAL*)a[2], (const REAL*)a[3], (i64)a[4], (const REAL*)a[5],
-             (const REAL*)a[6], (const REAL*)a[7], (i64)a[8], (const REAL*)a[9], (REAL*)a[10], (REAL*)a[11],
-             (i64)a[12]))
+             (const REAL*)a[6], (const REAL*)a[7], (i64)a[8], (i64)a[9], (i64)a[10], (const REAL*)a[11],
+             (REAL*)a[12], (REAL*)a[13], (i64)a[14]))
 
 /* grad: (B, T + 1, D), a scan's states' gradient; row (b, t) reads it at (b, t + 1). */
 extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)

@@ -236,7 +236,7 @@ class _Launches:
         return 0
 
     def bppsa_cell_backward(self, batch, steps, threads, wt, scales, scale_width, diagonal, fpart, direct,
-                            per_step, final, out, products) -> int:  # fmt: skip
+                            direct_width, batch_stride, step_stride, final, out, products) -> int:  # fmt: skip
         words = [
             batch,
             steps,
@@ -246,7 +246,9 @@ class _Launches:
             diagonal,
             fpart,
             direct,
-            int(per_step),
+            int(direct_width),
+            int(batch_stride),
+            int(step_stride),
             final,
             out,
             products,

@@ -288,15 +288,24 @@ class CellKernel:
         self, factors: CellFactors, grad_steps: Tensor | None, grad_final: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         """The linear scan of the factored Jacobians fused with the backward's products (``kernels/cell_loop.h``):
-        from the new states' direct gradients ``grad_steps`` ``(B, T, d)`` (``None``: none but the final
-        state's) and the final state's own ``grad_final`` ``(B, d)`` (or ``None``), the initial state's
-        gradient ``(B, d)`` and the products :meth:`vjp` takes (which carry what the VJP needs of the other
-        states' gradients). Both results are this thread's scratch buffers: valid until the next backward
-        of this kernel (copy what must outlive it)."""
+        from the new states' direct gradients ``grad_steps`` ``(B, T, w)`` (``None``: none but the final
+        state's), those of their first ``w <= d`` columns (the others' are zero: the outputs are the first
+        state tensor of several) read where they lie (any strides over ``B`` and ``T``: time-major outputs'
+        gradients are not copied), and the final state's own ``grad_final`` ``(B, d)`` (or ``None``), the
+        initial state's gradient ``(B, d)`` and the products :meth:`vjp` takes (which carry what the VJP needs
+        of the other states' gradients). Both results are this thread's scratch buffers: valid until the next
+        backward of this kernel (copy what must outlive it)."""
         structure, like = self.structure, factors.scales
         batch, steps, h = like.shape[0], like.shape[1], structure.width
         d, pieces = structure.n_states * h, len(structure.pieces)
-        grad_steps, grad_final = (None if g is None else g.contiguous() for g in (grad_steps, grad_final))
+        grad_final = None if grad_final is None else grad_final.contiguous()
+        width = 0 if grad_steps is None else grad_steps.shape[-1]
+        if grad_steps is not None and (grad_steps.shape != (batch, steps, width) or width > d):
+            raise ValueError(
+                f"the new states' gradients must be (B={batch}, T={steps}, w <= {d}); got {tuple(grad_steps.shape)}"
+            )
+        if grad_steps is not None and grad_steps.stride(-1) != 1:  # the sweep reads a row's columns in a run
+            grad_steps = grad_steps.contiguous()
         out = self._buffer("out", like, (batch, d))
         products = self._buffer("products", like, (batch * steps, (pieces + len(self._inputs)) * h))
         self._library.bppsa_cell_backward(
@@ -309,7 +318,8 @@ class CellKernel:
             _pointer(factors.diagonal),
             _pointer(factors.input_partials),
             _pointer(grad_steps),
-            int(grad_steps is not None),
+            width,
+            *((0, 0) if grad_steps is None else grad_steps.stride()[:2]),
             _pointer(grad_final),
             _pointer(out),
             _pointer(products),
@@ -818,7 +828,7 @@ _SIGNATURES = {
         ctypes.c_void_p,
         ctypes.c_int64,
         *[ctypes.c_void_p] * 3,
-        ctypes.c_int,
+        *[ctypes.c_int64] * 3,
         *[ctypes.c_void_p] * 3,
     ],
 }

@@ -328,6 +328,7 @@ class Recurrence(nn.Module):
         if path == "scan":
             traced = self._trace(x, s0, spec)
             try:
+                # the new states' columns the outputs read (a view of them), and the final state
                 new_states, final_flat = _ScanFunction.apply(self, spec, traced, x, s0, *params)
             except _Unbatchable as failed:
                 _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
@@ -645,12 +646,13 @@ class Recurrence(nn.Module):
         return torch.stack(flats, 1)
 
     def _outputs(self, new_states: Tensor, spec: _StateSpec) -> Tensor:
-        """The per-step outputs, ``(T, B, *)`` or batch first, from the new states ``(B, T, d)``."""
+        """The per-step outputs, ``(T, B, *)`` or batch first, from the new states ``(B, T, d)``, or from their
+        first :func:`_output_columns` (the scan's output: it reads the gradient of those alone)."""
         batch, steps = new_states.shape[:2]
         output_fn = getattr(self.cell, "output_fn", None)
         if output_fn is None:
-            first = spec.sizes[0]  # no slice where the output is the whole state: its backward would copy
-            outputs = new_states if first == spec.width else new_states[..., :first]
+            first = spec.sizes[0]  # no slice where the output is all there is: its backward would copy
+            outputs = new_states if new_states.shape[-1] == first else new_states[..., :first]
         else:
             flat = output_fn(spec.unflatten(new_states.reshape(batch * steps, spec.width)))
             if not isinstance(flat, Tensor) or flat.dim() == 0 or flat.shape[0] != batch * steps:
@@ -686,10 +688,14 @@ class Recurrence(nn.Module):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """``(module, spec, traced, x (B, T, I), s0 (B, d), *params) -> (new states (B, T, d), final state (B, d))``;
+    """``(module, spec, traced, x (B, T, I), s0 (B, d), *params) -> (new states (B, T, w), final state (B, d))``;
     see the module docstring. Two outputs, not the states ``(B, T + 1, d)`` sliced by the caller: each slice's
     backward would fill and copy a whole ``(B, T + 1, d)`` gradient (measured ~0.4 ms a step at B=16 T=1000
-    d=32), and a loss on the final state alone then needs no ``(B, T + 1, d)`` gradient at all."""
+    d=32), and a loss on the final state alone then needs no ``(B, T + 1, d)`` gradient at all. Of the new
+    states only the ``w`` columns the outputs read (:func:`_output_columns`): where they are the first state
+    tensor of several, slicing them off a ``(B, T, d)`` output cost a zero-filled ``(B, T, d)`` gradient and a
+    copy into it (~3 ms of WideFirst's ~15 ms backward, state widths (2H, H), H=32 B=16 T=1000, one thread);
+    the compiled loop's sweep reads the ``(B, T, w)`` gradient as it is, the torch path widens it."""
 
     @staticmethod
     def forward(
@@ -703,8 +709,9 @@ class _ScanFunction(torch.autograd.Function):
         ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x, s0, states, *params)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros (B, T, d)
-        # the new states as a view (the caller's outputs copy or slice them), the final state a copy of its own
-        return states[:, 1:], states[:, -1].clone()
+        # the new states' columns the outputs read as a view (the caller's outputs copy them), the final state a
+        # copy of its own
+        return states[:, 1:, : _output_columns(module.cell, spec)], states[:, -1].clone()
 
     @staticmethod
     def backward(ctx, grad_steps: Tensor | None, grad_final: Tensor | None):
@@ -784,12 +791,14 @@ def _scan_grads(
     if factors is not None and _linear_plan(module.algorithm, factors.jacobians):
         # the sweep with the VJP's products in the same pass; it hands out s_0's gradient alone (both in the
         # kernel's scratch buffers: the gradient is copied)
-        per_step = (None, _final_gradient(grad_steps, grad_final)) if only_last else (grad_steps, grad_final)
+        per_step = (
+            (None, _final_gradient(grad_steps, grad_final, d)) if only_last else (grad_steps, grad_final)
+        )
         g0, products = traced.kernel.scan(factors, *per_step)
         s0_grad = g0.clone()
     else:
         direct = (
-            _final_gradient(grad_steps, grad_final)
+            _final_gradient(grad_steps, grad_final, d)
             if only_last
             else _state_gradients(grad_steps, grad_final, states)
         )
@@ -814,19 +823,30 @@ def _scan_grads(
     return [None if x_grad is None else x_grad.view_as(x), s0_grad, *param_grads]
 
 
-def _final_gradient(grad_steps: Tensor | None, grad_final: Tensor | None) -> Tensor:
-    """The final state's whole gradient ``(B, d)``, contiguous: its output step's plus its own."""
-    parts = [g for g in (None if grad_steps is None else grad_steps[:, -1], grad_final) if g is not None]
+def _output_columns(cell: nn.Module, spec: _StateSpec) -> int:
+    """How many of the flat state's first columns the per-step outputs read: the first state tensor's, or all of
+    them where the cell's ``output_fn`` makes the outputs."""
+    return spec.width if getattr(cell, "output_fn", None) is not None else spec.sizes[0]
+
+
+def _final_gradient(grad_steps: Tensor | None, grad_final: Tensor | None, d: int) -> Tensor:
+    """The final state's whole gradient ``(B, d)``, contiguous: its output step's (``grad_steps``' last, of the
+    first ``w <= d`` columns) plus its own."""
+    last = None if grad_steps is None else grad_steps[:, -1]
+    if last is not None and last.shape[-1] < d:
+        last = torch.nn.functional.pad(last, (0, d - last.shape[-1]))
+    parts = [g for g in (last, grad_final) if g is not None]
     return (parts[0] if len(parts) == 1 else parts[0] + parts[1]).contiguous()
 
 
 def _state_gradients(grad_steps: Tensor | None, grad_final: Tensor | None, states: Tensor) -> Tensor:
     """The states' gradient ``(B, T + 1, d)`` (zero at ``s_0``) from the outputs' gradients (either may be
-    ``None``); differentiable in them (a double backward replays through it)."""
+    ``None``; ``grad_steps`` ``(B, T, w)``: of the new states' first ``w <= d`` columns); differentiable in them
+    (a double backward replays through it)."""
     if grad_steps is None:
         full = torch.zeros_like(states)
-    else:
-        full = torch.cat([grad_steps.new_zeros(states.shape[0], 1, states.shape[2]), grad_steps], 1)
+    else:  # one zero row before the steps, zero columns after the outputs' (one copy)
+        full = torch.nn.functional.pad(grad_steps, (0, states.shape[2] - grad_steps.shape[2], 1, 0))
     if grad_final is not None:
         full[:, -1] += grad_final
     return full
