@@ -74,7 +74,7 @@ def _platform(backend) -> str:
 
 def _grads(module_or_cell, x, leaves, last_only: bool):
     """The outputs and the gradients of a weighted loss (on every step, or on the last)."""
-    out = module_or_cell(x)[0] if isinstance(module_or_cell, Recurrence) else CASES._loop(module_or_cell, x)
+    out = module_or_cell(x)[0] if isinstance(module_or_cell, Recurrence) else CORPUS._loop(module_or_cell, x)
     weights = torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype, device=out.device)
     loss = (out[-1].pow(2) * weights).sum() if last_only else (out.pow(2) * weights).sum()
     return [out.detach(), *torch.autograd.grad(loss, leaves)]
@@ -151,6 +151,6 @@ def test_without_gradients_the_cuda_loop_runs_the_forward(loop_backend):
     with torch.no_grad():
         out, final = module(x)
     assert module.last_stats["path"] == "compiled loop"
-    reference = CASES._loop(cell, x)
+    reference = CORPUS._loop(cell, x)
     torch.testing.assert_close(out, reference[..., :5], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat(final, -1), reference[-1], rtol=1e-12, atol=1e-12)

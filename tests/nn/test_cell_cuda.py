@@ -155,11 +155,11 @@ def _torch_path(cell, reason: str) -> None:
     if isinstance(cell.state_size, tuple):  # the loss reads every state tensor
         cell.output_fn = lambda state: torch.cat(state, -1)
     module = Recurrence(cell, algorithm="linear")
-    ours = CASES._grads(lambda: module(x)[0], leaves, False)
+    ours = CORPUS._grads(lambda: module(x)[0], leaves)
     stats = module.last_stats
     assert stats["jacobians"] == "factored" and stats["cell_kernel"] is None, stats
     assert reason in stats["cell_kernel_reason"], stats["cell_kernel_reason"]
-    for a, b in zip(ours, CASES._grads(lambda: CASES._loop(cell, x), leaves, False), strict=True):
+    for a, b in zip(ours, CORPUS._grads(lambda: CORPUS._loop(cell, x), leaves), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 

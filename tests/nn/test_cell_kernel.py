@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,18 @@ F64 = torch.float64
 pytestmark = pytest.mark.skipif(
     not _native.build_expected(), reason="no C compiler: the loop is not compiled"
 )
+
+
+def _load_corpus():
+    """tests/nn/test_cell_corpus.py, for its checks: ``_loop`` (the cell in a Python loop) and ``_grads``."""
+    path = Path(__file__).with_name("test_cell_corpus.py")
+    spec = importlib.util.spec_from_file_location("_corpus_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CORPUS = _load_corpus()
 
 
 class SmoothOps(nn.Module):
@@ -106,30 +120,6 @@ class Unsupported(nn.Module):
         return torch.sin(self.ih(x) + self.hh(h))
 
 
-def _loop(cell: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    size = cell.state_size
-    state = (
-        tuple(x.new_zeros(x.shape[1], s) for s in size)
-        if isinstance(size, tuple)
-        else x.new_zeros(x.shape[1], size)
-    )
-    outs = []
-    for x_t in x:
-        state = cell(x_t, state)
-        outs.append(torch.cat(state, -1) if isinstance(state, tuple) else state)
-    return torch.stack(outs)
-
-
-def _grads(forward, leaves, last_only: bool) -> list[torch.Tensor]:
-    out = forward()
-    loss = (
-        out[-1].pow(2).sum()
-        if last_only
-        else (out.pow(2) * torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype)).sum()
-    )
-    return [out.detach(), *torch.autograd.grad(loss, leaves)]
-
-
 @pytest.mark.parametrize("cell_type", [SmoothOps, PiecewiseOps, ThreeStates])
 @pytest.mark.parametrize("algorithm", ["linear", "blelloch"])
 @pytest.mark.parametrize("last_only", [False, True])
@@ -141,9 +131,9 @@ def test_compiled_loop_equals_autograd_through_the_loop_in_float64(cell_type, al
     module = Recurrence(cell, algorithm=algorithm)
     if isinstance(cell.state_size, tuple):  # every state tensor's gradient path: the loss reads all of them
         cell.output_fn = lambda state: torch.cat(state, -1)
-    ours = _grads(lambda: module(x)[0], leaves, last_only)
+    ours = CORPUS._grads(lambda: module(x)[0], leaves, last_only)
     assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
-    theirs = _grads(lambda: _loop(cell, x), leaves, last_only)
+    theirs = CORPUS._grads(lambda: CORPUS._loop(cell, x), leaves, last_only)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
@@ -156,10 +146,10 @@ def test_what_factors_does_not_depend_on_the_releases_pointwise_tags(monkeypatch
     cell = PiecewiseOps(3, 5).to(F64)
     x = torch.randn(6, 2, 3, dtype=F64, requires_grad=True)
     module = Recurrence(cell, algorithm="linear")
-    ours = _grads(lambda: module(x)[0], [x, *cell.parameters()], False)
+    ours = CORPUS._grads(lambda: module(x)[0], [x, *cell.parameters()])
     assert module.last_stats["jacobians"] == "factored", module.last_stats["dense_reason"]
     assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
-    for a, b in zip(ours, _grads(lambda: _loop(cell, x), [x, *cell.parameters()], False), strict=True):
+    for a, b in zip(ours, CORPUS._grads(lambda: CORPUS._loop(cell, x), [x, *cell.parameters()]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
@@ -175,7 +165,7 @@ def test_compiled_loop_float32_within_float32_tolerance_and_backward_twice():
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
     second = torch.autograd.grad(loss, leaves)  # the recorded input part is kept for a second backward
     cell64, x64 = copy.deepcopy(cell).double(), x.detach().double().requires_grad_()
-    reference = torch.autograd.grad(_loop(cell64, x64).pow(2).mean(), [x64, *cell64.parameters()])
+    reference = torch.autograd.grad(CORPUS._loop(cell64, x64).pow(2).mean(), [x64, *cell64.parameters()])
     for a, b, ref in zip(first, second, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a.double(), ref, rtol=1e-4, atol=1e-5)
@@ -187,10 +177,10 @@ def _torch_path_exactly(cell: nn.Module, seed: int, reason: str) -> None:
     x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
     leaves = [x, *cell.parameters()]
     module = Recurrence(cell, algorithm="linear")
-    ours = _grads(lambda: module(x)[0], leaves, False)
+    ours = CORPUS._grads(lambda: module(x)[0], leaves, False)
     assert module.last_stats["jacobians"] == "factored" and not module.last_stats["cell_kernel"]
     assert reason in module.last_stats["cell_kernel_reason"], module.last_stats["cell_kernel_reason"]
-    for a, b in zip(ours, _grads(lambda: _loop(cell, x), leaves, False), strict=True):
+    for a, b in zip(ours, CORPUS._grads(lambda: CORPUS._loop(cell, x), leaves, False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
@@ -252,7 +242,7 @@ def test_without_gradients_the_compiled_loop_runs_the_forward():
     with torch.no_grad():
         out, (h, c, k) = module(x)
     assert module.last_stats["path"] == "compiled loop"
-    reference = _loop(cell, x)
+    reference = CORPUS._loop(cell, x)
     torch.testing.assert_close(out, reference[..., :5], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat([h, c, k], -1), reference[-1], rtol=1e-12, atol=1e-12)
     with torch.inference_mode():  # the trace made above is used
@@ -270,7 +260,7 @@ def test_without_gradients_a_cell_drawing_random_numbers_is_called():
         torch.manual_seed(7)
         out, _ = module(x)
         torch.manual_seed(7)
-        reference = _loop(cell, x)
+        reference = CORPUS._loop(cell, x)
     assert module.last_stats["path"] == "autograd"
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
 
@@ -314,7 +304,7 @@ def test_the_sweep_takes_the_outputs_and_the_final_states_gradients_as_given(cel
     out, final = module(x)
     ours = torch.autograd.grad(loss(out, _final(final)), leaves)
     assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
-    steps = _loop(cell, x)
+    steps = CORPUS._loop(cell, x)
     theirs = torch.autograd.grad(loss(steps, steps[-1]), leaves)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
