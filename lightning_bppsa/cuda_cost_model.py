@@ -1,15 +1,18 @@
 """The CUDA kernels' instruction-level model (:mod:`lightning_bppsa.kernels.cuda`): the time of one launch
 from the instructions its steps issue, as a band (``benchmarks/gpu.py --plan`` reports it beside the
 measurements). The plan picks kernels with the model calibrated on H100 measurements instead
-(:mod:`lightning_bppsa.cuda_step_model`, through :func:`cuda_choose`): measured on an H100 this band was 3-4x
-optimistic for the sweep and 2-3x for the chunked kernel at d = 20.
+(:mod:`lightning_bppsa.cuda_step_model`, through :func:`cuda_choose`). Against the H100's launches of the
+kernels of commit eeeac3a (``benchmarks/results/calib-h100-2026-11-26-eeeac3a.csv``, ``cuda-gpu.md``) the
+band's middle is 0.86-1.19x the warp sweep (d <= 32, T >= 1000) and ~0.4-0.6x the chunked kernel (optimistic:
+its matrix steps and look-back are the older, unmeasured counts).
 
 It was written before any GPU was available. The instruction counts are measured (the SASS of ``scan.cu``, see
-:class:`StepInstructions`); the device figures are assumptions (H100 SXM class, :class:`CudaModel`).
-Every step runs loops that the compiler does not unroll, one warp's instructions in order, so a step
-costs between its issued instructions (every latency hidden: the ``low`` bound) and its issued
-instructions plus one memory latency per loop iteration (nothing hidden: ``high``); a prediction is
-that band, and :func:`cuda_kernel_seconds` its geometric middle.
+:class:`StepInstructions`); the device figures are assumptions (H100 SXM class, :class:`CudaModel`), but one:
+the issue rate of a lone warp, read off the warp sweeps' measurements.
+Every step runs loops that the compiler does not unroll (the warp sweep: unrolled per ``(d, k)``), one warp's
+instructions in order, so a step costs between its issued instructions (every latency hidden: the ``low``
+bound) and its issued instructions plus one memory latency per loop iteration (nothing hidden: ``high``); a
+prediction is that band, and :func:`cuda_kernel_seconds` its geometric middle.
 """
 
 from __future__ import annotations
@@ -35,33 +38,43 @@ class StepInstructions:
     tile_aggregate: int = 11  # one element of a published aggregate (LDG.cg from L2, STS)
     fma_vector: int = 24  # two operand rows of a vector step (4 LDS, 2 FFMA: the index bookkeeping dominates)
     fma_matrix: int = 44  # two operand rows of a 2 x 2-outputs-per-thread matrix step (8 LDS, 8 FFMA)
-    step_overhead: int = 150  # outside the loops (prefetch, epilogue, indexing): estimated from the SASS, +-50
-    # the warp-resident sweep (d <= 32), by :func:`lightning_bppsa.kernels.cuda_inspect.warp_step_counts`: a step
-    # issues overhead + groups x group, groups = ceil(d / 4) per weight tile (4 operand rows each)
-    warp_group_factored: int = 14  # 4 SHFL, 4 LDS (W column, immediate offsets), 4 FFMA, ISETP, BRA
-    warp_overhead_factored: int = 79  # next step's operand loads, per-tile FMUL and exits, store, loop
-    warp_group_dense: int = 10  # 4 SHFL, 4 FFMA, ISETP, BRA
-    warp_overhead_dense: int = 225  # counts the loads of all 8 column groups (an upper bound for d < 29)
+    step_overhead: int = 150  # outside the loops (prefetch, epilogue, indexing): from the SASS, +-50
+    # the warp-resident sweep (d <= 32), compiled per (d, k) with every loop over d unrolled: a step issues
+    # overhead + row d + column k d (factored) or overhead + row d + element d² (dense) instructions, a fit to
+    # :func:`lightning_bppsa.kernels.cuda_inspect.warp_step_counts` of the modules (d, k) in {(8, 1), (16, 2),
+    # (20, 1), (20, 3), (32, 1), (8, 3)} (factored, within 2; W in shared memory, (32, 5): 402, 6% above) and
+    # d in {8, 16, 20, 32} (dense, within 5): sm_90, nvcc 13.0, float32
+    warp_overhead_factored: int = 67  # the ring's wait, copy and commit, u g + delta, the store, the loop
+    warp_row_factored: float = 1.9  # per state row: its shuffle and chain FMA, less what the vectors share
+    warp_column_factored: float = 1.6  # per element of the lane's column (k d): FMA, share of a scale load
+    warp_overhead_dense: int = 62
+    warp_row_dense: float = 1.3
+    warp_element_dense: float = 0.27  # per operand element (d² a step): the lane's share of the ring's copies
 
 
 SASS_COUNTS = StepInstructions()
+WARP_CHAINS = 4  # kChains in scan.cu: the warp step's independent partial sums
 
 
 @dataclass(frozen=True)
 class CudaModel:
-    """Assumed GPU figures (not measured: no GPU was lent)."""
+    """Assumed GPU figures (not measured: no GPU was lent when they were written), but ``lone_warp_cpi``."""
 
     name: str = "H100 SXM (assumed figures)"
     sms: int = 132
     schedulers_per_sm: int = 4  # one warp instruction per scheduler and cycle
     clock_hz: float = 1.75e9
-    launch_seconds: float = 6e-6  # the kernel launch (assumed; the chunked flags need no memset since f01aaee)
+    launch_seconds: float = 6e-6  # the kernel launch (assumed; no memset of the chunked flags since f01aaee)
     barrier_cycles: float = 30  # one __syncthreads of a few warps
     l1_cycles: float = 35  # L1 hit: a step's prefetched operand
     l2_cycles: float = 270  # L2 hit: published chunk aggregates and carries, a flag poll
     smem_cycles: float = 30  # a shared-memory load
     fma_cycles: float = 4  # dependent FFMA to FFMA
     shfl_cycles: float = 25  # a shuffle's result
+    #: cycles per instruction a lone warp issues (its dependent instructions stall it): the one MEASURED figure,
+    #: the H100's warp sweeps alone at d = 8 / 20 / 32 (calib-h100-2026-11-26-eeeac3a.csv, T = 10000, one warp
+    #: per scheduler) took 2.16 / 2.12 / 2.03 cycles per instruction of their SASS
+    lone_warp_cpi: float = 2.1
     blocks_per_sm: int = 8  # resident blocks per SM (registers ~50-75 x <= 256 threads)
     shared_limit: int = 232448  # shared memory per block with the opt-in (what kernels.cuda launches with)
 
@@ -70,8 +83,17 @@ CUDA_MODEL = CudaModel()
 
 
 def _step_cycles(
-    *, rows: int, d: int, operand_rows: int, threads: int, block: int, tile_rows: int, tile_instructions: int,
-    tile_latency: float, model: CudaModel, counts: StepInstructions,
+    *,
+    rows: int,
+    d: int,
+    operand_rows: int,
+    threads: int,
+    block: int,
+    tile_rows: int,
+    tile_instructions: int,
+    tile_latency: float,
+    model: CudaModel,
+    counts: StepInstructions,
 ) -> tuple[float, float, float]:
     """(low, high) cycles of one ``product`` in scan.cu for one warp, and the instructions the whole block
     issues: ``rows x d`` outputs (``block x block`` per thread) times an ``operand_rows x d`` operand
@@ -89,29 +111,44 @@ def _step_cycles(
     return low, high, issued * threads / 32
 
 
+def _warp_step_instructions(*, d: int, tiles: int, factored: bool, counts: StepInstructions) -> float:
+    """Instructions one warp issues for a step of the warp-resident sweep of ``(d, tiles)`` (float32)."""
+    if factored:
+        return (
+            counts.warp_overhead_factored
+            + (counts.warp_row_factored + counts.warp_column_factored * tiles) * d
+        )
+    return counts.warp_overhead_dense + counts.warp_row_dense * d + counts.warp_element_dense * d * d
+
+
 def _warp_step_cycles(
     *, d: int, tiles: int, factored: bool, batch: int, model: CudaModel, counts: StepInstructions
 ) -> tuple[float, float]:
     """(low, high) cycles of one step of the warp-resident sweep (``bppsa_warpsweep_*``, one warp per row).
 
-    A step issues ``overhead + groups x group`` instructions and its FMAs form one dependent chain (the
-    accumulator) that starts after a shuffle. Low: the larger of the two (the operand, loaded a step
-    ahead, has arrived; warps sharing a scheduler take turns). High: both in sequence, or the L2 latency
-    of the operand (loaded one step ahead) if that is longer, plus a shared-memory load."""
-    groups = tiles * math.ceil(d / cuda_kernel.GROUP)
-    group, overhead = (
-        (counts.warp_group_factored, counts.warp_overhead_factored) if factored
-        else (counts.warp_group_dense, counts.warp_overhead_dense)
-    )  # fmt: skip
+    A step issues the instructions of :class:`StepInstructions`' ``warp_*`` counts; its dependent chain is a
+    shuffle, then ``ceil(d / WARP_CHAINS)`` FMAs on each of the independent partial sums and three adds (the
+    column of ``J_t`` is formed during the step before, its operand staged steps ahead by ``cp.async``), and
+    a lone warp issues one instruction per ``lone_warp_cpi`` cycles. Low: the larger of the two (warps sharing
+    a scheduler take turns). High: both in sequence, plus a shared-memory load (the ring's slot)."""
+    per_step = _warp_step_instructions(d=d, tiles=tiles, factored=factored, counts=counts)
     warps_per_scheduler = math.ceil(math.ceil(batch / model.sms) / model.schedulers_per_sm)
-    issued = (overhead + groups * group) * warps_per_scheduler
-    chain = groups * cuda_kernel.GROUP * model.fma_cycles + model.shfl_cycles
-    return max(issued, chain), max(issued + chain, model.l2_cycles) + model.smem_cycles
+    issued = per_step * max(model.lone_warp_cpi, warps_per_scheduler)  # a lone warp, or warps taking turns
+    chain = model.shfl_cycles + (math.ceil(d / WARP_CHAINS) + 3) * model.fma_cycles
+    return max(issued, chain), issued + chain + model.smem_cycles
 
 
 def cuda_kernel_band(
-    algorithm: str, *, n: int, d: int, batch: int, width: int | None, chunk_size: int,
-    affine: bool = False, element_bytes: int = 4, model: CudaModel = CUDA_MODEL,
+    algorithm: str,
+    *,
+    n: int,
+    d: int,
+    batch: int,
+    width: int | None,
+    chunk_size: int,
+    affine: bool = False,
+    element_bytes: int = 4,
+    model: CudaModel = CUDA_MODEL,
     counts: StepInstructions = SASS_COUNTS,
 ) -> tuple[float, float]:
     """Predicted (low, high) seconds of one CUDA scan launch (``"linear"``: the sweep kernel; ``"chunked"``
@@ -167,8 +204,16 @@ def cuda_kernel_band(
 
 
 def cuda_kernel_seconds(
-    algorithm: str, *, n: int, d: int, batch: int, width: int | None, chunk_size: int,
-    affine: bool = False, element_bytes: int = 4, model: CudaModel = CUDA_MODEL,
+    algorithm: str,
+    *,
+    n: int,
+    d: int,
+    batch: int,
+    width: int | None,
+    chunk_size: int,
+    affine: bool = False,
+    element_bytes: int = 4,
+    model: CudaModel = CUDA_MODEL,
 ) -> float:
     """The geometric middle of :func:`cuda_kernel_band` (same arguments): what the plan compares."""
     low, high = cuda_kernel_band(
