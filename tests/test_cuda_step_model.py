@@ -1,4 +1,5 @@
-"""The calibrated CUDA model against the committed H100 measurements (no GPU needed).
+"""The calibrated CUDA model (and the instruction-level model's warp sweep) against the committed H100
+measurements (no GPU needed).
 
 Data: ``benchmarks/results/calib-h100-2026-11-26-eeeac3a.csv`` (package commit eeeac3a), read by
 ``benchmarks/fit_cuda_model.py``, which also fitted the constants under test.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_bppsa import cuda_cost_model
 from lightning_bppsa import cuda_step_model as model
 
 _FIT = Path(__file__).resolve().parents[1] / "benchmarks" / "fit_cuda_model.py"
@@ -116,6 +118,18 @@ def test_the_per_step_gradient_row_doubles_the_chunked_aggregates_at_d_32_only()
         "chunked", d=20, affine=False, **common
     )
     assert ratio < 1.1
+
+
+def test_the_instruction_models_warp_sweep_band_middle_is_within_25_percent_of_every_measured_sweep():
+    """:func:`lightning_bppsa.cuda_cost_model.cuda_kernel_seconds` (SASS counts, one measured issue rate) on
+    the sweeps alone with d <= 32 and T >= 1000 (at T = 100 the launch dominates)."""
+    sweeps = [x for x in DATA.launches if x.algorithm == "linear" and x.d <= 32 and x.n >= 1000]
+    assert len(sweeps) == 24  # d in {8, 20, 32} x B in {1, 16, 64, 256} x T in {1000, 10000}
+    for x in sweeps:
+        predicted = cuda_cost_model.cuda_kernel_seconds(
+            "linear", n=x.n, d=x.d, batch=x.batch, width=x.d, chunk_size=x.n
+        )
+        assert 0.8 < predicted / x.seconds < 1.25, (x, predicted)
 
 
 def test_a_chunked_launch_that_does_not_fit_is_predicted_and_planned_as_the_sweep():
