@@ -6,28 +6,9 @@
   registering its modules with :mod:`~lightning_bppsa.jacobians.dispatch`.
 """
 
-from lightning_bppsa.jacobians import conv, linear, pointwise, pooling  # noqa: F401  (register linearizers)
+from lightning_bppsa.jacobians import conv, dispatch, linear, pointwise, pooling  # noqa: F401  (they register)
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
-from lightning_bppsa.jacobians.dispatch import (
-    is_supported,
-    linearize,
-    output_dims,
-    refusal,
-    register_linearizer,
-    supported_types,
-    transposed_jacobian,
-)
+from lightning_bppsa.jacobians.dispatch import *  # noqa: F403  (the registry's entry points)
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 
-__all__ = [
-    "BatchedCSR",
-    "CSRPattern",
-    "FactoredJacobians",
-    "is_supported",
-    "linearize",
-    "output_dims",
-    "refusal",
-    "register_linearizer",
-    "supported_types",
-    "transposed_jacobian",
-]
+__all__ = ["BatchedCSR", "CSRPattern", "FactoredJacobians", *dispatch.__all__]
