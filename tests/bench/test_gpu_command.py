@@ -302,3 +302,21 @@ def test_stages_run_alone_and_share_the_time_of_the_others(tmp_path: Path) -> No
     total = sum(bench.STAGE_SHARES.values())
     chosen = bench.STAGE_SHARES["overhead"] + bench.STAGE_SHARES["calib"]
     assert shares[0] == pytest.approx(100.0 * bench.STAGE_SHARES["overhead"] * total / chosen, rel=1e-3)
+
+
+def test_the_plan_reports_every_kernel_s_registers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ptxas's report stood in: the generic module lacks the warp sweeps, compiled per (d, k) (a KeyError once)
+    from lightning_bppsa.kernels import cuda, cuda_inspect
+
+    def usage(archs, warp_shape=None):
+        names = [k for k in cuda.KERNELS if ("warpsweep" in k) == (warp_shape is not None)]
+        return {arch: {k: cuda_inspect.KernelUsage(40 + (warp_shape is not None), 0, 0, 0, 0) for k in names}
+                for arch in archs}  # fmt: skip
+
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/nvcc")
+    monkeypatch.setattr(cuda_inspect, "ptxas_usage", usage)
+    text = bench.plan()
+    for kernel in cuda.KERNELS:
+        registers = 41 if "warpsweep" in kernel else 40
+        assert any(line.startswith(f"| {kernel}") and line.endswith(f"| {registers} | {registers} |")
+                   for line in text.splitlines()), kernel  # fmt: skip
