@@ -6,7 +6,7 @@
   registering its modules with :mod:`~lightning_bppsa.jacobians.dispatch`.
 """
 
-from lightning_bppsa.jacobians import conv, dispatch, linear, pointwise, pooling  # noqa: F401  (they register)
+from lightning_bppsa.jacobians import conv, dispatch, linear, pointwise, pooling  # noqa: F401  (registers)
 from lightning_bppsa.jacobians.csr import BatchedCSR, CSRPattern
 from lightning_bppsa.jacobians.dispatch import *  # noqa: F403  (the registry's entry points)
 from lightning_bppsa.jacobians.factored import FactoredJacobians
