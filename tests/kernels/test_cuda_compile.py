@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Sequence
 
 import pytest
 from lightning_bppsa.kernels import cuda, cuda_inspect
@@ -49,8 +50,9 @@ def test_every_kernel_compiles_without_spills_or_stack(usage, arch):
         )
 
 
-def test_nvrtc_compiles_what_cupy_loads():
-    """The exact source CuPy compiles (header inlined) through NVRTC, which needs no GPU either."""
+def assert_nvrtc_compiles(source: str, name: str, option_sets: Sequence[Sequence[str]] = ((),)) -> None:
+    """``source`` compiles through CuPy's NVRTC (no GPU needed) for compute_80 and compute_90, with each of
+    ``option_sets``; skips where CuPy or its NVRTC library is missing."""
     try:
         from cupy.cuda import nvrtc
 
@@ -58,11 +60,17 @@ def test_nvrtc_compiles_what_cupy_loads():
     except Exception as err:  # no CuPy, or CuPy without its NVRTC library
         pytest.skip(f"CuPy's NVRTC is not usable here ({type(err).__name__}: {err})")
     for arch in ("compute_80", "compute_90"):
-        program = nvrtc.createProgram(cuda.source(), "scan.cu", [], [])
-        try:
-            nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17"])
-        except nvrtc.NVRTCError:
-            pytest.fail(f"NVRTC ({arch}) failed:\n{nvrtc.getProgramLog(program)}")
+        for options in option_sets:
+            program = nvrtc.createProgram(source, name, [], [])
+            try:
+                nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17", *options])
+            except nvrtc.NVRTCError:
+                pytest.fail(f"NVRTC ({arch}, {tuple(options)}) failed:\n{nvrtc.getProgramLog(program)}")
+
+
+def test_nvrtc_compiles_what_cupy_loads():
+    """The exact source CuPy compiles (header inlined) through NVRTC, which needs no GPU either."""
+    assert_nvrtc_compiles(cuda.source(), "scan.cu")
 
 
 #: per chunked kernel, the PTX instructions of the look-back protocol (pinned: a change must keep every

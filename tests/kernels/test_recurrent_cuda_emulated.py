@@ -12,6 +12,7 @@ per-H modules through the CuPy loader (a stand-in CuPy).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -28,6 +29,18 @@ from lightning_bppsa.jacobians.recurrent import gru_jacobians
 from lightning_bppsa.testing import assert_derived_close
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+
+
+def _load_compile_tests():
+    """tests/kernels/test_cuda_compile.py, for its ``assert_nvrtc_compiles``."""
+    path = Path(__file__).with_name("test_cuda_compile.py")
+    spec = importlib.util.spec_from_file_location("_compile_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+COMPILE_TESTS = _load_compile_tests()
 
 CELLS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
 INPUT_SIZE = 5
@@ -357,20 +370,10 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
 
 
 def test_nvrtc_compiles_what_cupy_loads():
-    """The exact source CuPy compiles (headers inlined) through NVRTC, which needs no GPU either."""
-    try:
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as err:  # no CuPy, or CuPy without its NVRTC library
-        pytest.skip(f"CuPy's NVRTC is not usable here ({type(err).__name__}: {err})")
-    for arch in ("compute_80", "compute_90"):
-        for options in ((), *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN)):
-            program = nvrtc.createProgram(recurrent_cuda.source(), "recurrent.cu", [], [])
-            try:
-                nvrtc.compileProgram(program, [f"-arch={arch}", "-std=c++17", *options])
-            except nvrtc.NVRTCError:
-                pytest.fail(f"NVRTC ({arch}, {options}) failed:\n{nvrtc.getProgramLog(program)}")
+    """The exact source CuPy compiles (headers inlined) through NVRTC, which needs no GPU either: the generic
+    module and each per-H module."""
+    option_sets = ((), *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN))
+    COMPILE_TESTS.assert_nvrtc_compiles(recurrent_cuda.source(), "recurrent.cu", option_sets)
 
 
 @pytest.mark.slow  # ~5 s per sanitizer build
