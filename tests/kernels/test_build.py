@@ -85,23 +85,25 @@ def test_cut_short_library_is_rebuilt_not_loaded(cache, probe):
     assert library.stat().st_size == size
 
 
-def test_foreign_library_is_rejected(cache, probe, tmp_path):
-    library = build_probe(probe, cache)
-    other = tmp_path / "other.c"
-    other.write_text("int something_else(void) { return 0; }\n")
-    _build.load_library("other", [other], ["cc", "-std=c99"])
-    (foreign,) = cache.glob("other_*.so")
-    shutil.copy(foreign, library)  # a valid ELF that is not ours, its checksum not the recorded one
-    assert "does not match" in finished(load_in_subprocess(probe, cache))
-
-
-def test_foreign_library_with_a_matching_checksum_fails_the_symbol_check(cache, probe, tmp_path):
+def build_probe_then_a_foreign_one_in_its_place(cache, probe, tmp_path) -> tuple[Path, Path]:
+    """Build the probe, then copy over it a library built from other source: a valid ELF that is not ours,
+    its checksum not the recorded one. Returns (the probe's library, the foreign one)."""
     library = build_probe(probe, cache)
     other = tmp_path / "other.c"
     other.write_text("int something_else(void) { return 0; }\n")
     _build.load_library("other", [other], ["cc", "-std=c99"])
     (foreign,) = cache.glob("other_*.so")
     shutil.copy(foreign, library)
+    return library, foreign
+
+
+def test_foreign_library_is_rejected(cache, probe, tmp_path):
+    build_probe_then_a_foreign_one_in_its_place(cache, probe, tmp_path)
+    assert "does not match" in finished(load_in_subprocess(probe, cache))
+
+
+def test_foreign_library_with_a_matching_checksum_fails_the_symbol_check(cache, probe, tmp_path):
+    library, foreign = build_probe_then_a_foreign_one_in_its_place(cache, probe, tmp_path)
     shutil.copy(foreign.with_name(foreign.name + ".sha256"), library.with_name(library.name + ".sha256"))
     err = finished(load_in_subprocess(probe, cache))
     assert "does not export bppsa_probe" in err and err.count("rebuilding") == 1
@@ -167,7 +169,9 @@ def test_the_cache_directory_is_created_private(cache, probe, home):
 
 
 @pytest.mark.parametrize(("bits", "who"), [(0o770, "group"), (0o707, "others")])
-def test_a_cache_directory_writable_by_others_is_refused_for_a_private_one(cache, probe, home, caplog, bits, who):
+def test_a_cache_directory_writable_by_others_is_refused_for_a_private_one(
+    cache, probe, home, caplog, bits, who
+):
     cache.mkdir()
     cache.chmod(bits)
     assert load_probe(probe).bppsa_probe(41) == 42
@@ -189,7 +193,9 @@ def test_a_world_writable_library_is_refused(cache, probe, home, caplog):
     assert len(list((home / ".cache" / "lightning_bppsa").glob("probe_*.so"))) == 1
 
 
-def test_a_planted_library_owned_by_another_user_is_never_loaded(cache, probe, home, caplog, tmp_path, monkeypatch):
+def test_a_planted_library_owned_by_another_user_is_never_loaded(
+    cache, probe, home, caplog, tmp_path, monkeypatch
+):
     library = build_probe(probe, cache)
     # another user plants a library exporting the same symbol, with a sidecar that matches it
     planted = tmp_path / "planted.c"
@@ -199,13 +205,19 @@ def test_a_planted_library_owned_by_another_user_is_never_loaded(cache, probe, h
     shutil.copy(foreign._name + ".sha256", library.with_name(library.name + ".sha256"))
     # we are root here: "owned by another user" is simulated by checking that file against another uid
     check = _build._refusal
-    monkeypatch.setattr(_build, "_refusal", lambda path, uid: check(path, uid + 1 if path == library else uid))
+    monkeypatch.setattr(
+        _build, "_refusal", lambda path, uid: check(path, uid + 1 if path == library else uid)
+    )
     assert load_probe(probe).bppsa_probe(41) == 42  # the planted one would answer 141
     (message,) = refusals(caplog)
-    assert f"{library}: it is owned by uid {os.geteuid()}, not by this user (uid {os.geteuid() + 1})" in message
+    assert (
+        f"{library}: it is owned by uid {os.geteuid()}, not by this user (uid {os.geteuid() + 1})" in message
+    )
 
 
-def test_a_refused_default_cache_falls_back_to_a_fresh_temporary_directory(monkeypatch, probe, home, caplog, tmp_path):
+def test_a_refused_default_cache_falls_back_to_a_fresh_temporary_directory(
+    monkeypatch, probe, home, caplog, tmp_path
+):
     monkeypatch.delenv("BPPSA_CACHE_DIR", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     default = home / ".cache" / "lightning_bppsa"
@@ -218,10 +230,14 @@ def test_a_refused_default_cache_falls_back_to_a_fresh_temporary_directory(monke
     assert mode(fallback) == 0o700 and len(list(fallback.glob("probe_*.so"))) == 1
 
 
-def test_libraries_are_written_atomically_and_never_writable_by_others(cache, probe, home, caplog, monkeypatch):
+def test_libraries_are_written_atomically_and_never_writable_by_others(
+    cache, probe, home, caplog, monkeypatch
+):
     renames = []
     replace = os.replace
-    monkeypatch.setattr(_build.os, "replace", lambda src, dst: (renames.append((Path(src), Path(dst))), replace(src, dst)))
+    monkeypatch.setattr(
+        _build.os, "replace", lambda src, dst: (renames.append((Path(src), Path(dst))), replace(src, dst))
+    )
     previous = os.umask(0o002)  # a umask that makes new files group-writable
     try:
         load_probe(probe)
