@@ -149,23 +149,26 @@ def test_disabled_by_environment(monkeypatch, caplog):
     assert "BPPSA_NATIVE=0" in caplog.text
 
 
-def test_failing_compiler_is_named_with_its_status_and_the_fallback(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", "/bin/false")
-    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
+def _warnings_loading_with_compiler(compiler: str, monkeypatch, cache, caplog) -> str:
+    """The warnings of a first load (cache directory ``cache``) with ``CC=compiler``, which must fail."""
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("BPPSA_CACHE_DIR", str(cache))
     with caplog.at_level(logging.WARNING, logger="lightning_bppsa.kernels.cpu"):
         assert cpu._load() is None
-    assert "`/bin/false -std=c99 -O3 " in caplog.text and "exited with status 1" in caplog.text
-    assert "linear_scan.c" in caplog.text and "torch loop instead" in caplog.text
-    assert "['?']" not in caplog.text
+    return caplog.text
+
+
+def test_failing_compiler_is_named_with_its_status_and_the_fallback(monkeypatch, tmp_path, caplog):
+    text = _warnings_loading_with_compiler("/bin/false", monkeypatch, tmp_path, caplog)
+    assert "`/bin/false -std=c99 -O3 " in text and "exited with status 1" in text
+    assert "linear_scan.c" in text and "torch loop instead" in text
+    assert "['?']" not in text
     assert not list(tmp_path.glob("*.so"))
 
 
 def test_missing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv("BPPSA_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="lightning_bppsa.kernels.cpu"):
-        assert cpu._load() is None
-    assert "'/nonexistent/cc' not found" in caplog.text and "torch loop instead" in caplog.text
+    text = _warnings_loading_with_compiler("/nonexistent/cc", monkeypatch, tmp_path, caplog)
+    assert "'/nonexistent/cc' not found" in text and "torch loop instead" in text
 
 
 @pytest.mark.slow  # two fresh interpreters importing the package (~5 s each here)
