@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import json
 import os
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -26,6 +28,18 @@ from lightning_bppsa.nn.convert import is_converted
 from lightning_bppsa.testing import assert_derived_close
 
 F64 = torch.float64
+
+
+def _load_strategy_tests():
+    """tests/strategy/test_strategy.py, for its ``trainer`` (a quiet float64 CPU Trainer)."""
+    path = Path(__file__).resolve().parents[1] / "strategy" / "test_strategy.py"
+    spec = importlib.util.spec_from_file_location("_strategy_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+STRATEGY_TESTS = _load_strategy_tests()
 
 
 class GatedCell(nn.Module):
@@ -563,16 +577,7 @@ def _fit(strategy):
     model = CellModel()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8, 6, 3, generator=g), torch.randint(0, 2, (8,), generator=g))
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        precision="64-true",
-    )
+    trainer = STRATEGY_TESTS.trainer(strategy, max_steps=2)  # quiet, CPU, float64
     trainer.fit(model, DataLoader(data, batch_size=4))
     return model, trainer
 

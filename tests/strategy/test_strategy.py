@@ -80,6 +80,7 @@ def loader(length=13, samples=16, batch=4, seed=0):
 
 
 def trainer(strategy, **kwargs):
+    """A quiet float64 CPU Trainer (3 steps, no sanity validation) for ``strategy``; ``kwargs`` override."""
     defaults = dict(
         accelerator="cpu",
         max_steps=3,
