@@ -420,14 +420,11 @@ def run(
     if n == 0 or batch == 0 or d == 0:  # nothing to scan: g_n only
         out[:, n] = grad_c[:, n] if affine else grad_c
         return out.to(grad.dtype)
+    shape = dict(n=n, batch=batch, d=d, m=m, affine=affine)  # the chain's: the launch's and the kernel's
     launch = launch_config(
         factored=factored,
         element_bytes=out.element_size(),
-        n=n,
-        batch=batch,
-        d=d,
-        m=m,
-        affine=affine,
+        **shape,
         algorithm=algorithm,
         chunk_size=chunk_size,
         shared_limit=shared_limit,
@@ -454,11 +451,7 @@ def run(
         out=_address(out),
         work=_address(work),
         sync=_address(sync),
-        n=n,
-        batch=batch,
-        d=d,
-        m=m,
-        affine=affine,
+        **shape,
         epoch=epoch,
     )
     try:
