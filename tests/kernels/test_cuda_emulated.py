@@ -27,16 +27,10 @@ from lightning_bppsa.testing import assert_derived_close
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
 
 
-def _load_launch_tests():
-    """tests/kernels/test_cuda.py, for its ``config`` (cuda.launch_config with one test shape's defaults)."""
-    path = Path(__file__).with_name("test_cuda.py")
-    spec = importlib.util.spec_from_file_location("_launch_tests", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LAUNCH_TESTS = _load_launch_tests()
+#: tests/kernels/test_cuda.py, for its ``config`` (cuda.launch_config with one test shape's defaults)
+_spec = importlib.util.spec_from_file_location("_launch_tests", Path(__file__).with_name("test_cuda.py"))
+LAUNCH_TESTS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(LAUNCH_TESTS)
 
 
 def plain_loop(jacobians_t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

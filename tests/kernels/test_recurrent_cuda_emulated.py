@@ -31,16 +31,12 @@ from lightning_bppsa.testing import assert_derived_close
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
 
 
-def _load_compile_tests():
-    """tests/kernels/test_cuda_compile.py, for its ``assert_nvrtc_compiles``."""
-    path = Path(__file__).with_name("test_cuda_compile.py")
-    spec = importlib.util.spec_from_file_location("_compile_tests", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-COMPILE_TESTS = _load_compile_tests()
+#: tests/kernels/test_cuda_compile.py, for its ``assert_nvrtc_compiles``
+_spec = importlib.util.spec_from_file_location(
+    "_compile_tests", Path(__file__).with_name("test_cuda_compile.py")
+)
+COMPILE_TESTS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(COMPILE_TESTS)
 
 CELLS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
 INPUT_SIZE = 5

@@ -24,16 +24,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _load_corpus():
-    """tests/nn/test_cell_corpus.py, for its checks: ``_loop`` (the cell in a Python loop) and ``_grads``."""
-    path = Path(__file__).with_name("test_cell_corpus.py")
-    spec = importlib.util.spec_from_file_location("_corpus_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CORPUS = _load_corpus()
+#: tests/nn/test_cell_corpus.py, for its checks: ``_loop`` (the cell in a Python loop) and ``_grads``
+_spec = importlib.util.spec_from_file_location(
+    "_corpus_checks", Path(__file__).with_name("test_cell_corpus.py")
+)
+CORPUS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(CORPUS)
 
 
 class SmoothOps(nn.Module):

@@ -30,16 +30,12 @@ from lightning_bppsa.testing import assert_derived_close
 F64 = torch.float64
 
 
-def _load_strategy_tests():
-    """tests/strategy/test_strategy.py, for its ``trainer`` (a quiet float64 CPU Trainer)."""
-    path = Path(__file__).resolve().parents[1] / "strategy" / "test_strategy.py"
-    spec = importlib.util.spec_from_file_location("_strategy_tests", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-STRATEGY_TESTS = _load_strategy_tests()
+#: tests/strategy/test_strategy.py, for its ``trainer`` (a quiet float64 CPU Trainer)
+_spec = importlib.util.spec_from_file_location(
+    "_strategy_tests", Path(__file__).resolve().parents[1] / "strategy" / "test_strategy.py"
+)
+STRATEGY_TESTS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(STRATEGY_TESTS)
 
 
 class GatedCell(nn.Module):
