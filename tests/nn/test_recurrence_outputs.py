@@ -13,7 +13,7 @@ from lightning_bppsa.kernels import _native
 from lightning_bppsa.kernels.cell_cuda_emulated import EmulatedBackend
 from torch import nn
 
-from lightning_bppsa.nn import Recurrence, recurrence
+from lightning_bppsa.nn import Recurrence, cell_kernel, recurrence
 from lightning_bppsa.nn.cell_cuda import CudaCellKernel
 from lightning_bppsa.nn.cell_kernel import CellKernel, Unsupported
 from lightning_bppsa.nn.cell_structure import cell_tensors, trace_cell
@@ -180,3 +180,34 @@ def test_a_gradient_wider_than_the_state_is_an_error():
     )
     with pytest.raises(ValueError, match=r"must be \(B=1, T=2, w <= 6\); got \(1, 2, 7\)"):
         kernel.scan(factors, torch.zeros(1, 2, 7, dtype=F64), None)
+
+
+@needs_compiler
+def test_the_compiled_loops_states_buffer_is_reused_only_once_nothing_references_it():
+    """The compiled loop writes its states into a buffer of an earlier forward only where no tensor shares it any
+    more: the final state a call without gradients returns is a view of its states and keeps it."""
+    if cell_kernel._SOLE is None:
+        pytest.skip("this torch release gives no storage use count: every forward allocates its states")
+    torch.manual_seed(4)
+    cell = WideFirst(3, 2).to(F64)
+    rec = Recurrence(cell, algorithm="linear")
+    xs = torch.randn(3, 5, 2, 3, dtype=F64)
+    rec(xs[0].requires_grad_())  # traces and builds the loop
+    (traced,) = rec._traced.values()
+    pooled = lambda: {t.untyped_storage().data_ptr() for t in traced.kernel._pool["states"]}  # noqa: E731
+    with torch.no_grad():
+        _, first = rec(xs[0])
+        assert rec.last_stats["path"] == "compiled loop"
+        kept, address = first[1].clone(), first[1].untyped_storage().data_ptr()
+        _, second = rec(xs[1])
+        assert second[1].untyped_storage().data_ptr() != address
+        torch.testing.assert_close(first[1], kept, rtol=0, atol=0)  # not overwritten while held
+        del first
+        _, third = rec(xs[2])
+    assert address in pooled() and third[1].untyped_storage().data_ptr() in pooled()
+    for x, (m, h) in ((xs[1], second), (xs[2], third)):
+        _, (m_ref, h_ref) = _loop(
+            cell, x, tuple(torch.zeros(2, s, dtype=F64) for s in cell.state_size), False
+        )
+        torch.testing.assert_close(h, h_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m, m_ref, rtol=1e-12, atol=1e-12)
