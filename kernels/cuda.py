@@ -100,8 +100,6 @@ MATRIX_BLOCK = 2  # kMatrixBlock in scan.cu: a thread computes 2 x 2 outputs of 
 MAX_THREADS = 256  # __launch_bounds__ in scan.cu
 WARP = 32  # lanes of a warp: the warp-resident sweep's block, and its widest state
 MAX_TILES = 5  # kMaxTiles in scan.cu: the warp sweep's factored weight has m = k d rows, k <= 5
-#: the old warp sweep's group of operand rows: only lightning_bppsa.cuda_cost_model's band still counts in it
-GROUP = 4
 MAX_DEPTH = 32  # kMaxDepth in scan.cu: ring slots of the warp sweep at most
 WARP_SHARED_BYTES = 47 * 1024  # kWarpSharedBytes in scan.cu: a warp sweep's ring + shared W
 REGISTER_WORDS = 160  # kRegisterWords in scan.cu: W in registers where W and two columns take this many words

@@ -133,8 +133,8 @@ def test_cost_model_instruction_counts_are_the_sass():
     assert SASS_COUNTS.tile_aggregate in sizes(
         "bppsa_chunked_dense_f32", has=("LDG", "STS"), lacks=("STG", "FMUL")
     )
-    # SASS_COUNTS.warp_* count the warp sweep before issue 29's rework (groups of 4 rows, one step ahead): the
-    # cost model must be refitted on the new kernel (test_warp_sweep_step_is_register_resident pins its SASS)
+    # SASS_COUNTS.warp_* (the reworked warp sweep, compiled per (d, k)) are pinned by
+    # tests/kernels/test_cuda_cost_model.py; test_warp_sweep_step_is_register_resident pins its SASS shape
 
 
 @pytest.mark.slow  # ~5 s of nvcc + cuobjdump
