@@ -5,13 +5,14 @@ strides and width, the torch paths widen it. Gradients against autograd through 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from lightning_bppsa.kernels import _native
 from lightning_bppsa.kernels.cell_cuda_emulated import EmulatedBackend
-from torch import nn
 
 from lightning_bppsa.nn import Recurrence, cell_kernel, recurrence
 from lightning_bppsa.nn.cell_cuda import CudaCellKernel
@@ -26,20 +27,17 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-class WideFirst(nn.Module):
-    """A state ``(m, h)`` of widths ``(2 H, H)`` read by one linear map (the corpus's WideFirst): the outputs are
-    ``m``, the flat state's first ``2 H`` of ``3 H`` columns."""
+def _corpus():
+    """tests/nn/test_cell_corpus.py, loaded by path (its cells: WideFirst, a state ``(m, h)`` of widths ``(2 H, H)``
+    read by one linear map, whose outputs ``m`` are the flat state's first ``2 H`` of ``3 H`` columns)."""
+    path = Path(__file__).resolve().parent / "test_cell_corpus.py"
+    spec = importlib.util.spec_from_file_location("_test_cell_corpus_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self, inputs: int, hidden: int) -> None:
-        super().__init__()
-        self.hidden, self.state_size = hidden, (2 * hidden, hidden)
-        self.w = nn.Linear(inputs + 3 * hidden, 3 * hidden)
 
-    def forward(self, x, state):
-        m, h = state
-        z, n = self.w(torch.cat([x, m, h], -1)).split([2 * self.hidden, self.hidden], -1)
-        m = torch.lerp(m, torch.tanh(z), 0.3)
-        return m, torch.tanh(n + m[:, : self.hidden] * m[:, self.hidden :])
+WideFirst = _corpus().WideFirst
 
 
 class Summed(WideFirst):
@@ -112,6 +110,18 @@ def test_the_compiled_sweep_reads_the_output_columns_gradient_where_it_lies(monk
     assert seen == [None if where == "last" else ((3, 7, 8), batch_first)]
 
 
+def _exact_on(monkeypatch, compiled: bool, cell, batch_first: bool, where: str, algorithm: str) -> None:
+    """:func:`_assert_exact` with the compiled loop (``compiled``) or the traced step in torch."""
+    if not compiled:
+        monkeypatch.setattr(recurrence, "_compiled_loop", _no_compiled_loop)
+    elif not _native.build_expected():
+        pytest.skip("no C compiler")
+    x, state0 = _inputs(cell, 2, 6, batch_first)
+    rec = _assert_exact(cell, x, state0, batch_first, where, algorithm=algorithm)
+    assert rec.last_stats["jacobians"] == "factored"
+    assert rec.last_stats["cell_kernel"] == ("cpu" if compiled else None)
+
+
 @pytest.mark.parametrize("where", ["every", "last"])
 @pytest.mark.parametrize(
     ("algorithm", "compiled"), [("linear", False), ("blelloch", False), ("blelloch", True)]
@@ -119,29 +129,15 @@ def test_the_compiled_sweep_reads_the_output_columns_gradient_where_it_lies(monk
 def test_the_scans_in_torch_widen_the_output_columns_gradient(monkeypatch, algorithm, compiled, where):
     """Where the scan runs in torch (no compiled loop, or a scan other than the loop's sweep) the ``(B, T, 2 H)``
     gradient is widened to the states' ``(B, T + 1, 3 H)`` with zeros in its place."""
-    if not compiled:
-        monkeypatch.setattr(recurrence, "_compiled_loop", _no_compiled_loop)
-    elif not _native.build_expected():
-        pytest.skip("no C compiler")
     torch.manual_seed(1)
-    cell = WideFirst(3, 3).to(F64)
-    x, state0 = _inputs(cell, 2, 6, False)
-    rec = _assert_exact(cell, x, state0, False, where, algorithm=algorithm)
-    assert rec.last_stats["jacobians"] == "factored"
-    assert rec.last_stats["cell_kernel"] == ("cpu" if compiled else None)
+    _exact_on(monkeypatch, compiled, WideFirst(3, 3).to(F64), False, where, algorithm)
 
 
-@pytest.mark.parametrize("kernel", ["compiled", "torch"])
-def test_outputs_made_by_output_fn_read_every_column(monkeypatch, kernel):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_outputs_made_by_output_fn_read_every_column(monkeypatch, compiled):
     """``output_fn`` reads every state tensor: the scan's output is all ``d`` columns of the new states."""
-    if kernel == "torch":
-        monkeypatch.setattr(recurrence, "_compiled_loop", _no_compiled_loop)
-    elif not _native.build_expected():
-        pytest.skip("no C compiler")
     torch.manual_seed(2)
-    cell = Summed(3, 2).to(F64)
-    x, state0 = _inputs(cell, 2, 5, True)
-    _assert_exact(cell, x, state0, True, "every", algorithm="linear")
+    _exact_on(monkeypatch, compiled, Summed(3, 2).to(F64), True, "every", "linear")
 
 
 @needs_compiler
