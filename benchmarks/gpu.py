@@ -2,12 +2,19 @@
 
 First run on an H100 on 2026-11-26 (``results/cuda-gpu-h100-2026-11-26.md``, ``results/calib-h100-2026-11-26.csv``).
 
-    python benchmarks/gpu.py --all --within 480  # GPU: every stage below in < 8 minutes
+    python benchmarks/gpu.py --all --within 480  # GPU: every stage below, what fits in 8 minutes (see below)
     python benchmarks/gpu.py --device cpu --tiny --all --within 120  # CPU smoke mode of the same command
     python benchmarks/gpu.py --first-contact  # GPU: sanitizers, look-back stress, then the paper's grids (< 10 min)
     python benchmarks/gpu.py            # GPU: the paper's grids, writes benchmarks/results/cuda-gpu.md
     python benchmarks/gpu.py --quick    # GPU: the paper's headline rows only
     python benchmarks/gpu.py --plan     # no GPU needed: the model's predictions -> benchmarks/results/cuda-plan-gpu.md
+
+On an H100 the whole of ``--all`` needed ~10 minutes on 2026-11-26 (tests/gpu ~75 s with a cold kernel
+cache, the calibration grid ~5 minutes, the user cells ~2 minutes), more than one call of a lent GPU machine
+(at most 10 minutes, 15 minutes of device time a session): run it as two calls on one warm machine,
+
+    python benchmarks/gpu.py --all --stages tests,step,overhead,chain,cells --within 300
+    python benchmarks/gpu.py --all --stages calib,paper --within 330
 
 ``--all`` runs the stages below, each writing its files under ``benchmarks/results/`` as it goes (a killed run
 leaves what was finished), each headed by the device, torch, cuDNN, CuPy, the commit (``$BPPSA_COMMIT`` or
@@ -26,8 +33,9 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
    forced scans and kernels that took > 50 ms per call in the committed data skipped.
 4. ``cuda-gpu.md``: the paper's grids (below), with the time left.
 
-Between 2 and 3 (each with its own time budget): ``cuda-chain.md``, VGG-11's convolution chain, cuDNN
-autograd vs ``SparseChain``; and ``cells-gpu.md`` (at most :data:`CELLS_SECONDS`), user-written cells
+Between 2 and 3 (each with its own time budget): ``cuda-overhead.md`` (what our module adds where "auto"
+keeps torch's layer: torch, torch again and ours, 10 interleaved rounds), ``cuda-chain.md``, VGG-11's
+convolution chain, cuDNN autograd vs ``SparseChain``; and ``cells-gpu.md``, user-written cells
 (``benchmarks/cells.py``'s, the style corpus included) at H = 32, B = 16, T = 1000: the whole training step
 of autograd through the Python loop, ``Recurrence`` (its CUDA compiled loop) and JAX
 ``jit(value_and_grad(lax.scan))`` of the same cell math on the same GPU, each one's gradient error
@@ -136,13 +144,14 @@ SLOW_MS = 50.0
 COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
 #: the committed calibration CSV's columns, then what this command adds: what "auto" chose, why a row has no ms
 CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "plan", "note")
-#: the share of the time left at the start that each stage of ``--all`` may use at most; the paper's
-#: grids, last, get what the others leave
-STAGE_SHARES = {"tests": 0.2, "step": 0.2, "overhead": 0.05, "chain": 0.05, "cells": 0.125, "calib": 0.35}
-#: every stage of ``--all`` in its order (``paper``: the paper's grids, which get the time the others leave)
-STAGES = (*STAGE_SHARES, "paper")
-#: the user-cells stage's seconds at most (its share of the default 480 s)
-CELLS_SECONDS = 60.0
+#: each stage's share of ``--all``'s time: a stage may use its share of the time left when it starts, among
+#: the stages still to run (what one leaves unused goes to those after it); a whole run needs ~10 minutes
+#: of an H100 (two calls of <= 5 minutes: see the module docstring)
+STAGE_SHARES = {
+    "tests": 0.15, "step": 0.15, "overhead": 0.05, "chain": 0.05, "cells": 0.2, "calib": 0.35, "paper": 0.05,
+}  # fmt: skip
+#: every stage of ``--all`` in its order (``paper``: the paper's grids)
+STAGES = tuple(STAGE_SHARES)
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
 TESTS_SECONDS = 90.0
@@ -824,30 +833,25 @@ def run_all(
     committed: Path = COMMITTED_CALIB,
     stages: Collection[str] = STAGES,
 ) -> None:
-    """tests/gpu, the whole-step table, the layer chains, the user cells, the calibration grid, the paper's
-    grids, in that order, before
-    ``runner.deadline``: each stage gets at most its share (:data:`STAGE_SHARES`) of the time left at the
-    start, the paper's grids the rest; what does not fit is written as skipped. Each stage writes its files
-    as it goes, so a killed run leaves what was finished. ``stages``: those to run (a rerun of the ones an
-    earlier run did not finish); the others' shares go to them in proportion."""
+    """The ``stages`` (default: all, :data:`STAGES`) in their order before ``runner.deadline``: tests/gpu, the
+    whole-step table, the overhead table, the layer chains, the user cells, the calibration grid, the paper's
+    grids. Each may use its share (:data:`STAGE_SHARES`) of the time left when it starts, among the chosen
+    stages still to run, so that what one leaves unused goes to the next; what does not fit is written as
+    skipped. Each stage writes its files as it goes, so a killed run leaves what was finished."""
     times = CommittedTimes.load(committed)
-    chosen = sum(share for stage, share in STAGE_SHARES.items() if stage in stages)
-    scale = sum(STAGE_SHARES.values()) / chosen if chosen else 1.0
-    total = max(runner.left(), 0) * scale
-    if "tests" in stages:
-        tests_stage(runner.until(STAGE_SHARES["tests"] * total), tests_command, limit=TESTS_SECONDS)
-    if "step" in stages:
-        step_stage(runner.until(STAGE_SHARES["step"] * total))
-    if "overhead" in stages:
-        overhead_stage(runner.until(STAGE_SHARES["overhead"] * total))
-    if "chain" in stages:
-        chain_stage(runner.until(STAGE_SHARES["chain"] * total))
-    if "cells" in stages:
-        cells_stage(runner.until(min(STAGE_SHARES["cells"] * total, CELLS_SECONDS * scale)))
-    if "calib" in stages:
-        calib_stage(runner.until(STAGE_SHARES["calib"] * total), times)
-    if "paper" in stages:
-        write_measurements(runner)
+    chosen = [stage for stage in STAGES if stage in stages]
+    run = {
+        "tests": lambda r: tests_stage(r, tests_command, limit=TESTS_SECONDS),
+        "step": step_stage,
+        "overhead": overhead_stage,
+        "chain": chain_stage,
+        "cells": cells_stage,
+        "calib": lambda r: calib_stage(r, times),
+        "paper": write_measurements,
+    }
+    for index, stage in enumerate(chosen):
+        share = STAGE_SHARES[stage] / sum(STAGE_SHARES[later] for later in chosen[index:])
+        run[stage](runner.until(share * max(runner.left(), 0)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -86,7 +86,14 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_file_has_the_header(full_run: Path) -> None:
-    for name in ("cuda-tests.md", "cuda-step.md", "cuda-overhead.md", "cuda-chain.md", "cuda-calib.md", "cuda-gpu.md"):
+    for name in (
+        "cuda-tests.md",
+        "cuda-step.md",
+        "cuda-overhead.md",
+        "cuda-chain.md",
+        "cuda-calib.md",
+        "cuda-gpu.md",
+    ):
         line = _read(full_run, name).splitlines()[2]
         for part in ("Device CPU", "torch ", "cuDNN ", "CuPy ", "commit abc1234", " UTC", "gpu.py"):
             assert part in line, (name, part, line)
@@ -286,22 +293,32 @@ def test_the_overhead_table_compares_torch_with_itself_and_with_ours(full_run: P
     assert [row[:5] for row in rows] == [[str(v) for v in w] for w in bench.TINY_SHAPES.overhead]
     for row in rows:
         torch_ms, again_ms, ours_ms, ours_us, again_us = map(float, row[5:10])
-        assert abs(ours_us - (ours_ms - torch_ms) * 1e3) <= 1 and abs(again_us - (again_ms - torch_ms) * 1e3) <= 1
+        assert (
+            abs(ours_us - (ours_ms - torch_ms) * 1e3) <= 1
+            and abs(again_us - (again_ms - torch_ms) * 1e3) <= 1
+        )
 
 
-def test_stages_run_alone_and_share_the_time_of_the_others(tmp_path: Path) -> None:
+def test_stages_run_alone_and_leave_their_unused_time_to_the_next(tmp_path: Path) -> None:
     shares = []
     clock = FakeClock()
     runner = _runner(tmp_path, clock, budget=100.0)
     original = bench.Runner.until
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench.Runner, "until", lambda self, seconds: shares.append(seconds) or original(self, seconds))
+        patch.setattr(bench.Runner, "until",
+                      lambda self, seconds: shares.append((seconds, self.left())) or original(self, seconds))  # fmt: skip
         bench.run_all(runner, tests_command=FAKE_TESTS, stages=["overhead", "calib"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-calib.csv", "cuda-calib.md", "cuda-overhead.md"]
-    # the two stages share all the time the whole command would give its five (the paper's grids not run)
-    total = sum(bench.STAGE_SHARES.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cuda-calib.csv",
+        "cuda-calib.md",
+        "cuda-overhead.md",
+    ]
+    # each stage may use its share of the time left among the chosen stages still to run: the first, overhead,
+    # its part of overhead + calib; the last, calib, all that is left
     chosen = bench.STAGE_SHARES["overhead"] + bench.STAGE_SHARES["calib"]
-    assert shares[0] == pytest.approx(100.0 * bench.STAGE_SHARES["overhead"] * total / chosen, rel=1e-3)
+    (first, left_first), (last, left_last) = shares
+    assert first == pytest.approx(left_first * bench.STAGE_SHARES["overhead"] / chosen, rel=1e-3)
+    assert left_first == pytest.approx(100.0, abs=0.1) and last == pytest.approx(left_last, abs=0.01)
 
 
 def test_the_plan_reports_every_kernel_s_registers(monkeypatch: pytest.MonkeyPatch) -> None:
