@@ -191,15 +191,18 @@ def plan_layer(
     measure: Callable[[], dict[str, float]] | None,
     *,
     timed: str = "a step",
+    unmeasured: str = "autograd",
 ) -> LayerPlan:
     """Torch's layer or the scan for one ``algorithm="auto"`` call of ``shape`` (see the module docstring).
 
     Args:
         predict: the model's ``(scan, autograd)`` seconds of this shape's training step, or why there is no
-            model (a string: the call measures where it may, else runs torch's path).
+            model (a string: the call measures where it may, else runs the ``unmeasured`` path).
         measure: times both paths on the call's data: ``{"scan": s, "autograd": s}`` (``None``: cannot
             measure). What it raises propagates, and nothing is cached.
         timed: what the seconds are of, in the reason (``"a step"``: a whole training step).
+        unmeasured: the path without a model where nothing measures (torch's, unless the caller says why
+            another: a layer chain keeps the scan it was converted to).
     """
     known = _decisions.get(shape)
     if known is not None:
@@ -213,13 +216,16 @@ def plan_layer(
         affordable = 3 * (scan + torch_) <= MEASURE_BUDGET_SECONDS
         model = f"scan {_ms(scan)} vs torch {_ms(torch_)} {timed}"
     else:  # no model: unsure, and the caller bounds what its measurement costs
-        faster, unsure, affordable = "autograd", True, True
+        faster, unsure, affordable = unmeasured, True, True
     tracing = _tracing()
     if unsure and affordable and measure is not None and _measuring["on"] and not tracing:
         plan = _measured(shape, measure, timed)
     elif not modelled:
         why = "while tracing" if tracing else "measurements off" if measure is not None else "cannot measure"
-        plan = LayerPlan(faster, f"{predicted}; not measured ({why}): torch's path")
+        plan = LayerPlan(
+            faster,
+            f"{predicted}; not measured ({why}): " + ("torch's path" if faster == "autograd" else "the scan"),
+        )
     elif tracing:
         plan = LayerPlan(faster, f"cost model (while tracing): {model}")
     else:

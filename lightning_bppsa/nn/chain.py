@@ -21,6 +21,12 @@ hooks. So a chain never fails where the equivalent ``nn.Sequential`` runs, and i
 torch's own error from the layer's forward.
 ``torch.jit.script`` compiles the equivalent ``nn.Sequential`` (see :meth:`SparseChain.__prepare_scriptable__`).
 
+``algorithm="auto"`` keeps cuDNN's convolutions on CUDA (the scan measured 13-65x slower there); elsewhere
+the first call of each input shape times both whole forward + backward passes on its own data and keeps the
+faster (:func:`~lightning_bppsa.layer_plan.plan_layer`, ``last_stats["decision"]``; on a CPU the scan measured
+1.5-23x slower than autograd on VGG-11's convolutions), so a converted chain never pays for the scan unasked;
+where nothing may measure (``layer_plan.measurements(False)``) it scans. A named algorithm always scans.
+
 Precision: the scan computes in one dtype, :func:`~lightning_bppsa.sparse_scan.scan_dtype` of the
 Jacobians and the output gradient (float32 for float16 / bfloat16 chains, with or without autocast:
 torch's CPU sparse products have no half kernels); the input and parameter gradients come back in
@@ -53,12 +59,14 @@ than the scan with its Jacobians' linearisation (``benchmarks/results/sparse-cha
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_bppsa import layer_plan
 from lightning_bppsa.jacobians import BatchedCSR, CSRPattern, is_supported, linearize, output_dims, refusal
 from lightning_bppsa.nn._autocast import AutocastState, autocast_state, replay_autocast
 from lightning_bppsa.nn._clock import clock
@@ -138,13 +146,26 @@ class SparseChain(nn.Sequential):
         return None
 
     def forward(self, input: Tensor) -> Tensor:  # named as nn.Sequential's, which callers may pass by name
+        plan = None
         if self.algorithm == "auto" and isinstance(input, Tensor) and input.device.type == "cuda":
             params, reason = (), _CUDA_AUTO  # decided first: cuDNN's chain pays nothing for the other checks
         else:
             params = tuple(p for p in self.parameters() if p.requires_grad)
             reason = self._why_autograd(input, params)
+            if reason is None and self.algorithm == "auto":
+                plan = self._auto(input, params)
+                reason = None if plan.path == "scan" else f"auto: {plan.reason}"
         # a fresh dict per call: the backward of this forward updates the one it was given
-        self.last_stats = {
+        self.last_stats = self._new_stats(reason)
+        if plan is not None:
+            self.last_stats["decision"] = plan.reason
+        if reason is not None:
+            return super().forward(input)
+        return _ChainFunction.apply(self, input, *params)
+
+    def _new_stats(self, reason: str | None) -> dict[str, Any]:
+        """``last_stats`` of a call on the scan (``reason`` ``None``) or on autograd (why), before it runs."""
+        return {
             "path": "scan" if reason is None else "autograd",
             "reason": reason,
             "algorithm": self.algorithm,
@@ -154,9 +175,50 @@ class SparseChain(nn.Sequential):
             "scan_seconds": 0.0,
             "param_seconds": 0.0,
         }
-        if reason is not None:
-            return super().forward(input)
-        return _ChainFunction.apply(self, input, *params)
+
+    def _auto(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> layer_plan.LayerPlan:
+        """``algorithm="auto"`` off CUDA: the scan or autograd for this call, and why. The faster of the
+        two whole forward + backward passes, measured once per input shape on the call's own data
+        (:func:`~lightning_bppsa.layer_plan.plan_layer`; the scan measured 1.5-23x slower than autograd on
+        VGG-11's convolutions on a CPU, ``benchmarks/results/vgg-cpu.md``, so a converted chain must not pay
+        for it unasked); where nothing may measure (``layer_plan.measurements(False)``, tracing) the scan."""
+        key = (x.shape, x.dtype, x.device, layer_plan.generation())
+        memo = self.__dict__.get("_plan_memo")
+        if memo is None or memo[0] != key:
+            shape = layer_plan.LayerShape(
+                f"SparseChain {id(self):x}", len(self), 1, x.shape[0], 0, math.prod(x.shape[1:]), 0, x.dtype,
+                str(x.device), persist=False,
+            )  # fmt: skip
+            plan = layer_plan.plan_layer(
+                shape, lambda: "no model for layer chains", lambda: self._measure(x, params),
+                timed="a forward + backward", unmeasured="scan",
+            )  # fmt: skip
+            memo = (key, plan)
+            if layer_plan.cached(shape):
+                self._plan_memo = memo
+        return memo[1]
+
+    def _measure(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> dict[str, float]:
+        """Seconds of this call's forward + backward on each path (the gradients returned, not accumulated),
+        the random state restored so that the call itself draws what it would have drawn."""
+        wrt = [t for t in (x, *params) if t.requires_grad]
+        stats, self.last_stats = self.last_stats, self._new_stats(None)  # what the scan's backward fills in
+
+        def step(forward) -> Any:
+            def run() -> None:
+                out = forward(x)
+                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+
+            return run
+
+        scan = step(lambda t: _ChainFunction.apply(self, t, *params))
+        autograd = step(super().forward)
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            times = layer_plan.time_candidates(
+                {"scan": scan, "autograd": autograd}, layer_plan.device_timer(x.device)
+            )
+        self.last_stats = stats
+        return times
 
     def __prepare_scriptable__(self) -> nn.Sequential:
         """What ``torch.jit.script`` compiles: an ``nn.Sequential`` of the same layers and this chain's hooks.
