@@ -25,8 +25,9 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
 1. ``cuda-tests.md``: ``pytest tests/gpu -q`` in a subprocess (at most 90 s): its summary line and failures.
 2. ``cuda-step.md``: the whole training step (zero grads, forward, loss = sum of the last output step,
    backward) of torch.nn.RNN/GRU/LSTM (cuDNN) against lightning_bppsa.nn's with ``algorithm="auto"`` and
-   the same weights, ten workloads incl. H = 128 / 256; the no-grad forward of both; each one's gradient
-   error against torch's module in float64; what "auto" chose (``last_stats["plan"]``).
+   the same weights, twelve workloads incl. H = 128 / 256 for each cell (issue 28's targets); the no-grad
+   forward of both; each one's gradient error against torch's module in float64; what "auto" chose
+   (``last_stats["plan"]``).
 3. ``cuda-calib.csv`` / ``cuda-calib.md``: the calibration grid, RNN tanh input 1, d {8 .. 256} x B {1 .. 256}
    x T {100, 1000, 10000}, in the committed CSV's columns plus ``plan`` and ``note``: step and forward of
    both, the step with the scan forced linear / chunked, the scan kernel alone; the cheapest shapes first,
@@ -190,7 +191,8 @@ GPU_SHAPES = Shapes(
     step=(
         ("RNN", 16, 1000, 1, 20), ("RNN", 1, 1000, 1, 20), ("RNN", 16, 10000, 1, 20), ("RNN", 256, 1000, 1, 20),
         ("GRU", 16, 1034, 12, 20), ("GRU", 64, 1034, 12, 20), ("LSTM", 16, 1034, 12, 20),
-        ("RNN", 16, 1000, 32, 128), ("GRU", 16, 1000, 32, 256), ("LSTM", 32, 1000, 64, 256),
+        ("RNN", 16, 1000, 32, 128), ("GRU", 16, 1000, 32, 128), ("LSTM", 16, 1000, 32, 128),
+        ("GRU", 16, 1000, 32, 256), ("LSTM", 32, 1000, 64, 256),
     ),
     calib_d=(8, 20, 32, 64, 128, 256),
     calib_batch=(1, 16, 64, 256),
