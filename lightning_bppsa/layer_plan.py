@@ -1,8 +1,9 @@
 """The plan of one recurrent layer call: torch's own layer or the scan, decided once per call, in the forward.
 
 :func:`plan_layer` is the one place where ``algorithm="auto"`` chooses between torch's own layer (cuDNN on
-CUDA, oneDNN / ATen on CPU; the module then runs exactly torch's code) and the scan, for the built-in layers
-and for :class:`~lightning_bppsa.nn.Recurrence` (a user's cell; autograd through its loop is then "torch"):
+CUDA, oneDNN / ATen on CPU; the module then runs exactly torch's code) and the scan, for the built-in layers,
+for :class:`~lightning_bppsa.nn.Recurrence` (a user's cell; autograd through its loop is then "torch") and,
+off CUDA, for :class:`~lightning_bppsa.nn.SparseChain` (measured, no model; unmeasured it scans):
 
 1. a decision already made for this shape (cached per process: :class:`LayerShape`, ``(cell, layers,
    directions, B, T, input, H, dtype, device)``; a user cell is named by a digest of its traced step);
