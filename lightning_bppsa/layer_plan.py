@@ -56,7 +56,7 @@ import torch
 from lightning_bppsa.kernels import _build, cupy_loader
 
 __all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "UNSURE", "device_timer", "forget", "measurements",
-           "cached", "generation", "plan_layer", "time_candidates"]  # fmt: skip
+           "cached", "generation", "plan_layer", "time_candidates", "time_training_steps"]  # fmt: skip
 
 #: the model is "unsure" where its two predictions are within this factor of each other
 UNSURE = 2.0
@@ -177,6 +177,26 @@ def time_candidates(
             if name not in failures:
                 best[name] = min(best[name], timer(run))
     return best
+
+
+def time_training_steps(
+    forwards: dict[str, Callable[[], torch.Tensor]], wrt: list[torch.Tensor], device: torch.device
+) -> dict[str, float]:
+    """A ``measure`` for :func:`plan_layer`: seconds of each path's forward and the gradients of ``wrt`` (returned,
+    not accumulated), timed by :func:`time_candidates` with :func:`device_timer`; the random state (dropout)
+    restored, so that the call itself draws what it would have drawn."""
+
+    def step(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            out = forward()
+            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+
+        return run
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return time_candidates(
+            {name: step(forward) for name, forward in forwards.items()}, device_timer(device)
+        )
 
 
 def _tracing() -> bool:

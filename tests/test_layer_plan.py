@@ -97,7 +97,7 @@ def test_the_module_runs_what_the_measurement_chose_and_the_call_draws_the_same_
 
         return timer
 
-    monkeypatch.setattr(recurrent, "device_timer", timer_for)
+    monkeypatch.setattr(layer_plan, "device_timer", timer_for)
     monkeypatch.setattr(recurrent, "_predict", lambda shape: (1.0e-3, 1.2e-3))  # unsure: measure
     torch.manual_seed(1)
     ours = bnn.RNN(3, 8, num_layers=2, dropout=0.5, batch_first=True, dtype=torch.float64)

@@ -203,20 +203,12 @@ class SparseChain(nn.Sequential):
         the random state restored so that the call itself draws what it would have drawn."""
         wrt = [t for t in (x, *params) if t.requires_grad]
         stats, self.last_stats = self.last_stats, self._new_stats(None)  # what the scan's backward fills in
-
-        def step(forward) -> Any:
-            def run() -> None:
-                out = forward(x)
-                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-
-            return run
-
-        scan = step(lambda t: _ChainFunction.apply(self, t, *params))
-        autograd = step(super().forward)
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-            times = layer_plan.time_candidates(
-                {"scan": scan, "autograd": autograd}, layer_plan.device_timer(x.device)
-            )
+        sequential = super().forward
+        times = layer_plan.time_training_steps(
+            {"scan": lambda: _ChainFunction.apply(self, x, *params), "autograd": lambda: sequential(x)},
+            wrt,
+            x.device,
+        )
         self.last_stats = stats
         return times
 

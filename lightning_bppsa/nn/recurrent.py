@@ -48,7 +48,7 @@ from lightning_bppsa import backends, cost_model, cuda_step_model, layer_plan
 from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import cell_of
 from lightning_bppsa.kernels import recurrent as native_kernels
-from lightning_bppsa.layer_plan import LayerShape, device_timer, time_candidates
+from lightning_bppsa.layer_plan import LayerShape, time_training_steps
 from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.plan import check_algorithm
@@ -169,19 +169,11 @@ class _ScanRecurrent:
         params = [getattr(self, name) for name in self._flat_weights_names]
         wrt = [t for t in (*params, input, *states) if t.requires_grad]
         torch_forward = super().forward
-
-        def step(forward) -> Any:
-            def run() -> None:
-                output = forward(input, hx)[0]
-                torch.autograd.grad(output, wrt, torch.ones_like(output), allow_unused=True)
-
-            return run
-
-        devices = [input.device] if input.device.type == "cuda" else []
         stats = self.last_stats
-        with torch.random.fork_rng(devices=devices):
-            times = time_candidates({"scan": step(self._scan_forward), "autograd": step(torch_forward)},
-                                    device_timer(input.device))  # fmt: skip
+        times = time_training_steps(
+            {"scan": lambda: self._scan_forward(input, hx)[0], "autograd": lambda: torch_forward(input, hx)[0]},
+            wrt, input.device,
+        )  # fmt: skip
         self.last_stats = stats
         return times
 
