@@ -115,6 +115,7 @@ from device_runner import (
     write,
 )
 from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
+from host_path import HostWorkload, host_stage
 
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -149,7 +150,7 @@ CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "pla
 #: the stages still to run (what one leaves unused goes to those after it); a whole run needs ~10 minutes
 #: of an H100 (two calls of <= 5 minutes: see the module docstring)
 STAGE_SHARES = {
-    "tests": 0.15, "step": 0.15, "overhead": 0.05, "chain": 0.05, "cells": 0.2, "calib": 0.35, "paper": 0.05,
+    "tests": 0.15, "host": 0.1, "step": 0.15, "overhead": 0.05, "chain": 0.05, "cells": 0.2, "calib": 0.35, "paper": 0.05,
 }  # fmt: skip
 #: every stage of ``--all`` in its order (``paper``: the paper's grids)
 STAGES = tuple(STAGE_SHARES)
@@ -184,6 +185,9 @@ class Shapes:
     overhead: tuple[Workload, ...] = ()  # where "auto" keeps torch's layer: what our module adds to it
     cells: tuple[int, int, int] = (32, 16, 1000)  # the user-cells stage: (H, B, T) of every cell
     cell_names: tuple[str, ...] = ()  # ... and which cells (benchmarks/cells.py's names; all where empty)
+    host: tuple[
+        HostWorkload, ...
+    ] = ()  # the host-path stage: (cell, B, T, input, H, algorithm forced on ours)
     rounds: int = 3
 
 
@@ -206,6 +210,10 @@ GPU_SHAPES = Shapes(
         ("RNN", 16, 100, 1, 32), ("RNN", 64, 100, 1, 32), ("RNN", 16, 100, 1, 64), ("RNN", 64, 100, 1, 8),
         ("GRU", 16, 1034, 12, 20), ("LSTM", 16, 1034, 12, 20), ("RNN", 16, 1000, 32, 128),
     ),
+    host=(
+        ("RNN", 16, 1000, 1, 20, "linear"), ("RNN", 16, 1000, 1, 20, "chunked"), ("GRU", 16, 1034, 12, 20, "linear"),
+        ("LSTM", 16, 1034, 12, 20, "linear"),
+    ),
 )  # fmt: skip
 #: the smoke mode (``--device cpu --tiny``): every stage, on shapes a CPU runs in seconds
 TINY_SHAPES = Shapes(
@@ -221,6 +229,7 @@ TINY_SHAPES = Shapes(
     overhead=(("RNN", 2, 6, 1, 3),),
     cells=(3, 2, 5),
     cell_names=("gated",),
+    host=(("RNN", 2, 6, 1, 3, "linear"),),
 )
 
 
@@ -844,6 +853,7 @@ def run_all(
     chosen = [stage for stage in STAGES if stage in stages]
     run = {
         "tests": lambda r: tests_stage(r, tests_command, limit=TESTS_SECONDS),
+        "host": host_stage,
         "step": step_stage,
         "overhead": overhead_stage,
         "chain": chain_stage,

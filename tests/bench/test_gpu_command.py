@@ -88,6 +88,7 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_file_has_the_header(full_run: Path) -> None:
     for name in (
         "cuda-tests.md",
+        "cuda-host.md",
         "cuda-step.md",
         "cuda-overhead.md",
         "cuda-chain.md",
@@ -297,6 +298,19 @@ def test_the_overhead_table_compares_torch_with_itself_and_with_ours(full_run: P
             abs(ours_us - (ours_ms - torch_ms) * 1e3) <= 1
             and abs(again_us - (again_ms - torch_ms) * 1e3) <= 1
         )
+
+
+def test_the_host_table_has_torch_and_ours_per_workload_and_our_python_profile(full_run: Path) -> None:
+    text = _read(full_run, "cuda-host.md")
+    rows = _table_rows(text)
+    ((cell, batch, length, inputs, hidden, algorithm),) = bench.TINY_SHAPES.host
+    assert [row[:6] for row in rows] == [
+        ["torch", cell, str(batch), str(length), str(inputs), str(hidden)],
+        [f"BPPSA {algorithm}", cell, str(batch), str(length), str(inputs), str(hidden)],
+    ]
+    assert all(float(row[6]) > 0 and float(row[7]) > 0 and float(row[8]) > 0 for row in rows)
+    assert rows[1][-1].startswith(f"scan {algorithm}")  # the forced scan ran
+    assert "cProfile, 20 steps" in text and "_scan_layer.py" in text  # ours, profiled by function
 
 
 def test_stages_run_alone_and_leave_their_unused_time_to_the_next(tmp_path: Path) -> None:
