@@ -277,7 +277,7 @@ def test_auto_on_cuda_keeps_torchs_layer_where_the_forward_kernel_cannot_launch(
     monkeypatch.setattr(
         recurrent, "_predict", lambda shape: pytest.fail("no model where the kernels cannot run")
     )
-    path, reason = rnn._path(x, None)
+    path, reason, _ = rnn._path(x, None)
     assert path == "autograd"
     assert reason.startswith(
         "auto on CUDA without the scan's kernels (forward: the CUDA forward kernel of H=120"

@@ -157,7 +157,7 @@ def test_on_cuda_without_the_scans_kernels_auto_keeps_torchs_layer_and_says_why(
     # the layer on a CPU tensor, planned as if it were on a CUDA device whose kernels cannot load
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(recurrent, "_predict", lambda shape: pytest.fail("no model without the kernels"))
-    path, reason = rnn._path(x, None)
+    path, reason, _ = rnn._path(x, None)
     plan_module._choose.cache_clear()
     assert path == "autograd" and reason.startswith(
         "auto on CUDA without the scan's kernels (torch implementation"

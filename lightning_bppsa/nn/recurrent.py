@@ -79,15 +79,26 @@ class _ScanRecurrent:
         return _without_dynamo()(self._forward, input, hx)
 
     def _forward(self, input: Tensor, hx: Any):  # noqa: A002
-        path, reason = self._path(input, hx)
-        self.last_stats = {
-            "path": path,
-            "algorithm": self.algorithm,
-            "forward_seconds": 0.0,
-            "scan_seconds": 0.0,
-            "plan": f"autograd ({reason})" if path == "autograd" else "scan",
-            "decision": reason,
-        }
+        # A training loop calls with one shape every step: the decision memoised for this call's key answers
+        # without the checks below, and torch's layer pays ~1 µs for asking (issue 28: <= ~30 µs on a GPU host)
+        key = self._memo_key(input, hx)
+        memo = self.__dict__.get("_plan_memo")
+        if memo is not None and memo[0] == key:
+            path, reason, stats = memo[1]
+            self.__dict__["last_stats"] = dict(stats)  # a plain attribute: nn.Module's __setattr__ costs µs
+        else:
+            path, reason, keep = self._path(input, hx)
+            stats = {
+                "path": path,
+                "algorithm": self.algorithm,
+                "forward_seconds": 0.0,
+                "scan_seconds": 0.0,
+                "plan": f"autograd ({reason})" if path == "autograd" else "scan",
+                "decision": reason,
+            }
+            self.last_stats = dict(stats)
+            if keep and key is not None:
+                self.__dict__["_plan_memo"] = (key, (path, reason, stats))
         if path == "autograd":
             return super().forward(input, hx)
         if path == "forward kernel":
@@ -97,9 +108,24 @@ class _ScanRecurrent:
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, algorithm={self.algorithm!r} [BPPSA scan backward]"
 
-    def _path(self, input: Any, hx: Any) -> tuple[str, str]:  # noqa: A002
-        """``("scan", "")``, or ``("autograd", why)``: torch's forward, where the scan has nothing to do or
-        cannot run."""
+    def _memo_key(self, input: Any, hx: Any) -> tuple | None:  # noqa: A002
+        """What a memoised decision depends on, for the common call (a plain tensor, no initial state);
+        ``None`` (never memoised) for any other."""
+        if type(input) is not Tensor or hx is not None:
+            return None
+        # the parameters themselves (not ``_flat_weights``): functional_call swaps the ones in _parameters
+        weights = [self._parameters[name] for name in self._flat_weights_names]
+        needs_grad = torch.is_grad_enabled() and (
+            input.requires_grad or any(w.requires_grad for w in weights)
+        )
+        return (
+            input.shape, input.dtype, input.device, needs_grad, torch._C._are_functorch_transforms_active(),
+            self.algorithm, layer_plan.generation(), *map(id, weights),
+        )  # fmt: skip
+
+    def _path(self, input: Any, hx: Any) -> tuple[str, str, bool]:  # noqa: A002
+        """``("scan", why, keep)``, or ``("autograd", why, keep)``: torch's forward, where the scan has nothing
+        to do or cannot run; ``keep``: whether the decision may be memoised (:meth:`_memo_key`)."""
         if isinstance(input, PackedSequence):
             if not getattr(self, "_warned_packed", False):
                 self._warned_packed = True
@@ -108,19 +134,20 @@ class _ScanRecurrent:
                     "forward and autograd backward (the scan takes padded batches)",
                     stacklevel=3,
                 )
-            return "autograd", "PackedSequence input"
+            return "autograd", "PackedSequence input", False
         params = [getattr(self, name) for name in self._flat_weights_names]  # functional_call swaps them
         if input.dim() not in (2, 3) or not self._states_match(input, hx):
-            return "autograd", "malformed input: torch's forward raises its own error"
+            return "autograd", "malformed input: torch's forward raises its own error", False
         if input.numel() == 0 or input.device.type == "meta":
-            return "autograd", "empty or meta input: nothing to scan"
+            return "autograd", "empty or meta input: nothing to scan", False
         if not input.is_floating_point():
             return (
                 "autograd",
                 f"dtype {input.dtype}: the scan takes real floating dtypes (complex: torch's code)",
+                False,
             )
         if torch._C._are_functorch_transforms_active():
-            return "autograd", "torch.func transform: the scan's Function has no functorch rules"
+            return "autograd", "torch.func transform: the scan's Function has no functorch rules", False
         cell = cell_of(self.mode)
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
             # inference: the CPU forward kernel alone (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms)
@@ -131,15 +158,9 @@ class _ScanRecurrent:
                 kernel
                 and backends.forward_backend(cell, self.hidden_size, (input, *params))[0] is backends.NATIVE
             )
-            return ("forward kernel", "") if kernel else ("autograd", "no gradient needed")
+            return ("forward kernel", "", False) if kernel else ("autograd", "no gradient needed", False)
         if self.algorithm != "auto":
-            return "scan", f"algorithm={self.algorithm!r} as asked"
-        # the decision of the last shape this module saw, while the cache still holds it: a training loop
-        # asks with one shape every step, and torch's layer must not pay for asking (~30 µs of Python)
-        key = (input.shape, input.dtype, input.device, layer_plan.generation())
-        memo = getattr(self, "_plan_memo", None)
-        if memo is not None and memo[0] == key:
-            return memo[1].path, memo[1].reason
+            return "scan", f"algorithm={self.algorithm!r} as asked", True
         batch_dim = 0 if self.batch_first else 1
         batch = input.shape[batch_dim] if input.dim() == 3 else 1
         length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
@@ -151,15 +172,13 @@ class _ScanRecurrent:
             cell, batch, length, self.hidden_size, params
         )
         if without:  # the scan would run op by op in torch, or its states by torch's forward: never faster
-            plan = layer_plan.LayerPlan("autograd", f"auto on CUDA without the scan's kernels ({without})")
-            self._plan_memo = (key, plan)
-        else:
-            plan = layer_plan.plan_layer(
-                shape, functools.partial(_predict, shape), lambda: self._measure(input, hx)
-            )
-            if layer_plan.cached(shape):
-                self._plan_memo = (key, plan)
-        return plan.path, plan.reason
+            reason = f"auto on CUDA without the scan's kernels ({without})"
+            return "autograd", reason, True
+        plan = layer_plan.plan_layer(
+            shape, functools.partial(_predict, shape), lambda: self._measure(input, hx)
+        )
+        # kept while the cache holds it (the memo's key has the cache's generation)
+        return plan.path, plan.reason, layer_plan.cached(shape)
 
     def _measure(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
         """Seconds of a whole training step of this call on each path (:func:`~lightning_bppsa.layer_plan.plan_layer`):

@@ -750,3 +750,52 @@ def test_eager_forward_runs_without_the_dynamo_disable_wrapper(monkeypatch):
     ours = bnn.RNN(2, 3, batch_first=True)
     out, h_n = ours(torch.randn(2, 4, 2))
     assert out.shape == (2, 4, 3) and torch.equal(h_n[0], out[:, -1])
+
+
+def test_a_memoised_decision_answers_only_a_call_like_the_one_that_made_it(monkeypatch):
+    """A training loop's calls (same shape, dtype, device, gradients needed, parameters, no initial state)
+    reuse the first call's decision without asking again (issue 28: torch's layer pays ~1 µs, not ~10); any
+    change that could change the decision asks again, and each answer is the one a fresh module gives."""
+    torch.manual_seed(0)
+    ours = bnn.RNN(2, 3, batch_first=True, algorithm="linear")
+    asked = []
+    real_path = type(ours)._path
+    monkeypatch.setattr(type(ours), "_path", lambda self, *a: asked.append(1) or real_path(self, *a))
+    x = torch.randn(2, 4, 2)
+
+    def path_of(*args, **kwargs) -> tuple[str, int]:
+        before = len(asked)
+        ours(*args, **kwargs)
+        return ours.last_stats["path"], len(asked) - before
+
+    def memoised() -> None:  # x's decision memoised again before each change
+        path_of(x)
+        assert path_of(x) == ("scan", 0)
+
+    assert path_of(x) == ("scan", 1)
+    assert path_of(x) == ("scan", 0) and path_of(x.clone()) == ("scan", 0)  # same key: not asked again
+    ours.last_stats["path"] = "changed by the caller"  # the memo keeps its own copy
+    assert path_of(x) == ("scan", 0)
+    memoised()
+    assert path_of(torch.randn(2, 5, 2)) == ("scan", 1)  # another length
+    memoised()
+    ours.double()
+    assert path_of(x.double()) == ("scan", 1)  # another dtype
+    ours.float()
+    memoised()
+    with torch.no_grad():
+        assert path_of(x)[1] == 1 and ours.last_stats["path"] != "scan"
+    memoised()
+    ours.algorithm = "chunked"
+    assert path_of(x) == ("scan", 1) and ours.last_stats["decision"] == "algorithm='chunked' as asked"
+    memoised()
+    swapped = {name: p.detach().clone().requires_grad_() for name, p in ours.named_parameters()}
+    before = len(asked)
+    torch.func.functional_call(ours, swapped, (x,))
+    assert len(asked) == before + 1  # other parameters: asked again
+    memoised()
+    for p in ours.parameters():
+        p.requires_grad_(False)
+    assert path_of(x)[1] == 1 and ours.last_stats["path"] != "scan"  # nothing needs a gradient
+    assert path_of(x)[1] == 1  # inference decisions are not memoised
+    assert path_of(x, torch.zeros(1, 2, 3))[1] == 1  # an initial state: never memoised
