@@ -1136,6 +1136,10 @@ def main() -> None:
         "--stages", default=",".join(STAGES), metavar="LIST",
         help="with --all: the stages to run, comma-separated (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cells", metavar="LIST",
+        help="with --all: the user-cells stage measures only these cells (benchmarks/cells.py's names, comma-separated)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (with --device cpu: the smoke mode)")
     parser.add_argument(
         "--results", type=Path, default=RESULTS, help="where the files go (default: %(default)s)"
@@ -1170,6 +1174,8 @@ def main() -> None:
     shapes = TINY_SHAPES if args.tiny else GPU_SHAPES
     if args.quick:
         shapes = dataclasses.replace(shapes, paper=tuple(rows(quick=True)))
+    if args.cells:
+        shapes = dataclasses.replace(shapes, cell_names=tuple(name for name in args.cells.split(",") if name))
     runner = Runner(
         args.device, shapes, deadline=started + within * (1 - MARGIN),
         results=args.results,

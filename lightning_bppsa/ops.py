@@ -202,7 +202,12 @@ def recurrent_backward(
     forward's plan; planned here where ``None``)."""
     grads = backends.backward(cells.CELLS[cell], algorithm, call, x, h0, c0, weights, out, factors, grad_out, grad_hn,
                               grad_cn, need_x)  # fmt: skip
-    return [g.clone() if g._is_view() else g for g in grads]  # outputs must not alias each other
+    return [owned(g) for g in grads]  # outputs must not alias each other
+
+
+def owned(grad: Tensor) -> Tensor:
+    """``grad``, copied where it is a view (of the scan's buffer, or of another gradient's)."""
+    return grad.clone() if grad._is_view() else grad
 
 
 @torch.library.register_fake("bppsa::recurrent_backward", lib=_LIBRARY)

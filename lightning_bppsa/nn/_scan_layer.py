@@ -26,12 +26,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_bppsa import backends
 from lightning_bppsa.backends import LayerCall, plan_call
 from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
 from lightning_bppsa.nn._clock import clock, record
 from lightning_bppsa.nn._reference_backward import reference_backward_enabled
-from lightning_bppsa.ops import recurrent_backward, recurrent_forward
+from lightning_bppsa.ops import owned, recurrent_forward
 
 __all__ = ["LayerFunction", "forward_only"]
 
@@ -206,9 +207,15 @@ class LayerFunction(torch.autograd.Function):
             with without_autocast(x.device.type):  # it computes in the dtypes it chose, not autocast's
                 if _dispatched(tensors):
                     grads = torch.ops.bppsa.recurrent_backward(*args)
-                else:
-                    grads = recurrent_backward(*args, ctx.call)
+                else:  # eagerly only the gradients asked for are copied out of the scan's buffer (h0's seldom is)
+                    grads = backends.backward(CELLS[ctx.cell], ctx.algorithm, ctx.call, *args[2:])
+                    grads = [owned(g) if need else g for g, need in zip(grads, _with_c0(needs, c0), strict=True)]
             if c0 is None:
                 grads = [*grads[:2], None, *grads[2:]]
             record(ctx.stats, "scan_seconds", clock() - start, add=True)
         return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+
+
+def _with_c0(needs: tuple[bool, ...], c0: Tensor | None) -> tuple[bool, ...]:
+    """``needs`` (of ``x, h0, c0, *weights``) without ``c0``'s where the layer has none (nor a gradient for it)."""
+    return needs if c0 is not None else (*needs[:2], *needs[3:])

@@ -274,6 +274,9 @@ def test_the_command_line_builds_the_smoke_runner(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--device", "cpu", "--stages", "calib,cells"])
     bench.main()
     assert seen[-1][1] == ["calib", "cells"]
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--device", "cpu", "--tiny", "--cells", "HandLSTM,gated"])
+    bench.main()
+    assert seen[-1][0].shapes.cell_names == ("HandLSTM", "gated")
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--all", "--device", "cpu", "--stages", "calib,bogus"])
     with pytest.raises(SystemExit):
         bench.main()
