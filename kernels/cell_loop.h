@@ -20,20 +20,114 @@
 
    A step of row b: piece = offsets[row] + prev @ wc (the state's linear maps, wc = (D, KH), the input-only
    terms of those maps precomputed in offsets), then the pointwise part. Rows are independent: OpenMP
-   threads take contiguous blocks of them and run all their steps. States are (B, T + 1, D), rows of the
+   threads take contiguous blocks of them and run all their steps, MV_ROWS rows in lockstep (one product with
+   the weights for all of them), the rest one by one. States are (B, T + 1, D), rows of the
    other arrays (b, t) flattened. Denormals are flushed for the call, as in recurrent.c. */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* partial sums of the backward's product over the pieces' rows (independent FMA chains; 4 measured best
-   against 1 and 2 on the gated cell and the LSTM variant, H = 32) */
-#define CARRY_SETS 4
-
 /* how many steps ahead the backward asks for the factors it reads (descending addresses, one dependent step
    at a time: the hardware prefetcher alone left the sweep waiting on them; 2-8 measured alike, LSTM H = 32) */
 #define PREFETCH_STEPS 4
+
+/* The steps' products with the weights (the forward's prev @ wc, the backward's u @ wt) run on MV_ROWS batch rows
+   at once, in GCC / Clang vectors of VBYTES: each weight vector loaded serves every row of the block, and the
+   block's sums stay in registers (MV_ROWS x at most MV_VECS vectors, beside MV_VECS of weights: 31 of AVX-512's
+   32 registers). Row by row, the compiler kept the sums of a 96-wide product in memory: each weight row's
+   update waited on a store and reload of all of them (WideFirst, H = 32: ~3.5 of ~5 ms forward, the same
+   backward; 4 rows of 6 vectors measured best there against 2 and 8 rows). */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define MV_ROWS 4
+#define MV_VECS 6
+#elif defined(__AVX__)
+#define VBYTES 32
+#define MV_ROWS 2
+#define MV_VECS 5
+#else
+#define VBYTES 16
+#define MV_ROWS 2
+#define MV_VECS 5
+#endif
+typedef REAL vec_t __attribute__((vector_size(VBYTES)));
+#define VL ((int64_t)(VBYTES / sizeof(REAL)))
+#define VECS(n) (((n) + VL - 1) / VL)  /* vectors of a padded row of n values */
+#define FWD_VECS VECS(KH)              /* the forward's product: the pieces */
+#define BWD_VECS VECS(CHI - CLO)       /* the backward's: the state columns the pieces read */
+
+static inline vec_t vec_load(const REAL* p) {
+    vec_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vec_store(REAL* p, vec_t v) { memcpy(p, &v, sizeof v); }
+
+/* out[r][c] += Σ_{i < n} x[r][i] w[i][c] over the NV vectors of columns at out[r], w (rows ws apart): R rows'
+   sums in registers, each weight vector loaded once for all of them (R and NV are constants where inlined) */
+static inline __attribute__((always_inline)) void tile(const int R, const int NV, int64_t n,
+                                                       const REAL* const* x, const REAL* w, int64_t ws,
+                                                       REAL* const* out, int64_t c0) {
+    vec_t acc[MV_ROWS][MV_VECS];
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = vec_load(out[r] + c0 + v * VL);
+    for (int64_t i = 0; i < n; ++i) {
+        vec_t wv[MV_VECS];
+        for (int v = 0; v < NV; ++v) wv[v] = vec_load(w + i * ws + c0 + v * VL);
+        for (int r = 0; r < R; ++r) {
+            const REAL xi = x[r][i];
+            for (int v = 0; v < NV; ++v) acc[r][v] += xi * wv[v];
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) vec_store(out[r] + c0 + v * VL, acc[r][v]);
+}
+
+/* out[r] += x[r] @ w for R rows: w (n, nvec VL) zero-padded, out[r] nvec VL wide; the columns in tiles of at most
+   MV_VECS vectors, as even as they go (8 vectors: 4 + 4, not 6 + 2) */
+static inline __attribute__((always_inline)) void product_rows(const int R, int64_t n, const REAL* const* x,
+                                                               const REAL* w, const int nvec, REAL* const* out) {
+    const int tiles = (nvec + MV_VECS - 1) / MV_VECS, per = tiles > 0 ? (nvec + tiles - 1) / tiles : 1;
+    int v0 = 0;
+    for (; v0 + per <= nvec; v0 += per) tile(R, per, n, x, w, nvec * VL, out, v0 * VL);
+    if (v0 < nvec) tile(R, nvec - v0, n, x, w, nvec * VL, out, v0 * VL);
+}
+
+/* count REAL aligned for vectors in a new block (free it with release), or NULL if there is no memory: malloc's,
+   rounded up (C99 has no aligned_alloc) */
+static REAL* aligned(int64_t count) {
+    const size_t bytes = (size_t)(count > 0 ? count : 1) * sizeof(REAL) + VBYTES + sizeof(void*);
+    char* block = malloc(bytes);
+    if (!block) return NULL;
+    char* start = block + sizeof(void*);
+    start += (VBYTES - (uintptr_t)start % VBYTES) % VBYTES;
+    memcpy(start - sizeof(void*), &block, sizeof(void*)); /* the block, just before its start */
+    return (REAL*)start;
+}
+
+static void release(REAL* p) {
+    if (!p) return;
+    void* block;
+    memcpy(&block, (char*)p - sizeof(void*), sizeof(void*));
+    free(block);
+}
+
+/* rows (n, width) of src, row stride ld, as a new zero-padded (n, VECS(width) VL) copy (free it with release);
+   NULL if there is no memory */
+static REAL* padded_copy(const REAL* src, int64_t n, int64_t width, int64_t ld) {
+    const int64_t padded = VECS(width) * VL;
+    REAL* out = aligned(n * padded);
+    if (!out) return NULL;
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t c = 0; c < width; ++c) out[i * padded + c] = src[i * ld + c];
+        for (int64_t c = width; c < padded; ++c) out[i * padded + c] = 0;
+    }
+    return out;
+}
 
 /* The batch rows [*lo, *hi) of the calling thread: a contiguous block (rows are independent). */
 static inline void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
@@ -46,14 +140,48 @@ static inline void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
     *hi = batch * (id + 1) / count;
 }
 
+/* R rows' steps from row b0 (R a constant where inlined): their pieces (piece[r], FWD_VECS VL wide each) = the
+   offsets + prev @ wc (wp: wc's read rows, zero-padded), then their pointwise parts. */
+static inline __attribute__((always_inline)) void forward_rows(const int R, int64_t b0, int64_t steps,
+                                                               const REAL* wp, const REAL* offsets,
+                                                               const REAL* const* in, const int64_t* stride,
+                                                               REAL* states, int partials, REAL* scales,
+                                                               REAL* diagonal, REAL* fpart, REAL* const* piece) {
+    for (int64_t t = 0; t < steps; ++t) {
+        const REAL* prev[MV_ROWS];
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = (b0 + r) * steps + t;
+            prev[r] = states + ((b0 + r) * (steps + 1) + t) * D + CLO;
+            if (KH > 0) {
+                if (offsets) memcpy(piece[r], offsets + row * KH, KH * sizeof(REAL));
+                else memset(piece[r], 0, KH * sizeof(REAL));
+            }
+        }
+        if (KH > 0) product_rows(R, CHI - CLO, prev, wp, FWD_VECS, piece);
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = (b0 + r) * steps + t;
+            const REAL* old = states + ((b0 + r) * (steps + 1) + t) * D;
+            REAL* next = states + ((b0 + r) * (steps + 1) + t + 1) * D;
+            if (partials) {
+                cell_partials(row, old, piece[r], in, stride, next, scales, diagonal, fpart);
+            } else {
+                cell_values(row, old, piece[r], in, stride, next);
+            }
+        }
+    }
+}
+
 /* in[i] with stride[i]: the i-th input-part value the pointwise part reads (layout fixed by the generator);
    offsets NULL: the pieces have no input-only terms; partials 0: states only (scales, diagonal, fpart unused).
-   Returns 0. */
+   Returns 0, or -1 where its scratch could not be allocated (nothing written then is valid). */
 int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc, const REAL* offsets,
                        const REAL* const* in, const int64_t* stride, REAL* states, int partials, REAL* scales,
                        REAL* diagonal, REAL* fpart) {
+    REAL* wp = KH > 0 ? padded_copy(wc + CLO * KH, CHI - CLO, KH, KH) : NULL;
+    if (KH > 0 && !wp) return -1;
+    int failed = 0;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
 #else
     (void)threads;
 #endif
@@ -61,30 +189,24 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
         const unsigned saved = flush_denormals();
         int64_t lo, hi;
         thread_rows(batch, &lo, &hi);
-        REAL piece[KH > 0 ? KH : 1];
-        for (int64_t b = lo; b < hi; ++b) {
-            for (int64_t t = 0; t < steps; ++t) {
-                const int64_t row = b * steps + t;
-                const REAL* prev = states + (b * (steps + 1) + t) * D;
-                REAL* next = states + (b * (steps + 1) + t + 1) * D;
-                if (KH > 0) {
-                    for (int64_t c = 0; c < KH; ++c) piece[c] = offsets ? offsets[row * KH + c] : (REAL)0;
-                    for (int64_t i = CLO; i < CHI; ++i) { /* the state columns the pieces read */
-                        const REAL v = prev[i];
-                        const REAL* w = wc + i * KH;
-                        for (int64_t c = 0; c < KH; ++c) piece[c] += v * w[c];
-                    }
-                }
-                if (partials) {
-                    cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart);
-                } else {
-                    cell_values(row, prev, piece, in, stride, next);
-                }
-            }
+        REAL* buffer = aligned(MV_ROWS * FWD_VECS * VL);
+        REAL* piece[MV_ROWS];
+        for (int r = 0; r < MV_ROWS; ++r) piece[r] = buffer ? buffer + r * FWD_VECS * VL : NULL;
+        if (!buffer) {
+            failed = 1;
+        } else {
+            int64_t b = lo;
+            for (; b + MV_ROWS <= hi; b += MV_ROWS)
+                forward_rows(MV_ROWS, b, steps, wp, offsets, in, stride, states, partials, scales, diagonal, fpart,
+                             piece);
+            for (; b < hi; ++b)
+                forward_rows(1, b, steps, wp, offsets, in, stride, states, partials, scales, diagonal, fpart, piece);
         }
+        release(buffer);
         restore_denormals(saved);
     }
-    return 0;
+    release(wp);
+    return failed ? -1 : 0;
 }
 
 /* the generated sums' accessors, at coordinate j of a row: the new states' gradient g, the row's kept scales s
@@ -122,9 +244,71 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
     return 0;
 }
 
+/* R rows' sweeps from row b0 (R a constant where inlined; bppsa_cell_backward says what they compute), each row's
+   two gradient rows in g[r], its carry in carry[r] (D wide) and its sums with the weights in sums[r] (BWD_VECS VL
+   wide): per step the rows' products, then the block's u @ wt at once (wp: wt's read columns, zero-padded), then
+   each row's direct terms. */
+static inline __attribute__((always_inline)) void backward_rows(
+    const int R, int64_t b0, int64_t steps, const REAL* wp, const REAL* scales, int64_t scale_width,
+    const REAL* diagonal, const REAL* fpart, const REAL* direct, int64_t direct_width, int64_t batch_stride,
+    int64_t step_stride, const REAL* final, REAL* out, REAL* products, REAL* const* g, REAL* const* carry,
+    REAL* const* sums) {
+    const REAL* given[MV_ROWS]; /* s_t's direct gradient at given + (t - 1) step_stride */
+    for (int r = 0; r < R; ++r) {
+        const int64_t b = b0 + r;
+        given[r] = direct_width > 0 ? direct + b * batch_stride : NULL;
+        const REAL* own = final ? final + b * D : NULL;
+        for (int64_t c = 0; c < D; ++c) g[r][c] = own ? own[c] : 0;
+        for (int64_t c = 0; c < direct_width; ++c) g[r][c] += given[r][(steps - 1) * step_stride + c];
+    }
+    for (int64_t t = steps; t >= 1; --t) {
+        const REAL* u[MV_ROWS];
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = (b0 + r) * steps + t - 1;
+            const REAL* s = scales + row * scale_width;
+            REAL* o = products + row * (NK + NI) * H;
+            if (t > PREFETCH_STEPS) { /* the sweep reads the factors backwards, a row a step: ask for them early */
+                const char* ahead = (const char*)(s - PREFETCH_STEPS * scale_width);
+                for (int64_t e = 0; e < scale_width * (int64_t)sizeof(REAL); e += 64) __builtin_prefetch(ahead + e);
+            }
+            row_products(g[r], s, fpart + row * NF * H, o);
+            u[r] = o;
+            if (KH > 0) memset(sums[r], 0, BWD_VECS * VL * sizeof(REAL));
+        }
+        if (KH > 0) product_rows(R, KH, u, wp, BWD_VECS, sums);
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = (b0 + r) * steps + t - 1;
+            const REAL* s = scales + row * scale_width;
+            REAL* cr = carry[r];
+            const REAL* gr = g[r];
+            for (int64_t c = 0; c < CLO; ++c) cr[c] = 0;
+            for (int64_t c = CLO; c < CHI; ++c) cr[c] = KH > 0 ? sums[r][c - CLO] : 0;
+            for (int64_t c = CHI; c < D; ++c) cr[c] = 0;
+            if (M == 1 && diagonal) {
+                for (int64_t j = 0; j < H; ++j) cr[j] += gr[j] * diagonal[row * D + j];
+            }
+            {
+                const REAL* restrict g = gr; /* the accessors' names */
+                REAL* restrict carry = cr;
+                (void)g; (void)s; (void)carry;
+                for (int64_t j = 0; j < H; ++j) {
+                    CELL_DIRECT(ROW_G, ROW_S, ROW_ADD)
+                }
+            }
+            const int64_t width = t >= 2 ? direct_width : 0;
+            const REAL* d = width > 0 ? given[r] + (t - 2) * step_stride : NULL;
+            REAL* next = g[r];
+            for (int64_t c = 0; c < width; ++c) next[c] = d[c] + cr[c];
+            for (int64_t c = width; c < D; ++c) next[c] = cr[c];
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int64_t c = 0; c < D; ++c) out[(b0 + r) * D + c] = g[r][c];
+}
+
 /* The backward's linear scan of the factored step Jacobians fused with its products, row by row (rows are
-   independent; OpenMP threads take blocks of them): from g_T = direct at T, for t = T .. 1 (J_t's factors
-   at row (b, t - 1)):
+   independent; OpenMP threads take blocks of them, and each thread MV_ROWS rows at a time): from g_T = direct at
+   T, for t = T .. 1 (J_t's factors at row (b, t - 1)):
      products[row] = [pieces k | inputs i] as bppsa_cell_cotangent, from g_t;
      g_{t-1} = direct_{t-1} + g_t J_t = direct_{t-1} + u wt (u the pieces' products, wt = (KH, D) the
                pieces' weight rows; only the state columns [CLO, CHI) any piece reads) + the direct terms
@@ -135,14 +319,18 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
    given, so that the outputs' gradients are read where autograd left them: no (B, T + 1, D) copy, nor a
    zero-filled (B, T, D) one where the outputs are the first state tensor of several, nor a transposed copy
    of time-major outputs. out: (B, D), the gradient of s_0:
-   the products carry everything else the VJP needs, so the other states' gradients stay in two rows of
-   this thread's stack (not written out: B (T + 1) D elements a step). Returns 0. */
+   the products carry everything else the VJP needs, so the other states' gradients stay in a thread's
+   scratch (not written out: B (T + 1) D elements a step). Returns 0, or -1 where its scratch could not be
+   allocated (nothing written then is valid). */
 int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* wt, const REAL* scales,
                         int64_t scale_width, const REAL* diagonal, const REAL* fpart, const REAL* direct,
                         int64_t direct_width, int64_t batch_stride, int64_t step_stride, const REAL* final,
                         REAL* out, REAL* products) {
+    REAL* wp = KH > 0 ? padded_copy(wt + CLO, KH, CHI - CLO, D) : NULL;
+    if (KH > 0 && !wp) return -1;
+    int failed = 0;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
 #else
     (void)threads;
 #endif
@@ -150,59 +338,28 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
         const unsigned saved = flush_denormals();
         int64_t lo, hi;
         thread_rows(batch, &lo, &hi);
-        REAL carry[D], rows[2][D];
-        for (int64_t b = lo; b < hi; ++b) {
-            /* s_t's direct gradient at given + (t - 1) step_stride */
-            const REAL* given = direct_width > 0 ? direct + b * batch_stride : NULL;
-            const REAL* own = final ? final + b * D : NULL;
-            REAL* g = rows[0];
-            for (int64_t c = 0; c < D; ++c) g[c] = own ? own[c] : 0;
-            for (int64_t c = 0; c < direct_width; ++c) g[c] += given[(steps - 1) * step_stride + c];
-            for (int64_t t = steps; t >= 1; --t) {
-                const int64_t row = b * steps + t - 1;
-                const REAL* s = scales + row * scale_width;
-                REAL* o = products + row * (NK + NI) * H;
-                if (t > PREFETCH_STEPS) { /* the sweep reads the factors backwards, a row a step: ask for them early */
-                    const char* ahead = (const char*)(s - PREFETCH_STEPS * scale_width);
-                    for (int64_t e = 0; e < scale_width * (int64_t)sizeof(REAL); e += 64) __builtin_prefetch(ahead + e);
-                }
-                row_products(g, s, fpart + row * NF * H, o);
-                /* CARRY_SETS partial sums over the pieces' rows: as many independent FMA chains as that many
-                   times the read columns' vectors (one set of a few vectors would be latency-bound) */
-                REAL part[CARRY_SETS][CHI > CLO ? CHI - CLO : 1];
-                for (int64_t a = 0; a < CARRY_SETS; ++a)
-                    for (int64_t c = 0; c < CHI - CLO; ++c) part[a][c] = 0;
-                int64_t r = 0;
-                for (; r + CARRY_SETS <= KH; r += CARRY_SETS)
-                    for (int64_t a = 0; a < CARRY_SETS; ++a) {
-                        const REAL v = o[r + a];
-                        const REAL* w = wt + (r + a) * D + CLO;
-                        for (int64_t c = 0; c < CHI - CLO; ++c) part[a][c] += v * w[c];
-                    }
-                for (; r < KH; ++r) {
-                    const REAL v = o[r];
-                    const REAL* w = wt + r * D + CLO;
-                    for (int64_t c = 0; c < CHI - CLO; ++c) part[0][c] += v * w[c];
-                }
-                for (int64_t c = 0; c < D; ++c) carry[c] = 0;
-                for (int64_t a = 0; a < CARRY_SETS; ++a)
-                    for (int64_t c = 0; c < CHI - CLO; ++c) carry[CLO + c] += part[a][c];
-                if (M == 1 && diagonal) {
-                    for (int64_t j = 0; j < H; ++j) carry[j] += g[j] * diagonal[row * D + j];
-                }
-                for (int64_t j = 0; j < H; ++j) {
-                    CELL_DIRECT(ROW_G, ROW_S, ROW_ADD)
-                }
-                REAL* prev = g == rows[0] ? rows[1] : rows[0];
-                const int64_t width = t >= 2 ? direct_width : 0;
-                const REAL* d = width > 0 ? given + (t - 2) * step_stride : NULL;
-                for (int64_t c = 0; c < width; ++c) prev[c] = d[c] + carry[c];
-                for (int64_t c = width; c < D; ++c) prev[c] = carry[c];
-                g = prev;
-            }
-            for (int64_t c = 0; c < D; ++c) out[b * D + c] = g[c];
+        const int64_t width = BWD_VECS * VL > 0 ? BWD_VECS * VL : 1; /* a row's sums */
+        REAL* buffer = aligned(MV_ROWS * (2 * D + width));
+        REAL *g[MV_ROWS], *carry[MV_ROWS], *sums[MV_ROWS];
+        for (int r = 0; r < MV_ROWS; ++r) {
+            sums[r] = buffer ? buffer + r * width : NULL; /* first: aligned for vectors */
+            g[r] = buffer ? buffer + MV_ROWS * width + r * D : NULL;
+            carry[r] = buffer ? buffer + MV_ROWS * (width + D) + r * D : NULL;
         }
+        if (!buffer) {
+            failed = 1;
+        } else {
+            int64_t b = lo;
+            for (; b + MV_ROWS <= hi; b += MV_ROWS)
+                backward_rows(MV_ROWS, b, steps, wp, scales, scale_width, diagonal, fpart, direct, direct_width,
+                              batch_stride, step_stride, final, out, products, g, carry, sums);
+            for (; b < hi; ++b)
+                backward_rows(1, b, steps, wp, scales, scale_width, diagonal, fpart, direct, direct_width,
+                              batch_stride, step_stride, final, out, products, g, carry, sums);
+        }
+        release(buffer);
         restore_denormals(saved);
     }
-    return 0;
+    release(wp);
+    return failed ? -1 : 0;
 }

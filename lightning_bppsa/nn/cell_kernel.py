@@ -264,7 +264,7 @@ class CellKernel:
                 input_partials = self._output("input_partials", (rows, len(layout.input_columns) * h), s0)
             pointers = (ctypes.c_void_p * max(1, len(inputs)))(*(t.data_ptr() for t, _ in inputs))
             strides = (ctypes.c_int64 * max(1, len(inputs)))(*(s for _, s in inputs))
-            self._library.bppsa_cell_forward(
+            status = self._library.bppsa_cell_forward(
                 batch,
                 steps,
                 _native.threads(batch),
@@ -278,6 +278,7 @@ class CellKernel:
                 _pointer(diagonal),
                 _pointer(input_partials),
             )
+        _check_status(status)
         if not partials:
             return states, None
         return states, CellFactors(
@@ -308,7 +309,7 @@ class CellKernel:
             grad_steps = grad_steps.contiguous()
         out = self._buffer("out", like, (batch, d))
         products = self._buffer("products", like, (batch * steps, (pieces + len(self._inputs)) * h))
-        self._library.bppsa_cell_backward(
+        status = self._library.bppsa_cell_backward(
             batch,
             steps,
             _native.threads(batch),
@@ -324,6 +325,7 @@ class CellKernel:
             _pointer(out),
             _pointer(products),
         )
+        _check_status(status)
         return out, products
 
     def products(self, factors: CellFactors, grad: Tensor) -> Tensor:
@@ -471,6 +473,12 @@ try:  # the count of a tensor nothing else shares (its own, and the storage hand
     _SOLE: int | None = _use_count(torch.empty(1))
 except (AttributeError, RuntimeError):  # a release without the count: every forward allocates
     _SOLE = None
+
+
+def _check_status(status: int) -> None:
+    """The compiled loops return -1 where their scratch (a thread's rows, the padded weights) could not be allocated."""
+    if status != 0:
+        raise MemoryError("the compiled cell loop could not allocate its scratch memory")
 
 
 def _pointer(tensor: Tensor | None) -> int | None:
