@@ -34,7 +34,10 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
    forced scans and kernels that took > 50 ms per call in the committed data skipped.
 4. ``cuda-gpu.md``: the paper's grids (below), with the time left.
 
-Between 2 and 3 (each with its own time budget): ``cuda-overhead.md`` (what our module adds where "auto"
+Between 1 and 2: ``cuda-host.md`` (``benchmarks/host_path.py``: where a step's host time goes, torch's module and
+ours with the scan forced: step waited for, host time to queue it, back to back, CUDA-graphed, syncs, kernels
+and GPU busy per step, the profiler's and cProfile's tables). Between 2 and 3 (each with its own time
+budget): ``cuda-overhead.md`` (what our module adds where "auto"
 keeps torch's layer: torch, torch again and ours, 10 interleaved rounds), ``cuda-chain.md``, VGG-11's
 convolution chain, cuDNN autograd vs ``SparseChain``; and ``cells-gpu.md``, user-written cells
 (``benchmarks/cells.py``'s, the style corpus included) at H = 32, B = 16, T = 1000: the whole training step
