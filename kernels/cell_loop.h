@@ -271,6 +271,10 @@ static inline __attribute__((always_inline)) void backward_rows(
                 const char* ahead = (const char*)(s - PREFETCH_STEPS * scale_width);
                 for (int64_t e = 0; e < scale_width * (int64_t)sizeof(REAL); e += 64) __builtin_prefetch(ahead + e);
             }
+            if (t > PREFETCH_STEPS + 1 && direct_width > 0) { /* and the direct gradients, as far back */
+                const char* ahead = (const char*)(given[r] + (t - 2 - PREFETCH_STEPS) * step_stride);
+                for (int64_t e = 0; e < direct_width * (int64_t)sizeof(REAL); e += 64) __builtin_prefetch(ahead + e);
+            }
             row_products(g[r], s, fpart + row * NF * H, o);
             u[r] = o;
             if (KH > 0) memset(sums[r], 0, BWD_VECS * VL * sizeof(REAL));
