@@ -6,6 +6,12 @@
 
      CELL_INPUT_PARAMS, CELL_INPUT_POINTERS, CELL_INPUT_STRIDES, CELL_INPUT_HOST_ARGS(base)
                           the NI input-part values as kernel parameters (pointer, row stride) and their host words
+     CELL_SPREAD          1 where H < 32 (cell_cuda.py): the products with the weights are spread over the whole
+                          block, one thread per piece coordinate (forward) or read state column (backward), in
+                          the same order of summation, put in shared memory for the threads j < H (a second
+                          barrier per step); else thread j forms its own coordinate's (one barrier per step).
+                          A state of narrow blocks (widths (31, 33): H = 1, 64 states, 64 pieces) otherwise runs
+                          all NK CW and (CW / H) KH multiply-adds of a step in its one thread j = 0.
 
    Every parameter is a 64-bit word (pointers and long long: CuPy packs Python ints so). States are (B, T + 1, D);
    rows of the other arrays are (b, t) flattened, as on the CPU.
@@ -14,15 +20,15 @@
      The pieces' weights (the rows [CLO, CHI) of wc = (D, KH)) are staged once in shared memory (staged = 0:
      read from global memory, through L1, where they do not fit the device's shared memory); the state lives
      in two shared buffers (step t reads one, writes the other: one barrier per step); thread j computes its
-     pieces' coordinate (offsets + prev @ wc), puts them in shared memory for the generated step (which indexes
-     piece[k H + j]), runs the step (values, and with partials the scales, diagonal and input partials straight
+     pieces' coordinate (offsets + prev @ wc; CELL_SPREAD: every thread a share of all pieces' coordinates),
+     puts them in shared memory for the generated step (which indexes piece[k H + j]), runs the step (values, and with partials the scales, diagonal and input partials straight
      to global memory) and copies its new coordinates to the states.
    bppsa_cell_cuda_backward: the reverse linear sweep of the factored Jacobians fused with the products the
      parameter VJP needs, one block per batch row: thread j keeps g_t at its coordinates (M registers); per step
      it writes its products (g times the partials by every piece and input value, summed over the new states),
      the pieces' ones also to shared memory (double-buffered: one barrier per step), then forms g_{t-1} at its
-     coordinates: the pieces' products times the wt = (KH, D) columns [CLO, CHI) (staged as the forward's),
-     plus the diagonal (one
+     coordinates: the pieces' products times the wt = (KH, D) columns [CLO, CHI) (staged as the forward's;
+     CELL_SPREAD: every thread a share of the columns, through shared memory), plus the diagonal (one
      state) or the kept columns of the identity tiles of the states read directly, plus the direct gradient.
    bppsa_cell_cotangent: the products of every row from a states' gradient the scan made elsewhere
      (a grid-stride loop over (row, j)). */
@@ -77,7 +83,16 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
         const i64 row = b * steps + t;
         const REAL* prev = state + (t & 1) * D;
         REAL* next = state + ((t + 1) & 1) * D;
+#if CELL_SPREAD
+        for (int e = j; e < KH; e += blockDim.x) {  // piece coordinate e, summed in the order of the loop below
+            REAL acc = offsets != nullptr ? offsets[row * KH + e] : REAL(0);
+            for (int i = 0; i < CELL_CW; ++i) acc += prev[CLO + i] * w[i * KH + e];
+            piece[e] = acc;
+        }
+        __syncthreads();  // every piece complete before the step reads them
+#endif
         if (j < H) {
+#if !CELL_SPREAD
             REAL acc[NK > 0 ? NK : 1];
 #pragma unroll
             for (int k = 0; k < NK; ++k) acc[k] = offsets != nullptr ? offsets[row * KH + k * H + j] : REAL(0);
@@ -89,6 +104,7 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
             }
 #pragma unroll
             for (int k = 0; k < NK; ++k) piece[k * H + j] = acc[k];
+#endif
             if (partials)
                 cell_partials(row, prev, piece, in, stride, next, scales, diagonal, fpart);
             else
@@ -116,7 +132,8 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
     (void)batch;
     BPPSA_DYNAMIC_SHARED(smem);
     REAL* o = reinterpret_cast<REAL*>(smem);  // 2 x KH: the pieces' products of a step
-    REAL* shared_w = o + 2 * KH;              // KH x CELL_CW where staged
+    REAL* column = o + 2 * KH;                // CELL_SPREAD: CELL_CW, the read columns' sums of a step
+    REAL* shared_w = column + (CELL_SPREAD ? CELL_CW : 0);  // KH x CELL_CW where staged
     const REAL* w = staged ? shared_w : wt + CLO;  // row r of the read columns at w + r * ws
     const int ws = staged ? CELL_CW : D;
     const i64 b = blockIdx.x;
@@ -138,14 +155,26 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
         REAL* ob = o + (t & 1) * KH;
         if (j < H) cell_products(g, s, fpart + row * NF * H, j, products + row * (NK + NI) * H, ob);
         __syncthreads();  // ob complete; the other buffer is written next step while late threads read this one
+#if CELL_SPREAD
+        for (int e = j; e < CELL_CW; e += blockDim.x) {  // read column CLO + e, summed in the order of the loop below
+            REAL acc = REAL(0);
+            for (int r = 0; r < KH; ++r) acc += ob[r] * w[r * ws + e];
+            column[e] = acc;
+        }
+        __syncthreads();  // every column complete; rewritten next step only after the threads j < H passed ob's barrier
+#endif
         if (j < H) {
             REAL carry[M];
 #pragma unroll
             for (int q = 0; q < M; ++q) {
                 REAL acc = REAL(0);
                 if (q * H >= CLO && q * H < CHI) {
+#if CELL_SPREAD
+                    acc = column[q * H - CLO + j];
+#else
                     const REAL* wc = w + (q * H - CLO) + j;
                     for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * ws];
+#endif
                 }
                 if (M == 1 && diagonal != nullptr) acc += g[0] * diagonal[row * D + j];
                 carry[q] = acc;

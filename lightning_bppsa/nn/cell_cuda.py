@@ -50,10 +50,14 @@ __all__ = [
     "TARGET",
     "generate",
     "launch_config",
+    "weight_products",
 ]
 
 KERNELS = ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward", "bppsa_cell_cuda_cotangent")
 MAX_THREADS = 256  # CELL_MAX_THREADS in cell_loop_cuda.h: one thread per coordinate of a state tensor
+#: below this width the forward and the backward spread the products with the weights over the whole block
+#: (CELL_SPREAD in cell_loop_cuda.h): a warp of one coordinate per thread would leave most lanes idle
+SPREAD_BELOW = 32
 #: the cotangent kernel's grid-stride launch: threads per block and at most this many blocks
 COTANGENT_BLOCK, COTANGENT_GRID = 256, 4096
 _HEADERS = ("cuda_host_emulation.h", "cell_cuda_prologue.h", "cell_loop_cuda.h")
@@ -71,6 +75,11 @@ class CellSource:
     pieces: int  # NK
     read_columns: int  # CHI - CLO: the state columns the pieces' weights read (the staged rows)
     element_bytes: int
+
+    @property
+    def spread(self) -> bool:
+        """The kernels spread the products with the weights over the block (``CELL_SPREAD``)."""
+        return self.width < SPREAD_BELOW
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,7 @@ def _epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
         f"#define CELL_INPUT_POINTERS {pointers}",
         f"#define CELL_INPUT_STRIDES {strides}",
         f"#define CELL_INPUT_HOST_ARGS(base) {host}",
+        f"#define CELL_SPREAD {int(structure.width < SPREAD_BELOW)}",
         '#include "cell_loop_cuda.h"',
     ]
 
@@ -141,8 +151,13 @@ def launch_config(source: CellSource, kernel: str, batch: int, steps: int, share
     weights = source.read_columns * k * h * size
     block = 32 * math.ceil(h / 32)
     if kernel in ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward"):
-        # forward: two state buffers and the pieces; backward: two buffers of the pieces' products
-        buffers = (2 * m * h + k * h if kernel == "bppsa_cell_cuda_forward" else 2 * k * h) * size
+        forward = kernel == "bppsa_cell_cuda_forward"
+        # forward: two state buffers and the pieces; backward: two buffers of the pieces' products (spread: and
+        # the read columns' sums)
+        buffers = (2 * m * h + k * h if forward else 2 * k * h + source.read_columns * source.spread) * size
+        if source.spread:  # a thread per piece coordinate (forward) or read column (backward), up to the cap
+            spread = k * h if forward else source.read_columns
+            block = min(MAX_THREADS, max(block, 32 * math.ceil(spread / 32)))
         staged = buffers + weights <= shared_limit
         return Launch(kernel, batch, block, buffers + weights * staged, staged)
     if kernel == "bppsa_cell_cuda_cotangent":
@@ -150,6 +165,20 @@ def launch_config(source: CellSource, kernel: str, batch: int, steps: int, share
         block = min(COTANGENT_BLOCK, 32 * max(1, math.ceil(work / 32)))
         return Launch(kernel, max(1, min(COTANGENT_GRID, math.ceil(work / block))), block, 0)
     raise ValueError(f"no such kernel {kernel!r}; one of {KERNELS}")
+
+
+def weight_products(source: CellSource, launch: Launch) -> int:
+    """The multiply-adds with the pieces' weights that the busiest thread of ``launch`` (forward or backward) does
+    in one step: the pieces from the read state columns (forward), the read columns' sums over the pieces'
+    products (backward). The serial part of a step that the layout decides (cell_loop_cuda.h)."""
+    h, pieces, columns = source.width, source.pieces * source.width, source.read_columns
+    if launch.kernel not in ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward"):
+        raise ValueError(f"{launch.kernel} does no products with the weights")
+    forward = launch.kernel == "bppsa_cell_cuda_forward"
+    if source.spread:  # the block shares the piece coordinates (forward) or the read columns (backward)
+        return math.ceil((pieces if forward else columns) / launch.block) * (columns if forward else pieces)
+    # thread j: its coordinate of every piece (forward), of every read state (backward)
+    return source.pieces * columns if forward else (columns // h) * pieces
 
 
 class Backend(Protocol):
