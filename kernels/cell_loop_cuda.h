@@ -21,8 +21,9 @@
      read from global memory, through L1, where they do not fit the device's shared memory); the state lives
      in two shared buffers (step t reads one, writes the other: one barrier per step); thread j computes its
      pieces' coordinate (offsets + prev @ wc; CELL_SPREAD: every thread a share of all pieces' coordinates),
-     puts them in shared memory for the generated step (which indexes piece[k H + j]), runs the step (values, and with partials the scales, diagonal and input partials straight
-     to global memory) and copies its new coordinates to the states.
+     puts them in shared memory for the generated step (which indexes piece[k H + j]), runs the step (values,
+     and with partials the scales, diagonal and input partials straight to global memory) and copies its new
+     coordinates to the states.
    bppsa_cell_cuda_backward: the reverse linear sweep of the factored Jacobians fused with the products the
      parameter VJP needs, one block per batch row: thread j keeps g_t at its coordinates (M registers); per step
      it writes its products (g times the partials by every piece and input value, summed over the new states),
@@ -161,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(CELL_MAX_THREADS)
             for (int r = 0; r < KH; ++r) acc += ob[r] * w[r * ws + e];
             column[e] = acc;
         }
-        __syncthreads();  // every column complete; rewritten next step only after the threads j < H passed ob's barrier
+        __syncthreads();  // every column complete (rewritten only after the threads j < H took theirs)
 #endif
         if (j < H) {
             REAL carry[M];
