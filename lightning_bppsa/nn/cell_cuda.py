@@ -9,7 +9,9 @@ this module's :data:`TARGET`: device functions, one thread per coordinate instea
 
 - the forward loop (one block per batch row): the states and, with partials, the Jacobians' factors and the
   partials by the input part's values, in one pass (the input projection is one torch GEMM before it, as on
-  the CPU);
+  the CPU); below a warp's width (``H < 32``: :data:`SPREAD_BELOW`) the forward and the backward share their
+  products with the weights over a block of up to :data:`MAX_THREADS` threads (a state of widths (31, 33) is
+  64 blocks of width 1: one thread per coordinate left one thread doing a step's 64 x 64 multiply-adds);
 - the backward (one block per batch row): the reverse linear sweep of the factored Jacobians fused with the
   products the parameter VJP needs; the weights' GEMMs then run in torch (:meth:`CellKernel.vjp`);
 - the products alone, after a scan that ran elsewhere (``"blelloch"`` / ``"chunked"``).
