@@ -118,7 +118,7 @@ from device_runner import (
     write,
 )
 from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
-from host_path import HostWorkload, host_stage
+from host_path import HostWorkload, host_stage, python_profile
 
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -482,17 +482,33 @@ def overhead_stage(runner: Runner) -> list[list[str]]:
     """:func:`overhead_row` of every workload of ``shapes.overhead``, ``cuda-overhead.md`` rewritten after each."""
     workloads = runner.shapes.overhead
     done: list[list[str]] = []
+    profiles = ""
     for index, workload in enumerate(workloads):
         done.append(overhead_row(runner, workload, 0.9 * max(runner.left(), 0) / (len(workloads) - index)))
         print("overhead " + " | ".join(done[-1]), flush=True)
+        if index == 0 and runner.left() > 0:
+            profiles = _overhead_profiles(runner, workload)
         write(runner, "cuda-overhead.md", header(runner, 'What lightning_bppsa adds where "auto" keeps torch\'s layer') + (
             "Whole training step (as in `cuda-step.md`) of torch's module, of a second copy of it (the spread of two "
             f"runs of the same code) and of lightning_bppsa's (\"auto\"), median of {OVERHEAD_ROUNDS} interleaved "
             f"rounds after {WARMUP} warm-up steps, {runner.timer}. Where the plan is torch's layer (autograd), "
             "BPPSA - torch is what our module adds per step.\n\n"
-            f"Rows done: {len(done)} of {len(workloads)}.\n\n" + markdown_table(OVERHEAD_COLUMNS, done)
+            f"Rows done: {len(done)} of {len(workloads)}.\n\n" + markdown_table(OVERHEAD_COLUMNS, done) + profiles
         ))  # fmt: skip
     return done
+
+
+def _overhead_profiles(runner: Runner, workload: Workload) -> str:
+    """cProfile of the first workload's steps, torch's module and ours: where ours spends what it adds."""
+    cell, batch, length, inputs, hidden = workload
+    ref, ours, x = _pair(cell, inputs, hidden, batch, length, runner.device)
+    text = ""
+    for name, module in (("torch's module", ref), ('lightning_bppsa\'s ("auto")', ours)):
+        step = train_step(module, x)
+        for _ in range(WARMUP):
+            step()
+        text += f"\n## cProfile of {name}, {cell} B={batch} T={length}\n\n```\n{python_profile(step, runner.device)}```\n"
+    return text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ def _profile(fn: Callable[[], None]) -> tuple[float, float, str]:
     return len(kernels) / PROFILED_STEPS, busy / PROFILED_STEPS, table
 
 
-def _python_profile(fn: Callable[[], None], device: str) -> str:
+def python_profile(fn: Callable[[], None], device: str) -> str:
     """cProfile's 25 functions of most own time over :data:`BACK_TO_BACK` calls (the device not waited for)."""
     profiler = cProfile.Profile()
     profiler.enable()
@@ -184,7 +184,7 @@ def host_row(runner: Runner, workload: HostWorkload) -> tuple[list[list[str]], s
             title = f"{name}, {workload[0]} B={workload[1]} T={workload[2]} in={workload[3]} H={workload[4]}"
             details += f"\n## {title}\n\ntorch.profiler, {PROFILED_STEPS} steps:\n\n```\n{table}```\n"
             details += (
-                f"\ncProfile, {BACK_TO_BACK} steps:\n\n```\n{_python_profile(step, runner.device)}```\n"
+                f"\ncProfile, {BACK_TO_BACK} steps:\n\n```\n{python_profile(step, runner.device)}```\n"
             )
     return rows, details
 

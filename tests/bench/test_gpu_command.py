@@ -293,7 +293,9 @@ def test_the_chain_table_has_both_weights_and_says_which_path_ran(full_run: Path
 
 
 def test_the_overhead_table_compares_torch_with_itself_and_with_ours(full_run: Path) -> None:
-    rows = _table_rows(_read(full_run, "cuda-overhead.md"))
+    text = _read(full_run, "cuda-overhead.md")
+    assert "cProfile of torch's module" in text and "recurrent.py" in text.split("cProfile of lightning_bppsa")[1]
+    rows = _table_rows(text)
     assert [row[:5] for row in rows] == [[str(v) for v in w] for w in bench.TINY_SHAPES.overhead]
     for row in rows:
         torch_ms, again_ms, ours_ms, ours_us, again_us = map(float, row[5:10])
