@@ -183,9 +183,7 @@ def host_row(runner: Runner, workload: HostWorkload) -> tuple[list[list[str]], s
         if name.startswith("BPPSA"):
             title = f"{name}, {workload[0]} B={workload[1]} T={workload[2]} in={workload[3]} H={workload[4]}"
             details += f"\n## {title}\n\ntorch.profiler, {PROFILED_STEPS} steps:\n\n```\n{table}```\n"
-            details += (
-                f"\ncProfile, {BACK_TO_BACK} steps:\n\n```\n{python_profile(step, runner.device)}```\n"
-            )
+            details += f"\ncProfile, {BACK_TO_BACK} steps:\n\n```\n{python_profile(step, runner.device)}```\n"
     return rows, details
 
 
