@@ -90,14 +90,15 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NV
         for (int v = 0; v < NV; ++v) vec_store(out[r] + c0 + v * VL, acc[r][v]);
 }
 
-/* out[r] += x[r] @ w for R rows: w (n, nvec VL) zero-padded, out[r] nvec VL wide; the columns in tiles of at most
-   MV_VECS vectors, as even as they go (8 vectors: 4 + 4, not 6 + 2) */
+/* out[r] += x[r] @ w for R rows: w (n, nvec VL), rows ws apart, zero past the product's width; out[r] nvec VL
+   wide; the columns in tiles of at most MV_VECS vectors, as even as they go (8 vectors: 4 + 4, not 6 + 2) */
 static inline __attribute__((always_inline)) void product_rows(const int R, int64_t n, const REAL* const* x,
-                                                               const REAL* w, const int nvec, REAL* const* out) {
+                                                               const REAL* w, int64_t ws, const int nvec,
+                                                               REAL* const* out) {
     const int tiles = (nvec + MV_VECS - 1) / MV_VECS, per = tiles > 0 ? (nvec + tiles - 1) / tiles : 1;
     int v0 = 0;
-    for (; v0 + per <= nvec; v0 += per) tile(R, per, n, x, w, nvec * VL, out, v0 * VL);
-    if (v0 < nvec) tile(R, nvec - v0, n, x, w, nvec * VL, out, v0 * VL);
+    for (; v0 + per <= nvec; v0 += per) tile(R, per, n, x, w, ws, out, v0 * VL);
+    if (v0 < nvec) tile(R, nvec - v0, n, x, w, ws, out, v0 * VL);
 }
 
 /* count REAL aligned for vectors in a new block (free it with release), or NULL if there is no memory: malloc's,
@@ -119,17 +120,26 @@ static void release(REAL* p) {
     free(block);
 }
 
-/* rows (n, width) of src, row stride ld, as a new zero-padded (n, VECS(width) VL) copy (free it with release);
-   NULL if there is no memory */
-static REAL* padded_copy(const REAL* src, int64_t n, int64_t width, int64_t ld) {
+/* The rows (n, width) of w (row stride ld) as the products read them, in *rows with row stride *ws: w itself where
+   a row is whole vectors, else a zero-padded copy, also in *copy (release it; NULL where none was made).
+   Returns 0, or -1 where there is no memory for the copy. */
+static int weight_rows(const REAL* w, int64_t n, int64_t width, int64_t ld, const REAL** rows, int64_t* ws,
+                       REAL** copy) {
     const int64_t padded = VECS(width) * VL;
+    *copy = NULL;
+    *rows = w;
+    *ws = ld;
+    if (padded == width) return 0;
     REAL* out = aligned(n * padded);
-    if (!out) return NULL;
+    if (!out) return -1;
     for (int64_t i = 0; i < n; ++i) {
-        for (int64_t c = 0; c < width; ++c) out[i * padded + c] = src[i * ld + c];
+        for (int64_t c = 0; c < width; ++c) out[i * padded + c] = w[i * ld + c];
         for (int64_t c = width; c < padded; ++c) out[i * padded + c] = 0;
     }
-    return out;
+    *copy = out;
+    *rows = out;
+    *ws = padded;
+    return 0;
 }
 
 /* Ask for count REAL at p, into the cache level PREFETCH_LEVEL. */
@@ -150,9 +160,9 @@ static inline void thread_rows(int64_t batch, int64_t* lo, int64_t* hi) {
 }
 
 /* R rows' steps from row b0 (R a constant where inlined): their pieces (piece[r], FWD_VECS VL wide each) = the
-   offsets + prev @ wc (wp: wc's read rows, zero-padded), then their pointwise parts. */
+   offsets + prev @ wc (wp: wc's read rows, ws apart, as weight_rows gives them), then their pointwise parts. */
 static inline __attribute__((always_inline)) void forward_rows(const int R, int64_t b0, int64_t steps,
-                                                               const REAL* wp, const REAL* offsets,
+                                                               const REAL* wp, int64_t ws, const REAL* offsets,
                                                                const REAL* const* in, const int64_t* stride,
                                                                REAL* states, int partials, REAL* scales,
                                                                REAL* diagonal, REAL* fpart, REAL* const* piece) {
@@ -166,7 +176,7 @@ static inline __attribute__((always_inline)) void forward_rows(const int R, int6
                 else memset(piece[r], 0, KH * sizeof(REAL));
             }
         }
-        if (KH > 0) product_rows(R, CHI - CLO, prev, wp, FWD_VECS, piece);
+        if (KH > 0) product_rows(R, CHI - CLO, prev, wp, ws, FWD_VECS, piece);
         for (int r = 0; r < R; ++r) {
             const int64_t row = (b0 + r) * steps + t;
             const REAL* old = states + ((b0 + r) * (steps + 1) + t) * D;
@@ -186,8 +196,10 @@ static inline __attribute__((always_inline)) void forward_rows(const int R, int6
 int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc, const REAL* offsets,
                        const REAL* const* in, const int64_t* stride, REAL* states, int partials, REAL* scales,
                        REAL* diagonal, REAL* fpart) {
-    REAL* wp = KH > 0 ? padded_copy(wc + CLO * KH, CHI - CLO, KH, KH) : NULL;
-    if (KH > 0 && !wp) return -1;
+    const REAL* wp = NULL;
+    REAL* copy = NULL;
+    int64_t ws = 0;
+    if (KH > 0 && weight_rows(wc + CLO * KH, CHI - CLO, KH, KH, &wp, &ws, &copy) != 0) return -1;
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -206,15 +218,16 @@ int bppsa_cell_forward(int64_t batch, int64_t steps, int threads, const REAL* wc
         } else {
             int64_t b = lo;
             for (; b + MV_ROWS <= hi; b += MV_ROWS)
-                forward_rows(MV_ROWS, b, steps, wp, offsets, in, stride, states, partials, scales, diagonal, fpart,
+                forward_rows(MV_ROWS, b, steps, wp, ws, offsets, in, stride, states, partials, scales, diagonal, fpart,
                              piece);
             for (; b < hi; ++b)
-                forward_rows(1, b, steps, wp, offsets, in, stride, states, partials, scales, diagonal, fpart, piece);
+                forward_rows(1, b, steps, wp, ws, offsets, in, stride, states, partials, scales, diagonal, fpart,
+                             piece);
         }
         release(buffer);
         restore_denormals(saved);
     }
-    release(wp);
+    release(copy);
     return failed ? -1 : 0;
 }
 
@@ -254,11 +267,11 @@ int bppsa_cell_cotangent(int64_t batch, int64_t steps, int threads, const REAL* 
 }
 
 /* R rows' sweeps from row b0 (R a constant where inlined; bppsa_cell_backward says what they compute), each row's
-   two gradient rows in g[r], its carry in carry[r] (D wide) and its sums with the weights in sums[r] (BWD_VECS VL
-   wide): per step the rows' products, then the block's u @ wt at once (wp: wt's read columns, zero-padded), then
-   each row's direct terms. */
+   gradient in g[r] (D wide), its carry in carry[r] (D wide) and its sums with the weights in sums[r] (BWD_VECS VL
+   wide): per step the rows' products, then the block's u @ wt at once (wp: wt's read columns, ws apart, as
+   weight_rows gives them), then each row's direct terms. */
 static inline __attribute__((always_inline)) void backward_rows(
-    const int R, int64_t b0, int64_t steps, const REAL* wp, const REAL* scales, int64_t scale_width,
+    const int R, int64_t b0, int64_t steps, const REAL* wp, int64_t ws, const REAL* scales, int64_t scale_width,
     const REAL* diagonal, const REAL* fpart, const REAL* direct, int64_t direct_width, int64_t batch_stride,
     int64_t step_stride, const REAL* final, REAL* out, REAL* products, REAL* const* g, REAL* const* carry,
     REAL* const* sums) {
@@ -284,7 +297,7 @@ static inline __attribute__((always_inline)) void backward_rows(
             u[r] = o;
             if (KH > 0) memset(sums[r], 0, BWD_VECS * VL * sizeof(REAL));
         }
-        if (KH > 0) product_rows(R, KH, u, wp, BWD_VECS, sums);
+        if (KH > 0) product_rows(R, KH, u, wp, ws, BWD_VECS, sums);
         for (int r = 0; r < R; ++r) {
             const int64_t row = (b0 + r) * steps + t - 1;
             const REAL* s = scales + row * scale_width;
@@ -335,8 +348,10 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
                         int64_t scale_width, const REAL* diagonal, const REAL* fpart, const REAL* direct,
                         int64_t direct_width, int64_t batch_stride, int64_t step_stride, const REAL* final,
                         REAL* out, REAL* products) {
-    REAL* wp = KH > 0 ? padded_copy(wt + CLO, KH, CHI - CLO, D) : NULL;
-    if (KH > 0 && !wp) return -1;
+    const REAL* wp = NULL;
+    REAL* copy = NULL;
+    int64_t ws = 0;
+    if (KH > 0 && weight_rows(wt + CLO, KH, CHI - CLO, D, &wp, &ws, &copy) != 0) return -1;
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -360,15 +375,15 @@ int bppsa_cell_backward(int64_t batch, int64_t steps, int threads, const REAL* w
         } else {
             int64_t b = lo;
             for (; b + MV_ROWS <= hi; b += MV_ROWS)
-                backward_rows(MV_ROWS, b, steps, wp, scales, scale_width, diagonal, fpart, direct, direct_width,
+                backward_rows(MV_ROWS, b, steps, wp, ws, scales, scale_width, diagonal, fpart, direct, direct_width,
                               batch_stride, step_stride, final, out, products, g, carry, sums);
             for (; b < hi; ++b)
-                backward_rows(1, b, steps, wp, scales, scale_width, diagonal, fpart, direct, direct_width,
+                backward_rows(1, b, steps, wp, ws, scales, scale_width, diagonal, fpart, direct, direct_width,
                               batch_stride, step_stride, final, out, products, g, carry, sums);
         }
         release(buffer);
         restore_denormals(saved);
     }
-    release(wp);
+    release(copy);
     return failed ? -1 : 0;
 }

@@ -1,8 +1,9 @@
 """The compiled cell loop's blocks of batch rows (kernels/cell_loop.h): its products with the weights run on several
-rows at once (4 with AVX-512, else 2), the rows left over one at a time, in zero-padded vectors. Every batch size
-around a block (1, one short of it, one over, several blocks and a rest), split over one and two threads, with
-widths that need padding and products split into several column tiles, equals autograd through the cell's Python
-loop in float64, for a loss on every step's output and on the final state."""
+rows at once (4 with AVX-512, else 2), the rows left over one at a time, in vectors (weights zero-padded where a
+row is not whole vectors). Every batch size around a block (1, one short of it, one over, several blocks and a
+rest), split over one and two threads, with widths that need padding or not and products split into several
+column tiles, equals autograd through the cell's Python loop in float64, for a loss on every step's output and on
+the final state."""
 
 from __future__ import annotations
 
@@ -46,13 +47,16 @@ class LateRead(nn.Module):
         return c, torch.tanh(c) * torch.sigmoid(g)
 
 
-#: (cell, hidden): padded widths (5 of a pieces' or state's columns), the products of one state of two
-#: (HandLSTM reads h, its first; LateRead its second), none at all (IndRNN), blocks of a common divisor
-#: (CoprimeWidths) and products wider than one tile of columns (WideFirst at 40: 120 of them)
+#: (cell, hidden): padded widths (5 of a pieces' or state's columns: the loop's zero-padded weight copies), the
+#: products of one state of two (HandLSTM reads h, its first; LateRead its second; at 8 the weights are read in
+#: place, rows wider than the columns read), none at all (IndRNN), blocks of a common divisor (CoprimeWidths) and
+#: products wider than one tile of columns (WideFirst at 40: 120 of them)
 CASES = [
     (CORPUS.WideFirst, 5),
     (CORPUS.HandLSTM, 5),
     (LateRead, 5),
+    (CORPUS.HandLSTM, 8),
+    (LateRead, 8),
     (CORPUS.IndRNN, 5),
     (CORPUS.CoprimeWidths, 5),
     (CORPUS.WideFirst, 40),
