@@ -49,6 +49,18 @@ def test_first_call_measures_later_calls_read_the_cache(measuring):
     assert first.path == "autograd" and first.reason.startswith("measured: scan 2 ms vs torch 1 ms")
 
 
+@pytest.mark.parametrize(
+    "scan_ms, path",
+    [(0.97, "autograd"), (0.955, "autograd"), (0.95, "scan"), (0.5, "scan"), (1.0, "autograd"), (1.2, "autograd")],
+)
+def test_a_measured_scan_must_win_by_the_margin(measuring, scan_ms, path):
+    """Against torch's 1 ms, the scan is kept only where at least SCAN_MARGIN (5%) faster: a near-tie, within
+    one measurement's noise, keeps torch's layer."""
+    assert layer_plan.SCAN_MARGIN == 1.05
+    plan = plan_layer(SHAPE, lambda: (1.0e-3, 1.1e-3), Counter({"scan": scan_ms * 1e-3, "autograd": 1e-3}))
+    assert plan.path == path and plan.reason.startswith("measured: ")
+
+
 def test_sure_or_too_large_shapes_are_not_measured(measuring):
     measure = Counter({"scan": 1.0, "autograd": 0.0})
     sure = plan_layer(SHAPE, lambda: (1e-3, 5e-3), measure)  # 5x apart: the model decides
