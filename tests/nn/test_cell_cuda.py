@@ -71,18 +71,11 @@ def _structure(cell, batch, dtype=F64):
     ), torch.cat(states, -1)
 
 
-@pytest.mark.parametrize("staged", [True, False])
-@pytest.mark.parametrize("hidden", [5, 33])  # one warp, two warps per block
-@pytest.mark.parametrize("cell_type", CELLS)
-def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged):
-    """Forward (states, scales, diagonal, input partials), the fused sweep for each gradient form, and the
-    products after a scan: the CUDA kernels' results are the CPU loop's to float64 rounding, with the pieces'
-    weights staged in shared memory or (a device with room for the buffers only) read from global memory."""
-    torch.manual_seed(hidden)
-    cell = cell_type(3, hidden).to(F64)
-    batch, steps = 2, 4
-    structure, s0 = _structure(cell, batch)
-    source, *_ = generate(structure, F64)
+def assert_cuda_loop_equals_cpu_loop(cell, structure, s0, source, staged: bool, batch: int, steps: int):
+    """The emulated CUDA kernels of ``source`` against the CPU compiled loop, to float64 rounding: forward
+    (states, scales, diagonal, input partials; and without factors), the fused sweep for each gradient form
+    and the products after a scan, with the weights staged in shared memory or (a device with room for the
+    buffers only) read from global memory. Returns the emulated backend (its launches)."""
     buffers = max(launch_config(source, name, 1, 1, 0).shared_bytes for name in cell_cuda.KERNELS)
     backend = EmulatedBackend(shared_limit=H100_SHARED_BYTES if staged else buffers)
     ours, theirs = CudaCellKernel(structure, F64, CPU, backend), CellKernel(structure, F64)
@@ -108,6 +101,22 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged)
     without, none = ours.forward(cell_tensors(cell), x_flat, s0, batch, False)
     assert none is None
     close(without, states_c)
+    return backend
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("hidden", [5, 33])  # one warp, two warps per block
+@pytest.mark.parametrize("cell_type", CELLS)
+def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged):
+    """Forward (states, scales, diagonal, input partials), the fused sweep for each gradient form, and the
+    products after a scan: the CUDA kernels' results are the CPU loop's to float64 rounding, with the pieces'
+    weights staged in shared memory or (a device with room for the buffers only) read from global memory."""
+    torch.manual_seed(hidden)
+    cell = cell_type(3, hidden).to(F64)
+    batch, steps = 2, 4
+    structure, s0 = _structure(cell, batch)
+    source, *_ = generate(structure, F64)
+    backend = assert_cuda_loop_equals_cpu_loop(cell, structure, s0, source, staged, batch, steps)
     expected = [
         launch_config(source, name, batch, steps, backend.shared_limit(CPU)) for name in cell_cuda.KERNELS[:2]
     ]

@@ -20,8 +20,7 @@ from lightning_bppsa.kernels.cell_cuda_emulated import H100_SHARED_BYTES, Emulat
 
 from lightning_bppsa.nn import Recurrence, cell_cuda, recurrence
 from lightning_bppsa.nn.cell_cuda import CudaCellKernel, generate, launch_config, weight_products
-from lightning_bppsa.nn.cell_kernel import CellKernel
-from lightning_bppsa.nn.cell_structure import cell_tensors, trace_cell
+from lightning_bppsa.nn.cell_structure import trace_cell
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -35,15 +34,17 @@ pytestmark = [
 ]
 
 
-def _corpus():
-    path = Path(__file__).resolve().parent / "test_cell_corpus.py"
-    spec = importlib.util.spec_from_file_location("_test_cell_corpus_cases", path)
+def _sibling(name: str):
+    """A test module of this folder, loaded by path (tests are not a package)."""
+    path = Path(__file__).resolve().parent / name
+    spec = importlib.util.spec_from_file_location(f"_sibling_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-CORPUS = _corpus()
+CORPUS = _sibling("test_cell_corpus.py")
+CUDA_TESTS = _sibling("test_cell_cuda.py")  # its comparison of the emulated kernels with the CPU loop
 
 
 def _source(cell_type, hidden: int):
@@ -87,24 +88,7 @@ def test_narrow_blocks_equal_the_cpu_compiled_loop(monkeypatch, max_threads, sta
     monkeypatch.setattr(cell_cuda, "MAX_THREADS", max_threads)
     torch.manual_seed(5)
     cell, structure, s0, source = _source(CORPUS.CoprimeWidths, 32)
-    batch, steps = 2, 3
-    buffers = max(launch_config(source, name, 1, 1, 0).shared_bytes for name in (FORWARD, BACKWARD))
-    backend = EmulatedBackend(shared_limit=H100_SHARED_BYTES if staged else buffers)
-    ours, theirs = CudaCellKernel(structure, F64, CPU, backend), CellKernel(structure, F64)
-    x_flat = torch.randn(batch * steps, 3, dtype=F64)
-    states, factors = ours.forward(cell_tensors(cell), x_flat, s0, batch, True)
-    states_c, factors_c = theirs.forward(cell_tensors(cell), x_flat, s0, batch, True)
-    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # noqa: E731
-    close(states, states_c)
-    close(factors.scales, factors_c.scales)
-    per_step, final = torch.randn(batch, steps, 64, dtype=F64), torch.randn(batch, 64, dtype=F64)
-    for grads in ((per_step, final), (None, final), (per_step, None)):
-        g0, products = (t.clone() for t in ours.scan(factors, *grads))
-        g0_c, products_c = theirs.scan(factors_c, *grads)
-        close(g0, g0_c)
-        close(products, products_c)
-    grad = torch.randn(batch, steps + 1, 64, dtype=F64)
-    close(ours.products(factors, grad), theirs.products(factors_c, grad))
+    backend = CUDA_TESTS.assert_cuda_loop_equals_cpu_loop(cell, structure, s0, source, staged, batch=2, steps=3)
     launched = {(kernel, block) for kernel, _, block, _ in backend.launches if kernel in (FORWARD, BACKWARD)}
     assert launched == {(FORWARD, min(64, max_threads)), (BACKWARD, min(64, max_threads))}
 
