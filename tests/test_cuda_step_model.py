@@ -62,6 +62,17 @@ def test_the_model_picks_a_path_within_10_percent_of_the_faster_measured_on_ever
     assert all(pick == "torch" for (_, _, n), pick in picks.items() if n == 100)
 
 
+def test_the_h100_fitted_model_picks_within_10_percent_on_the_h200_grid_too():
+    """The same grid measured on an H200 (957acb0; not fitted on): at each of its 59 shapes with cuDNN's step and
+    a scan step measured, the model's pick costs within 10% of the faster measured path."""
+    rows = fit.decisions(fit.load(fit.RESULTS / "cuda-calib-h200.csv"))
+    assert len(rows) == 59
+    assert [(x.d, x.batch, x.n, round(x.cost, 2)) for x in rows if x.cost > fit.TOLERANCE] == []
+    assert {(x.d, x.batch) for x in rows if x.n == 10000 and x.picked == "scan"} >= {
+        (d, b) for d in (8, 20, 32) for b in (1, 16, 64, 256)
+    }
+
+
 def test_the_model_keeps_the_scan_where_it_measured_several_times_faster():
     # T = 10000, d = 8 / 20, B = 16: the scan measured 3.0-3.4x cuDNN's step
     common = dict(batch=16, n=10000)
