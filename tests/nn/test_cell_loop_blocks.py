@@ -15,7 +15,7 @@ import torch
 from lightning_bppsa.kernels import _native
 from torch import nn
 
-from lightning_bppsa.nn import Recurrence
+from lightning_bppsa.nn import Recurrence, cell_kernel
 
 F64 = torch.float64
 
@@ -93,3 +93,19 @@ def test_blocks_of_rows_equal_autograd_through_the_loop_in_float64(cell_type, hi
     theirs = [steps.detach(), *torch.autograd.grad(_losses(steps, steps[-1]), leaves)]
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("function", ["bppsa_cell_forward", "bppsa_cell_backward"])
+def test_a_loop_without_memory_for_its_scratch_raises_memory_error(monkeypatch, function):
+    """The loops return -1 where they cannot allocate their scratch (a thread's rows, padded weights): the call
+    raises, it does not go on with what they left unwritten."""
+    torch.manual_seed(0)
+    cell = CORPUS.WideFirst(3, 5).to(F64)
+    x = torch.randn(6, 3, 3, dtype=F64, requires_grad=True)
+    module = Recurrence(cell, algorithm="linear")
+    module(x)[0].sum().backward()  # traced, checked and built
+    assert module.last_stats["cell_kernel"], module.last_stats["cell_kernel_reason"]
+    for library in cell_kernel._LIBRARIES.values():
+        monkeypatch.setattr(library, function, lambda *args: -1)
+    with pytest.raises(MemoryError, match="scratch"):
+        module(x)[0].sum().backward()
