@@ -14,9 +14,9 @@ from lightning_bppsa.callbacks import GradientCheck
 from lightning_bppsa.callbacks.gradient_check import DEFAULT_KEY, SECONDS_KEY
 
 import lightning_bppsa.nn as bnn
+from lightning_bppsa import backends
 from lightning_bppsa.cli.report import read_scalars
 from lightning_bppsa.gradcheck import gradient_difference
-from lightning_bppsa.nn import _scan_layer
 from lightning_bppsa.nn._reference_backward import reference_backward, reference_backward_enabled
 
 
@@ -84,9 +84,9 @@ def _on_another_thread(function: Callable[..., Any]) -> Callable[..., Any]:
 def test_gradient_difference_reports_a_corrupted_scan_whose_backward_runs_on_another_thread(monkeypatch, corrupt):
     # every backward on a thread other than the one inside reference_backward(), as on a GPU: the reference
     # must still be autograd's (with a thread-local switch the corrupted scan was compared with itself: 0.0)
-    if corrupt:
-        scan = _scan_layer.recurrent_backward
-        monkeypatch.setattr(_scan_layer, "recurrent_backward", lambda *args: [2 * g for g in scan(*args)])
+    if corrupt:  # the layer's backward (eager: backends.backward; dispatched: the op, which calls it)
+        scan = backends.backward
+        monkeypatch.setattr(backends, "backward", lambda *args: [2 * g for g in scan(*args)])
     monkeypatch.setattr(torch.autograd, "grad", _on_another_thread(torch.autograd.grad))
     torch.manual_seed(0)
     rnn = bnn.RNN(2, 4, algorithm="linear", dtype=torch.float64)
