@@ -117,6 +117,18 @@ def interleaved(
     return {name: statistic(seconds) for name, seconds in times.items()}
 
 
+def train_step(module: torch.nn.Module, x: torch.Tensor, set_to_none: bool = True) -> Callable[[], None]:
+    """One whole training step of a recurrent module: zero the gradients (``set_to_none=False`` keeps their
+    buffers, as a CUDA graph capture needs), forward, loss = sum of the last output step, backward."""
+
+    def step() -> None:
+        module.zero_grad(set_to_none=set_to_none)
+        output, _ = module(x)
+        output[:, -1].sum().backward()
+
+    return step
+
+
 def ms_text(value: float | str, digits: int = 3) -> str:
     """Seconds as milliseconds, or the reason there is no figure."""
     return value if isinstance(value, str) else f"{value * 1e3:.{digits}f}"

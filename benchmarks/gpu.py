@@ -115,6 +115,7 @@ from device_runner import (
     markdown_table,
     ms_text,
     ratio_text,
+    train_step,
     write,
 )
 from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
@@ -267,17 +268,6 @@ def _pair(cell: str, inputs: int, hidden: int, batch: int, length: int, device: 
     ref = getattr(nn, cell)(inputs, hidden, batch_first=True).to(device)
     x = torch.randn(batch, length, inputs, device=device)
     return ref, _bppsa(ref, "auto"), (x > 0.5).float() if inputs == 1 else x
-
-
-def train_step(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    """One whole training step: zero the gradients, forward, loss = sum of the last output step, backward."""
-
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        output, _ = module(x)
-        output[:, -1].sum().backward()
-
-    return step
 
 
 def no_grad_forward(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:

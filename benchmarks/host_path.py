@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from device_runner import NO_CUDA, SKIPPED, Runner, header, markdown_table, ms_text, write
+from device_runner import NO_CUDA, SKIPPED, Runner, header, markdown_table, ms_text, train_step, write
 from torch import nn
 
 #: (cell, B, T, input, H, the algorithm forced on ours)
@@ -41,15 +41,6 @@ CALLS = 15
 #: steps queued back to back, one wait at the end
 BACK_TO_BACK = 20
 PROFILED_STEPS = 5
-
-
-def _step(module: nn.Module, x: torch.Tensor, set_to_none: bool = True) -> Callable[[], None]:
-    def step() -> None:
-        module.zero_grad(set_to_none=set_to_none)
-        output, _ = module(x)
-        output[:, -1].sum().backward()
-
-    return step
 
 
 def _sync(device: str) -> None:
@@ -84,7 +75,7 @@ def _back_to_back_seconds(fn: Callable[[], None], device: str) -> float:
 
 def _graphed_seconds(module: nn.Module, x: torch.Tensor) -> float | str:
     """Seconds per replay of the whole step captured in one CUDA graph, or why it could not be captured."""
-    step = _step(module, x, set_to_none=False)
+    step = train_step(module, x, set_to_none=False)
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -166,7 +157,7 @@ def host_row(runner: Runner, workload: HostWorkload) -> tuple[list[list[str]], s
     modules, x = _modules(workload, runner.device)
     rows, details = [], ""
     for name, module in modules.items():
-        step = _step(module, x)
+        step = train_step(module, x)
         for _ in range(3):
             step()  # warm-up: kernels compiled, plans made
         cuda = runner.device == "cuda"
