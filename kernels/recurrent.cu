@@ -350,6 +350,121 @@ __device__ void shared_forward(const Layer<T>& p) {
     }
 }
 
+// ---- the LSTM backward: the recursion over (h, c) with the gate gradients, fused -------------------------
+//
+// kernels/recurrent.py's lstm_backward on a GPU: one block per batch row, thread j < H owns unit j (as
+// family 2). From gh = grad_out[T-1] + grad_h, gc = grad_cn, step t = T-1 .. 0:
+//     tc = tanh(c_t), gc_tot = gc + gh o (1 - tc²)
+//     d = [gc_tot g i(1-i), gc_tot c_{t-1} f(1-f), gc_tot i (1-g²), gh tc o(1-o)]     -> d_gates[t]
+//     gh <- d W_hh + grad_out[t-1],  gc <- gc_tot f;   after step 0: gh0 = gh, gc0 = gc.
+// The scan's factored form of this Jacobian (k = 5 tiles of W5 (10 H, 2 H), d = 2 H > 32 already at H = 17)
+// runs the block sweep and then ~20 torch launches for its scales and the gate gradients: this kernel is
+// the same recursion with everything elementwise kept in registers, the only cross-thread step being the
+// product d W_hh. Its dependent path per step: the unit's gate gradients (a tanh, ~15 FMA), one shared
+// store, one barrier, then 4H FMAs against W_hh's column j (shared memory, w[r H + j] = W_hh[r][j]:
+// neighbouring threads read neighbouring words) with d read as broadcast 16-byte vectors. The unit's
+// operands of step t - 1 (gates, c_{t-2}, grad_out) are loaded at the start of step t, off that path.
+// d is double-buffered (step t writes buffer t & 1): one barrier per step suffices, as in family 2.
+// Shared memory: (8 H + 4 H²) elements (lstm_backward_shared_bytes in kernels/recurrent_cuda.py).
+
+template <class T>
+struct LstmBackward {
+    const T* __restrict__ gates;     // (B, T, 4H) activated [i, f, g, o]
+    const T* __restrict__ cells;     // (B, T, H) c_1..c_T
+    const T* __restrict__ c0;        // (B, H)
+    const T* __restrict__ w_hh;      // (4H, H)
+    const T* __restrict__ grad_out;  // (B, T, H) or null
+    const T* __restrict__ grad_h;    // (B, H) or null: h_T's own gradient
+    const T* __restrict__ grad_cn;   // (B, H) or null
+    T* __restrict__ d_gates;         // (B, T, 4H)
+    T* __restrict__ gh0;             // (B, H)
+    T* __restrict__ gc0;             // (B, H)
+    i64 batch, steps;
+    int hidden;
+};
+
+template <class T>
+__device__ void lstm_backward(const LstmBackward<T>& p) {
+    constexpr int V = Pack<T>::kWidth;
+    const int H = p.hidden, GH = 4 * H, j = threadIdx.x;
+    const bool active = j < H;
+    const i64 b = blockIdx.x, steps = p.steps;
+    const bool one_warp = blockDim.x <= 32;
+
+    BPPSA_DYNAMIC_SHARED(smem);
+    T* dg = reinterpret_cast<T*>(smem);  // two buffers of 4H gate gradients (4H is a multiple of V)
+    T* w = dg + 2 * GH;                   // W_hh, row-major as given
+    for (int e = threadIdx.x; e < GH * H; e += blockDim.x) w[e] = p.w_hh[e];  // once per launch
+
+    const i64 row = b * steps;  // row b, step 0
+    const T* gates_t = p.gates + (row + steps - 1) * GH + j;
+    const T* cells_t = p.cells + (row + steps - 1) * H + j;
+    const T* grad_t = p.grad_out ? p.grad_out + (row + steps - 1) * H + j : nullptr;
+    T* d_t = p.d_gates + (row + steps - 1) * GH + j;
+    // the unit's operands of the current step: gates, c_t, c_{t-1}, grad_out[t]
+    T in = T(0), forget = T(0), cand = T(0), og = T(0), c = T(0), c_prev = T(0), direct = T(0);
+    T gh = T(0), gc = T(0);
+    if (active) {
+        in = gates_t[0], forget = gates_t[H], cand = gates_t[2 * H], og = gates_t[3 * H];
+        c = cells_t[0];
+        c_prev = steps > 1 ? cells_t[-H] : p.c0[b * H + j];
+        direct = grad_t ? grad_t[0] : T(0);
+        if (p.grad_h) direct += p.grad_h[b * H + j];
+        gc = p.grad_cn ? p.grad_cn[b * H + j] : T(0);
+    }
+    __syncthreads();  // W_hh staged
+
+    const T* w_own = w + j;
+    for (i64 t = steps - 1; t >= 0; --t) {
+        T* d_shared = dg + (t & 1) * GH;
+        if (active) {
+            gh += direct;
+            const T tc = bppsa_rec::tanh_of(c);
+            const T gc_tot = gc + gh * og * (T(1) - tc * tc);
+            const T d_i = gc_tot * cand * in * (T(1) - in);
+            const T d_f = gc_tot * c_prev * forget * (T(1) - forget);
+            const T d_g = gc_tot * in * (T(1) - cand * cand);
+            const T d_o = gh * tc * og * (T(1) - og);
+            d_shared[j] = d_i, d_shared[H + j] = d_f, d_shared[2 * H + j] = d_g, d_shared[3 * H + j] = d_o;
+            d_t[0] = d_i, d_t[H] = d_f, d_t[2 * H] = d_g, d_t[3 * H] = d_o;
+            gc = gc_tot * forget;
+            if (t > 0) {  // step t - 1's operands, loaded while the block meets at the barrier
+                gates_t -= GH, cells_t -= H;
+                in = gates_t[0], forget = gates_t[H], cand = gates_t[2 * H], og = gates_t[3 * H];
+                c = c_prev;
+                c_prev = t > 1 ? cells_t[-H] : p.c0[b * H + j];
+                if (grad_t) grad_t -= H;
+                direct = grad_t ? grad_t[0] : T(0);
+            }
+            d_t -= GH;
+        }
+        // d_shared is complete; nobody reads the other buffer (step t + 1's) any more
+        if (one_warp)
+            bppsa_rec::warp_barrier();
+        else
+            __syncthreads();
+        if (active) {
+            T acc[V];
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[v] = T(0);
+            const Pack<T>* d_packs = reinterpret_cast<const Pack<T>*>(d_shared);
+            for (int rc = 0; rc < GH / V; ++rc) {
+                const Pack<T> dv = d_packs[rc];  // one broadcast 16-byte read
+#pragma unroll
+                for (int v = 0; v < V; ++v) acc[v] += dv.v[v] * w_own[(rc * V + v) * H];
+            }
+            T sum = acc[0];
+#pragma unroll
+            for (int v = 1; v < V; ++v) sum += acc[v];
+            gh = sum;
+        }
+    }
+    if (active) {
+        p.gh0[b * H + j] = gh;
+        p.gc0[b * H + j] = gc;
+    }
+}
+
 }  // namespace
 
 #define BPPSA_REC_PARAMS(T)                                                                                 \
@@ -387,6 +502,23 @@ __device__ void shared_forward(const Layer<T>& p) {
     BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX)          \
     BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX)
 
+// the LSTM backward (in the default module)
+#define BPPSA_LSTM_BWD_PARAMS(T)                                                                            \
+    (const T* __restrict__ gates, const T* __restrict__ cells, const T* __restrict__ c0,                    \
+     const T* __restrict__ w_hh, const T* __restrict__ grad_out, const T* __restrict__ grad_h,              \
+     const T* __restrict__ grad_cn, T* __restrict__ d_gates, T* __restrict__ gh0, T* __restrict__ gc0,     \
+     i64 batch, i64 steps, i64 hidden)
+#define BPPSA_LSTM_BWD_HOST_ARGS(T)                                                                         \
+    ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (const T*)a[4], (const T*)a[5],        \
+     (const T*)a[6], (T*)a[7], (T*)a[8], (T*)a[9], (i64)a[10], (i64)a[11], (i64)a[12])
+#define BPPSA_LSTM_BWD_KERNEL(T, SUFFIX)                                                                    \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_lstm_backward_##SUFFIX               \
+        BPPSA_LSTM_BWD_PARAMS(T) {                                                                          \
+        lstm_backward<T>(LstmBackward<T>{gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, d_gates, gh0,  \
+                                         gc0, batch, steps, (int)hidden});                                  \
+    }                                                                                                       \
+    BPPSA_ENTRY(bppsa_lstm_backward_##SUFFIX, BPPSA_LSTM_BWD_PARAMS(T), BPPSA_LSTM_BWD_HOST_ARGS(T))
+
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
 #ifdef BPPSA_REC_HIDDEN
@@ -394,6 +526,8 @@ BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
 #else
 BPPSA_REC_KERNELS(float, f32)
 BPPSA_REC_KERNELS(double, f64)
+BPPSA_LSTM_BWD_KERNEL(float, f32)
+BPPSA_LSTM_BWD_KERNEL(double, f64)
 #ifdef BPPSA_REC_HIDDEN_LIST
 BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
 #endif

@@ -10,6 +10,10 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
   exactly the factors of ``FactoredJacobians(w_hh, scales, z)`` (``jacobians/recurrent.gru_jacobians``).
 - :func:`lstm_forward` ``(gi (B,T,4H), w_hh (4H,H), h0, c0) -> (out, cells (B,T,H), gates (B,T,4H))``, the
   cells ``c_1..c_T`` and the activated gates ``[i, f, g, o]``.
+- :func:`lstm_backward` ``(gates, cells, c0, w_hh, grad_out, grad_cn, grad_h=) -> (d_gates (B,T,4H), gh0, gc0)``:
+  the LSTM's backward recursion over ``(h, c)`` with its gate gradients in one launch (the CPU kernels'
+  :func:`lightning_bppsa.kernels.recurrent.lstm_backward`, without the parameter sums); :func:`backward_refusal`
+  says where it cannot launch (the layer's scan then runs the factored Jacobians).
 
 Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>``: one
 module per ``H``, compiled on the first launch of that ``H`` with ``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in
@@ -60,8 +64,10 @@ __all__ = [
     "Launch",
     "RING_DEPTH",
     "available",
+    "backward_refusal",
     "forward",
     "gru_forward",
+    "lstm_backward",
     "lstm_forward",
     "module_options",
     "prepare",
@@ -76,7 +82,11 @@ CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
 #: factor outputs per cell kind, as multiples of ``H`` in the last dimension
 _FACTORS = {"rnn_tanh": (), "rnn_relu": (), "gru": (3, 1, 1), "lstm": (1, 4)}
 #: the kernels of the module :func:`available` compiles: W_hh in shared memory, any H that fits
-KERNELS = tuple(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64"))
+KERNELS = (
+    *(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64")),
+    "bppsa_lstm_backward_f32",
+    "bppsa_lstm_backward_f64",
+)
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
 FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp)
 #: steps of gi the H <= 32 kernels stage ahead in shared memory (BPPSA_REC_RING; a lead of RING_DEPTH - 2
@@ -95,7 +105,7 @@ class Launch:
     grid: int  # blocks: one per batch row
     block: int  # threads: H rounded up to a whole warp
     shared_bytes: int  # dynamic shared memory per block
-    args: tuple[int, ...]  # the 12 argument words of BPPSA_REC_PARAMS (pointers as addresses)
+    args: tuple[int, ...]  # the kernel's argument words (pointers as addresses)
     # the tensors behind the pointers (contiguous copies included): alive until the launch is queued
     buffers: tuple[Tensor, ...] = field(default=(), repr=False, compare=False)
     #: the -D options of the kernel's module (NVRTC's and the host emulation's g++'s): () for :data:`KERNELS`
@@ -138,16 +148,38 @@ def refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> st
     if cell not in CELLS:
         raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
     if dtype not in _SUFFIX:
-        return f"dtype {dtype} (the CUDA forward kernels take float32 / float64)"
+        return _limits("forward", hidden, dtype, shared_limit, 0)
+    return _limits("forward", hidden, dtype, shared_limit, shared_bytes(cell, hidden, torch.finfo(dtype).bits // 8))
+
+
+@functools.lru_cache(maxsize=256)
+def backward_refusal(hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+    """As :func:`refusal`, for :func:`lstm_backward` (its block stages ``W_hh`` and two rows of gate gradients:
+    :func:`lstm_backward_shared_bytes`)."""
+    if dtype not in _SUFFIX:
+        return _limits("LSTM backward", hidden, dtype, shared_limit, 0)
+    return _limits("LSTM backward", hidden, dtype, shared_limit,
+                   lstm_backward_shared_bytes(hidden, torch.finfo(dtype).bits // 8))  # fmt: skip
+
+
+def _limits(kernel: str, hidden: int, dtype: torch.dtype, shared_limit: int, needed: int) -> str | None:
+    """Why the CUDA ``kernel`` (one thread per hidden unit, ``needed`` bytes of shared memory) cannot launch."""
+    if dtype not in _SUFFIX:
+        return f"dtype {dtype} (the CUDA {kernel} kernels take float32 / float64)"
     if hidden > MAX_THREADS:
-        return f"the CUDA forward kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
-    needed = shared_bytes(cell, hidden, torch.finfo(dtype).bits // 8)
+        return f"the CUDA {kernel} kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
     if needed > shared_limit:
         return (
-            f"the CUDA forward kernel of H={hidden} needs {needed} B of shared memory per block, "
+            f"the CUDA {kernel} kernel of H={hidden} needs {needed} B of shared memory per block, "
             f"the device has {shared_limit} B"
         )
     return None
+
+
+def lstm_backward_shared_bytes(hidden: int, element_bytes: int) -> int:
+    """Dynamic shared memory of an :func:`lstm_backward` block: ``W_hh`` and two buffers of ``4H`` gate
+    gradients."""
+    return (4 * hidden * hidden + 8 * hidden) * element_bytes
 
 
 def _check_shapes(
@@ -259,6 +291,63 @@ def forward(
     return outputs
 
 
+def prepare_lstm_backward(
+    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
+    grad_cn: Tensor | None, *, device_type: str, shared_limit: int,
+) -> tuple[Launch | None, tuple[Tensor, Tensor, Tensor]] | None:  # fmt: skip
+    """As :func:`prepare`, for :func:`lstm_backward`: ``(launch, (d_gates, gh0, gc0))`` (outputs empty, filled
+    by the launch; ``launch = None`` where ``B``, ``T`` or ``H`` is 0), ``None`` where the kernel cannot run.
+    Raises ``ValueError`` on a malformed shape."""
+    if gates.dim() != 3 or gates.shape[2] % 4:
+        raise ValueError(f"gates must be (B, T, 4H); got {tuple(gates.shape)}")
+    batch, steps, hidden = gates.shape[0], gates.shape[1], gates.shape[2] // 4
+    expected = {"cells": (batch, steps, hidden), "c0": (batch, hidden), "w_hh": (4 * hidden, hidden),
+                "grad_out": (batch, steps, hidden), "grad_h": (batch, hidden), "grad_cn": (batch, hidden)}  # fmt: skip
+    given = {"cells": cells, "c0": c0, "w_hh": w_hh, "grad_out": grad_out, "grad_h": grad_h, "grad_cn": grad_cn}
+    for name, tensor in given.items():
+        if tensor is not None and tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{name} must be {expected[name]}; got {tuple(tensor.shape)}")
+    tensors = [t for t in (gates, *given.values()) if t is not None]
+    if any(t.dtype != gates.dtype or t.device.type != device_type or t.device != gates.device for t in tensors):
+        return None
+    if backward_refusal(hidden, gates.dtype, shared_limit) is not None:
+        return None
+    outputs = (gates.new_empty(batch, steps, 4 * hidden), gates.new_empty(batch, hidden),
+               gates.new_empty(batch, hidden))  # fmt: skip
+    if batch == 0 or steps == 0 or hidden == 0:
+        # no step: the initial state is the last one, its gradients the ones given for that
+        for given_grad, result in ((grad_h, outputs[1]), (grad_cn, outputs[2])):
+            result.zero_() if given_grad is None else result.copy_(given_grad)
+        return None, outputs
+    inputs = [None if t is None else t.contiguous() for t in (gates, cells, c0, w_hh, grad_out, grad_h, grad_cn)]
+    launch = Launch(
+        kernel=f"bppsa_lstm_backward_{_SUFFIX[gates.dtype]}",
+        grid=batch,
+        block=32 * math.ceil(hidden / 32),
+        shared_bytes=lstm_backward_shared_bytes(hidden, gates.element_size()),
+        args=(*(0 if t is None else t.data_ptr() for t in inputs), *(t.data_ptr() for t in outputs), batch,
+              steps, hidden),  # fmt: skip
+        buffers=(*(t for t in inputs if t is not None), *outputs),
+    )
+    return launch, outputs
+
+
+def backward(
+    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
+    grad_cn: Tensor | None, *, launcher: Launcher, device_type: str, shared_limit: int,
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """:func:`prepare_lstm_backward`, then ``launcher(launch, device)``; shared by the CUDA path and the host
+    emulation."""
+    prepared = prepare_lstm_backward(gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, device_type=device_type,
+                                     shared_limit=shared_limit)  # fmt: skip
+    if prepared is None:
+        return None
+    launch, outputs = prepared
+    if launch is not None:
+        launcher(launch, gates.device)
+    return outputs
+
+
 # --------------------------------------------------------------------------------------------------
 # CuPy (through the package's one loader, :mod:`.cupy_loader`): availability, the kernels, the launch.
 # --------------------------------------------------------------------------------------------------
@@ -365,3 +454,20 @@ def gru_forward(
 def lstm_forward(gi: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """LSTM layer on CUDA: ``(out, cells (B,T,H), gates (B,T,4H))``; ``None`` where the kernel cannot run."""
     return _forward_cuda("lstm", gi, w_hh, None, h0, c0)
+
+
+def lstm_backward(
+    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_cn: Tensor | None,
+    sums: object = None, keep_gate_grads: bool = True, grad_h: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """LSTM backward on CUDA: ``(d_gates (B,T,4H), gh0 (B,H), gc0 (B,H))``, the arguments of the CPU kernels'
+    :func:`lightning_bppsa.kernels.recurrent.lstm_backward` (``sums`` must be ``None``: the parameter
+    gradients are the caller's GEMMs; ``keep_gate_grads`` is moot: ``d_gates`` is always returned);
+    ``None`` where the kernel cannot run."""
+    if sums is not None:
+        raise ValueError("the CUDA LSTM backward does not sum the parameter gradients: pass sums=None")
+    if gates.device.type != "cuda" or not available()[0]:
+        return None
+    index = gates.device.index if gates.device.index is not None else torch.cuda.current_device()
+    return backward(gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, launcher=_launch_cuda, device_type="cuda",
+                    shared_limit=cupy_loader.shared_limit(index))  # fmt: skip

@@ -19,7 +19,7 @@ from lightning_bppsa.kernels.emulated import LAUNCH_ARGTYPES, LaunchTimeout
 from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES, Launch
 from torch import Tensor
 
-__all__ = ["build_arguments", "gru_forward", "library", "lstm_forward", "rnn_forward"]
+__all__ = ["build_arguments", "gru_forward", "library", "lstm_backward", "lstm_forward", "rnn_forward"]
 
 _TIMEOUT, _ERROR = 1, 2  # BPPSA_EMU_TIMEOUT / BPPSA_EMU_ERROR in cuda_host_emulation.h
 
@@ -130,3 +130,27 @@ def lstm_forward(
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """:func:`lightning_bppsa.kernels.recurrent_cuda.lstm_forward` on CPU tensors."""
     return _forward("lstm", gi, w_hh, None, h0, c0, shared_limit, resident, timeout)
+
+
+def lstm_backward(
+    gates: Tensor,
+    cells: Tensor,
+    c0: Tensor,
+    w_hh: Tensor,
+    grad_out: Tensor | None,
+    grad_cn: Tensor | None,
+    sums: object = None,
+    keep_gate_grads: bool = True,
+    grad_h: Tensor | None = None,
+    *,
+    shared_limit: int = SM80_OPTIN_SHARED_BYTES,
+    resident: int | None = None,
+    timeout: float = 60.0,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.lstm_backward` on CPU tensors."""
+    if sums is not None:
+        raise ValueError("the CUDA LSTM backward does not sum the parameter gradients: pass sums=None")
+    return recurrent_cuda.backward(
+        gates, cells, c0, w_hh, grad_out, grad_h, grad_cn,
+        launcher=_launcher(resident, timeout), device_type="cpu", shared_limit=shared_limit,
+    )  # fmt: skip

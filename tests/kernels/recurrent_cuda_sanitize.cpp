@@ -2,8 +2,9 @@
 // tests/kernels/test_recurrent_cuda_emulated.py under AddressSanitizer + UBSan (every global buffer is an
 // exact-size heap block: an out-of-bounds access aborts) and under ThreadSanitizer (a missing barrier
 // between the state buffers' writes and reads is a data race; so is a gi-ring copy landing in a slot another
-// lane still reads). Exit status: 0 when every launch finished. The per-H float32 kernels are compiled for
-// a few H beside the shared-memory ones, with a ring of 3 slots so that 7 steps wrap it twice.
+// lane still reads; so is the LSTM backward reading a gate-gradient buffer the next step writes). Exit
+// status: 0 when every launch finished. The per-H float32 kernels are compiled for a few H beside the
+// shared-memory ones, with a ring of 3 slots so that 7 steps wrap it twice.
 #define BPPSA_REC_RING 3
 #define BPPSA_REC_HIDDEN_LIST(X) X(1) X(7) X(32)
 #include "recurrent.cu"
@@ -42,6 +43,25 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
     return status;
 }
 
+// One launch of the LSTM backward; `given`: grad_out, grad_h and grad_cn given (else null).
+template <class T>
+int launch_backward(void (*entry)(const uint64_t*), bool given, long batch, long steps, long hidden) {
+    std::vector<void*> owned;
+    const long bt = batch * steps;
+    const uint64_t args[13] = {
+        (uint64_t)filled<T>(owned, bt * 4 * hidden), (uint64_t)filled<T>(owned, bt * hidden),
+        (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)filled<T>(owned, 4 * hidden * hidden),
+        (uint64_t)(given ? filled<T>(owned, bt * hidden) : nullptr),
+        (uint64_t)(given ? filled<T>(owned, batch * hidden) : nullptr),
+        (uint64_t)(given ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, bt * 4 * hidden),
+        (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)batch,
+        (uint64_t)steps, (uint64_t)hidden};
+    const size_t shared = (4 * hidden * hidden + 8 * hidden) * sizeof(T);  // as recurrent_cuda.py
+    const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
+    for (void* p : owned) std::free(p);
+    return status;
+}
+
 }  // namespace
 
 int main() {
@@ -53,6 +73,8 @@ int main() {
         status |= launch<double>(bppsa_gru_forward_f64_host, 3, {3, 1, 1}, false, false, 1, 4, hidden);
         status |= launch<float>(bppsa_lstm_forward_f32_host, 4, {1, 4}, true, false, 2, 3, hidden);
         status |= launch<double>(bppsa_lstm_forward_f64_host, 4, {1, 4}, true, false, 1, 4, hidden);
+        status |= launch_backward<float>(bppsa_lstm_backward_f32_host, true, 2, 3, hidden);
+        status |= launch_backward<double>(bppsa_lstm_backward_f64_host, false, 1, 4, hidden);
     }
     // the per-H kernels: W_hh in registers, shared memory = state buffers + the gi ring
     for (long steps : {2L, 7L}) {
