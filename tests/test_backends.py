@@ -303,3 +303,70 @@ def test_dispatched_ops_plan_at_run_time_as_the_eager_layer_does(monkeypatch):
     assert [launch.kernel for launch in launched] == ["bppsa_rnn_tanh_forward_f64"]
     for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+@needs_gxx
+@pytest.mark.parametrize("given", ["all", "out only"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_fused_lstm_backward_equals_the_torch_backend_and_autograd(bias, given):
+    """The fused LSTM backward kernel (emulated) as a call's backward: the same gradients as the torch
+    backend's factored scan and as autograd, in float64."""
+    cell = CELLS["lstm"]
+    x, h0, c0, weights = layer_inputs(cell, bias=bias, steps=6, seed=5)
+    cuda = emulated_cuda()
+    out, factors = split(cell, cuda.forward(cell, x, h0, c0, weights))
+    grads = upstream(cell, out)
+    if given == "out only":
+        grads = (grads[0], None, None)
+    fused_call = LayerCall(cuda, cuda.fused, plan.Plan("cuda", "linear", 1, "test"))
+    actual = backends.backward(cell, "linear", fused_call, x, h0, c0, weights, out, factors, *grads)
+    torch_call = LayerCall(TORCH, TORCH, plan.Plan("torch", "linear", 1, "test"))
+    expected = backends.backward(cell, "linear", torch_call, x, h0, c0, weights, out, factors, *grads)
+    assert_all_close(actual, expected)
+    zero = torch.zeros_like(h0)
+    full = (grads[0], zero if grads[1] is None else grads[1], zero if grads[2] is None else grads[2])
+    assert_all_close(actual, autograd_reference(cell, x, h0, c0, weights, *full))
+
+
+@needs_gxx
+def test_an_lstms_linear_cuda_call_plans_the_fused_backward_only_where_its_block_fits(monkeypatch):
+    """Planned in the forward: the fused kernel where it fits (said in the plan), else the factored scan on the
+    CUDA scan kernels (a device whose shared memory holds the forward kernel's block but not the backward's:
+    the backward needs 4 H² + 8 H elements, the forward (4 H + 2) x H at H = 4 in float64)."""
+    monkeypatch.setattr(plan, "choose", lambda algorithm, **shape: plan.Plan("cuda", "linear", 1, "stand-in"))
+    cell = CELLS["lstm"]
+    x, h0, c0, weights = layer_inputs(cell)
+    forward_bytes = recurrent_cuda.shared_bytes("lstm", 4, 8)
+    assert forward_bytes < recurrent_cuda.lstm_backward_shared_bytes(4, 8)
+    for limit, fused in ((SM80_OPTIN_SHARED_BYTES, True), (forward_bytes, False)):
+        monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cpu": emulated_cuda(limit)})
+        call = backends.plan_call(cell, "linear", x, h0, c0, weights)
+        assert isinstance(call.forward, CudaBackend)
+        assert isinstance(call.backward, backends.FusedLstmBackward) == fused, (limit, call)
+        assert str(call).endswith(", fused LSTM backward kernel") == fused
+    gru = CELLS["gru"]
+    x, h0, _, weights = layer_inputs(gru)
+    assert isinstance(backends.plan_call(gru, "linear", x, h0, None, weights).backward, CudaBackend)
+
+
+@pytest.mark.parametrize(("batch", "steps", "expected"), [(16, 1034, "linear"), (1, 10000, "chunked")])
+def test_auto_plans_an_lstms_fused_backward_where_the_model_prices_it_below_the_chunked_scan(
+    monkeypatch, batch, steps, expected
+):
+    """``auto`` on CUDA: the scan model's chunked plan for an LSTM (d = 2 H) is compared with the fused
+    kernel's modelled sweep (B = 16 T = 1034 H = 20: ~0.5 ms vs ~3.4 ms; B = 1 T = 10000: the chunked scan
+    is priced lower); a GRU's plan is the scan model's, untouched."""
+    chunked = plan.Plan("cuda", "chunked", 32, "stand-in chunked")
+    monkeypatch.setattr(
+        plan,
+        "choose",
+        lambda algorithm, **shape: plan.Plan("cuda", "linear", 1, "stand-in") if algorithm == "linear" else chunked,
+    )
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cuda": emulated_cuda(device_type="cuda")})
+    shape = dict(batch=batch, n=steps, hidden=20, device="cuda", dtype=torch.float32)
+    chosen = backends.scan_plan(CELLS["lstm"], "auto", **shape)
+    assert chosen.algorithm == expected, chosen
+    if expected == "linear":
+        assert chosen.reason.startswith("the fused LSTM backward kernel, modelled"), chosen.reason
+    assert backends.scan_plan(CELLS["gru"], "auto", **shape) is chunked
+    assert backends.scan_plan(CELLS["lstm"], "chunked", **shape) is chunked  # asked for: kept

@@ -46,7 +46,7 @@ def _autograd(p: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, 
     hidden = p["w_hh"].shape[1]
     leaves = [p[k].to(dtype).requires_grad_() for k in ("gi", "h0", "c0")]
     gi, h0, c0 = leaves
-    eye = torch.eye(4 * hidden, dtype=dtype)
+    eye = torch.eye(4 * hidden, dtype=dtype, device=p["gi"].device)
     out, h_n, c_n = torch._VF.lstm(gi, (h0[None], c0[None]), [eye, p["w_hh"].to(dtype)], False, 1, 0.0, False,
                                    False, True)  # fmt: skip
     loss = (h_n[0] * _given(p, "grad_h", dtype)).sum()
