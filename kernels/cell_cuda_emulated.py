@@ -50,11 +50,11 @@ class EmulatedBackend:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(source.text)
             tmp.replace(path)
-        from lightning_bppsa.nn.cell_cuda import KERNELS
+        from lightning_bppsa.nn.cell_cuda import ENTRIES
 
         library = load_library(
             f"bppsa_cell_cuda_emulated_{source.digest}", [str(path)], ["g++", "-std=c++20", "-pthread", "-x", "c++"],
-            flag_sets=[["-O1"]], symbols=["bppsa_emu_launch", *(f"{k}_host" for k in KERNELS)],
+            flag_sets=[["-O1"]], symbols=["bppsa_emu_launch", *(f"{k}_host" for k in ENTRIES)],
         )  # fmt: skip
         library.bppsa_emu_launch.restype = ctypes.c_int
         library.bppsa_emu_launch.argtypes = LAUNCH_ARGTYPES
@@ -64,7 +64,7 @@ class EmulatedBackend:
     def launch(self, source, launch, args: list[int], device: torch.device) -> None:
         library = self.load(source, device)  # built once per source
         words = (ctypes.c_uint64 * len(args))(*args)
-        entry = ctypes.cast(getattr(library, f"{launch.kernel}_host"), ctypes.c_void_p)
+        entry = ctypes.cast(getattr(library, f"{launch.entry}_host"), ctypes.c_void_p)
         self.launches.append((launch.kernel, launch.grid, launch.block, launch.shared_bytes))
         status = library.bppsa_emu_launch(
             entry,

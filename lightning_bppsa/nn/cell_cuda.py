@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +48,7 @@ __all__ = [
     "CellSource",
     "CudaCellKernel",
     "CupyBackend",
+    "ENTRIES",
     "Launch",
     "KERNELS",
     "TARGET",
@@ -56,6 +58,9 @@ __all__ = [
 ]
 
 KERNELS = ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward", "bppsa_cell_cuda_cotangent")
+#: the compiled entry points: the forward and the backward once with the weights staged in shared memory (their
+#: reads compiled as shared-memory loads) and once (``_global``) reading them from global memory
+ENTRIES = (*KERNELS[:2], *(f"{k}_global" for k in KERNELS[:2]), KERNELS[2])
 MAX_THREADS = 256  # CELL_MAX_THREADS in cell_loop_cuda.h: one thread per coordinate of a state tensor
 #: below this width the forward and the backward spread the products with the weights over the whole block
 #: (CELL_SPREAD in cell_loop_cuda.h): a warp of one coordinate per thread would leave most lanes idle
@@ -77,6 +82,11 @@ class CellSource:
     pieces: int  # NK
     read_columns: int  # CHI - CLO: the state columns the pieces' weights read (the staged rows)
     element_bytes: int
+    # CELL_SPREAD (else 0): the items a step's pointwise part is shared out as (forward without and with the
+    # partials; the backward's products; its new states' gradient is D items, one per state coordinate)
+    value_items: int = 0
+    partial_items: int = 0
+    product_items: int = 0
 
     @property
     def spread(self) -> bool:
@@ -94,25 +104,248 @@ class Launch:
     shared_bytes: int  # dynamic shared memory per block
     staged: bool = False  # the pieces' weights staged in shared memory (forward, backward)
 
+    @property
+    def entry(self) -> str:
+        """The compiled entry point that runs it (:data:`ENTRIES`)."""
+        return self.kernel if self.staged or self.kernel == KERNELS[2] else f"{self.kernel}_global"
+
 
 def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, list, cell_kernel._Layout]:
     """The CUDA source of ``structure``'s loop in ``dtype``, the input-part values it reads, in order, and the
     partials it keeps (the C generator's :class:`~lightning_bppsa.nn.cell_kernel._Input` list and ``_Layout``);
     :class:`Unsupported` where the generator does not compile the graph."""
     text, inputs, layout = cell_kernel._generated(structure, dtype, TARGET)
+    read = [q for piece in structure.pieces for q, _ in piece.reads]
+    h = structure.width
+    counts = (0, 0, 0)
+    if h < SPREAD_BELOW:  # the step's pointwise work as items the block shares (CELL_SPREAD)
+        lines, counts = _items(text, h, structure.n_states)
+        text = text.replace(_LOOP_INCLUDE, "\n".join([*lines, _LOOP_INCLUDE]))
     for header in _HEADERS:
         # inlined once each: their include guards would only warn in the main file
         text = text.replace(
             f'#include "{header}"', kernel_path(header).read_text().replace("#pragma once", "")
         )
-    read = [q for piece in structure.pieces for q, _ in piece.reads]
-    h = structure.width
     source = CellSource(
         text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16], n_inputs=len(inputs), width=h,
         n_states=structure.n_states, pieces=len(structure.pieces),
         read_columns=(max(read) - min(read) + 1) * h if read else 0, element_bytes=dtype.itemsize,
+        value_items=counts[0], partial_items=counts[1], product_items=counts[2],
     )  # fmt: skip
     return source, inputs, layout
+
+
+# --------------------------------------------------------------------------------------------------
+# The step as items (narrow blocks, CELL_SPREAD): the generated step of one coordinate j splits into parts that
+# share no computed value (CoprimeWidths: one per state block); parts whose statements differ only in the offsets
+# they read and write, by an affine function of their index m, are one item kind; an item is (kind, m, j), and
+# the block's threads share a step's items (kernels/cell_loop_cuda.h). The backward's products and the new
+# states' gradient are items alike, one per product / state block and coordinate.
+# --------------------------------------------------------------------------------------------------
+
+_LOOP_INCLUDE = '#include "cell_loop_cuda.h"'
+_DEFINE = re.compile(r"const REAL (\w+) = (.*);")
+_STORE = re.compile(r"(?:next|scales|diagonal|fpart)\[.*\] = .*;")
+_LEAF = re.compile(r"(?:prev|piece)\[\d+ \+ j\]|in\d+(?:\[j\])?")  # a read of the step's inputs
+_NAMES = re.compile(r"\b(?:[vd]_\w+|in\d+)\b")
+# the offsets an item's index moves: ``[o + j]``, ``[row * W + o + j]`` (columns of a row), ``= o + j``
+_OFFSET = re.compile(r"(\[(?:row \* \d+ \+ )?|= )(\d+)( \+ j\b)")
+_SUM = re.compile(r"(S|F)\((\d+)\) \* G\((\d+)\)")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Items of one statement template (``@`` where an offset goes): item m's offsets are ``base + m step``."""
+
+    template: str
+    base: tuple[int, ...]
+    step: tuple[int, ...]
+    count: int
+
+    def body(self) -> str:
+        offsets = iter(
+            str(b) if s == 0 or self.count == 1 else f"({b} + {s} * m)"
+            for b, s in zip(self.base, self.step, strict=True)
+        )
+        return re.sub("@", lambda _: next(offsets), self.template)
+
+
+def _kinds(parts: list[tuple[str, tuple[int, ...]]]) -> list[_Kind]:
+    """``parts`` (template, offsets) as item kinds: those of one template, in order, split where their offsets stop
+    being affine in their index."""
+    by_template: dict[str, list[tuple[int, ...]]] = {}
+    for template, offsets in parts:
+        by_template.setdefault(template, []).append(offsets)
+    kinds = []
+    for template, members in by_template.items():
+        start = 0
+        while start < len(members):
+            base, end = members[start], start + 1
+            step = (
+                tuple(b - a for a, b in zip(base, members[end], strict=True))
+                if end < len(members)
+                else (0,) * len(base)
+            )
+            while end < len(members) and all(
+                o == b + (end - start) * s for o, b, s in zip(members[end], base, step, strict=True)
+            ):
+                end += 1
+            kinds.append(_Kind(template, base, step, end - start))
+            start = end
+    return kinds
+
+
+def _templated(lines: list[str]) -> tuple[str, tuple[int, ...]]:
+    """``lines`` with their computed names numbered in order (t0, t1, ...) and their offsets taken out."""
+    names: dict[str, str] = {}
+    for line in lines:
+        if defined := _DEFINE.fullmatch(line):
+            names[defined.group(1)] = f"t{len(names)}"
+    text = _NAMES.sub(lambda n: names.get(n.group(), n.group()), "\n".join(lines))
+    offsets = tuple(int(o.group(2)) for o in _OFFSET.finditer(text))
+    return _OFFSET.sub(lambda o: f"{o.group(1)}@{o.group(3)}", text), offsets
+
+
+def _step_parts(text: str, function: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The generated ``function`` (cell_values or cell_partials) split into parts that share no computed value,
+    in the order of their first store, each (template, offsets) with the reads of the step's inputs it
+    needs (copied into every part that reads them). Any other spelling than the generator's raises
+    :class:`Unsupported`."""
+    body = text[text.index(f"void {function}(") :]
+    lines = [line.strip() for line in body[: body.index("\n}\n")].splitlines()[2:]]
+    head = lines.index(TARGET.loop.format())
+    pointers = {
+        _DEFINE.fullmatch(line.replace("REAL* restrict", "REAL")).group(1): line for line in lines[:head]
+    }
+    statements = lines[head + 1 : -1]
+    defined, leaves, owner = {}, {}, list(range(len(statements)))
+
+    def root(i: int) -> int:
+        while owner[i] != i:
+            owner[i] = owner[owner[i]]
+            i = owner[i]
+        return i
+
+    for i, line in enumerate(statements):
+        match = _DEFINE.fullmatch(line)
+        if match is None and not _STORE.fullmatch(line):
+            raise Unsupported(f"the generated step has a statement the CUDA items do not read: {line!r}")
+        if match and _LEAF.fullmatch(match.group(2)):
+            leaves[match.group(1)] = i
+            continue
+        for name in _NAMES.findall(line.split(" = ", 1)[1] if match else line):
+            if name in defined:
+                owner[root(i)] = root(defined[name])
+        if match:
+            defined[match.group(1)] = i
+    parts: dict[int, list[int]] = {}
+    for i, line in enumerate(statements):
+        if i not in leaves.values() and _STORE.fullmatch(line):  # a part is what its stores need
+            parts.setdefault(root(i), [])
+    for i in range(len(statements)):
+        if i not in leaves.values() and root(i) in parts:
+            parts[root(i)].append(i)
+    result = []
+    for members in parts.values():
+        names = {n for i in members for n in _NAMES.findall(statements[i])}
+        reads = sorted(leaves[n] for n in names if n in leaves)
+        needed = names | {n for i in reads for n in _NAMES.findall(statements[i])}
+        lines = [line for name, line in pointers.items() if name in needed]
+        result.append(_templated(lines + [statements[i] for i in sorted(reads + members)]))
+    return result
+
+
+def _sums(text: str, macro: str) -> dict[int, list[tuple[str, int, int]]]:
+    """The generated backward's sums ``macro`` (CELL_PRODUCTS or CELL_DIRECT) per output: [(S or F, column n,
+    state p)]."""
+    line = next(line for line in text.splitlines() if line.startswith(f"#define {macro}("))
+    body = line.split(") ", 1)[1].strip()
+    out = {}
+    for index, expr in re.findall(r"(?:OUT|ADD)\((\d+), (.*?)\)(?= OUT\(| ADD\(|$)", body):
+        terms = _SUM.findall(expr)
+        if " + ".join(f"{k}({n}) * G({p})" for k, n, p in terms) != expr and expr != "(REAL)0":
+            raise Unsupported(f"the generated backward has a sum the CUDA items do not read: {expr!r}")
+        out[int(index)] = [(k, int(n), int(p)) for k, n, p in terms]
+    return out
+
+
+def _sum(terms: list[tuple[str, int, int]], h: int) -> str:
+    """A sum of the backward's terms as the CPU loop adds them, ``s``/``f`` the row's columns, ``g`` the state."""
+    return (
+        " + ".join(f"{'s' if k == 'S' else 'f'}[{n * h} + j] * g[{p * h} + j]" for k, n, p in terms)
+        or "(REAL)0"
+    )
+
+
+def _dispatch(name: str, params: str, kinds: list[_Kind], h: int) -> tuple[list[str], int]:
+    """A device function running item e of ``kinds`` (in order, H items per index m), and their number."""
+    lines = [f"__device__ __forceinline__ void {name}(int e, {params}) {{"]
+    start = 0
+    for kind in kinds:
+        end = start + kind.count * h
+        lines += [
+            f"    if (e < {end}) {{",
+            f"        const int m = (e - {start}) / H; const int64_t j = (e - {start}) % H; (void)m;",
+            *("        " + line for line in kind.body().splitlines()),
+            "        return;",
+            "    }",
+        ]
+        start = end
+    return [*lines, "}"], start
+
+
+def _define(text: str, name: str) -> int:
+    """The value of the generated ``#define name``."""
+    return int(re.search(rf"^#define {name} (\d+)$", text, re.M).group(1))
+
+
+def _items(text: str, h: int, m: int) -> tuple[list[str], tuple[int, int, int]]:
+    """The item functions of the generated ``text`` (kernels/cell_loop_cuda.h's CELL_SPREAD step) and the numbers
+    of items (values, partials, products)."""
+    step = "int64_t row, const REAL* restrict prev, const REAL* restrict piece, const REAL* const* in, const int64_t* stride, REAL* restrict next"
+    lines: list[str] = []
+    counts = []
+    for function, params in (
+        ("values", step),
+        ("partials", f"{step}, REAL* restrict scales, REAL* restrict diagonal, REAL* restrict fpart"),
+    ):
+        code, count = _dispatch(
+            f"cell_item_{function}", params, _kinds(_step_parts(text, f"cell_{function}")), h
+        )
+        lines += code
+        counts.append(count)
+    products, direct = _sums(text, "CELL_PRODUCTS"), _sums(text, "CELL_DIRECT")
+    npieces = _define(text, "NK")
+    parts = []
+    for k, terms in products.items():
+        shared = f" shared[{k * h} + j] = v;" if k < npieces else ""
+        parts.append(_templated([f"const REAL v = {_sum(terms, h)};", f"out[{k * h} + j] = v;{shared}"]))
+    code, count = _dispatch(
+        "cell_item_products",
+        "const REAL* restrict g, const REAL* restrict s, const REAL* restrict f, REAL* restrict out, REAL* restrict shared",
+        _kinds(parts), h,
+    )  # fmt: skip
+    lines += code
+    counts.append(count)
+    # the new states' gradient at state q: the read columns' sum, the diagonal (one state), the direct terms
+    parts = []
+    clo, chi = _define(text, "CLO"), _define(text, "CHI")
+    for q in range(m):
+        body = [f"const int64_t c = {q * h} + j;"]
+        body.append(f"REAL v = column[{q * h - clo} + j];" if clo <= q * h < chi else "REAL v = REAL(0);")
+        if m == 1:
+            body.append("if (diag != nullptr) v += g[j] * diag[j];")
+        if q in direct:
+            body.append(f"v += ({_sum(direct[q], h)});")
+        body.append("gn[c] = (d != nullptr && c < direct_width ? d[c] : REAL(0)) + v;")
+        parts.append(_templated(body))
+    code, _ = _dispatch(
+        "cell_item_gradient",
+        "const REAL* restrict g, const REAL* restrict s, const REAL* restrict column, const REAL* restrict diag, const REAL* restrict d, int64_t direct_width, REAL* restrict gn",
+        _kinds(parts), h,
+    )  # fmt: skip
+    names = ("CELL_VALUE_ITEMS", "CELL_PARTIAL_ITEMS", "CELL_PRODUCT_ITEMS")
+    return [*lines, *code, *(f"#define {n} {c}" for n, c in zip(names, counts, strict=True))], tuple(counts)
 
 
 def _epilogue(structure: CellStructure, n_inputs: int) -> list[str]:
@@ -154,12 +387,19 @@ def launch_config(source: CellSource, kernel: str, batch: int, steps: int, share
     block = 32 * math.ceil(h / 32)
     if kernel in ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward"):
         forward = kernel == "bppsa_cell_cuda_forward"
-        # forward: two state buffers and the pieces; backward: two buffers of the pieces' products (spread: and
-        # the read columns' sums)
-        buffers = (2 * m * h + k * h if forward else 2 * k * h + source.read_columns * source.spread) * size
-        if source.spread:  # a thread per piece coordinate (forward) or read column (backward), up to the cap
-            spread = k * h if forward else source.read_columns
-            block = min(MAX_THREADS, max(block, 32 * math.ceil(spread / 32)))
+        # forward: two state buffers and the pieces; backward: two buffers of the pieces' products (spread: the
+        # read columns' sums and two buffers of the states' gradient)
+        spread = source.read_columns + 2 * m * h if source.spread else 0
+        buffers = (2 * m * h + k * h if forward else 2 * k * h + spread) * size
+        if (
+            source.spread
+        ):  # a thread per item, piece coordinate (forward) or read column (backward), to the cap
+            work = (
+                max(k * h, source.value_items, source.partial_items)
+                if forward
+                else max(source.read_columns, source.product_items, m * h)
+            )
+            block = min(MAX_THREADS, max(block, 32 * math.ceil(work / 32)))
         staged = buffers + weights <= shared_limit
         return Launch(kernel, batch, block, buffers + weights * staged, staged)
     if kernel == "bppsa_cell_cuda_cotangent":
@@ -247,23 +487,20 @@ class _Launches:
         self._source, self._backend, self._device = source, backend, device
         self._shared_limit = backend.shared_limit(device)
 
-    def _launch(self, kernel: str, batch: int, steps: int, words: list, tail: list[int] = ()) -> None:
-        """``words`` (pointers as ints or None), then the ``staged`` word (forward, backward), then ``tail``."""
+    def _launch(self, kernel: str, batch: int, steps: int, words: list) -> None:
+        """``words``: pointers as ints or None."""
         if batch == 0 or steps == 0:
             return
         launch = launch_config(self._source, kernel, batch, steps, self._shared_limit)
-        args = [_address(w) for w in words]
-        if kernel != "bppsa_cell_cuda_cotangent":
-            args.append(int(launch.staged))
-        self._backend.launch(self._source, launch, [*args, *tail], self._device)
+        self._backend.launch(self._source, launch, [_address(w) for w in words], self._device)
 
     def bppsa_cell_forward(self, batch, steps, threads, wc, offsets, pointers, strides, states, partials, scales,
                            diagonal, fpart) -> int:  # fmt: skip
         inputs = []
         for k in range(self._source.n_inputs):  # the ctypes arrays CellKernel.forward filled
             inputs += [_address(pointers[k]), int(strides[k])]
-        words = [batch, steps, wc, offsets, states, int(partials), scales, diagonal, fpart]
-        self._launch("bppsa_cell_cuda_forward", batch, steps, words, inputs)
+        words = [batch, steps, wc, offsets, states, int(partials), scales, diagonal, fpart, *inputs]
+        self._launch("bppsa_cell_cuda_forward", batch, steps, words)
         return 0
 
     def bppsa_cell_backward(self, batch, steps, threads, wt, scales, scale_width, diagonal, fpart, direct,
@@ -321,7 +558,7 @@ class CupyBackend:
             raise RuntimeError(f"the CUDA cell loop cannot run here: {reason}")
         index = _index(device)
         try:
-            for name in KERNELS:
+            for name in ENTRIES:
                 self._functions[(index, source.digest, name)] = loader.load_function(index, source.text, name)
         except Exception as err:  # noqa: BLE001 - CuPy raises unrelated types (CompileException, CUDADriverError, ...)
             raise RuntimeError(
@@ -330,7 +567,7 @@ class CupyBackend:
 
     def launch(self, source: CellSource, launch: Launch, args: list[int], device: torch.device) -> None:
         index = _index(device)
-        function = self._functions[(index, source.digest, launch.kernel)]
+        function = self._functions[(index, source.digest, launch.entry)]
         _loader().launch(function, index, launch.grid, launch.block, launch.shared_bytes, args)
 
 

@@ -274,7 +274,7 @@ def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_l
     source, *_ = generate(structure, F64)
     backend = cell_cuda.CupyBackend()
     backend.load(source, torch.device("cuda", 1))
-    assert [(c[1], c[2]) for c in calls] == [(1, name) for name in cell_cuda.KERNELS]
+    assert [(c[1], c[2]) for c in calls] == [(1, name) for name in cell_cuda.ENTRIES]
     assert all(c[3] is source.text for c in calls)
     launch = launch_config(source, "bppsa_cell_cuda_backward", 3, 8, H100_SHARED_BYTES)
     backend.launch(source, launch, [1, 2, 3], torch.device("cuda", 1))
