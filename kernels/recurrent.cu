@@ -350,95 +350,141 @@ __device__ void shared_forward(const Layer<T>& p) {
     }
 }
 
-// ---- the LSTM backward: the recursion over (h, c) with the gate gradients, fused -------------------------
+// ---- the backward: the linear recursion with the gate gradients, fused -------------------------------------
 //
-// kernels/recurrent.py's lstm_backward on a GPU: one block per batch row, thread j < H owns unit j (as
-// family 2). From gh = grad_out[T-1] + grad_h, gc = grad_cn, step t = T-1 .. 0:
-//     tc = tanh(c_t), gc_tot = gc + gh o (1 - tc²)
-//     d = [gc_tot g i(1-i), gc_tot c_{t-1} f(1-f), gc_tot i (1-g²), gh tc o(1-o)]     -> d_gates[t]
-//     gh <- d W_hh + grad_out[t-1],  gc <- gc_tot f;   after step 0: gh0 = gh, gc0 = gc.
-// The scan's factored form of this Jacobian (k = 5 tiles of W5 (10 H, 2 H), d = 2 H > 32 already at H = 17)
-// runs the block sweep and then ~20 torch launches for its scales and the gate gradients: this kernel is
-// the same recursion with everything elementwise kept in registers, the only cross-thread step being the
-// product d W_hh. Its dependent path per step: the unit's gate gradients (a tanh, ~15 FMA), one shared
-// store, one barrier, then 4H FMAs against W_hh's column j (shared memory, w[r H + j] = W_hh[r][j]:
-// neighbouring threads read neighbouring words) with d read as broadcast 16-byte vectors. The unit's
-// operands of step t - 1 (gates, c_{t-2}, grad_out) are loaded at the start of step t, off that path.
-// d is double-buffered (step t writes buffer t & 1): one barrier per step suffices, as in family 2.
-// Shared memory: (8 H + 4 H²) elements (lstm_backward_shared_bytes in kernels/recurrent_cuda.py).
+// kernels/recurrent.py's rnn/gru/lstm_backward on a GPU (without their parameter sums): one block per batch
+// row, thread j < H owns unit j (as family 2). From the state gradient g = grad_out[T-1] + grad_h (LSTM also
+// gc = grad_cn), each step t = T-1 .. 0 forms the row r (G H entries) that multiplies W_hh, writes the step's
+// gate gradients and carries g to t - 1:
+//     rnn_tanh  r = g (1 - h_t²)                    d_gi = d_gh = r
+//     rnn_relu  r = (h_t <= 0) ? 0 : g              (a select, as torch's backward: a NaN h passes g)
+//     gru       r = [g s_r, g s_z, g s_n]           d_gh = r, d_gi = [g s_r, g s_z, g dn]; diagonal g z
+//     lstm      tc = tanh(c_t), gc_tot = gc + g o (1 - tc²)
+//               r = [gc_tot g i(1-i), gc_tot c_{t-1} f(1-f), gc_tot i (1-g²), g tc o(1-o)]  d_gi = d_gh = r;
+//               gc <- gc_tot f
+//     g <- r W_hh (+ g z for the GRU) + grad_out[t-1];   after step 0: gh0 = g (gc0 = gc).
+// The scan over the factored Jacobians computes the same g, but beside it the layer needs the direct
+// gradients assembled, the factors' scales (the LSTM's: ~15 launches) and the gate gradients (1-3 more):
+// here all of it stays in registers, the only cross-thread step being the product r W_hh. A step's
+// dependent path: the unit's few multiplies (the LSTM's tanh), one shared store per gate, one barrier, then
+// G H multiply-adds against W_hh's column j (shared memory, w[r H + j] = W_hh[r][j]: neighbouring threads
+// read neighbouring words) with r read as broadcast 16-byte vectors. The unit's operands of step t - 1 are
+// loaded at the start of step t, off that path. r is double-buffered (step t writes buffer t & 1): one
+// barrier per step suffices, as in family 2. Rows of r and W_hh are padded to P = G H rounded up to whole
+// 16-byte vectors (zeros). Shared memory: (2 + H) P elements (backward_shared_bytes in recurrent_cuda.py).
 
 template <class T>
-struct LstmBackward {
-    const T* __restrict__ gates;     // (B, T, 4H) activated [i, f, g, o]
-    const T* __restrict__ cells;     // (B, T, H) c_1..c_T
-    const T* __restrict__ c0;        // (B, H)
-    const T* __restrict__ w_hh;      // (4H, H)
+struct CellBackward {
+    const T* __restrict__ f0;        // rnn: out (B, T, H); gru: scales (B, T, 3H); lstm: gates (B, T, 4H)
+    const T* __restrict__ f1;        // gru: z (B, T, H); lstm: cells c_1..c_T (B, T, H); rnn: null
+    const T* __restrict__ f2;        // gru: dn (B, T, H); lstm: c0 (B, H); rnn: null
+    const T* __restrict__ w_hh;      // (G H, H)
     const T* __restrict__ grad_out;  // (B, T, H) or null
     const T* __restrict__ grad_h;    // (B, H) or null: h_T's own gradient
-    const T* __restrict__ grad_cn;   // (B, H) or null
-    T* __restrict__ d_gates;         // (B, T, 4H)
+    const T* __restrict__ grad_cn;   // (B, H) or null (LSTM)
+    T* __restrict__ d_gi;            // (B, T, G H)
+    T* __restrict__ d_gh;            // (B, T, G H): the GRU's; null for the others (d_gi is d_gh)
     T* __restrict__ gh0;             // (B, H)
-    T* __restrict__ gc0;             // (B, H)
+    T* __restrict__ gc0;             // (B, H) (LSTM)
     i64 batch, steps;
     int hidden;
 };
 
-template <class T>
-__device__ void lstm_backward(const LstmBackward<T>& p) {
-    constexpr int V = Pack<T>::kWidth;
-    const int H = p.hidden, GH = 4 * H, j = threadIdx.x;
+// Unit j's operands of one step (rnn: h_t; gru: s_r, s_z, s_n, z, dn; lstm: i, f, g, o, c_t, c_{t-1}).
+template <class T, int C>
+struct UnitOperands {
+    T v[C == kGru ? 5 : C == kLstm ? 6 : 1];
+
+    __device__ void load(const CellBackward<T>& p, i64 b, i64 t, int H, int j) {
+        constexpr int G = kGates<C>;
+        const i64 at = (b * p.steps + t) * H + j;  // unit j of step t of a (B, T, H) tensor
+        if constexpr (C == kRnnTanh || C == kRnnRelu) {
+            v[0] = p.f0[at];
+        } else {
+            const T* gate = p.f0 + (b * p.steps + t) * G * H + j;
+#pragma unroll
+            for (int g = 0; g < G; ++g) v[g] = gate[g * H];
+            if constexpr (C == kGru) {
+                v[3] = p.f1[at], v[4] = p.f2[at];
+            } else {
+                v[4] = p.f1[at];
+                v[5] = t > 0 ? p.f1[at - H] : p.f2[b * H + j];
+            }
+        }
+    }
+};
+
+// Step t of unit j: the row entries r[g] (gate g's, into shared memory by the caller), the gate gradients
+// stored at d_gi / d_gh (unit j of step t), the LSTM's gc carried; returns g's diagonal part for t - 1.
+template <class T, int C>
+__device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& gc, T (&r)[kGates<C>],
+                                           T* d_gi, T* d_gh, int H) {
+    if constexpr (C == kRnnTanh) {
+        r[0] = g * (T(1) - u.v[0] * u.v[0]);
+    } else if constexpr (C == kRnnRelu) {
+        r[0] = u.v[0] <= T(0) ? T(0) : g;
+    } else if constexpr (C == kGru) {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) d_gh[q * H] = r[q] = g * u.v[q];
+        d_gi[0] = r[0], d_gi[H] = r[1], d_gi[2 * H] = g * u.v[4];
+        return g * u.v[3];
+    } else {
+        const T in = u.v[0], forget = u.v[1], cand = u.v[2], og = u.v[3];
+        const T tc = bppsa_rec::tanh_of(u.v[4]);
+        const T gc_tot = gc + g * og * (T(1) - tc * tc);
+        r[0] = gc_tot * cand * in * (T(1) - in);
+        r[1] = gc_tot * u.v[5] * forget * (T(1) - forget);
+        r[2] = gc_tot * in * (T(1) - cand * cand);
+        r[3] = g * tc * og * (T(1) - og);
+        gc = gc_tot * forget;
+    }
+    if constexpr (C != kGru) {
+#pragma unroll
+        for (int q = 0; q < kGates<C>; ++q) d_gi[q * H] = r[q];
+    }
+    return T(0);
+}
+
+template <class T, int C>
+__device__ void cell_backward(const CellBackward<T>& p) {
+    constexpr int G = kGates<C>, V = Pack<T>::kWidth;
+    const int H = p.hidden, GH = G * H, P = (GH + V - 1) / V * V, j = threadIdx.x;
     const bool active = j < H;
     const i64 b = blockIdx.x, steps = p.steps;
     const bool one_warp = blockDim.x <= 32;
 
     BPPSA_DYNAMIC_SHARED(smem);
-    T* dg = reinterpret_cast<T*>(smem);  // two buffers of 4H gate gradients (4H is a multiple of V)
-    T* w = dg + 2 * GH;                   // W_hh, row-major as given
-    for (int e = threadIdx.x; e < GH * H; e += blockDim.x) w[e] = p.w_hh[e];  // once per launch
+    T* rows = reinterpret_cast<T*>(smem);  // two buffers of P row entries
+    T* w = rows + 2 * P;                   // W_hh row-major, rows GH..P-1 zero
+    for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
+    for (int e = GH + threadIdx.x; e < P; e += blockDim.x) rows[e] = rows[P + e] = T(0);  // the padding
 
-    const i64 row = b * steps;  // row b, step 0
-    const T* gates_t = p.gates + (row + steps - 1) * GH + j;
-    const T* cells_t = p.cells + (row + steps - 1) * H + j;
-    const T* grad_t = p.grad_out ? p.grad_out + (row + steps - 1) * H + j : nullptr;
-    T* d_t = p.d_gates + (row + steps - 1) * GH + j;
-    // the unit's operands of the current step: gates, c_t, c_{t-1}, grad_out[t]
-    T in = T(0), forget = T(0), cand = T(0), og = T(0), c = T(0), c_prev = T(0), direct = T(0);
-    T gh = T(0), gc = T(0);
+    UnitOperands<T, C> now{}, next{};
+    T g = T(0), gc = T(0), direct = T(0), carried = T(0);
     if (active) {
-        in = gates_t[0], forget = gates_t[H], cand = gates_t[2 * H], og = gates_t[3 * H];
-        c = cells_t[0];
-        c_prev = steps > 1 ? cells_t[-H] : p.c0[b * H + j];
-        direct = grad_t ? grad_t[0] : T(0);
+        now.load(p, b, steps - 1, H, j);
+        direct = p.grad_out ? p.grad_out[(b * steps + steps - 1) * H + j] : T(0);
         if (p.grad_h) direct += p.grad_h[b * H + j];
-        gc = p.grad_cn ? p.grad_cn[b * H + j] : T(0);
+        if (C == kLstm && p.grad_cn) gc = p.grad_cn[b * H + j];
     }
-    __syncthreads();  // W_hh staged
+    __syncthreads();  // W_hh and the padding staged
 
     const T* w_own = w + j;
     for (i64 t = steps - 1; t >= 0; --t) {
-        T* d_shared = dg + (t & 1) * GH;
+        T* r_shared = rows + (t & 1) * P;
         if (active) {
-            gh += direct;
-            const T tc = bppsa_rec::tanh_of(c);
-            const T gc_tot = gc + gh * og * (T(1) - tc * tc);
-            const T d_i = gc_tot * cand * in * (T(1) - in);
-            const T d_f = gc_tot * c_prev * forget * (T(1) - forget);
-            const T d_g = gc_tot * in * (T(1) - cand * cand);
-            const T d_o = gh * tc * og * (T(1) - og);
-            d_shared[j] = d_i, d_shared[H + j] = d_f, d_shared[2 * H + j] = d_g, d_shared[3 * H + j] = d_o;
-            d_t[0] = d_i, d_t[H] = d_f, d_t[2 * H] = d_g, d_t[3 * H] = d_o;
-            gc = gc_tot * forget;
+            g = carried + direct;
+            T r[G];
+            const i64 at = (b * steps + t) * GH + j;
+            carried = unit_backward<T, C>(now, g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H);
+#pragma unroll
+            for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
             if (t > 0) {  // step t - 1's operands, loaded while the block meets at the barrier
-                gates_t -= GH, cells_t -= H;
-                in = gates_t[0], forget = gates_t[H], cand = gates_t[2 * H], og = gates_t[3 * H];
-                c = c_prev;
-                c_prev = t > 1 ? cells_t[-H] : p.c0[b * H + j];
-                if (grad_t) grad_t -= H;
-                direct = grad_t ? grad_t[0] : T(0);
+                next.load(p, b, t - 1, H, j);
+                direct = p.grad_out ? p.grad_out[(b * steps + t - 1) * H + j] : T(0);
             }
-            d_t -= GH;
         }
-        // d_shared is complete; nobody reads the other buffer (step t + 1's) any more
+        // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
         if (one_warp)
             bppsa_rec::warp_barrier();
         else
@@ -447,21 +493,22 @@ __device__ void lstm_backward(const LstmBackward<T>& p) {
             T acc[V];
 #pragma unroll
             for (int v = 0; v < V; ++v) acc[v] = T(0);
-            const Pack<T>* d_packs = reinterpret_cast<const Pack<T>*>(d_shared);
-            for (int rc = 0; rc < GH / V; ++rc) {
-                const Pack<T> dv = d_packs[rc];  // one broadcast 16-byte read
+            const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
+            for (int rc = 0; rc < P / V; ++rc) {
+                const Pack<T> rv = r_packs[rc];  // one broadcast 16-byte read
 #pragma unroll
-                for (int v = 0; v < V; ++v) acc[v] += dv.v[v] * w_own[(rc * V + v) * H];
+                for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
             }
             T sum = acc[0];
 #pragma unroll
             for (int v = 1; v < V; ++v) sum += acc[v];
-            gh = sum;
+            carried += sum;  // the GRU's diagonal part plus r W_hh
+            now = next;
         }
     }
     if (active) {
-        p.gh0[b * H + j] = gh;
-        p.gc0[b * H + j] = gc;
+        p.gh0[b * H + j] = carried;
+        if (C == kLstm) p.gc0[b * H + j] = gc;
     }
 }
 
@@ -502,22 +549,27 @@ __device__ void lstm_backward(const LstmBackward<T>& p) {
     BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX)          \
     BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX)
 
-// the LSTM backward (in the default module)
-#define BPPSA_LSTM_BWD_PARAMS(T)                                                                            \
-    (const T* __restrict__ gates, const T* __restrict__ cells, const T* __restrict__ c0,                    \
-     const T* __restrict__ w_hh, const T* __restrict__ grad_out, const T* __restrict__ grad_h,              \
-     const T* __restrict__ grad_cn, T* __restrict__ d_gates, T* __restrict__ gh0, T* __restrict__ gc0,     \
-     i64 batch, i64 steps, i64 hidden)
-#define BPPSA_LSTM_BWD_HOST_ARGS(T)                                                                         \
-    ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (const T*)a[4], (const T*)a[5],        \
-     (const T*)a[6], (T*)a[7], (T*)a[8], (T*)a[9], (i64)a[10], (i64)a[11], (i64)a[12])
-#define BPPSA_LSTM_BWD_KERNEL(T, SUFFIX)                                                                    \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_lstm_backward_##SUFFIX               \
-        BPPSA_LSTM_BWD_PARAMS(T) {                                                                          \
-        lstm_backward<T>(LstmBackward<T>{gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, d_gates, gh0,  \
-                                         gc0, batch, steps, (int)hidden});                                  \
-    }                                                                                                       \
-    BPPSA_ENTRY(bppsa_lstm_backward_##SUFFIX, BPPSA_LSTM_BWD_PARAMS(T), BPPSA_LSTM_BWD_HOST_ARGS(T))
+// the backward kernels (in the default module)
+#define BPPSA_BWD_PARAMS(T)                                                                                  \
+    (const T* __restrict__ f0, const T* __restrict__ f1, const T* __restrict__ f2, const T* __restrict__ w_hh, \
+     const T* __restrict__ grad_out, const T* __restrict__ grad_h, const T* __restrict__ grad_cn,              \
+     T* __restrict__ d_gi, T* __restrict__ d_gh, T* __restrict__ gh0, T* __restrict__ gc0, i64 batch,          \
+     i64 steps, i64 hidden)
+#define BPPSA_BWD_HOST_ARGS(T)                                                                               \
+    ((const T*)a[0], (const T*)a[1], (const T*)a[2], (const T*)a[3], (const T*)a[4], (const T*)a[5],         \
+     (const T*)a[6], (T*)a[7], (T*)a[8], (T*)a[9], (T*)a[10], (i64)a[11], (i64)a[12], (i64)a[13])
+#define BPPSA_BWD_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) bppsa_##NAME##_backward_##SUFFIX            \
+        BPPSA_BWD_PARAMS(T) {                                                                                \
+        cell_backward<T, CELL>(CellBackward<T>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn, d_gi, d_gh, gh0,  \
+                                               gc0, batch, steps, (int)hidden});                              \
+    }                                                                                                        \
+    BPPSA_ENTRY(bppsa_##NAME##_backward_##SUFFIX, BPPSA_BWD_PARAMS(T), BPPSA_BWD_HOST_ARGS(T))
+#define BPPSA_BWD_KERNELS(T, SUFFIX)                 \
+    BPPSA_BWD_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX) \
+    BPPSA_BWD_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX) \
+    BPPSA_BWD_KERNEL(gru, kGru, T, SUFFIX)          \
+    BPPSA_BWD_KERNEL(lstm, kLstm, T, SUFFIX)
 
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
@@ -526,8 +578,8 @@ BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
 #else
 BPPSA_REC_KERNELS(float, f32)
 BPPSA_REC_KERNELS(double, f64)
-BPPSA_LSTM_BWD_KERNEL(float, f32)
-BPPSA_LSTM_BWD_KERNEL(double, f64)
+BPPSA_BWD_KERNELS(float, f32)
+BPPSA_BWD_KERNELS(double, f64)
 #ifdef BPPSA_REC_HIDDEN_LIST
 BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
 #endif

@@ -10,10 +10,11 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
   exactly the factors of ``FactoredJacobians(w_hh, scales, z)`` (``jacobians/recurrent.gru_jacobians``).
 - :func:`lstm_forward` ``(gi (B,T,4H), w_hh (4H,H), h0, c0) -> (out, cells (B,T,H), gates (B,T,4H))``, the
   cells ``c_1..c_T`` and the activated gates ``[i, f, g, o]``.
-- :func:`lstm_backward` ``(gates, cells, c0, w_hh, grad_out, grad_cn, grad_h=) -> (d_gates (B,T,4H), gh0, gc0)``:
-  the LSTM's backward recursion over ``(h, c)`` with its gate gradients in one launch (the CPU kernels'
-  :func:`lightning_bppsa.kernels.recurrent.lstm_backward`, without the parameter sums); :func:`backward_refusal`
-  says where it cannot launch (the layer's scan then runs the factored Jacobians).
+- :func:`rnn_backward`, :func:`gru_backward`, :func:`lstm_backward`: a layer's backward recursion with its gate
+  gradients in one launch, with the arguments and results of the CPU kernels'
+  (:mod:`lightning_bppsa.kernels.recurrent`; no parameter sums): ``(d_a, gh0)``, ``(d_gi, d_gh, gh0)``,
+  ``(d_gates, gh0, gc0)``. :func:`backward_refusal` says where they cannot launch (the layer's backward then
+  scans the factored Jacobians).
 
 Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>``: one
 module per ``H``, compiled on the first launch of that ``H`` with ``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in
@@ -67,11 +68,13 @@ __all__ = [
     "backward_refusal",
     "forward",
     "gru_forward",
+    "gru_backward",
     "lstm_backward",
     "lstm_forward",
     "module_options",
     "prepare",
     "refusal",
+    "rnn_backward",
     "rnn_forward",
     "shared_bytes",
     "source",
@@ -82,10 +85,11 @@ CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
 #: factor outputs per cell kind, as multiples of ``H`` in the last dimension
 _FACTORS = {"rnn_tanh": (), "rnn_relu": (), "gru": (3, 1, 1), "lstm": (1, 4)}
 #: the kernels of the module :func:`available` compiles: W_hh in shared memory, any H that fits
-KERNELS = (
-    *(f"bppsa_{cell}_forward_{suffix}" for cell in CELLS for suffix in ("f32", "f64")),
-    "bppsa_lstm_backward_f32",
-    "bppsa_lstm_backward_f64",
+KERNELS = tuple(
+    f"bppsa_{cell}_{direction}_{suffix}"
+    for direction in ("forward", "backward")
+    for cell in CELLS
+    for suffix in ("f32", "f64")
 )
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
 FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp)
@@ -153,13 +157,15 @@ def refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> st
 
 
 @functools.lru_cache(maxsize=256)
-def backward_refusal(hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
-    """As :func:`refusal`, for :func:`lstm_backward` (its block stages ``W_hh`` and two rows of gate gradients:
-    :func:`lstm_backward_shared_bytes`)."""
+def backward_refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+    """As :func:`refusal`, for the backward kernel of ``cell`` (its block stages ``W_hh`` and two rows of gate
+    gradients: :func:`backward_shared_bytes`)."""
+    if cell not in CELLS:
+        raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
     if dtype not in _SUFFIX:
-        return _limits("LSTM backward", hidden, dtype, shared_limit, 0)
-    return _limits("LSTM backward", hidden, dtype, shared_limit,
-                   lstm_backward_shared_bytes(hidden, torch.finfo(dtype).bits // 8))  # fmt: skip
+        return _limits("backward", hidden, dtype, shared_limit, 0)
+    return _limits("backward", hidden, dtype, shared_limit,
+                   backward_shared_bytes(cell, hidden, torch.finfo(dtype).bits // 8))  # fmt: skip
 
 
 def _limits(kernel: str, hidden: int, dtype: torch.dtype, shared_limit: int, needed: int) -> str | None:
@@ -176,10 +182,12 @@ def _limits(kernel: str, hidden: int, dtype: torch.dtype, shared_limit: int, nee
     return None
 
 
-def lstm_backward_shared_bytes(hidden: int, element_bytes: int) -> int:
-    """Dynamic shared memory of an :func:`lstm_backward` block: ``W_hh`` and two buffers of ``4H`` gate
-    gradients."""
-    return (4 * hidden * hidden + 8 * hidden) * element_bytes
+def backward_shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
+    """Dynamic shared memory of a backward block: ``W_hh`` and two rows of the ``G H`` gate gradients, rows
+    padded to whole 16-byte vectors."""
+    width = 16 // element_bytes
+    padded = math.ceil(CELLS[cell] * hidden / width) * width
+    return (2 + hidden) * padded * element_bytes
 
 
 def _check_shapes(
@@ -291,60 +299,79 @@ def forward(
     return outputs
 
 
-def prepare_lstm_backward(
-    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
+#: the factor tensors a backward kernel reads (f0, f1, f2), by cell: their names and last dimensions in H
+_BACKWARD_FACTORS = {
+    "rnn_tanh": (("out", 1),),
+    "rnn_relu": (("out", 1),),
+    "gru": (("scales", 3), ("z", 1), ("dn", 1)),
+    "lstm": (("gates", 4), ("cells", 1), ("c0", None)),
+}
+
+
+def prepare_backward(
+    cell: str, factors: tuple[Tensor, ...], w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
     grad_cn: Tensor | None, *, device_type: str, shared_limit: int,
-) -> tuple[Launch | None, tuple[Tensor, Tensor, Tensor]] | None:  # fmt: skip
-    """As :func:`prepare`, for :func:`lstm_backward`: ``(launch, (d_gates, gh0, gc0))`` (outputs empty, filled
-    by the launch; ``launch = None`` where ``B``, ``T`` or ``H`` is 0), ``None`` where the kernel cannot run.
-    Raises ``ValueError`` on a malformed shape."""
-    if gates.dim() != 3 or gates.shape[2] % 4:
-        raise ValueError(f"gates must be (B, T, 4H); got {tuple(gates.shape)}")
-    batch, steps, hidden = gates.shape[0], gates.shape[1], gates.shape[2] // 4
-    expected = {"cells": (batch, steps, hidden), "c0": (batch, hidden), "w_hh": (4 * hidden, hidden),
-                "grad_out": (batch, steps, hidden), "grad_h": (batch, hidden), "grad_cn": (batch, hidden)}  # fmt: skip
-    given = {"cells": cells, "c0": c0, "w_hh": w_hh, "grad_out": grad_out, "grad_h": grad_h, "grad_cn": grad_cn}
+) -> tuple[Launch | None, tuple[Tensor, ...]] | None:  # fmt: skip
+    """As :func:`prepare`, for the backward of ``cell`` over its ``factors`` (:data:`_BACKWARD_FACTORS`: the RNN's
+    ``out``; the GRU's ``scales, z, dn``; the LSTM's ``gates, cells, c0``): ``(launch, outputs)`` with the
+    outputs ``(d_gi, [d_gh (GRU),] gh0, [gc0 (LSTM)])`` empty, filled by the launch (``launch = None`` where
+    ``B``, ``T`` or ``H`` is 0); ``None`` where the kernel cannot run. Raises ``ValueError`` on a malformed
+    shape, naming the argument."""
+    gates = CELLS[cell]
+    first_name = _BACKWARD_FACTORS[cell][0][0]
+    first = factors[0]
+    if first.dim() != 3 or first.shape[2] % gates:
+        raise ValueError(f"{first_name} must be (B, T, {gates} H); got {tuple(first.shape)}")
+    batch, steps, hidden = first.shape[0], first.shape[1], first.shape[2] // gates
+    expected = {name: (batch, steps, k * hidden) if k else (batch, hidden) for name, k in _BACKWARD_FACTORS[cell]}
+    expected.update(w_hh=(gates * hidden, hidden), grad_out=(batch, steps, hidden), grad_h=(batch, hidden),
+                    grad_cn=(batch, hidden))  # fmt: skip
+    given = dict(zip(expected, (*factors, w_hh, grad_out, grad_h, grad_cn), strict=True))
     for name, tensor in given.items():
         if tensor is not None and tuple(tensor.shape) != expected[name]:
             raise ValueError(f"{name} must be {expected[name]}; got {tuple(tensor.shape)}")
-    tensors = [t for t in (gates, *given.values()) if t is not None]
-    if any(t.dtype != gates.dtype or t.device.type != device_type or t.device != gates.device for t in tensors):
+    tensors = [t for t in given.values() if t is not None]
+    if any(t.dtype != first.dtype or t.device.type != device_type or t.device != first.device for t in tensors):
         return None
-    if backward_refusal(hidden, gates.dtype, shared_limit) is not None:
+    if backward_refusal(cell, hidden, first.dtype, shared_limit) is not None:
         return None
-    outputs = (gates.new_empty(batch, steps, 4 * hidden), gates.new_empty(batch, hidden),
-               gates.new_empty(batch, hidden))  # fmt: skip
+    grads = [first.new_empty(batch, steps, gates * hidden) for _ in range(2 if cell == "gru" else 1)]
+    states = [first.new_empty(batch, hidden) for _ in range(2 if cell == "lstm" else 1)]
+    outputs = (*grads, *states)
     if batch == 0 or steps == 0 or hidden == 0:
         # no step: the initial state is the last one, its gradients the ones given for that
-        for given_grad, result in ((grad_h, outputs[1]), (grad_cn, outputs[2])):
+        for given_grad, result in zip((grad_h, grad_cn), states, strict=False):
             result.zero_() if given_grad is None else result.copy_(given_grad)
         return None, outputs
-    inputs = [None if t is None else t.contiguous() for t in (gates, cells, c0, w_hh, grad_out, grad_h, grad_cn)]
+    # the kernel's words: f0, f1, f2 (0 where the cell has fewer factors), w_hh, grad_out, grad_h, grad_cn,
+    # d_gi, d_gh (GRU), gh0, gc0 (LSTM), batch, steps, hidden
+    padded = (*factors, *(None,) * (3 - len(factors)), w_hh, grad_out, grad_h, grad_cn)
+    inputs = [None if t is None else t.contiguous() for t in padded]
+    outs = [grads[0], grads[1] if cell == "gru" else None, states[0], states[1] if cell == "lstm" else None]
     launch = Launch(
-        kernel=f"bppsa_lstm_backward_{_SUFFIX[gates.dtype]}",
+        kernel=f"bppsa_{cell}_backward_{_SUFFIX[first.dtype]}",
         grid=batch,
         block=32 * math.ceil(hidden / 32),
-        shared_bytes=lstm_backward_shared_bytes(hidden, gates.element_size()),
-        args=(*(0 if t is None else t.data_ptr() for t in inputs), *(t.data_ptr() for t in outputs), batch,
-              steps, hidden),  # fmt: skip
+        shared_bytes=backward_shared_bytes(cell, hidden, first.element_size()),
+        args=(*(0 if t is None else t.data_ptr() for t in (*inputs, *outs)), batch, steps, hidden),
         buffers=(*(t for t in inputs if t is not None), *outputs),
     )
     return launch, outputs
 
 
 def backward(
-    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
+    cell: str, factors: tuple[Tensor, ...], w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
     grad_cn: Tensor | None, *, launcher: Launcher, device_type: str, shared_limit: int,
-) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
-    """:func:`prepare_lstm_backward`, then ``launcher(launch, device)``; shared by the CUDA path and the host
+) -> tuple[Tensor, ...] | None:  # fmt: skip
+    """:func:`prepare_backward`, then ``launcher(launch, device)``; shared by the CUDA path and the host
     emulation."""
-    prepared = prepare_lstm_backward(gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, device_type=device_type,
-                                     shared_limit=shared_limit)  # fmt: skip
+    prepared = prepare_backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, device_type=device_type,
+                                shared_limit=shared_limit)  # fmt: skip
     if prepared is None:
         return None
     launch, outputs = prepared
     if launch is not None:
-        launcher(launch, gates.device)
+        launcher(launch, factors[0].device)
     return outputs
 
 
@@ -456,18 +483,42 @@ def lstm_forward(gi: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tens
     return _forward_cuda("lstm", gi, w_hh, None, h0, c0)
 
 
+
+def _backward_cuda(cell: str, factors: tuple, w_hh, grad_out, grad_h, grad_cn, sums) -> tuple[Tensor, ...] | None:
+    if sums is not None:
+        raise ValueError("the CUDA backward kernels do not sum the parameter gradients: pass sums=None")
+    first = factors[0]
+    if first.device.type != "cuda" or not available()[0]:
+        return None
+    index = first.device.index if first.device.index is not None else torch.cuda.current_device()
+    return backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, launcher=_launch_cuda, device_type="cuda",
+                    shared_limit=cupy_loader.shared_limit(index))  # fmt: skip
+
+
+def rnn_backward(
+    out: Tensor, w_hh: Tensor, grad_out: Tensor | None, relu: bool, sums: object = None,
+    keep_gate_grads: bool = True, grad_h: Tensor | None = None,
+) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    """Elman RNN backward on CUDA: ``(d_a (B,T,H), gh0 (B,H))``, the arguments of the CPU kernels'
+    :func:`lightning_bppsa.kernels.recurrent.rnn_backward` (``sums`` must be ``None``: the parameter gradients
+    are the caller's GEMMs; ``keep_gate_grads`` is moot: the gate gradients are always returned); ``None``
+    where the kernel cannot run."""
+    return _backward_cuda("rnn_relu" if relu else "rnn_tanh", (out,), w_hh, grad_out, grad_h, None, sums)
+
+
+def gru_backward(
+    scales: Tensor, z: Tensor, dn: Tensor, w_hh: Tensor, grad_out: Tensor | None, sums: object = None,
+    keep_gate_grads: bool = True, grad_h: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """GRU backward on CUDA: ``(d_gi, d_gh (B,T,3H), gh0 (B,H))``, as :func:`rnn_backward` for the CPU kernels'
+    :func:`lightning_bppsa.kernels.recurrent.gru_backward`."""
+    return _backward_cuda("gru", (scales, z, dn), w_hh, grad_out, grad_h, None, sums)
+
+
 def lstm_backward(
     gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_cn: Tensor | None,
     sums: object = None, keep_gate_grads: bool = True, grad_h: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
-    """LSTM backward on CUDA: ``(d_gates (B,T,4H), gh0 (B,H), gc0 (B,H))``, the arguments of the CPU kernels'
-    :func:`lightning_bppsa.kernels.recurrent.lstm_backward` (``sums`` must be ``None``: the parameter
-    gradients are the caller's GEMMs; ``keep_gate_grads`` is moot: ``d_gates`` is always returned);
-    ``None`` where the kernel cannot run."""
-    if sums is not None:
-        raise ValueError("the CUDA LSTM backward does not sum the parameter gradients: pass sums=None")
-    if gates.device.type != "cuda" or not available()[0]:
-        return None
-    index = gates.device.index if gates.device.index is not None else torch.cuda.current_device()
-    return backward(gates, cells, c0, w_hh, grad_out, grad_h, grad_cn, launcher=_launch_cuda, device_type="cuda",
-                    shared_limit=cupy_loader.shared_limit(index))  # fmt: skip
+    """LSTM backward on CUDA: ``(d_gates (B,T,4H), gh0 (B,H), gc0 (B,H))``, as :func:`rnn_backward` for the CPU
+    kernels' :func:`lightning_bppsa.kernels.recurrent.lstm_backward`."""
+    return _backward_cuda("lstm", (gates, cells, c0), w_hh, grad_out, grad_h, grad_cn, sums)

@@ -19,7 +19,8 @@ from lightning_bppsa.kernels.emulated import LAUNCH_ARGTYPES, LaunchTimeout
 from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES, Launch
 from torch import Tensor
 
-__all__ = ["build_arguments", "gru_forward", "library", "lstm_backward", "lstm_forward", "rnn_forward"]
+__all__ = ["build_arguments", "gru_backward", "gru_forward", "library", "lstm_backward", "lstm_forward", "rnn_backward",
+           "rnn_forward"]
 
 _TIMEOUT, _ERROR = 1, 2  # BPPSA_EMU_TIMEOUT / BPPSA_EMU_ERROR in cuda_host_emulation.h
 
@@ -132,25 +133,41 @@ def lstm_forward(
     return _forward("lstm", gi, w_hh, None, h0, c0, shared_limit, resident, timeout)
 
 
-def lstm_backward(
-    gates: Tensor,
-    cells: Tensor,
-    c0: Tensor,
-    w_hh: Tensor,
-    grad_out: Tensor | None,
-    grad_cn: Tensor | None,
-    sums: object = None,
-    keep_gate_grads: bool = True,
-    grad_h: Tensor | None = None,
-    *,
-    shared_limit: int = SM80_OPTIN_SHARED_BYTES,
-    resident: int | None = None,
-    timeout: float = 60.0,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """:func:`lightning_bppsa.kernels.recurrent_cuda.lstm_backward` on CPU tensors."""
+
+def _backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, sums, shared_limit, resident, timeout):
     if sums is not None:
-        raise ValueError("the CUDA LSTM backward does not sum the parameter gradients: pass sums=None")
+        raise ValueError("the CUDA backward kernels do not sum the parameter gradients: pass sums=None")
     return recurrent_cuda.backward(
-        gates, cells, c0, w_hh, grad_out, grad_h, grad_cn,
+        cell, factors, w_hh, grad_out, grad_h, grad_cn,
         launcher=_launcher(resident, timeout), device_type="cpu", shared_limit=shared_limit,
     )  # fmt: skip
+
+
+def rnn_backward(
+    out: Tensor, w_hh: Tensor, grad_out: Tensor | None, relu: bool, sums: object = None,
+    keep_gate_grads: bool = True, grad_h: Tensor | None = None, *, shared_limit: int = SM80_OPTIN_SHARED_BYTES,
+    resident: int | None = None, timeout: float = 60.0,
+) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.rnn_backward` on CPU tensors."""
+    cell = "rnn_relu" if relu else "rnn_tanh"
+    return _backward(cell, (out,), w_hh, grad_out, grad_h, None, sums, shared_limit, resident, timeout)
+
+
+def gru_backward(
+    scales: Tensor, z: Tensor, dn: Tensor, w_hh: Tensor, grad_out: Tensor | None, sums: object = None,
+    keep_gate_grads: bool = True, grad_h: Tensor | None = None, *, shared_limit: int = SM80_OPTIN_SHARED_BYTES,
+    resident: int | None = None, timeout: float = 60.0,
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.gru_backward` on CPU tensors."""
+    return _backward("gru", (scales, z, dn), w_hh, grad_out, grad_h, None, sums, shared_limit, resident, timeout)
+
+
+def lstm_backward(
+    gates: Tensor, cells: Tensor, c0: Tensor, w_hh: Tensor, grad_out: Tensor | None, grad_cn: Tensor | None,
+    sums: object = None, keep_gate_grads: bool = True, grad_h: Tensor | None = None, *,
+    shared_limit: int = SM80_OPTIN_SHARED_BYTES, resident: int | None = None, timeout: float = 60.0,
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """:func:`lightning_bppsa.kernels.recurrent_cuda.lstm_backward` on CPU tensors."""
+    return _backward(
+        "lstm", (gates, cells, c0), w_hh, grad_out, grad_h, grad_cn, sums, shared_limit, resident, timeout
+    )

@@ -10,10 +10,11 @@ forward and backward (:class:`Backend`):
   states and factors in one pass; a backward fusing the linear scan, the gate gradients and, for small
   layers, the parameter sums of Eq. 2 (only under the plan ``linear [c]``).
 - :data:`CUDA`: the CUDA forward kernels (:mod:`lightning_bppsa.kernels.recurrent_cuda`); its backward is
-  :data:`TORCH`'s, with the scan on the CUDA scan kernels (``[cuda]`` plans), but for an LSTM planned
-  ``linear [cuda]`` whose block fits: there the fused LSTM backward kernel (:class:`FusedLstmBackward`, the
-  ``(h, c)`` recursion and its gate gradients in one launch, ~20 launches fewer than the factored scan),
-  which ``"auto"`` also plans where the model prices it below the chunked scan (:func:`scan_plan`).
+  :data:`TORCH`'s, with the scan on the CUDA scan kernels (``[cuda]`` plans), but where a ``linear [cuda]``
+  plan's factored scan would not be the warp-resident sweep (an LSTM, whose factored scan also needs ~20
+  launches for its scales, or a state wider than a warp) and the kernel's block fits: there the fused
+  backward kernel (:class:`FusedBackward`: the linear recursion and the gate gradients in one launch), which
+  ``"auto"`` also plans where the model prices it below the chunked scan (:func:`scan_plan`).
 
 :func:`plan_call` decides, once per layer call and before anything runs, which backend runs the forward
 and which the backward, and the scan's plan (:class:`LayerCall`): a kernel that cannot launch as planned
@@ -42,8 +43,8 @@ from lightning_bppsa.kernels import recurrent as native
 from lightning_bppsa.kernels import recurrent_cuda
 
 __all__ = [
-    "CUDA", "DEVICE_BACKENDS", "NATIVE", "TORCH", "Backend", "CudaBackend", "FusedLstmBackward", "LayerCall",
-    "NativeBackend", "TorchBackend", "backward", "forward_backend", "fused_lstm", "plan_call", "scan_plan",
+    "CUDA", "DEVICE_BACKENDS", "NATIVE", "TORCH", "Backend", "CudaBackend", "FusedBackward", "LayerCall",
+    "NativeBackend", "TorchBackend", "backward", "forward_backend", "fused_backward", "plan_call", "scan_plan",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -184,9 +185,9 @@ def _device_limit(device: torch.device) -> int:
     )
 
 
-class FusedLstmBackward(TorchBackend):
-    """An LSTM's backward as one CUDA kernel (``kernels.lstm_backward``: the ``(h, c)`` recursion with its gate
-    gradients), then Eq. 2's GEMMs: the backward of a ``linear [cuda]`` LSTM call whose block fits
+class FusedBackward(TorchBackend):
+    """A layer's backward as one CUDA kernel (``kernels.<cell>_backward``: the linear recursion with the gate
+    gradients), then Eq. 2's GEMMs: the backward of the ``linear [cuda]`` calls :meth:`CudaBackend.fuses`
     (:meth:`CudaBackend.backward_for`). Its forward is never asked for: :class:`CudaBackend` runs that."""
 
     name = "cuda fused"
@@ -229,7 +230,7 @@ class CudaBackend(TorchBackend):
             shared_limit,
             available,
         )
-        self.fused = FusedLstmBackward(kernels)
+        self.fused = FusedBackward(kernels)
 
     def refuses(self, cell: RecurrentCell, hidden: int, tensors: Sequence[Tensor | None]) -> str:
         """The kernels' own answer (:func:`~lightning_bppsa.kernels.recurrent_cuda.refusal`, which their
@@ -248,17 +249,20 @@ class CudaBackend(TorchBackend):
         return scan.kernel == "cuda"
 
     def fuses(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-        """Whether the fused LSTM backward kernel can run a ``cell`` layer of ``hidden`` in ``dtype`` on
-        ``device`` (an LSTM whose block fits the device: ``recurrent_cuda.backward_refusal``)."""
-        if cell.name != "lstm" or not self.available()[0]:
+        """Whether a linear scan of a ``cell`` layer of ``hidden`` in ``dtype`` on ``device`` runs as the fused
+        backward kernel: where the factored scan's linear kernel is not the warp-resident sweep (an LSTM, or a
+        state wider than a warp: the block sweep streams its operand tile from L2 every step, ~25 us a step at
+        d = 128 on an H100) and the kernel's block fits the device (``recurrent_cuda.backward_refusal``).
+        Where the warp sweep runs (RNN / GRU with H <= 32) it stays: measured there, the fused kernel not yet."""
+        if (cell.name != "lstm" and hidden <= cuda_scan.WARP) or not self.available()[0]:
             return False
         limit = self.shared_limit(torch.device(device))
-        return recurrent_cuda.backward_refusal(hidden, dtype, limit) is None
+        return recurrent_cuda.backward_refusal(cell.name, hidden, dtype, limit) is None
 
     def backward_for(self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype,
                      device: torch.device) -> Backend:  # fmt: skip
-        """The backend of a call's backward planned ``scan`` on these kernels: :attr:`fused` for an LSTM's
-        linear scan where its kernel fits, else this backend (the factored scan)."""
+        """The backend of a call's backward planned ``scan`` on these kernels: :attr:`fused` for a linear scan
+        it :meth:`fuses`, else this backend (the factored scan)."""
         fused = scan.algorithm == "linear" and self.fuses(cell, hidden, dtype, device)
         return self.fused if fused else self
 
@@ -293,10 +297,10 @@ class LayerCall:
 
     def __str__(self) -> str:
         """``"scan chunked(c=16) [cuda]"``, plus ``" (chunked asked: why)"`` where the scan kernels cannot launch
-        the algorithm asked for, ``", fused LSTM backward kernel"`` where that runs the backward
-        (:class:`FusedLstmBackward`) and ``", torch forward: why"`` where the forward kernel cannot launch."""
+        the algorithm asked for, ``", fused backward kernel"`` where that runs the backward
+        (:class:`FusedBackward`) and ``", torch forward: why"`` where the forward kernel cannot launch."""
         instead = f" ({self.scan.instead})" if self.scan.instead else ""
-        fused = ", fused LSTM backward kernel" if isinstance(self.backward, FusedLstmBackward) else ""
+        fused = ", fused backward kernel" if isinstance(self.backward, FusedBackward) else ""
         return f"scan {self.scan.text}{instead}{fused}" + (f", torch forward: {self.reason}" if self.reason else "")
 
 
@@ -336,24 +340,24 @@ def scan_plan(
                          shared_limit=shared_limit)  # fmt: skip
     if algorithm != "auto" or chosen.kernel != "cuda" or chosen.algorithm == "linear":
         return chosen
-    if not fused_lstm(cell, hidden, dtype, device):
+    if not fused_backward(cell, hidden, dtype, device):
         return chosen
-    # an LSTM: its linear scan is the fused kernel, the chunked one the factored scan (d = 2H, 5 tiles)
+    # the linear scan would be the fused kernel, the chunked one the factored scan: the model's cheaper
     element_bytes = torch.finfo(compute_dtype(dtype)).bits // 8
-    fused = cuda_step_model.fused_lstm_seconds(hidden=hidden, n=n)
+    fused = cuda_step_model.fused_seconds(gates=cell.gates, hidden=hidden, n=n)
     chunked = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
                                              element_bytes=element_bytes)  # fmt: skip
     if chunked < fused:
         return chosen
     linear = plan.choose("linear", n=n, d=d, batch=batch, width=width, device=device, dtype=dtype,
                          shared_limit=shared_limit)  # fmt: skip
-    why = f"the fused LSTM backward kernel, modelled {fused * 1e3:.3g} ms vs {chosen.text}'s {chunked * 1e3:.3g} ms"
+    why = f"the fused backward kernel, modelled {fused * 1e3:.3g} ms vs {chosen.text}'s {chunked * 1e3:.3g} ms"
     return dataclasses.replace(linear, reason=why)
 
 
-def fused_lstm(cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: str) -> bool:
-    """Whether a layer's linear scan on ``device`` runs as the fused LSTM backward kernel
-    (:meth:`CudaBackend.fuses` of the device's kernels' backend)."""
+def fused_backward(cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: str) -> bool:
+    """Whether a layer's linear scan on ``device`` runs as the fused backward kernel (:meth:`CudaBackend.fuses`
+    of the device's kernels' backend)."""
     kernels = DEVICE_BACKENDS.get(device)
     return isinstance(kernels, CudaBackend) and kernels.fuses(cell, hidden, dtype, device)
 

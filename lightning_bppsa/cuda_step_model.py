@@ -26,10 +26,10 @@ batch ``B`` and ``n`` steps (seconds):
   carries (``~ d²`` each); the chunk's sweep. Where its matrices do not fit shared memory the launch is the
   sweep (:func:`runs_chunked`), and so is the model.
 
-An LSTM whose backward runs the fused kernel (``recurrent_cuda.lstm_backward``: the ``(h, c)`` recursion and
-its gate gradients in one launch, in place of the factored scan) costs :func:`fused_lstm_seconds` instead of
-the scan kernel: NOT fitted (no GPU has run it yet), the generic forward kernel's fitted step applied to the
-same work (a thread per unit doing ``4 H`` multiply-adds against ``W_hh`` in shared memory a step).
+A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``: the linear recursion and its
+gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
+kernel: NOT fitted (no GPU has run it yet), the generic forward kernel's fitted step applied to the same
+work (a thread per unit doing ``G H`` multiply-adds against ``W_hh`` in shared memory a step).
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -50,7 +50,7 @@ from lightning_bppsa.kernels import cuda as cuda_kernel
 from lightning_bppsa.kernels import recurrent_cuda
 
 __all__ = ["KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel", "forward_seconds",
-           "fused_lstm_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
+           "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
 
 H100_SMS = 132
 H100_SHARED = 232448  # the per-block shared memory opt-in the kernels launch with on an H100
@@ -232,10 +232,10 @@ def forward_seconds(
     return n * (s.generic_step + s.generic_unit * gates * hidden)
 
 
-def fused_lstm_seconds(*, hidden: int, n: int, constants: StepConstants = STEPS) -> float:
-    """Predicted seconds of the fused LSTM backward kernel over ``n`` steps (a form, not a fit: see the module
-    docstring): ``n`` dependent steps of the generic forward kernel's cost for ``4 H`` dot-product terms."""
-    return n * (constants.generic_step + constants.generic_unit * 4 * hidden)
+def fused_seconds(*, gates: int, hidden: int, n: int, constants: StepConstants = STEPS) -> float:
+    """Predicted seconds of the fused backward kernel over ``n`` steps (a form, not a fit: see the module
+    docstring): ``n`` dependent steps of the generic forward kernel's cost for ``G H`` dot-product terms."""
+    return n * (constants.generic_step + constants.generic_unit * gates * hidden)
 
 
 def step_seconds(
@@ -254,8 +254,8 @@ def step_seconds(
     kernels: KernelConstants = KERNELS,
 ) -> float:
     """Predicted seconds of one layer's training step (forward + backward) on the ``path`` ``"torch"``
-    (cuDNN) or ``"scan"`` (its kernels, ``algorithm`` resolved by :func:`fastest_kernel`; ``fused``: an LSTM
-    whose backward is the fused kernel, :func:`fused_lstm_seconds`)."""
+    (cuDNN) or ``"scan"`` (its kernels, ``algorithm`` resolved by :func:`fastest_kernel`; ``fused``: the
+    backward is the fused kernel, :func:`fused_seconds`)."""
     s = constants
     macs = gates * hidden * hidden
     if path == "torch":
@@ -265,7 +265,7 @@ def step_seconds(
     if path != "scan":
         raise ValueError(f"path must be 'torch' or 'scan'; got {path!r}")
     if fused:
-        kernel = fused_lstm_seconds(hidden=hidden, n=n, constants=s)
+        kernel = fused_seconds(gates=gates, hidden=hidden, n=n, constants=s)
     else:
         name, chunk = fastest_kernel(
             algorithm, n=n, d=d, m=m, batch=batch, element_bytes=element_bytes, constants=kernels

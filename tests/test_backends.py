@@ -308,10 +308,11 @@ def test_dispatched_ops_plan_at_run_time_as_the_eager_layer_does(monkeypatch):
 @needs_gxx
 @pytest.mark.parametrize("given", ["all", "out only"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_cuda_fused_lstm_backward_equals_the_torch_backend_and_autograd(bias, given):
-    """The fused LSTM backward kernel (emulated) as a call's backward: the same gradients as the torch
-    backend's factored scan and as autograd, in float64."""
-    cell = CELLS["lstm"]
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cuda_fused_backward_equals_the_torch_backend_and_autograd(name, bias, given):
+    """The fused backward kernel (emulated) as a call's backward: the same gradients as the torch backend's
+    factored scan and as autograd, in float64."""
+    cell = CELLS[name]
     x, h0, c0, weights = layer_inputs(cell, bias=bias, steps=6, seed=5)
     cuda = emulated_cuda()
     out, factors = split(cell, cuda.forward(cell, x, h0, c0, weights))
@@ -324,38 +325,42 @@ def test_cuda_fused_lstm_backward_equals_the_torch_backend_and_autograd(bias, gi
     expected = backends.backward(cell, "linear", torch_call, x, h0, c0, weights, out, factors, *grads)
     assert_all_close(actual, expected)
     zero = torch.zeros_like(h0)
-    full = (grads[0], zero if grads[1] is None else grads[1], zero if grads[2] is None else grads[2])
+    full = (grads[0], zero if grads[1] is None else grads[1], None if c0 is None else zero if grads[2] is None else grads[2])
     assert_all_close(actual, autograd_reference(cell, x, h0, c0, weights, *full))
 
 
 @needs_gxx
-def test_an_lstms_linear_cuda_call_plans_the_fused_backward_only_where_its_block_fits(monkeypatch):
-    """Planned in the forward: the fused kernel where it fits (said in the plan), else the factored scan on the
-    CUDA scan kernels (a device whose shared memory holds the forward kernel's block but not the backward's:
-    the backward needs 4 H² + 8 H elements, the forward (4 H + 2) x H at H = 4 in float64)."""
+@pytest.mark.parametrize(("name", "hidden", "fuses"), [("lstm", 4, True), ("gru", 33, True), ("rnn_tanh", 40, True),
+                                                       ("gru", 32, False), ("rnn_relu", 20, False)])  # fmt: skip
+def test_a_linear_cuda_call_plans_the_fused_backward_where_the_warp_sweep_would_not_run_and_its_block_fits(
+    monkeypatch, name, hidden, fuses
+):
+    """Planned in the forward, said in the plan: an LSTM, or a state wider than a warp, runs the fused kernel
+    where its block fits; a device whose shared memory holds the forward kernel's block but not the
+    backward's (GRU, LSTM) keeps the factored scan on the CUDA scan kernels; RNN / GRU with H <= 32 keep the
+    warp sweep."""
     monkeypatch.setattr(plan, "choose", lambda algorithm, **shape: plan.Plan("cuda", "linear", 1, "stand-in"))
-    cell = CELLS["lstm"]
-    x, h0, c0, weights = layer_inputs(cell)
-    forward_bytes = recurrent_cuda.shared_bytes("lstm", 4, 8)
-    assert forward_bytes < recurrent_cuda.lstm_backward_shared_bytes(4, 8)
-    for limit, fused in ((SM80_OPTIN_SHARED_BYTES, True), (forward_bytes, False)):
+    cell = CELLS[name]
+    x, h0, c0, weights = layer_inputs(cell, hidden=hidden)
+    forward_bytes = recurrent_cuda.shared_bytes(name, hidden, 8)
+    limits = [(SM80_OPTIN_SHARED_BYTES, fuses)]
+    if forward_bytes < recurrent_cuda.backward_shared_bytes(name, hidden, 8):  # GRU, LSTM (an RNN's: equal)
+        limits.append((forward_bytes, False))
+    for limit, fused in limits:
         monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cpu": emulated_cuda(limit)})
         call = backends.plan_call(cell, "linear", x, h0, c0, weights)
         assert isinstance(call.forward, CudaBackend)
-        assert isinstance(call.backward, backends.FusedLstmBackward) == fused, (limit, call)
-        assert str(call).endswith(", fused LSTM backward kernel") == fused
-    gru = CELLS["gru"]
-    x, h0, _, weights = layer_inputs(gru)
-    assert isinstance(backends.plan_call(gru, "linear", x, h0, None, weights).backward, CudaBackend)
+        assert isinstance(call.backward, backends.FusedBackward) == fused, (limit, call)
+        assert str(call).endswith(", fused backward kernel") == fused
 
 
 @pytest.mark.parametrize(("batch", "steps", "expected"), [(16, 1034, "linear"), (1, 10000, "chunked")])
-def test_auto_plans_an_lstms_fused_backward_where_the_model_prices_it_below_the_chunked_scan(
+def test_auto_plans_the_fused_backward_where_the_model_prices_it_below_the_chunked_scan(
     monkeypatch, batch, steps, expected
 ):
     """``auto`` on CUDA: the scan model's chunked plan for an LSTM (d = 2 H) is compared with the fused
     kernel's modelled sweep (B = 16 T = 1034 H = 20: ~0.5 ms vs ~3.4 ms; B = 1 T = 10000: the chunked scan
-    is priced lower); a GRU's plan is the scan model's, untouched."""
+    is priced lower); a GRU of H = 20 keeps the scan model's plan (its linear scan is the warp sweep)."""
     chunked = plan.Plan("cuda", "chunked", 32, "stand-in chunked")
     monkeypatch.setattr(
         plan,
@@ -367,6 +372,6 @@ def test_auto_plans_an_lstms_fused_backward_where_the_model_prices_it_below_the_
     chosen = backends.scan_plan(CELLS["lstm"], "auto", **shape)
     assert chosen.algorithm == expected, chosen
     if expected == "linear":
-        assert chosen.reason.startswith("the fused LSTM backward kernel, modelled"), chosen.reason
+        assert chosen.reason.startswith("the fused backward kernel, modelled"), chosen.reason
     assert backends.scan_plan(CELLS["gru"], "auto", **shape) is chunked
     assert backends.scan_plan(CELLS["lstm"], "chunked", **shape) is chunked  # asked for: kept

@@ -290,7 +290,7 @@ def _predict(shape: LayerShape) -> tuple[float, float]:
     chosen = backends.scan_plan(cell, "auto", batch=shape.batch, n=shape.steps, hidden=shape.hidden, device=device,
                                 dtype=shape.dtype)  # fmt: skip
     if device == "cuda":
-        fused = chosen.algorithm == "linear" and backends.fused_lstm(cell, shape.hidden, shape.dtype, device)
+        fused = chosen.algorithm == "linear" and backends.fused_backward(cell, shape.hidden, shape.dtype, device)
         common = dict(gates=cell.gates, hidden=shape.hidden, d=cell.state_factor * shape.hidden,
                       m=cell.jacobian_width(shape.hidden), batch=shape.batch, n=shape.steps,
                       element_bytes=torch.finfo(compute_dtype(shape.dtype)).bits // 8)  # fmt: skip

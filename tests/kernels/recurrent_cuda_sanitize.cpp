@@ -2,7 +2,7 @@
 // tests/kernels/test_recurrent_cuda_emulated.py under AddressSanitizer + UBSan (every global buffer is an
 // exact-size heap block: an out-of-bounds access aborts) and under ThreadSanitizer (a missing barrier
 // between the state buffers' writes and reads is a data race; so is a gi-ring copy landing in a slot another
-// lane still reads; so is the LSTM backward reading a gate-gradient buffer the next step writes). Exit
+// lane still reads; so is a backward kernel reading a gate-gradient buffer the next step writes). Exit
 // status: 0 when every launch finished. The per-H float32 kernels are compiled for a few H beside the
 // shared-memory ones, with a ring of 3 slots so that 7 steps wrap it twice.
 #define BPPSA_REC_RING 3
@@ -43,20 +43,25 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
     return status;
 }
 
-// One launch of the LSTM backward; `given`: grad_out, grad_h and grad_cn given (else null).
+// One launch of a backward kernel for a cell of `gates` gates; `given`: grad_out, grad_h (and grad_cn) given.
 template <class T>
-int launch_backward(void (*entry)(const uint64_t*), bool given, long batch, long steps, long hidden) {
+int launch_backward(void (*entry)(const uint64_t*), int gates, bool given, long batch, long steps, long hidden) {
     std::vector<void*> owned;
-    const long bt = batch * steps;
-    const uint64_t args[13] = {
-        (uint64_t)filled<T>(owned, bt * 4 * hidden), (uint64_t)filled<T>(owned, bt * hidden),
-        (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)filled<T>(owned, 4 * hidden * hidden),
+    const long bt = batch * steps, gh = gates * hidden;
+    const bool gru = gates == 3, lstm = gates == 4;
+    const uint64_t args[14] = {
+        (uint64_t)filled<T>(owned, bt * (gates == 1 ? hidden : gh)),  // out / scales / gates
+        (uint64_t)(gates > 1 ? filled<T>(owned, bt * hidden) : nullptr),  // z / cells
+        (uint64_t)(gru ? filled<T>(owned, bt * hidden) : lstm ? filled<T>(owned, batch * hidden) : nullptr),
+        (uint64_t)filled<T>(owned, gh * hidden),
         (uint64_t)(given ? filled<T>(owned, bt * hidden) : nullptr),
         (uint64_t)(given ? filled<T>(owned, batch * hidden) : nullptr),
-        (uint64_t)(given ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, bt * 4 * hidden),
-        (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)batch,
-        (uint64_t)steps, (uint64_t)hidden};
-    const size_t shared = (4 * hidden * hidden + 8 * hidden) * sizeof(T);  // as recurrent_cuda.py
+        (uint64_t)(given && lstm ? filled<T>(owned, batch * hidden) : nullptr),
+        (uint64_t)filled<T>(owned, bt * gh), (uint64_t)(gru ? filled<T>(owned, bt * gh) : nullptr),
+        (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr),
+        (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
+    const long width = 16 / sizeof(T), padded = (gh + width - 1) / width * width;  // as recurrent_cuda.py
+    const size_t shared = (2 + hidden) * padded * sizeof(T);
     const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
@@ -73,8 +78,12 @@ int main() {
         status |= launch<double>(bppsa_gru_forward_f64_host, 3, {3, 1, 1}, false, false, 1, 4, hidden);
         status |= launch<float>(bppsa_lstm_forward_f32_host, 4, {1, 4}, true, false, 2, 3, hidden);
         status |= launch<double>(bppsa_lstm_forward_f64_host, 4, {1, 4}, true, false, 1, 4, hidden);
-        status |= launch_backward<float>(bppsa_lstm_backward_f32_host, true, 2, 3, hidden);
-        status |= launch_backward<double>(bppsa_lstm_backward_f64_host, false, 1, 4, hidden);
+        status |= launch_backward<float>(bppsa_rnn_tanh_backward_f32_host, 1, true, 2, 3, hidden);
+        status |= launch_backward<double>(bppsa_rnn_relu_backward_f64_host, 1, false, 1, 4, hidden);
+        status |= launch_backward<float>(bppsa_gru_backward_f32_host, 3, false, 2, 3, hidden);
+        status |= launch_backward<double>(bppsa_gru_backward_f64_host, 3, true, 1, 4, hidden);
+        status |= launch_backward<float>(bppsa_lstm_backward_f32_host, 4, true, 2, 3, hidden);
+        status |= launch_backward<double>(bppsa_lstm_backward_f64_host, 4, false, 1, 4, hidden);
     }
     // the per-H kernels: W_hh in registers, shared memory = state buffers + the gi ring
     for (long steps : {2L, 7L}) {

@@ -40,14 +40,17 @@ _NO_LAUNCH = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh",
 #: only its scratch's allocation (no launch) more than the sweep's. Since then the direct gradients are one
 #: launch (a kept zero row before grad_out), the tanh slope one (addcmul), and h0's gradient is copied out of
 #: the scan's buffer only where asked for (was RNN 45 / 16, GRU 52 / 16, LSTM 107 / 39). An LSTM's linear scan
-#: is the fused LSTM backward kernel (the recursion and its gate gradients in one launch: was 105 / 37).
+#: is the fused backward kernel (the recursion and its gate gradients in one launch: was 105 / 37), and so
+#: is the linear scan of an RNN / GRU wider than a warp ("fused" below: H = 33).
 MAX_OPS = {
     ("RNN", "chunked"): (40, 13),
     ("RNN", "linear"): (39, 13),
     ("GRU", "chunked"): (48, 14),
     ("GRU", "linear"): (47, 14),
     ("LSTM", "chunked"): (106, 37),
-    ("LSTM", "linear"): (44, 14),
+    ("LSTM", "fused"): (44, 14),
+    ("RNN", "fused"): (35, 11),
+    ("GRU", "fused"): (39, 11),
 }
 
 
@@ -113,11 +116,14 @@ def launches(monkeypatch) -> Counter:
 
 
 @needs_gxx
-@pytest.mark.parametrize("algorithm", ["chunked", "linear"])
-@pytest.mark.parametrize("kind", ["RNN", "GRU", "LSTM"])
-def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm):
+@pytest.mark.parametrize(
+    ("kind", "algorithm", "hidden"),
+    [*((kind, algorithm, 5) for kind in ("RNN", "GRU", "LSTM") for algorithm in ("chunked", "linear")),
+     ("RNN", "linear", 33), ("GRU", "linear", 33)],  # wider than a warp: the fused backward, not the sweep
+)  # fmt: skip
+def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm, hidden):
     torch.manual_seed(0)
-    batch, steps, inputs, hidden = 2, 9, 3, 5
+    batch, steps, inputs = 2, 9, 3
     layer = getattr(bnn, kind)(inputs, hidden, batch_first=True, algorithm=algorithm).double()
     reference = getattr(torch.nn, kind)(inputs, hidden, batch_first=True).double()
     reference.load_state_dict(layer.state_dict())
@@ -129,15 +135,14 @@ def test_cuda_step_ops_and_launches_are_capped(launches, kind, algorithm):
     counter = OpCounter()
     with counter:
         layer(x)[0].sum().backward()
-    fused = kind == "LSTM" and algorithm == "linear"  # the fused LSTM backward kernel, not the factored scan
-    backward_kernel = "lstm_backward" if fused else f"{'chunked' if algorithm == 'chunked' else 'warpsweep'}_factored"
-    assert dict(launches) == {
-        f"bppsa_{cells.cell_of(layer.mode).name}_forward_f64": 1,
-        f"bppsa_{backward_kernel}_f64": 1,
-    }
-    assert layer.last_stats["plan"].endswith(", fused LSTM backward kernel" if fused else "[cuda]")
+    cell = cells.cell_of(layer.mode).name
+    # an LSTM's or a wide state's linear scan is the fused backward kernel, not the factored scan
+    fused = algorithm == "linear" and (kind == "LSTM" or hidden > 32)
+    backward_kernel = f"{cell}_backward" if fused else f"{'chunked' if algorithm == 'chunked' else 'warpsweep'}_factored"
+    assert dict(launches) == {f"bppsa_{cell}_forward_f64": 1, f"bppsa_{backward_kernel}_f64": 1}
+    assert layer.last_stats["plan"].endswith(", fused backward kernel" if fused else "[cuda]")
     total, launching = sum(counter.ops.values()), counter.launching()
-    cap_total, cap_launching = MAX_OPS[(kind, algorithm)]
+    cap_total, cap_launching = MAX_OPS[(kind, "fused" if fused else algorithm)]
     assert total <= cap_total and launching <= cap_launching, (
         f"{kind} {algorithm}: {total} aten ops ({launching} launching) per step, cap {cap_total} ({cap_launching}): "
         f"{dict(sorted(counter.ops.items()))}"

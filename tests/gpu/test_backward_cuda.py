@@ -1,0 +1,83 @@
+"""The CUDA backward kernels (``bppsa_<cell>_backward_*``) on the ``backend`` (tests/gpu/conftest.py).
+
+The cases of ``tests/kernels/test_backward_cuda_emulated.py`` (torch autograd through its own layer in
+float64, the pre-activations as the layer's input), on the GPU at its sizes; and on a GPU the layers
+themselves: ``bnn.RNN/GRU/LSTM(algorithm="linear")`` plan the fused backward, launch it, and their gradients
+are as exact as cuDNN's. On a CUDA machine where the kernels cannot load these tests FAIL (never skipped
+there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_bppsa.nn as bnn
+from lightning_bppsa.testing import assert_derived_close
+
+pytestmark = pytest.mark.cuda
+
+
+def _load_cases():
+    path = Path(__file__).resolve().parents[1] / "kernels" / "test_backward_cuda_emulated.py"
+    spec = importlib.util.spec_from_file_location("_backward_emulated_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CASES = _load_cases()
+
+
+def check(cell: str, p: dict, dtype: torch.dtype, backend) -> None:
+    CASES.check(cell, p, dtype, kernels=backend.recurrent, to=lambda t: t.to(backend.device))
+
+
+@pytest.mark.parametrize("hidden", [1, 20, 33, 70])
+@pytest.mark.parametrize("cell", CASES.CELLS)
+def test_float64_matches_autograd(backend, cell, hidden):
+    for given in (True, False):
+        check(cell, CASES.make_inputs(cell, 3, 37, hidden, seed=hidden, given=given), torch.float64, backend)
+
+
+@pytest.mark.parametrize("cell", CASES.CELLS)
+def test_long_sequence_float32_as_exact_as_torch(backend, cell):
+    """B = 16, T = 1000, H = 20 on a GPU (smaller emulated): float32 within the derived tolerance of torch's
+    own float32 autograd (cuDNN on a GPU: the inputs are moved there before the baseline runs)."""
+    batch, steps = backend.size(16, 3), backend.size(1000, 50)
+    p = CASES.make_inputs(cell, batch, steps, 20, seed=7, given=True)
+    on_device = {k: None if v is None else v.to(backend.device) for k, v in p.items()}
+    actual = CASES.kernel(cell, p, torch.float32, kernels=backend.recurrent, to=lambda t: t.to(backend.device))
+    reference, baseline = CASES.autograd(cell, p, torch.float64), CASES.autograd(cell, on_device, torch.float32)
+    for name, a, r, b in zip(CASES.NAMES, actual, reference, baseline, strict=True):
+        if r is not None:
+            assert_derived_close(a, r, b.cpu(), floor=1e-6, name=f"{cell} {name}")
+
+
+# an RNN / GRU state wider than a warp (narrower ones run the warp sweep), an LSTM of any width
+@pytest.mark.parametrize(("kind", "hidden"), [("RNN", 40), ("GRU", 40), ("LSTM", 20)])
+def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden):
+    """``bnn.<kind>(algorithm="linear")`` on the GPU: the plan names the fused backward, and the gradients of
+    every parameter and of the input equal float64 autograd as closely as cuDNN's float32 ones."""
+    if not backend.is_cuda:
+        pytest.skip("the layer's CUDA plan needs a CUDA device (tests/test_backends.py runs it emulated)")
+    torch.manual_seed(0)
+    ours = getattr(bnn, kind)(12, hidden, batch_first=True, algorithm="linear").to(backend.device)
+    cudnn = getattr(torch.nn, kind)(12, hidden, batch_first=True).to(backend.device)
+    cudnn.load_state_dict(ours.state_dict())
+    exact = getattr(torch.nn, kind)(12, hidden, batch_first=True).double()
+    exact.load_state_dict(ours.state_dict())
+    x = torch.randn(16, 300, 12)
+    grads = []
+    for module, inputs in ((ours, x.to(backend.device)), (cudnn, x.to(backend.device)), (exact, x.double())):
+        inputs = inputs.clone().requires_grad_()
+        out, state = module(inputs)
+        states = state if isinstance(state, tuple) else (state,)
+        (out.square().mean() + sum(s.sum() for s in states)).backward()
+        grads.append([inputs.grad.cpu(), *(p.grad.cpu() for p in module.parameters())])
+    assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
+    for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
+        assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")

@@ -1,0 +1,200 @@
+"""The CUDA backward kernels (``bppsa_<cell>_backward_*`` in ``kernels/recurrent.cu``) on the CPU through the
+host emulation: the same source and launch (``recurrent_cuda.prepare_backward``) as on a GPU.
+
+The gradients are torch autograd's through its own layer (``torch._VF.rnn_tanh / rnn_relu / gru / lstm``) in
+float64: the layer's input is the gate pre-activation itself (``W_ih = I``, no bias), so that autograd's
+gradient of the input IS the kernel's ``d_gi``; ``d_gh`` is checked through ``W_hh``'s gradient (``d_ghᵀ
+h_prev`` summed over the steps), beside the gradients of ``h0`` (and ``c0``). The forward factors come from
+the emulated CUDA forward kernels. Float32 within ``assert_derived_close`` of the float64 truth, torch's
+float32 autograd as the baseline. The sanitized launches (ASan, TSan: the double-buffered gate gradients) are
+in ``recurrent_cuda_sanitize.cpp``; the compile gates in ``test_recurrent_cuda_emulated.py`` cover the kernels.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from lightning_bppsa.kernels import recurrent_cuda
+from lightning_bppsa.kernels import recurrent_emulated as emulated
+
+from lightning_bppsa.testing import assert_derived_close
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+
+CELLS = tuple(recurrent_cuda.CELLS)
+NAMES = ("d_gi", "grad_w_hh", "grad_h0", "grad_c0")
+
+
+def make_inputs(cell: str, batch: int, steps: int, hidden: int, seed: int, given: bool) -> dict:
+    """Random float64 pre-activations ``gi``, ``W_hh``, initial states and (``given``) upstream gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    gates = recurrent_cuda.CELLS[cell]
+
+    def rand(*shape, scale=1.0):
+        return (2 * torch.rand(*shape, dtype=torch.float64, generator=gen) - 1) * scale
+
+    lstm = cell == "lstm"
+    return {
+        "gi": rand(batch, steps, gates * hidden, scale=1.5),
+        "w_hh": rand(gates * hidden, hidden, scale=1.5 / hidden**0.5),
+        "h0": rand(batch, hidden),
+        "c0": rand(batch, hidden) if lstm else None,
+        "grad_out": rand(batch, steps, hidden) if given else None,
+        "grad_h": rand(batch, hidden) if given else None,
+        "grad_cn": rand(batch, hidden) if given and lstm else None,
+    }
+
+
+def _given(p: dict, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``p[name]`` in ``dtype``; the gradient of ``h_T`` is ones where none is given (the loss ``sum(h_T)``)."""
+    return p[name].to(dtype) if p[name] is not None else torch.ones_like(p["h0"], dtype=dtype)
+
+
+def autograd(cell: str, p: dict, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Torch's ``[d_gi, grad W_hh, grad h0, grad c0 (LSTM) or None]`` in ``dtype``."""
+    hidden = p["w_hh"].shape[1]
+    leaves = [p[k].to(dtype).requires_grad_() for k in ("gi", "w_hh", "h0")]
+    gi, w_hh, h0 = leaves
+    eye = torch.eye(gi.shape[-1], dtype=dtype, device=gi.device)
+    if cell == "lstm":
+        c0 = p["c0"].to(dtype).requires_grad_()
+        leaves.append(c0)
+        out, h_n, c_n = torch._VF.lstm(gi, (h0[None], c0[None]), [eye, w_hh], False, 1, 0.0, False, False, True)
+    else:
+        fn = {"rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu, "gru": torch._VF.gru}[cell]
+        out, h_n = fn(gi, h0[None], [eye, w_hh], False, 1, 0.0, False, False, True)
+    assert out.shape[-1] == hidden
+    loss = (h_n[0] * _given(p, "grad_h", dtype)).sum()
+    if p["grad_out"] is not None:
+        loss = loss + (out * p["grad_out"].to(dtype)).sum()
+    if p["grad_cn"] is not None:
+        loss = loss + (c_n[0] * p["grad_cn"].to(dtype)).sum()
+    grads = list(torch.autograd.grad(loss, leaves))
+    return grads if cell == "lstm" else [*grads, None]
+
+
+def kernel(cell: str, p: dict, dtype: torch.dtype, kernels=emulated, to=lambda t: t) -> list[torch.Tensor | None]:
+    """The forward kernel's factors, then the backward kernel of ``kernels``, on the tensors ``to`` places:
+    ``[d_gi, grad W_hh, grad h0, grad c0 or None]`` on the CPU (``grad W_hh = Σ d_ghᵀ h_prev``)."""
+    t = {k: None if v is None else to(v.to(dtype)) for k, v in p.items()}
+    grad_h = to(_given(p, "grad_h", dtype))
+    if cell == "lstm":
+        out, cells, gates = kernels.lstm_forward(t["gi"], t["w_hh"], t["h0"], t["c0"])
+        result = kernels.lstm_backward(gates, cells, t["c0"], t["w_hh"], t["grad_out"], t["grad_cn"],
+                                       grad_h=grad_h)  # fmt: skip
+        d_gi, d_gh, states = result[0], result[0], result[1:]
+    elif cell == "gru":
+        out, scales, z, dn = kernels.gru_forward(t["gi"], t["w_hh"], None, t["h0"])
+        result = kernels.gru_backward(scales, z, dn, t["w_hh"], t["grad_out"], grad_h=grad_h)
+        d_gi, d_gh, states = result[0], result[1], result[2:]
+    else:
+        (out,) = kernels.rnn_forward(t["gi"], t["w_hh"], None, t["h0"], cell == "rnn_relu")
+        result = kernels.rnn_backward(out, t["w_hh"], t["grad_out"], cell == "rnn_relu", grad_h=grad_h)
+        d_gi, d_gh, states = result[0], result[0], result[1:]
+    h_prev = torch.cat([t["h0"][:, None], out[:, :-1]], 1)
+    grad_w_hh = d_gh.reshape(-1, d_gh.shape[-1]).T @ h_prev.reshape(-1, h_prev.shape[-1])
+    found = [d_gi, grad_w_hh, *states, *([None] if cell != "lstm" else [])]
+    return [None if g is None else g.cpu() for g in found]
+
+
+def check(cell: str, p: dict, dtype: torch.dtype, **kernel_args) -> None:
+    actual = kernel(cell, p, dtype, **kernel_args)
+    reference = autograd(cell, p, torch.float64)
+    baseline = autograd(cell, p, dtype) if dtype != torch.float64 else [None] * 4
+    floor = 1e-12 if dtype == torch.float64 else 1e-6
+    for name, a, r, b in zip(NAMES, actual, reference, baseline, strict=True):
+        if r is None:
+            assert a is None
+            continue
+        assert a.dtype == dtype
+        assert_derived_close(a, r, None if b is None else b.cpu(), floor=floor, name=f"{cell} {name}")
+
+
+@pytest.mark.parametrize("given", [True, False])
+@pytest.mark.parametrize(("batch", "steps"), [(1, 1), (3, 6)])
+@pytest.mark.parametrize("hidden", [1, 7, 20, 33, 70])  # one warp; several (H = 70: three, __syncthreads)
+@pytest.mark.parametrize("cell", CELLS)
+def test_float64_matches_autograd(cell, hidden, batch, steps, given):
+    p = make_inputs(cell, batch, steps, hidden, seed=hidden * 10 + steps, given=given)
+    check(cell, p, torch.float64, kernels=emulated)
+
+
+@pytest.mark.parametrize("hidden", [5, 32, 40])
+@pytest.mark.parametrize("cell", CELLS)
+def test_float32_within_derived_tolerance(cell, hidden):
+    check(cell, make_inputs(cell, 2, 37, hidden, seed=hidden, given=True), torch.float32)
+
+
+def test_relu_passes_the_gradient_through_a_nan_state_as_torch():
+    """Torch's ReLU backward selects (``threshold_backward``): where ``h`` is NaN the gradient passes, where
+    ``h <= 0`` it is 0 even for a NaN gradient; a product with a mask would give NaN both times."""
+    out = torch.tensor([[[float("nan")], [-1.0], [2.0]]], dtype=torch.float64)
+    grad_out = torch.tensor([[[3.0], [float("nan")], [5.0]]], dtype=torch.float64)
+    d_a, _ = emulated.rnn_backward(out, torch.zeros(1, 1, dtype=torch.float64), grad_out, True)
+    assert d_a.flatten().tolist() == [3.0, 0.0, 5.0]
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_no_step_passes_the_given_gradients_through(cell):
+    p = make_inputs(cell, 2, 0, 3, seed=1, given=True)
+    grad_h, grad_cn = p["grad_h"], p["grad_cn"]
+    gates = recurrent_cuda.CELLS[cell]
+    empty = torch.zeros(2, 0, 3, dtype=torch.float64)
+    factors = {"rnn_tanh": (empty,), "rnn_relu": (empty,), "gru": (empty.repeat(1, 1, 3), empty, empty),
+               "lstm": (empty.repeat(1, 1, 4), empty, p["c0"])}[cell]  # fmt: skip
+    outputs = recurrent_cuda.backward(cell, factors, p["w_hh"], p["grad_out"], grad_h, grad_cn,
+                                      launcher=pytest.fail, device_type="cpu", shared_limit=1 << 20)  # fmt: skip
+    assert outputs[0].shape == (2, 0, gates * 3)
+    assert torch.equal(outputs[-2 if cell == "lstm" else -1], grad_h)
+    if cell == "lstm":
+        assert torch.equal(outputs[-1], grad_cn)
+
+
+def test_declines_what_it_cannot_run():
+    """``None`` (the layer's backward scans instead) for other dtypes, mixed dtypes, another device, a block
+    beyond the shared memory or the threads; :func:`recurrent_cuda.backward_refusal` says why, in one line."""
+    p = make_inputs("lstm", 2, 3, 4, seed=2, given=True)
+    gates, cells = torch.rand(2, 3, 16, dtype=torch.float64), torch.rand(2, 3, 4, dtype=torch.float64)
+    args = (gates, cells, p["c0"], p["w_hh"], p["grad_out"], p["grad_cn"])
+    assert emulated.lstm_backward(*args) is not None
+    assert emulated.lstm_backward(*(a.half() for a in args)) is None
+    assert emulated.lstm_backward(gates.float(), *args[1:]) is None
+    assert emulated.lstm_backward(gates.to("meta"), *args[1:]) is None
+    needed = recurrent_cuda.backward_shared_bytes("lstm", 4, 8)
+    assert emulated.lstm_backward(*args, shared_limit=needed - 1) is None
+    assert emulated.lstm_backward(*args, shared_limit=needed) is not None
+    assert "shared memory" in recurrent_cuda.backward_refusal("gru", 4, torch.float64, 100)
+    assert "float32 / float64" in recurrent_cuda.backward_refusal("rnn_tanh", 4, torch.float16, 1 << 20)
+    assert "at most 256" in recurrent_cuda.backward_refusal("rnn_relu", 257, torch.float32, 1 << 30)
+    assert recurrent_cuda.backward_refusal("lstm", 4, torch.float32, 1 << 20) is None
+    with pytest.raises(ValueError, match="cell must be one of"):
+        recurrent_cuda.backward_refusal("elman", 4, torch.float32, 1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("index", "bad", "message"),
+    [
+        (0, torch.zeros(2, 3, 15), "gates must be"),
+        (1, torch.zeros(2, 3, 5), "cells must be"),
+        (2, torch.zeros(3, 4), "c0 must be"),
+        (3, torch.zeros(4, 4), "w_hh must be"),
+        (4, torch.zeros(2, 4, 4), "grad_out must be"),
+        (5, torch.zeros(2, 5), "grad_cn must be"),
+    ],
+)
+def test_bad_shapes_name_the_argument(index, bad, message):
+    args = [torch.zeros(2, 3, 16), torch.zeros(2, 3, 4), torch.zeros(2, 4), torch.zeros(16, 4),
+            torch.zeros(2, 3, 4), torch.zeros(2, 4)]  # fmt: skip
+    args[index] = bad
+    with pytest.raises(ValueError, match=message):
+        emulated.lstm_backward(*args)
+    with pytest.raises(ValueError, match="dn must be"):
+        emulated.gru_backward(torch.zeros(2, 3, 12), torch.zeros(2, 3, 4), torch.zeros(2, 3, 5), torch.zeros(12, 4),
+                              None)  # fmt: skip
+
+
+def test_sums_are_refused():
+    with pytest.raises(ValueError, match="sums=None"):
+        emulated.rnn_backward(torch.zeros(2, 3, 4), torch.zeros(4, 4), None, False, sums=object())
