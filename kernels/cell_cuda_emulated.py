@@ -33,7 +33,8 @@ class EmulatedBackend:
         self, *, shared_limit: int = H100_SHARED_BYTES, timeout: float = 60.0, seed: int = 1
     ) -> None:
         self._shared_limit, self._timeout, self._seed = shared_limit, timeout, seed
-        self.launches: list[tuple[str, int, int, int]] = []  # (kernel, grid, block, shared bytes), in order
+        # (entry point, grid, block, shared bytes), in order
+        self.launches: list[tuple[str, int, int, int]] = []
 
     def shared_limit(self, device: torch.device) -> int:
         return self._shared_limit
@@ -65,7 +66,7 @@ class EmulatedBackend:
         library = self.load(source, device)  # built once per source
         words = (ctypes.c_uint64 * len(args))(*args)
         entry = ctypes.cast(getattr(library, f"{launch.entry}_host"), ctypes.c_void_p)
-        self.launches.append((launch.kernel, launch.grid, launch.block, launch.shared_bytes))
+        self.launches.append((launch.entry, launch.grid, launch.block, launch.shared_bytes))
         status = library.bppsa_emu_launch(
             entry,
             words,

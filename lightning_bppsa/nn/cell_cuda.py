@@ -148,8 +148,10 @@ _DEFINE = re.compile(r"const REAL (\w+) = (.*);")
 _STORE = re.compile(r"(?:next|scales|diagonal|fpart)\[.*\] = .*;")
 _LEAF = re.compile(r"(?:prev|piece)\[\d+ \+ j\]|in\d+(?:\[j\])?")  # a read of the step's inputs
 _NAMES = re.compile(r"\b(?:[vd]_\w+|in\d+)\b")
-# the offsets an item's index moves: ``[o + j]``, ``[row * W + o + j]`` (columns of a row), ``= o + j``
-_OFFSET = re.compile(r"(\[(?:row \* \d+ \+ )?|= )(\d+)( \+ j\b)")
+# the offsets an item's index moves: ``[o + j]``, ``[row * W + o + j]`` (columns of a row), ``= o + j``, and the
+# input values it reads (``in[o]``, ``stride[o]``)
+_OFFSET = re.compile(r"(\[(?:row \* \d+ \+ )?|= |\b(?:in|stride)\[)(\d+)( \+ j\b|\])")
+_NAMED = re.compile(r"const REAL(?:\* restrict)? (\w+) = ")
 _SUM = re.compile(r"(S|F)\((\d+)\) \* G\((\d+)\)")
 
 
@@ -199,7 +201,7 @@ def _templated(lines: list[str]) -> tuple[str, tuple[int, ...]]:
     """``lines`` with their computed names numbered in order (t0, t1, ...) and their offsets taken out."""
     names: dict[str, str] = {}
     for line in lines:
-        if defined := _DEFINE.fullmatch(line):
+        if defined := _NAMED.match(line):
             names[defined.group(1)] = f"t{len(names)}"
     text = _NAMES.sub(lambda n: names.get(n.group(), n.group()), "\n".join(lines))
     offsets = tuple(int(o.group(2)) for o in _OFFSET.finditer(text))

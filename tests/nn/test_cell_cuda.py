@@ -123,9 +123,12 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged)
     assert [(launch.grid, launch.block, launch.staged) for launch in expected] == [
         (batch, 32 * -(-hidden // 32), staged)
     ] * 2
-    assert backend.launches[:2] == [
-        (launch.kernel, launch.grid, launch.block, launch.shared_bytes) for launch in expected
+    assert backend.launches[:2] == [  # the weights' reads compiled for where they are (staged: shared memory)
+        (launch.entry, launch.grid, launch.block, launch.shared_bytes) for launch in expected
     ]
+    assert backend.launches[0][0] == (
+        "bppsa_cell_cuda_forward" if staged else "bppsa_cell_cuda_forward_global"
+    )
 
 
 def test_launches_stage_the_read_weight_rows_and_the_products_grid_covers_every_row():
