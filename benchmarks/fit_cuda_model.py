@@ -85,9 +85,11 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 def scan_plan(plan: str, n: int) -> tuple[str, int] | None:
     """``(algorithm, chunk)`` of a ``last_stats["plan"]`` that ran the CUDA scan (``"scan linear [cuda]"``,
-    ``"scan chunked(c=64) [cuda]"``, maybe followed by ``", torch forward: ..."``); ``None`` for any other."""
+    ``"scan chunked(c=64) [cuda]"``, maybe followed by ``", torch forward: ..."``); ``None`` for any other,
+    also where the fused backward kernel ran instead of the factored scan (``", fused backward kernel"``: its
+    time is not the scan kernels', whose constants these rows fit)."""
     found = re.match(r"scan (linear|chunked)(?:\(c=(\d+)\))? \[cuda\]", plan)
-    if found is None:
+    if found is None or "fused backward kernel" in plan:
         return None
     return found.group(1), int(found.group(2) or n)
 

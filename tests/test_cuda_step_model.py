@@ -166,3 +166,18 @@ def test_the_forward_kernel_family_follows_the_kernels_compiled_per_hidden_size(
 def test_bad_path_is_refused_with_its_name():
     with pytest.raises(ValueError, match="path must be 'torch' or 'scan'; got 'cudnn'"):
         model.step_seconds("cudnn", gates=1, hidden=8, d=8, m=8, batch=1, n=10)
+
+
+def test_the_fused_backward_is_priced_as_the_generic_kernels_step_and_its_rows_are_not_fitted_as_the_scan():
+    """The fused backward kernel (not yet measured): ``n`` steps of the generic forward kernel's fitted cost for
+    ``G H`` terms, in place of the scan kernel in the scan path's step; a calibration row whose plan says the
+    fused kernel ran is not read as a factored scan's."""
+    s = model.STEPS
+    assert model.fused_seconds(gates=4, hidden=20, n=1000) == 1000 * (s.generic_step + s.generic_unit * 80)
+    shape = dict(gates=4, hidden=20, d=40, m=200, batch=16, n=1000)
+    scan, fused = model.step_seconds("scan", **shape), model.step_seconds("scan", fused=True, **shape)
+    name, chunk = model.fastest_kernel("auto", n=1000, d=40, m=200, batch=16)
+    kernel = model.kernel_seconds(name, n=1000, d=40, m=200, batch=16, chunk=chunk)
+    assert fused - scan == pytest.approx(model.fused_seconds(gates=4, hidden=20, n=1000) - kernel)
+    assert fit.scan_plan("scan linear [cuda]", 1000) == ("linear", 1000)
+    assert fit.scan_plan("scan linear [cuda], fused backward kernel", 1000) is None
