@@ -375,3 +375,39 @@ def test_auto_plans_the_fused_backward_where_the_model_prices_it_below_the_chunk
         assert chosen.reason.startswith("the fused backward kernel, modelled"), chosen.reason
     assert backends.scan_plan(CELLS["gru"], "auto", **shape) is chunked
     assert backends.scan_plan(CELLS["lstm"], "chunked", **shape) is chunked  # asked for: kept
+
+
+@needs_gxx
+@pytest.mark.parametrize(("kind", "hidden"), [("LSTM", 5), ("GRU", 33), ("RNN", 34)])
+def test_stacked_bidirectional_layers_on_the_fused_backward_equal_torchs(monkeypatch, kind, hidden):
+    """Two layers, both directions, dropout off, an initial state given: every layer call plans the fused
+    backward (emulated CUDA kernels on CPU tensors, planned as on CUDA) and the gradients of the input, the
+    initial states and every parameter are torch's in float64."""
+    real_choose = plan.choose
+    monkeypatch.setattr(
+        plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
+    )
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cpu": emulated_cuda()})
+    monkeypatch.setattr(backends.cuda_scan, "available", lambda: (True, ""))
+    monkeypatch.setattr(backends.cuda_scan, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES)
+    plan._choose.cache_clear()
+    try:
+        torch.manual_seed(0)
+        ours = getattr(bnn, kind)(3, hidden, num_layers=2, bidirectional=True, batch_first=True, algorithm="linear")
+        reference = getattr(torch.nn, kind)(3, hidden, num_layers=2, bidirectional=True, batch_first=True)
+        ours, reference = ours.double(), reference.double()
+        reference.load_state_dict(ours.state_dict())
+        x = torch.randn(2, 6, 3, dtype=F64)
+        states = [torch.randn(4, 2, hidden, dtype=F64) for _ in range(2 if kind == "LSTM" else 1)]
+        grads = []
+        for module in (ours, reference):
+            inputs = [x.clone().requires_grad_(), *(s.clone().requires_grad_() for s in states)]
+            hx = tuple(inputs[1:]) if kind == "LSTM" else inputs[1]
+            out, last = module(inputs[0], hx)
+            last = last if isinstance(last, tuple) else (last,)
+            (out.sin().sum() + sum(s.square().sum() for s in last)).backward()
+            grads.append([t.grad for t in inputs] + [p.grad for p in module.parameters()])
+        assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
+        assert_all_close(grads[0], grads[1])
+    finally:
+        plan._choose.cache_clear()
