@@ -3,7 +3,8 @@
 For tests on machines without a GPU: the generated source, the very text NVRTC compiles on a GPU, built with
 g++ and ``cuda_host_emulation.h`` (one OS thread per CUDA thread), launched with the launches
 :func:`lightning_bppsa.nn.cell_cuda.launch_config` computes, on CPU tensors. Keep grids tiny: a forward or a
-backward is one block of ``32 ceil(H / 32)`` threads per batch row (more where ``H < 32``: up to 256).
+backward is one block of ``32 ceil(H / 32)`` threads per batch row (where ``H < 32``: one per item of the step,
+piece coordinate or read column, up to 256).
 """
 
 from __future__ import annotations

@@ -9,20 +9,37 @@ this module's :data:`TARGET`: device functions, one thread per coordinate instea
 
 - the forward loop (one block per batch row): the states and, with partials, the Jacobians' factors and the
   partials by the input part's values, in one pass (the input projection is one torch GEMM before it, as on
-  the CPU); below a warp's width (``H < 32``: :data:`SPREAD_BELOW`) the forward and the backward share their
-  products with the weights over a block of up to :data:`MAX_THREADS` threads (a state of widths (31, 33) is
-  64 blocks of width 1: one thread per coordinate left one thread doing a step's 64 x 64 multiply-adds);
+  the CPU);
 - the backward (one block per batch row): the reverse linear sweep of the factored Jacobians fused with the
   products the parameter VJP needs; the weights' GEMMs then run in torch (:meth:`CellKernel.vjp`);
 - the products alone, after a scan that ran elsewhere (``"blelloch"`` / ``"chunked"``).
+
+The forward and the backward have two entry points each (:data:`ENTRIES`): the pieces' weights staged in shared
+memory, or (``_global``) read from global memory where they do not fit; each compiles its weight reads for where
+they are (a runtime flag made them generic loads). Below a warp's width (``H < 32``: :data:`SPREAD_BELOW`) a
+step's work is shared over a block of up to :data:`MAX_THREADS` threads: a state of widths (31, 33) is 64 blocks
+of width 1, and one thread per coordinate left one thread doing all of a step. The products with the weights go
+one thread per piece coordinate / read column; the pointwise part goes as items (:func:`generate`): the generated
+step of one coordinate splits into parts that share no computed value, parts whose statements differ only by
+offsets affine in their index are one kind, and each (kind, index, coordinate) is one thread's item; the
+backward's products and its new states' gradient likewise.
+
+Modelled effect (a model from nvcc 13.0's sm_90 SASS, float32, ``CoprimeWidths`` at H = 32; NOT a measurement:
+no GPU timed it): the instructions the busiest thread runs a step, beside the products with the weights (about
+150, unchanged since they were spread), fall in the forward with partials from about 1650 (thread 0: 64 parts'
+tanh, partials, stores and the 64 state copies) to about 75 (one part, one state copy), and in the backward from
+about 950 (64 products and 64 coordinates of g_{t-1}) to about 85, for one more barrier (three a step). A step
+was issue-bound on thread 0 (about 1 instruction a cycle: ~1800 and ~1100 cycles); it becomes bound by the
+64-long multiply-add chain of the products (~256 cycles at 4 a step), one part's activation (~100-150) and the
+barriers, i.e. ~4x and ~3x fewer cycles per step in the forward and the backward loops. The products' chain is
+the next limit (splitting the sums would change their order from the CPU loop's).
 
 :class:`CudaCellKernel` is a :class:`~lightning_bppsa.nn.cell_kernel.CellKernel` whose compiled library is
 these launches (:class:`_Launches` takes the C functions' arguments): its forward, scan, products and VJP are
 the CPU kernel's own code. The kernels are built by a :class:`Backend`: NVRTC through the package's CuPy
 loader :mod:`lightning_bppsa.kernels.cupy_loader` (:class:`CupyBackend`, the default), or the host emulation
 (:mod:`lightning_bppsa.kernels.cell_cuda_emulated`: the same source text through g++, the same launches, on
-CPU tensors). The pieces' weights are staged in shared memory where they fit the device's, else read from
-global memory. Where the source cannot be made (an op the generator does not compile), ``H > 256`` (one
+CPU tensors). Where the source cannot be made (an op the generator does not compile), ``H > 256`` (one
 thread per coordinate), the device has no room for the state buffers, or the kernels do not build or load
 (no CuPy, no NVRTC), construction raises :class:`~lightning_bppsa.nn.cell_kernel.Unsupported` or
 :class:`RuntimeError` and :class:`~lightning_bppsa.nn.Recurrence` keeps the torch path with the reason.
