@@ -543,11 +543,12 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         shared_forward<T, CELL>(BPPSA_REC_LAYER(T));                                                        \
     }                                                                                                       \
     BPPSA_ENTRY(bppsa_##NAME##_forward_##SUFFIX, BPPSA_REC_PARAMS(T), BPPSA_REC_HOST_ARGS(T))
-#define BPPSA_REC_KERNELS(T, SUFFIX)                 \
-    BPPSA_REC_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX) \
-    BPPSA_REC_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX) \
-    BPPSA_REC_KERNEL(gru, kGru, T, SUFFIX)          \
-    BPPSA_REC_KERNEL(lstm, kLstm, T, SUFFIX)
+// KERNEL(NAME, CELL, T, SUFFIX) for each of the four cells
+#define BPPSA_REC_EACH_CELL(KERNEL, T, SUFFIX) \
+    KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX)     \
+    KERNEL(rnn_relu, kRnnRelu, T, SUFFIX)     \
+    KERNEL(gru, kGru, T, SUFFIX)              \
+    KERNEL(lstm, kLstm, T, SUFFIX)
 
 // the backward kernels (in the default module)
 #define BPPSA_BWD_PARAMS(T)                                                                                  \
@@ -565,21 +566,16 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                                                gc0, batch, steps, (int)hidden});                              \
     }                                                                                                        \
     BPPSA_ENTRY(bppsa_##NAME##_backward_##SUFFIX, BPPSA_BWD_PARAMS(T), BPPSA_BWD_HOST_ARGS(T))
-#define BPPSA_BWD_KERNELS(T, SUFFIX)                 \
-    BPPSA_BWD_KERNEL(rnn_tanh, kRnnTanh, T, SUFFIX) \
-    BPPSA_BWD_KERNEL(rnn_relu, kRnnRelu, T, SUFFIX) \
-    BPPSA_BWD_KERNEL(gru, kGru, T, SUFFIX)          \
-    BPPSA_BWD_KERNEL(lstm, kLstm, T, SUFFIX)
 
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
 #ifdef BPPSA_REC_HIDDEN
 BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
 #else
-BPPSA_REC_KERNELS(float, f32)
-BPPSA_REC_KERNELS(double, f64)
-BPPSA_BWD_KERNELS(float, f32)
-BPPSA_BWD_KERNELS(double, f64)
+BPPSA_REC_EACH_CELL(BPPSA_REC_KERNEL, float, f32)
+BPPSA_REC_EACH_CELL(BPPSA_REC_KERNEL, double, f64)
+BPPSA_REC_EACH_CELL(BPPSA_BWD_KERNEL, float, f32)
+BPPSA_REC_EACH_CELL(BPPSA_BWD_KERNEL, double, f64)
 #ifdef BPPSA_REC_HIDDEN_LIST
 BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
 #endif
