@@ -326,6 +326,22 @@ def _kernel_call(factors: tuple, algorithm: str, chunk: int) -> Callable[[], obj
     return lambda: kernels.scan_factored(*factors, algorithm, chunk)
 
 
+def _fused_call(batch: int, length: int, hidden: int, device: str) -> Callable[[], object] | str:
+    """One launch of the fused RNN backward kernel alone (``recurrent_cuda.rnn_backward``) on contracting random
+    states, or why it cannot launch on this device."""
+    from lightning_bppsa.kernels import cuda as kernels
+    from lightning_bppsa.kernels import recurrent_cuda
+
+    limit = kernels.device_shared_limit(torch.cuda.current_device())
+    refused = recurrent_cuda.backward_refusal("rnn_tanh", hidden, torch.float32, limit)
+    if refused is not None:
+        return f"refused: {refused}"
+    out = torch.rand(batch, length, hidden, device=device) * 2 - 1
+    weight = torch.randn(hidden, hidden, device=device) / hidden**0.5
+    grad = torch.randn(batch, length, hidden, device=device)
+    return lambda: recurrent_cuda.rnn_backward(out, weight, grad, False)
+
+
 # --------------------------------------------------------------------------------------------------
 # Stage 1: tests/gpu
 # --------------------------------------------------------------------------------------------------
@@ -610,7 +626,8 @@ def calib_shape(
 ) -> list[dict[str, str]]:
     """Every calibration row of one RNN shape (tanh, input 1) in :data:`CALIB_COLUMNS`, within ``budget`` seconds:
     whole step and no-grad forward of cuDNN and of BPPSA "auto", the whole step with the scan forced linear
-    and chunked (the chunk the plan chose), and the scan kernel alone (linear, chunked c in ``kernel_chunks``)."""
+    and chunked (the chunk the plan chose), the scan kernel alone (linear, chunked c in ``kernel_chunks``) and
+    the fused backward kernel alone (``fused_kernel``: the model's :func:`fused_seconds` is not yet fitted)."""
     out: list[dict[str, str]] = []
 
     def add(
@@ -681,6 +698,15 @@ def calib_shape(
             call = {"kernel": _kernel_call(factors, algorithm, chunk)}
             seconds = interleaved(runner, call, share / len(launches), None if ms is None else ms / 1e3)
             add("kernel", seconds["kernel"], algorithm, chunk)
+    factors = None  # released before the fused kernel's own tensors
+    if runner.device != "cuda":
+        add("fused_kernel", NO_CUDA, "fused", length)
+    elif runner.left() <= 0:
+        add("fused_kernel", SKIPPED, "fused", length)
+    else:
+        fused = _fused_call(batch, length, d, runner.device)
+        seconds = fused if isinstance(fused, str) else interleaved(runner, {"fused": fused}, share, None)["fused"]
+        add("fused_kernel", seconds, "fused", length)
     return out
 
 
@@ -731,7 +757,7 @@ def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: 
             ratios.append((cudnn / ours, d, batch, length))
         forced = [_row_ms(found.get(f"step_scan{a}")) for a in ("linear", "chunked")]
         lines.append(f"| {d} | {batch} | {length} | {ms_text(cudnn)} | {ms_text(ours)} | {ratio} | {found['step_bppsa']['plan']} "
-                     f"| {' | '.join(forced)} |")  # fmt: skip
+                     f"| {' | '.join(forced)} | {_row_ms(found.get('fused_kernel'))} |")  # fmt: skip
     below = [r for r in ratios if r[0] < 0.9]
     worst = min(ratios, default=None)
     summary = f"{len(below)} of {len(ratios)} measured shapes below 0.9x cuDNN" + (
@@ -742,10 +768,13 @@ def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: 
         "`last_stats[\"plan\"]` after a step, and `note`: why a row has no ms). Whole training step, loss = sum of the "
         f"last output step; median of {runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up steps, "
         f"{runner.timer}. Ratio = cuDNN / BPPSA; forced = `algorithm=\"linear\"` / `\"chunked\"` (the chunk the plan chose). "
-        f"Forced scans and kernels whose one call took > {SLOW_MS:.0f} ms on the H100 are skipped.\n\n"
+        f"Forced scans and kernels whose one call took > {SLOW_MS:.0f} ms on the H100 are skipped. Fused kernel = the "
+        "fused backward kernel alone (`recurrent_cuda.rnn_backward`, what a linear plan runs where the warp sweep "
+        "does not).\n\n"
         f"Shapes done: {shapes_done} of {shapes} (a skipped measurement says why). **{summary}**\n\n"
-        "| d | B | T | cuDNN step ms | BPPSA step ms | ratio | BPPSA plan | forced linear step ms | forced chunked step ms |\n"
-        "|" + " --- |" * 9 + "\n" + "".join(line + "\n" for line in lines)
+        "| d | B | T | cuDNN step ms | BPPSA step ms | ratio | BPPSA plan | forced linear step ms | forced chunked step ms "
+        "| fused kernel ms |\n"
+        "|" + " --- |" * 10 + "\n" + "".join(line + "\n" for line in lines)
     )  # fmt: skip
     write(runner, "cuda-calib.md", text)
 

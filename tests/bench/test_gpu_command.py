@@ -126,10 +126,11 @@ def test_the_calibration_csv_has_the_committed_columns_and_every_row(full_run: P
     rows = _calibration(full_run)
     s = bench.TINY_SHAPES
     launches = {t: 1 + sum(c < t for c in s.kernel_chunks) for t in s.calib_length}
-    expected = sum(6 + launches[t] for t in s.calib_length) * len(s.calib_d) * len(s.calib_batch)
+    expected = sum(7 + launches[t] for t in s.calib_length) * len(s.calib_d) * len(s.calib_batch)
     assert len(rows) == expected
+    assert sum(row["what"] == "fused_kernel" for row in rows) == len(s.calib_d) * len(s.calib_batch) * len(s.calib_length)
     for row in rows:
-        if row["what"] == "kernel":
+        if row["what"] in ("kernel", "fused_kernel"):
             assert row["ms"] == "" and row["note"] == bench.NO_CUDA
         else:
             assert float(row["ms"]) > 0
@@ -167,7 +168,7 @@ def test_past_the_deadline_every_later_stage_is_written_as_skipped(
     assert "1 failed, 2 passed" in _read(tmp_path, "cuda-tests.md")
     rows = _table_rows(_read(tmp_path, "cuda-step.md"))
     assert len(rows) == 3 and all(cell == bench.SKIPPED for row in rows for cell in row[5:])
-    calibration = [row for row in _calibration(tmp_path) if row["what"] != "kernel"]
+    calibration = [row for row in _calibration(tmp_path) if row["what"] not in ("kernel", "fused_kernel")]
     assert calibration and all(row["ms"] == "" and row["note"] == bench.SKIPPED for row in calibration)
     rows = _table_rows(_read(tmp_path, "cuda-gpu.md"))
     assert len(rows) == 2 and all(row[4] == bench.SKIPPED for row in rows)
