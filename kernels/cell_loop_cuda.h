@@ -172,11 +172,11 @@ __device__ __forceinline__ void cell_backward(i64 steps, const REAL* __restrict_
     REAL* gs = column + (CELL_SPREAD ? CELL_CW : 0);  // CELL_SPREAD: 2 x D, the states' gradient g_t, g_{t-1}
     REAL* shared_w = gs + (CELL_SPREAD ? 2 * D : 0);  // KH x CELL_CW where staged
     const REAL* w = STAGED ? shared_w : wt + CLO;  // row r of the read columns at w + r * ws
-    constexpr int ws = STAGED ? CELL_CW : D;
+    constexpr int ws = STAGED && CELL_CW > 0 ? CELL_CW : D;  // (no pieces read the state: nothing staged)
     const i64 b = blockIdx.x;
     const int j = threadIdx.x;
     if (STAGED)
-        for (int e = j; e < KH * CELL_CW; e += blockDim.x) shared_w[e] = wt[(e / CELL_CW) * D + CLO + e % CELL_CW];
+        for (int e = j; e < KH * CELL_CW; e += blockDim.x) shared_w[e] = wt[(e / ws) * D + CLO + e % ws];
     const REAL* given = direct_width > 0 ? direct + b * batch_stride : nullptr;  // s_t's at (t - 1) step_stride
 #if CELL_SPREAD
     for (int c = j; c < D; c += blockDim.x)

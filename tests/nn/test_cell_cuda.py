@@ -300,11 +300,12 @@ def test_the_cupy_backend_loads_every_kernel_and_launches_through_the_packages_l
 @pytest.mark.slow  # ~1-2 s of nvcc per source
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_nvcc_compiles_the_generated_source(tmp_path, dtype):
-    """The text NVRTC gets on a GPU, through nvcc for sm_90 (no GPU needed): every cell of the op corpus."""
+    """The text NVRTC gets on a GPU, through nvcc for sm_90 (no GPU needed): every cell of the op corpus, and one
+    whose pieces read no state (MinGRU: no weight columns to stage, once a division by zero)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH: the CUDA compile check needs the CUDA toolkit (no GPU needed)")
-    for cell_type in CELLS:
+    for cell_type in [*CELLS, CORPUS.MinGRU]:
         structure, _ = _structure(cell_type(3, 5).to(dtype), 2, dtype)
         source, *_ = generate(structure, dtype)
         path = tmp_path / f"{cell_type.__name__}.cu"
