@@ -70,6 +70,7 @@ using i64 = long long;
 [[maybe_unused]] constexpr int kMaxThreads = 256;  // family 2: H <= 256, one thread per hidden unit
 constexpr int kRing = BPPSA_REC_RING;
 static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one being filled");
+constexpr int kBackwardAhead = 4;  // steps of operands a backward thread has in flight (cell_backward)
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
 
@@ -368,9 +369,9 @@ __device__ void shared_forward(const Layer<T>& p) {
 // here all of it stays in registers, the only cross-thread step being the product r W_hh. A step's
 // dependent path: the unit's few multiplies (the LSTM's tanh), one shared store per gate, one barrier, then
 // G H multiply-adds against W_hh's column j (shared memory, w[r H + j] = W_hh[r][j]: neighbouring threads
-// read neighbouring words) with r read as broadcast 16-byte vectors. The unit's operands of step t - 1 are
-// loaded at the start of step t, off that path. r is double-buffered (step t writes buffer t & 1): one
-// barrier per step suffices, as in family 2. Rows of r and W_hh are padded to P = G H rounded up to whole
+// read neighbouring words) with r read as broadcast 16-byte vectors. The unit's operands are loaded
+// kBackwardAhead steps ahead into registers, off that path. r is double-buffered (step t writes buffer
+// t & 1): one barrier per step suffices, as in family 2. Rows of r and W_hh are padded to P = G H rounded up to whole
 // 16-byte vectors (zeros). Shared memory: (2 + H) P elements (backward_shared_bytes in recurrent_cuda.py).
 
 template <class T>
@@ -459,51 +460,59 @@ __device__ void cell_backward(const CellBackward<T>& p) {
     for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
     for (int e = GH + threadIdx.x; e < P; e += blockDim.x) rows[e] = rows[P + e] = T(0);  // the padding
 
-    UnitOperands<T, C> now{}, next{};
-    T g = T(0), gc = T(0), direct = T(0), carried = T(0);
-    if (active) {
-        now.load(p, b, steps - 1, H, j);
-        direct = p.grad_out ? p.grad_out[(b * steps + steps - 1) * H + j] : T(0);
-        if (p.grad_h) direct += p.grad_h[b * H + j];
-        if (C == kLstm && p.grad_cn) gc = p.grad_cn[b * H + j];
-    }
+    // Unit j's operands of the next K steps, in flight in registers: ring[k] holds those of the steps
+    // t = base - k of the current group and is refilled, right after its step used it, with those of
+    // t - K. The time loop is unrolled by K so that k is a compile-time index: no register moves, which
+    // would wait for the loads (a lead of one step, ~0.2-0.3 us, would not cover a global load's latency).
+    UnitOperands<T, C> ring[kBackwardAhead];
+    T direct[kBackwardAhead];
+    const auto load = [&](UnitOperands<T, C>& unit, T& gradient, i64 t) {
+        if (!active || t < 0) return;
+        unit.load(p, b, t, H, j);
+        gradient = p.grad_out ? p.grad_out[(b * steps + t) * H + j] : T(0);
+        if (t == steps - 1 && p.grad_h) gradient += p.grad_h[b * H + j];
+    };
+#pragma unroll
+    for (int k = 0; k < kBackwardAhead; ++k) load(ring[k], direct[k], steps - 1 - k);
+    T gc = C == kLstm && active && p.grad_cn ? p.grad_cn[b * H + j] : T(0), carried = T(0);
     __syncthreads();  // W_hh and the padding staged
 
     const T* w_own = w + j;
-    for (i64 t = steps - 1; t >= 0; --t) {
-        T* r_shared = rows + (t & 1) * P;
-        if (active) {
-            g = carried + direct;
-            T r[G];
-            const i64 at = (b * steps + t) * GH + j;
-            carried = unit_backward<T, C>(now, g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H);
+    for (i64 base = steps - 1; base >= 0; base -= kBackwardAhead) {
 #pragma unroll
-            for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
-            if (t > 0) {  // step t - 1's operands, loaded while the block meets at the barrier
-                next.load(p, b, t - 1, H, j);
-                direct = p.grad_out ? p.grad_out[(b * steps + t - 1) * H + j] : T(0);
+        for (int k = 0; k < kBackwardAhead; ++k) {
+            const i64 t = base - k;
+            if (t < 0) break;  // the same t in every thread: the barriers stay uniform
+            T* r_shared = rows + (t & 1) * P;
+            if (active) {
+                const T g = carried + direct[k];
+                T r[G];
+                const i64 at = (b * steps + t) * GH + j;
+                carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H);
+#pragma unroll
+                for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
             }
-        }
-        // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
-        if (one_warp)
-            bppsa_rec::warp_barrier();
-        else
-            __syncthreads();
-        if (active) {
-            T acc[V];
+            load(ring[k], direct[k], t - kBackwardAhead);  // in flight while the block meets and multiplies
+            // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
+            if (one_warp)
+                bppsa_rec::warp_barrier();
+            else
+                __syncthreads();
+            if (active) {
+                T acc[V];
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[v] = T(0);
-            const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
-            for (int rc = 0; rc < P / V; ++rc) {
-                const Pack<T> rv = r_packs[rc];  // one broadcast 16-byte read
+                for (int v = 0; v < V; ++v) acc[v] = T(0);
+                const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
+                for (int rc = 0; rc < P / V; ++rc) {
+                    const Pack<T> rv = r_packs[rc];  // one broadcast 16-byte read
 #pragma unroll
-                for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
+                    for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
+                }
+                T sum = acc[0];
+#pragma unroll
+                for (int v = 1; v < V; ++v) sum += acc[v];
+                carried += sum;  // the GRU's diagonal part plus r W_hh
             }
-            T sum = acc[0];
-#pragma unroll
-            for (int v = 1; v < V; ++v) sum += acc[v];
-            carried += sum;  // the GRU's diagonal part plus r W_hh
-            now = next;
         }
     }
     if (active) {
