@@ -29,7 +29,8 @@
      runs the step (values, and with partials the scales, diagonal and input partials straight to global
      memory) and copies its new coordinates to the states (one barrier per step). CELL_SPREAD: every thread
      a share of the pieces' coordinates, a barrier, a share of the step's items, a barrier; the states are
-     copied out a step later, by every thread.
+     copied out a step later, by every thread; the offsets of step t + 1 are copied into shared memory
+     (cp.async) during step t.
    bppsa_cell_cuda_backward (and _global): the reverse linear sweep of the factored Jacobians fused with the
      products the parameter VJP needs, one block per batch row: thread j keeps g_t at its coordinates (M
      registers); per step it writes its products (g times the partials by every piece and input value, summed
@@ -38,7 +39,8 @@
      (staged as the forward's), plus the diagonal (one state) or the kept columns of the identity tiles of the
      states read directly, plus the direct gradient. CELL_SPREAD: g_t in shared memory (two buffers); the
      product items, a barrier, every thread a share of the columns' sums, a barrier, the gradient items, a
-     barrier.
+     barrier; what the items read of step t - 1's row (CELL_ROW: scales, input partials, diagonal, direct
+     gradient) is copied into shared memory (cp.async) during step t.
    bppsa_cell_cotangent: the products of every row from a states' gradient the scan made elsewhere
      (a grid-stride loop over (row, j)). */
 
@@ -74,6 +76,17 @@ __device__ __forceinline__ void cell_products(const REAL (&g)[M], const REAL* __
     CELL_PRODUCTS(CU_G, CU_S, CU_F, CU_OUT)
 }
 
+/* Asynchronous copies of n elements from global to shared memory, shared out over the block (queued: the caller
+   commits them, bppsa::copy_async_wait makes them land). CELL_SPREAD copies a step's rows of the inputs a step
+   ahead: the items then read shared memory, and the global memory's latency leaves the step's dependent path. */
+__device__ __forceinline__ void cell_copy_async(REAL* to, const REAL* from, i64 n) {
+    for (int e = threadIdx.x; e < n; e += blockDim.x) bppsa::copy_async(to + e, from + e);
+}
+
+/* CELL_SPREAD backward: the elements of one step's row it copies ahead: the kept scales, the input partials, the
+   diagonal (one state) and the direct gradient of the state before the step. */
+#define CELL_ROW (NS * H + NF * H + (M == 1 ? D : 0) + D)
+
 /* The forward loop of batch row blockIdx.x; STAGED: the weights wc's rows [CLO, CHI) copied to shared memory (a
    template argument, so their reads are shared-memory loads, not generic ones). */
 template <bool STAGED>
@@ -84,7 +97,8 @@ __device__ __forceinline__ void cell_forward(i64 steps, const REAL* __restrict__
     BPPSA_DYNAMIC_SHARED(smem);
     REAL* state = reinterpret_cast<REAL*>(smem);  // 2 x D
     REAL* piece = state + 2 * D;                   // KH
-    REAL* shared_w = piece + KH;                   // CELL_CW x KH where staged
+    REAL* ahead = piece + KH;                      // CELL_SPREAD: 2 x KH, the offsets of steps t and t + 1
+    REAL* shared_w = ahead + (CELL_SPREAD ? 2 * KH : 0);  // CELL_CW x KH where staged
     const REAL* w = STAGED ? shared_w : wc + CLO * KH;
     const i64 b = blockIdx.x;
     const int j = threadIdx.x;
@@ -92,16 +106,24 @@ __device__ __forceinline__ void cell_forward(i64 steps, const REAL* __restrict__
         for (int e = j; e < CELL_CW * KH; e += blockDim.x) shared_w[e] = wc[CLO * KH + e];
     REAL* own = states + b * (steps + 1) * D;
     for (int e = j; e < D; e += blockDim.x) state[e] = own[e];
+#if CELL_SPREAD
+    if (offsets != nullptr) cell_copy_async(ahead, offsets + b * steps * KH, KH);
+    bppsa::copy_async_commit();
+    bppsa::copy_async_wait<0>();
+#endif
     __syncthreads();
     for (i64 t = 0; t < steps; ++t) {
         const i64 row = b * steps + t;
         const REAL* prev = state + (t & 1) * D;
         REAL* next = state + ((t + 1) & 1) * D;
 #if CELL_SPREAD
+        if (offsets != nullptr && t + 1 < steps)  // step t + 1's, in flight during this step
+            cell_copy_async(ahead + ((t + 1) & 1) * KH, offsets + (row + 1) * KH, KH);
+        bppsa::copy_async_commit();
         if (t > 0)  // s_t, complete since the last barrier
             for (int e = j; e < D; e += blockDim.x) own[t * D + e] = prev[e];
         for (int e = j; e < KH; e += blockDim.x) {  // piece coordinate e, summed in the order of the loop below
-            REAL acc = offsets != nullptr ? offsets[row * KH + e] : REAL(0);
+            REAL acc = offsets != nullptr ? ahead[(t & 1) * KH + e] : REAL(0);
             for (int i = 0; i < CELL_CW; ++i) acc += prev[CLO + i] * w[i * KH + e];
             piece[e] = acc;
         }
@@ -111,6 +133,7 @@ __device__ __forceinline__ void cell_forward(i64 steps, const REAL* __restrict__
                 cell_item_partials(e, row, prev, piece, in, stride, next, scales, diagonal, fpart);
         else
             for (int e = j; e < CELL_VALUE_ITEMS; e += blockDim.x) cell_item_values(e, row, prev, piece, in, stride, next);
+        bppsa::copy_async_wait<0>();  // this thread's copies of step t + 1's offsets landed (the barrier: everyone's)
 #else
         if (j < H) {
             REAL acc[NK > 0 ? NK : 1];
@@ -170,7 +193,8 @@ __device__ __forceinline__ void cell_backward(i64 steps, const REAL* __restrict_
     REAL* o = reinterpret_cast<REAL*>(smem);  // 2 x KH: the pieces' products of a step
     REAL* column = o + 2 * KH;                // CELL_SPREAD: CELL_CW, the read columns' sums of a step
     REAL* gs = column + (CELL_SPREAD ? CELL_CW : 0);  // CELL_SPREAD: 2 x D, the states' gradient g_t, g_{t-1}
-    REAL* shared_w = gs + (CELL_SPREAD ? 2 * D : 0);  // KH x CELL_CW where staged
+    REAL* rows = gs + (CELL_SPREAD ? 2 * D : 0);      // CELL_SPREAD: 2 x CELL_ROW, steps t's and t - 1's
+    REAL* shared_w = rows + (CELL_SPREAD ? 2 * CELL_ROW : 0);  // KH x CELL_CW where staged
     const REAL* w = STAGED ? shared_w : wt + CLO;  // row r of the read columns at w + r * ws
     constexpr int ws = STAGED && CELL_CW > 0 ? CELL_CW : D;  // (no pieces read the state: nothing staged)
     const i64 b = blockIdx.x;
@@ -179,17 +203,31 @@ __device__ __forceinline__ void cell_backward(i64 steps, const REAL* __restrict_
         for (int e = j; e < KH * CELL_CW; e += blockDim.x) shared_w[e] = wt[(e / ws) * D + CLO + e % ws];
     const REAL* given = direct_width > 0 ? direct + b * batch_stride : nullptr;  // s_t's at (t - 1) step_stride
 #if CELL_SPREAD
+    // step u's row at rows + (u & 1) CELL_ROW: [scales NS H | input partials NF H | diagonal | direct gradient]
+    constexpr int at_diag = (NS + NF) * H, at_direct = at_diag + (M == 1 ? D : 0);
+    const auto copy_row = [&](i64 u) {
+        const i64 r = b * steps + u - 1;
+        REAL* slot = rows + (u & 1) * CELL_ROW;
+        cell_copy_async(slot, scales + r * scale_width, NS * H);
+        cell_copy_async(slot + NS * H, fpart + r * NF * H, NF * H);
+        if (M == 1 && diagonal != nullptr) cell_copy_async(slot + at_diag, diagonal + r * D, D);
+        if (given && u >= 2) cell_copy_async(slot + at_direct, given + (u - 2) * step_stride, direct_width);
+        bppsa::copy_async_commit();
+    };
+    copy_row(steps);
     for (int c = j; c < D; c += blockDim.x)
         gs[(steps & 1) * D + c] = (c < direct_width ? given[(steps - 1) * step_stride + c] : REAL(0)) +
                                   (final ? final[b * D + c] : REAL(0));
+    bppsa::copy_async_wait<0>();
     __syncthreads();
     for (i64 t = steps; t >= 1; --t) {
         const i64 row = b * steps + t - 1;
         const REAL* g = gs + (t & 1) * D;
         REAL* ob = o + (t & 1) * KH;
-        const REAL* s = scales + row * scale_width;
+        const REAL* s = rows + (t & 1) * CELL_ROW;  // this step's row, copied during the step before
+        if (t >= 2) copy_row(t - 1);                 // the next step's, in flight during this step
         for (int e = j; e < CELL_PRODUCT_ITEMS; e += blockDim.x)
-            cell_item_products(e, g, s, fpart + row * NF * H, products + row * (NK + NI) * H, ob);
+            cell_item_products(e, g, s, s + NS * H, products + row * (NK + NI) * H, ob);
         __syncthreads();  // ob complete
         for (int e = j; e < CELL_CW; e += blockDim.x) {  // read column CLO + e, summed in the order of the loop below
             REAL acc = REAL(0);
@@ -197,10 +235,11 @@ __device__ __forceinline__ void cell_backward(i64 steps, const REAL* __restrict_
             column[e] = acc;
         }
         __syncthreads();  // every column complete
-        const REAL* d = given && t >= 2 ? given + (t - 2) * step_stride : nullptr;
-        const REAL* diag = diagonal != nullptr ? diagonal + row * D : nullptr;
+        const REAL* d = given && t >= 2 ? s + at_direct : nullptr;
+        const REAL* diag = M == 1 && diagonal != nullptr ? s + at_diag : nullptr;
         for (int c = j; c < D; c += blockDim.x)
             cell_item_gradient(c, g, s, column, diag, d, direct_width, gs + ((t - 1) & 1) * D);
+        bppsa::copy_async_wait<0>();  // this thread's copies of the next row landed (the barrier: everyone's)
         __syncthreads();  // g_{t-1} complete before step t - 1 reads it; the columns are read by nobody any more
     }
     for (int c = j; c < D; c += blockDim.x) out[b * D + c] = gs[c];

@@ -22,7 +22,10 @@ of width 1, and one thread per coordinate left one thread doing all of a step. T
 one thread per piece coordinate / read column; the pointwise part goes as items (:func:`generate`): the generated
 step of one coordinate splits into parts that share no computed value, parts whose statements differ only by
 offsets affine in their index are one kind, and each (kind, index, coordinate) is one thread's item; the
-backward's products and its new states' gradient likewise.
+backward's products and its new states' gradient likewise. What the items and products read of a step's rows in
+global memory (the offsets; the scales, input partials, diagonal and direct gradient) is copied into shared memory
+(``cp.async``) a step ahead, off a step's dependent path (not the input values the forward's items read: a cell
+with some still waits on those loads).
 
 Modelled effect (a model from nvcc 13.0's sm_90 SASS, float32, ``CoprimeWidths`` at H = 32; NOT a measurement:
 no GPU timed it): the instructions the busiest thread runs a step, beside the products with the weights (about
@@ -30,9 +33,11 @@ no GPU timed it): the instructions the busiest thread runs a step, beside the pr
 tanh, partials, stores and the 64 state copies) to about 75 (one part, one state copy), and in the backward from
 about 950 (64 products and 64 coordinates of g_{t-1}) to about 85, for one more barrier (three a step). A step
 was issue-bound on thread 0 (about 1 instruction a cycle: ~1800 and ~1100 cycles); it becomes bound by the
-64-long multiply-add chain of the products (~256 cycles at 4 a step), one part's activation (~100-150) and the
-barriers, i.e. ~4x and ~3x fewer cycles per step in the forward and the backward loops. The products' chain is
-the next limit (splitting the sums would change their order from the CPU loop's).
+64-long multiply-add chain of the products (~256 cycles at 4 a multiply-add), one part's activation (~100-150) and the
+barriers, i.e. ~4x and ~3x fewer cycles per step in the forward and the backward loops. Copying the rows a step
+ahead takes a further L2 round trip (~250 cycles, the rows of a (16, 1000) batch fit in L2) off the forward's step
+and two off the backward's (the products' and the gradient's reads of the scales). The products' chain is then
+the limit (splitting the sums would change their order from the CPU loop's).
 
 :class:`CudaCellKernel` is a :class:`~lightning_bppsa.nn.cell_kernel.CellKernel` whose compiled library is
 these launches (:class:`_Launches` takes the C functions' arguments): its forward, scan, products and VJP are
@@ -104,6 +109,9 @@ class CellSource:
     value_items: int = 0
     partial_items: int = 0
     product_items: int = 0
+    backward_row: int = (
+        0  # CELL_ROW: a step's row of the backward's inputs, copied into shared memory a step ahead
+    )
 
     @property
     def spread(self) -> bool:
@@ -134,10 +142,11 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
     text, inputs, layout = cell_kernel._generated(structure, dtype, TARGET)
     read = [q for piece in structure.pieces for q, _ in piece.reads]
     h = structure.width
-    counts = (0, 0, 0)
+    m, counts, row = structure.n_states, (0, 0, 0), 0
     if h < SPREAD_BELOW:  # the step's pointwise work as items the block shares (CELL_SPREAD)
-        lines, counts = _items(text, h, structure.n_states)
+        lines, counts = _items(text, h, m)
         text = text.replace(_LOOP_INCLUDE, "\n".join([*lines, _LOOP_INCLUDE]))
+        row = (_define(text, "NS") + _define(text, "NF")) * h + (m == 1) * h + m * h  # as CELL_ROW
     for header in _HEADERS:
         # inlined once each: their include guards would only warn in the main file
         text = text.replace(
@@ -147,7 +156,7 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
         text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16], n_inputs=len(inputs), width=h,
         n_states=structure.n_states, pieces=len(structure.pieces),
         read_columns=(max(read) - min(read) + 1) * h if read else 0, element_bytes=dtype.itemsize,
-        value_items=counts[0], partial_items=counts[1], product_items=counts[2],
+        value_items=counts[0], partial_items=counts[1], product_items=counts[2], backward_row=row,
     )  # fmt: skip
     return source, inputs, layout
 
@@ -406,10 +415,13 @@ def launch_config(source: CellSource, kernel: str, batch: int, steps: int, share
     block = 32 * math.ceil(h / 32)
     if kernel in ("bppsa_cell_cuda_forward", "bppsa_cell_cuda_backward"):
         forward = kernel == "bppsa_cell_cuda_forward"
-        # forward: two state buffers and the pieces; backward: two buffers of the pieces' products (spread: the
-        # read columns' sums and two buffers of the states' gradient)
-        spread = source.read_columns + 2 * m * h if source.spread else 0
-        buffers = (2 * m * h + k * h if forward else 2 * k * h + spread) * size
+        # forward: two state buffers and the pieces (spread: two steps' offsets); backward: two buffers of the
+        # pieces' products (spread: the read columns' sums, two buffers of the states' gradient, two steps' rows)
+        if forward:
+            buffers = (2 * m * h + k * h + 2 * k * h * source.spread) * size
+        else:
+            spread = source.read_columns + 2 * m * h + 2 * source.backward_row if source.spread else 0
+            buffers = (2 * k * h + spread) * size
         if (
             source.spread
         ):  # a thread per item, piece coordinate (forward) or read column (backward), to the cap

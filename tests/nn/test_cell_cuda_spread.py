@@ -103,8 +103,12 @@ def test_narrow_blocks_share_the_weight_products_over_the_block():
         assert (launch.grid, launch.block, launch.staged) == (16, block, True)
         assert weight_products(source, launch) == 64, name
     backward = launch_config(source, BACKWARD, 16, 1000, H100_SHARED_BYTES)
-    # products, column sums, the states' gradient (two buffers), staged weights
-    assert backward.shared_bytes == (2 * 64 + 64 + 2 * 64 + 64 * 64) * 8
+    # products, column sums, the states' gradient, two steps' rows (128 kept scales: by the 64 pieces and the 64
+    # states read directly; 64 direct gradients), weights
+    assert source.backward_row == 128 + 64
+    assert backward.shared_bytes == (2 * 64 + 64 + 2 * 64 + 2 * (128 + 64) + 64 * 64) * 8
+    forward = launch_config(source, FORWARD, 16, 1000, H100_SHARED_BYTES)
+    assert forward.shared_bytes == (2 * 64 + 64 + 2 * 64 + 64 * 64) * 8  # states, pieces, two steps' offsets
 
     *_, lstm = _source(CORPUS.HandLSTM, 32)
     assert not lstm.spread and "#define CELL_SPREAD 0" in lstm.text
@@ -123,6 +127,9 @@ def test_the_pointwise_step_of_narrow_blocks_is_one_part_per_thread():
     new states' gradient are 64 items each, one per piece / state block."""
     *_, source = _source(CORPUS.CoprimeWidths, 32)
     assert (source.value_items, source.partial_items, source.product_items) == (64, 64 + 33, 64)
+    # a device with room for the buffers only: neither kernel's weights fit (both _global entries run)
+    limit = CUDA_TESTS.buffers_only(source)
+    assert not any(launch_config(source, name, 16, 1000, limit).staged for name in (FORWARD, BACKWARD))
     values, partials = _kinds_of(source, "cell_item_values"), _kinds_of(source, "cell_item_partials")
     assert [kind.split(")")[0] for kind in values] == ["31", "64"]  # two kinds of 31 and 33 items
     assert len(partials) == 3 and all(kind.count("tanh_f64(") == 1 for kind in values + partials[:2])
@@ -170,11 +177,9 @@ def test_narrow_blocks_equal_the_cpu_compiled_loop(monkeypatch, cell_type, hidde
     backend = CUDA_TESTS.assert_cuda_loop_equals_cpu_loop(
         cell, structure, s0, source, staged, batch=3, steps=3
     )
-    suffix = "" if staged else "_global"
-    expected = {
-        (f"{name}{suffix}", launch_config(source, name, 3, 3, backend.shared_limit(CPU)).block)
-        for name in (FORWARD, BACKWARD)
-    }
+    launches = [launch_config(source, name, 3, 3, backend.shared_limit(CPU)) for name in (FORWARD, BACKWARD)]
+    assert launches[1].staged == staged  # (the forward's weights may fit beside its smaller buffers)
+    expected = {(launch.entry, launch.block) for launch in launches}
     assert {
         (kernel, block) for kernel, _, block, _ in backend.launches if "cotangent" not in kernel
     } == expected
