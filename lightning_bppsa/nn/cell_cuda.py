@@ -21,7 +21,8 @@ step's work is shared over a block of up to :data:`MAX_THREADS` threads: a state
 of width 1, and one thread per coordinate left one thread doing all of a step. The products with the weights go
 one thread per piece coordinate / read column; the pointwise part goes as items (:func:`generate`): the generated
 step of one coordinate splits into parts that share no computed value, parts whose statements differ only by
-offsets affine in their index are one kind, and each (kind, index, coordinate) is one thread's item; the
+offsets affine in their index are one kind, and each (kind, index, coordinate) is one thread's item, each kind
+from a warp's start where the block has room (a warp runs one kind's code, not two one after the other); the
 backward's products and its new states' gradient likewise. What the items and products read of a step's rows in
 global memory (the offsets; the scales, input partials, diagonal and direct gradient) is copied into shared memory
 (``cp.async``) a step ahead, off a step's dependent path (not the input values the forward's items read: a cell
@@ -104,11 +105,13 @@ class CellSource:
     pieces: int  # NK
     read_columns: int  # CHI - CLO: the state columns the pieces' weights read (the staged rows)
     element_bytes: int
-    # CELL_SPREAD (else 0): the items a step's pointwise part is shared out as (forward without and with the
-    # partials; the backward's products; its new states' gradient is D items, one per state coordinate)
+    # CELL_SPREAD (else 0): the range of the items a step's pointwise part is shared out as (forward without and
+    # with the partials; the backward's products and its new states' gradient), each kind from a warp's start
+    # where they fit a block so (:func:`_dispatch`)
     value_items: int = 0
     partial_items: int = 0
     product_items: int = 0
+    gradient_items: int = 0
     backward_row: int = (
         0  # CELL_ROW: a step's row of the backward's inputs, copied into shared memory a step ahead
     )
@@ -142,7 +145,7 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
     text, inputs, layout = cell_kernel._generated(structure, dtype, TARGET)
     read = [q for piece in structure.pieces for q, _ in piece.reads]
     h = structure.width
-    m, counts, row = structure.n_states, (0, 0, 0), 0
+    m, counts, row = structure.n_states, (0, 0, 0, 0), 0
     if h < SPREAD_BELOW:  # the step's pointwise work as items the block shares (CELL_SPREAD)
         lines, counts = _items(text, h, m)
         text = text.replace(_LOOP_INCLUDE, "\n".join([*lines, _LOOP_INCLUDE]))
@@ -156,7 +159,8 @@ def generate(structure: CellStructure, dtype: torch.dtype) -> tuple[CellSource, 
         text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16], n_inputs=len(inputs), width=h,
         n_states=structure.n_states, pieces=len(structure.pieces),
         read_columns=(max(read) - min(read) + 1) * h if read else 0, element_bytes=dtype.itemsize,
-        value_items=counts[0], partial_items=counts[1], product_items=counts[2], backward_row=row,
+        value_items=counts[0], partial_items=counts[1], product_items=counts[2], gradient_items=counts[3],
+        backward_row=row,
     )  # fmt: skip
     return source, inputs, layout
 
@@ -306,13 +310,18 @@ def _sum(terms: list[tuple[str, int, int]], h: int) -> str:
 
 
 def _dispatch(name: str, params: str, kinds: list[_Kind], h: int) -> tuple[list[str], int]:
-    """A device function running item e of ``kinds`` (in order, H items per index m), and their number."""
+    """A device function running item e of ``kinds`` (in order, H items per index m), and the items' range. Each
+    kind starts a warp where they all fit in a block that way: the lanes of a warp then run one kind's code, not
+    several one after the other (CoprimeWidths: 31 states of one kind, 33 of another)."""
+    warp = lambda n: 32 * math.ceil(n / 32)  # noqa: E731
+    aligned = sum(warp(kind.count * h) for kind in kinds) <= MAX_THREADS
     lines = [f"__device__ __forceinline__ void {name}(int e, {params}) {{"]
     start = 0
     for kind in kinds:
+        start = warp(start) if aligned else start
         end = start + kind.count * h
         lines += [
-            f"    if (e < {end}) {{",
+            f"    if (e >= {start} && e < {end}) {{",
             f"        const int m = (e - {start}) / H; const int64_t j = (e - {start}) % H; (void)m;",
             *("        " + line for line in kind.body().splitlines()),
             "        return;",
@@ -327,9 +336,9 @@ def _define(text: str, name: str) -> int:
     return int(re.search(rf"^#define {name} (\d+)$", text, re.M).group(1))
 
 
-def _items(text: str, h: int, m: int) -> tuple[list[str], tuple[int, int, int]]:
-    """The item functions of the generated ``text`` (kernels/cell_loop_cuda.h's CELL_SPREAD step) and the numbers
-    of items (values, partials, products)."""
+def _items(text: str, h: int, m: int) -> tuple[list[str], tuple[int, int, int, int]]:
+    """The item functions of the generated ``text`` (kernels/cell_loop_cuda.h's CELL_SPREAD step) and the ranges
+    of items (values, partials, products, the new states' gradient)."""
     step = "int64_t row, const REAL* restrict prev, const REAL* restrict piece, const REAL* const* in, const int64_t* stride, REAL* restrict next"
     lines: list[str] = []
     counts = []
@@ -367,12 +376,13 @@ def _items(text: str, h: int, m: int) -> tuple[list[str], tuple[int, int, int]]:
             body.append(f"v += ({_sum(direct[q], h)});")
         body.append("gn[c] = (d != nullptr && c < direct_width ? d[c] : REAL(0)) + v;")
         parts.append(_templated(body))
-    code, _ = _dispatch(
+    code, count = _dispatch(
         "cell_item_gradient",
         "const REAL* restrict g, const REAL* restrict s, const REAL* restrict column, const REAL* restrict diag, const REAL* restrict d, int64_t direct_width, REAL* restrict gn",
         _kinds(parts), h,
     )  # fmt: skip
-    names = ("CELL_VALUE_ITEMS", "CELL_PARTIAL_ITEMS", "CELL_PRODUCT_ITEMS")
+    counts.append(count)
+    names = ("CELL_VALUE_ITEMS", "CELL_PARTIAL_ITEMS", "CELL_PRODUCT_ITEMS", "CELL_GRADIENT_ITEMS")
     return [*lines, *code, *(f"#define {n} {c}" for n, c in zip(names, counts, strict=True))], tuple(counts)
 
 
@@ -428,7 +438,7 @@ def launch_config(source: CellSource, kernel: str, batch: int, steps: int, share
             work = (
                 max(k * h, source.value_items, source.partial_items)
                 if forward
-                else max(source.read_columns, source.product_items, m * h)
+                else max(source.read_columns, source.product_items, source.gradient_items)
             )
             block = min(MAX_THREADS, max(block, 32 * math.ceil(work / 32)))
         staged = buffers + weights <= shared_limit

@@ -124,7 +124,13 @@ def test_emulated_kernels_equal_the_cpu_compiled_loop(cell_type, hidden, staged)
     expected = [
         launch_config(source, name, batch, steps, backend.shared_limit(CPU)) for name in cell_cuda.KERNELS[:2]
     ]
-    assert [(launch.grid, launch.block) for launch in expected] == [(batch, 32 * -(-hidden // 32))] * 2
+    forward, backward = expected
+    if source.spread:  # a thread per item (each kind from a warp's start), piece coordinate or read column
+        assert forward.block >= max(source.partial_items, source.pieces * hidden) and forward.block % 32 == 0
+        assert backward.block >= max(source.product_items, source.gradient_items, source.read_columns)
+    else:  # a thread per coordinate
+        assert (forward.block, backward.block) == (64, 64)
+    assert (forward.grid, backward.grid) == (batch, batch)
     # without room for the weights beside the backward's buffers the forward's may still fit beside its own
     weights = source.read_columns * source.pieces * source.width * 8
     fits = launch_config(source, "bppsa_cell_cuda_forward", 1, 1, 0).shared_bytes + weights <= buffers_only(

@@ -82,10 +82,11 @@ def _source(cell_type, hidden: int, batch: int = 2, dtype: torch.dtype = F64):
     return cell, structure, torch.cat(states, -1), generate(structure, dtype)[0]
 
 
-def _kinds_of(source, function: str) -> list[str]:
-    """The bodies of the item kinds of the generated item function ``function``, in order."""
+def _kinds_of(source, function: str) -> list[tuple[int, int, str]]:
+    """The item kinds of the generated item function ``function``, in order: (first item, end, body)."""
     text = source.text[source.text.index(f"void {function}(int e") :]
-    return text[: text.index("\n}\n")].split("    if (e < ")[1:]
+    kinds = re.split(r"    if \(e >= (\d+) && e < (\d+)\) \{", text[: text.index("\n}\n")])[1:]
+    return [(int(a), int(b), body) for a, b, body in zip(kinds[::3], kinds[1::3], kinds[2::3], strict=True)]
 
 
 def test_narrow_blocks_share_the_weight_products_over_the_block():
@@ -97,8 +98,9 @@ def test_narrow_blocks_share_the_weight_products_over_the_block():
     assert source.spread and "#define CELL_SPREAD 1" in source.text
     alone = source.pieces * source.read_columns  # thread 0's share with one thread per coordinate
     assert alone == 4096
-    # the forward's block: a thread per item of the step with its partials (64 states, 33 constant scales)
-    for name, block in ((FORWARD, 128), (BACKWARD, 64)):
+    # the forward's block: a thread per item of the step with its partials (64 states, 33 constant scales, each
+    # kind from a warp's start: 129)
+    for name, block in ((FORWARD, 160), (BACKWARD, 64)):
         launch = launch_config(source, name, 16, 1000, H100_SHARED_BYTES)
         assert (launch.grid, launch.block, launch.staged) == (16, block, True)
         assert weight_products(source, launch) == 64, name
@@ -126,19 +128,22 @@ def test_the_pointwise_step_of_narrow_blocks_is_one_part_per_thread():
     forward's block has a thread per item: the busiest thread runs one tanh a step. The backward's products and
     new states' gradient are 64 items each, one per piece / state block."""
     *_, source = _source(CORPUS.CoprimeWidths, 32)
-    assert (source.value_items, source.partial_items, source.product_items) == (64, 64 + 33, 64)
+    # items from a warp's start per kind: [0, 31), [32, 65) and (partials) [96, 129)
+    assert (source.value_items, source.partial_items, source.product_items) == (65, 129, 64)
     # a device with room for the buffers only: neither kernel's weights fit (both _global entries run)
     limit = CUDA_TESTS.buffers_only(source)
     assert not any(launch_config(source, name, 16, 1000, limit).staged for name in (FORWARD, BACKWARD))
     values, partials = _kinds_of(source, "cell_item_values"), _kinds_of(source, "cell_item_partials")
-    assert [kind.split(")")[0] for kind in values] == ["31", "64"]  # two kinds of 31 and 33 items
-    assert len(partials) == 3 and all(kind.count("tanh_f64(") == 1 for kind in values + partials[:2])
-    assert "tanh" not in partials[2] and partials[2].count("scales[") == 1  # the constant scale
+    assert [kind[:2] for kind in values] == [(0, 31), (32, 65)]  # two kinds of 31 and 33 items, a warp apart
+    assert [kind[:2] for kind in partials] == [(0, 31), (32, 65), (96, 129)]
+    assert all(body.count("tanh_f64(") == 1 for *_, body in values + partials[:2])
+    assert "tanh" not in partials[2][2] and partials[2][2].count("scales[") == 1  # the constant scale
     forward = launch_config(source, FORWARD, 16, 1000, H100_SHARED_BYTES)
     assert forward.block >= source.partial_items  # one item a thread
     backward = launch_config(source, BACKWARD, 16, 1000, H100_SHARED_BYTES)
-    assert backward.block >= max(source.product_items, source.n_states * source.width)
-    assert len(_kinds_of(source, "cell_item_products")) == len(_kinds_of(source, "cell_item_gradient")) == 1
+    assert backward.block >= max(source.product_items, source.gradient_items) == 64
+    assert [kind[:2] for kind in _kinds_of(source, "cell_item_products")] == [(0, 64)]
+    assert [kind[:2] for kind in _kinds_of(source, "cell_item_gradient")] == [(0, 64)]
 
     *_, lstm = _source(CORPUS.HandLSTM, 32)  # warp-wide blocks: one thread per coordinate, no items
     assert (lstm.value_items, lstm.partial_items, lstm.product_items) == (0, 0, 0)
@@ -157,8 +162,9 @@ def test_item_kinds_group_one_template_while_its_offsets_are_affine():
     # ManyWidths (H = 1): the first state's two blocks, the fourth's (same template, not affine), the second's
     # three, the gated third's five (each its own input values: in[m], in[5 + m])
     *_, source = _source(ManyWidths, 1)
-    assert [kind.split(")")[0] for kind in _kinds_of(source, "cell_item_values")] == ["2", "3", "6", "11"]
-    assert "in[(" in _kinds_of(source, "cell_item_values")[3]
+    values = _kinds_of(source, "cell_item_values")
+    assert [kind[:2] for kind in values] == [(0, 2), (32, 33), (64, 67), (96, 101)]
+    assert "in[(" in values[3][2]
 
 
 NARROW = [(CORPUS.CoprimeWidths, 32), (ManyWidths, 1), (ManyWidths, 2)]  # H = 1, 1, 2
