@@ -245,10 +245,10 @@ def _step_parts(text: str, function: str) -> list[tuple[str, tuple[int, ...]]]:
     :class:`Unsupported`."""
     body = text[text.index(f"void {function}(") :]
     lines = [line.strip() for line in body[: body.index("\n}\n")].splitlines()[2:]]
-    head = lines.index(TARGET.loop.format())
-    pointers = {
-        _DEFINE.fullmatch(line.replace("REAL* restrict", "REAL")).group(1): line for line in lines[:head]
-    }
+    head = lines.index(TARGET.loop.format()) if TARGET.loop.format() in lines else -1
+    pointers = {_NAMED.match(line).group(1): line for line in lines[: max(head, 0)] if _NAMED.match(line)}
+    if head < 0 or len(pointers) != head:  # the loop's head after the input values' pointers
+        raise Unsupported(f"the generated {function} is not spelled as the CUDA items read it")
     statements = lines[head + 1 : -1]
     defined, leaves, owner = {}, {}, list(range(len(statements)))
 
@@ -271,11 +271,13 @@ def _step_parts(text: str, function: str) -> list[tuple[str, tuple[int, ...]]]:
         if match:
             defined[match.group(1)] = i
     parts: dict[int, list[int]] = {}
-    for i, line in enumerate(statements):
-        if i not in leaves.values() and _STORE.fullmatch(line):  # a part is what its stores need
+    leaf_lines = set(leaves.values())
+    computed = [i for i in range(len(statements)) if i not in leaf_lines]
+    for i in computed:
+        if _STORE.fullmatch(statements[i]):  # a part is what its stores need
             parts.setdefault(root(i), [])
-    for i in range(len(statements)):
-        if i not in leaves.values() and root(i) in parts:
+    for i in computed:
+        if root(i) in parts:
             parts[root(i)].append(i)
     result = []
     for members in parts.values():

@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_bppsa.nn import Recurrence, cell_cuda, recurrence
 from lightning_bppsa.nn.cell_cuda import CudaCellKernel, generate, launch_config, weight_products
+from lightning_bppsa.nn.cell_kernel import Unsupported
 from lightning_bppsa.nn.cell_structure import trace_cell
 
 F64 = torch.float64
@@ -165,6 +166,22 @@ def test_item_kinds_group_one_template_while_its_offsets_are_affine():
     values = _kinds_of(source, "cell_item_values")
     assert [kind[:2] for kind in values] == [(0, 2), (32, 33), (64, 67), (96, 101)]
     assert "in[(" in values[3][2]
+
+
+def test_a_step_spelled_otherwise_than_the_generators_is_refused():
+    """The items are made from the generated text: a statement of another form (or no loop head) is Unsupported
+    (Recurrence then keeps the torch path with the reason), never split wrongly."""
+    *_, source = _source(CORPUS.CoprimeWidths, 4)
+    text = source.text
+    assert cell_cuda._step_parts(text, "cell_values")  # as generated
+    odd = text.replace("        next[0 + j] = ", "        if (row) next[0 + j] = ", 1)
+    with pytest.raises(Unsupported, match="do not read"):
+        cell_cuda._step_parts(odd, "cell_values")
+    headless = text.replace(cell_cuda.TARGET.loop.format(), "{ const int64_t j = 0;")
+    with pytest.raises(Unsupported, match="not spelled"):
+        cell_cuda._step_parts(headless, "cell_partials")
+    with pytest.raises(Unsupported, match="sum the CUDA items do not read"):
+        cell_cuda._sums(text.replace("OUT(0, S(0) * G(0))", "OUT(0, S(0) * G(0) * 2)"), "CELL_PRODUCTS")
 
 
 NARROW = [(CORPUS.CoprimeWidths, 32), (ManyWidths, 1), (ManyWidths, 2)]  # H = 1, 1, 2
