@@ -28,17 +28,18 @@ global memory (the offsets; the scales, input partials, diagonal and direct grad
 (``cp.async``) a step ahead, off a step's dependent path (not the input values the forward's items read: a cell
 with some still waits on those loads).
 
-Modelled effect (a model from nvcc 13.0's sm_90 SASS, float32, ``CoprimeWidths`` at H = 32; NOT a measurement:
-no GPU timed it): the instructions the busiest thread runs a step, beside the products with the weights (about
-150, unchanged since they were spread), fall in the forward with partials from about 1650 (thread 0: 64 parts'
-tanh, partials, stores and the 64 state copies) to about 75 (one part, one state copy), and in the backward from
-about 950 (64 products and 64 coordinates of g_{t-1}) to about 85, for one more barrier (three a step). A step
-was issue-bound on thread 0 (about 1 instruction a cycle: ~1800 and ~1100 cycles); it becomes bound by the
-64-long multiply-add chain of the products (~256 cycles at 4 a multiply-add), one part's activation (~100-150) and the
-barriers, i.e. ~4x and ~3x fewer cycles per step in the forward and the backward loops. Copying the rows a step
-ahead takes a further L2 round trip (~250 cycles, the rows of a (16, 1000) batch fit in L2) off the forward's step
-and two off the backward's (the products' and the gradient's reads of the scales). The products' chain is then
-the limit (splitting the sums would change their order from the CPU loop's).
+Modelled effect (a model from nvcc 13.0's sm_90 SASS, float32, ``CoprimeWidths`` at H = 32, B = 16; NOT a
+measurement: no GPU timed it). Instructions the busiest thread runs a step: forward with partials ~1800 -> ~240
+(thread 0 ran the 64 parts' tanh, partials and stores and the 64 state copies, ~1650, beside its ~150 of the
+products with the weights; now one part, one state copy, its share of the next offsets' copies and the same
+~150), backward ~1130 -> ~265 (thread 0's 64 products and 64 coordinates of g_{t-1}, ~950; now one product, one
+coordinate, its share of the next row's copies and the same ~155 of the columns' sums), for a third barrier a
+step. A step was issue-bound on thread 0 (about 1 instruction a cycle: ~1800 and ~1100 cycles); it becomes
+bound by the products' 64-long multiply-add chain (~256 cycles at 4 a multiply-add), one part (~100-150 cycles
+for the forward's tanh and partials) and two or three barriers: ~3-4x fewer cycles a step in each loop. The rows
+copied a step ahead take an L2 round trip (~250 cycles; a (16, 1000) batch's rows fit in L2) off the forward's
+step and two off the backward's. The products' chain is then the limit (splitting its sums would change their
+order from the CPU loop's).
 
 :class:`CudaCellKernel` is a :class:`~lightning_bppsa.nn.cell_kernel.CellKernel` whose compiled library is
 these launches (:class:`_Launches` takes the C functions' arguments): its forward, scan, products and VJP are
