@@ -446,18 +446,29 @@ __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& 
     return T(0);
 }
 
-template <class T, int C>
+// HF > 0: float32 with H = HF <= 32 known at compile time (the module compiled per H, as family 1): one
+// warp, lane j holds W_hh's column j in registers (G H floats), the block's shared memory is the two row
+// buffers only, and the product's loop unrolls fully. HF = 0: any H, W_hh in shared memory.
+template <class T, int C, int HF = 0>
 __device__ void cell_backward(const CellBackward<T>& p) {
-    constexpr int G = kGates<C>, V = Pack<T>::kWidth;
-    const int H = p.hidden, GH = G * H, P = (GH + V - 1) / V * V, j = threadIdx.x;
+    constexpr int G = kGates<C>, V = Pack<T>::kWidth, PF = HF ? (G * HF + V - 1) / V * V : 1;
+    static_assert(HF == 0 || (HF <= 32 && sizeof(T) == 4), "the per-H kernels: float32, one warp");
+    const int H = HF ? HF : p.hidden, GH = G * H, P = HF ? PF : (GH + V - 1) / V * V, j = threadIdx.x;
     const bool active = j < H;
     const i64 b = blockIdx.x, steps = p.steps;
-    const bool one_warp = blockDim.x <= 32;
+    const bool one_warp = HF || blockDim.x <= 32;
 
     BPPSA_DYNAMIC_SHARED(smem);
     T* rows = reinterpret_cast<T*>(smem);  // two buffers of P row entries
-    T* w = rows + 2 * P;                   // W_hh row-major, rows GH..P-1 zero
-    for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
+    T* w = rows + 2 * P;                   // HF = 0: W_hh row-major, rows GH..P-1 zero
+    T w_own_reg[PF];                       // HF > 0: W_hh's column j (lanes >= H: column H - 1), rows >= GH zero
+    if constexpr (HF > 0) {
+        const int column = active ? j : H - 1;
+#pragma unroll
+        for (int r = 0; r < PF; ++r) w_own_reg[r] = r < GH ? p.w_hh[r * H + column] : T(0);
+    } else {
+        for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
+    }
     for (int e = GH + threadIdx.x; e < P; e += blockDim.x) rows[e] = rows[P + e] = T(0);  // the padding
 
     // Unit j's operands of the next K steps, in flight in registers: ring[k] holds those of the steps
@@ -503,10 +514,19 @@ __device__ void cell_backward(const CellBackward<T>& p) {
 #pragma unroll
                 for (int v = 0; v < V; ++v) acc[v] = T(0);
                 const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
-                for (int rc = 0; rc < P / V; ++rc) {
-                    const Pack<T> rv = r_packs[rc];  // one broadcast 16-byte read
+                if constexpr (HF > 0) {
 #pragma unroll
-                    for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
+                    for (int rc = 0; rc < PF / V; ++rc) {
+                        const Pack<T> rv = r_packs[rc];  // one broadcast 16-byte read
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own_reg[rc * V + v];
+                    }
+                } else {
+                    for (int rc = 0; rc < P / V; ++rc) {
+                        const Pack<T> rv = r_packs[rc];
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
+                    }
                 }
                 T sum = acc[0];
 #pragma unroll
@@ -538,11 +558,21 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         fixed_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                     \
     }                                                                                                       \
     BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
-#define BPPSA_REC_FIXED_KERNELS_(H)                                        \
-    BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H) \
-    BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H) \
-    BPPSA_REC_FIXED_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)           \
-    BPPSA_REC_FIXED_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)
+#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H)                                                               \
+    extern "C" __global__ void __launch_bounds__(32) NAME BPPSA_BWD_PARAMS(float) {                        \
+        cell_backward<float, CELL, H>(CellBackward<float>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn, d_gi, \
+                                                          d_gh, gh0, gc0, batch, steps, (int)hidden});       \
+    }                                                                                                       \
+    BPPSA_ENTRY(NAME, BPPSA_BWD_PARAMS(float), BPPSA_BWD_HOST_ARGS(float))
+#define BPPSA_REC_FIXED_KERNELS_(H)                                         \
+    BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H)  \
+    BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H)  \
+    BPPSA_REC_FIXED_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)            \
+    BPPSA_REC_FIXED_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)          \
+    BPPSA_BWD_FIXED_KERNEL(bppsa_rnn_tanh_backward_f32_h##H, kRnnTanh, H) \
+    BPPSA_BWD_FIXED_KERNEL(bppsa_rnn_relu_backward_f32_h##H, kRnnRelu, H) \
+    BPPSA_BWD_FIXED_KERNEL(bppsa_gru_backward_f32_h##H, kGru, H)           \
+    BPPSA_BWD_FIXED_KERNEL(bppsa_lstm_backward_f32_h##H, kLstm, H)
 #define BPPSA_REC_FIXED_KERNELS(H) BPPSA_REC_FIXED_KERNELS_(H)
 
 // family 2

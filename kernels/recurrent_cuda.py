@@ -16,11 +16,11 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
   ``(d_gates, gh0, gc0)``. :func:`backward_refusal` says where they cannot launch (the layer's backward then
   scans the factored Jacobians).
 
-Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>``: one
-module per ``H``, compiled on the first launch of that ``H`` with ``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in
-registers, ``gi`` staged :data:`RING_DEPTH` steps ahead through shared memory); the others keep ``W_hh`` in
-shared memory (:data:`KERNELS`, one module compiled by :func:`available`). ``recurrent.cu``'s header says
-why. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
+Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>`` and
+``bppsa_<cell>_backward_f32_h<H>``: one module per ``H``, compiled on the first launch of that ``H`` with
+``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in registers, the forward's ``gi`` staged :data:`RING_DEPTH` steps ahead
+through shared memory); the others keep ``W_hh`` in shared memory (:data:`KERNELS`, one module compiled by
+:func:`available`). ``recurrent.cu``'s header says why. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
 forward there before anything runs); each function returns ``None`` where the kernels cannot run:
 a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
 (one thread per hidden unit), or the packed ``W_hh`` plus two state buffers above the device's shared memory
@@ -183,11 +183,16 @@ def _limits(kernel: str, hidden: int, dtype: torch.dtype, shared_limit: int, nee
 
 
 def backward_shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
-    """Dynamic shared memory of a backward block: ``W_hh`` and two rows of the ``G H`` gate gradients, rows
-    padded to whole 16-byte vectors."""
+    """Dynamic shared memory of a backward block: two rows of the ``G H`` gate gradients, padded to whole
+    16-byte vectors, and ``W_hh`` (but in the kernels compiled per ``H``, float32 ``H <= 32``: there each lane
+    holds its column of ``W_hh`` in registers)."""
+    return _backward_shared_bytes(cell, hidden, element_bytes, fixed=_fixed(hidden, element_bytes))
+
+
+def _backward_shared_bytes(cell: str, hidden: int, element_bytes: int, *, fixed: bool) -> int:
     width = 16 // element_bytes
     padded = math.ceil(CELLS[cell] * hidden / width) * width
-    return (2 + hidden) * padded * element_bytes
+    return (2 + (0 if fixed else hidden)) * padded * element_bytes
 
 
 def _check_shapes(
@@ -264,14 +269,17 @@ def prepare(
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_and_block(cell: str, dtype: torch.dtype, hidden: int) -> tuple[str, int, int, tuple[str, ...]]:
-    """The entry point, threads per block, dynamic shared memory and module options of a layer (once per
-    shape: a training loop asks every step)."""
+def _kernel_and_block(
+    cell: str, dtype: torch.dtype, hidden: int, direction: str = "forward"
+) -> tuple[str, int, int, tuple[str, ...]]:
+    """The entry point, threads per block, dynamic shared memory and module options of a layer's ``direction``
+    kernel (once per shape: a training loop asks every step)."""
     element_bytes = torch.finfo(dtype).bits // 8
-    nbytes = shared_bytes(cell, hidden, element_bytes)
+    size = shared_bytes if direction == "forward" else backward_shared_bytes
+    nbytes = size(cell, hidden, element_bytes)
     if _fixed(hidden, element_bytes):
-        return f"bppsa_{cell}_forward_f32_h{hidden}", 32, nbytes, module_options(hidden)
-    return f"bppsa_{cell}_forward_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()
+        return f"bppsa_{cell}_{direction}_f32_h{hidden}", 32, nbytes, module_options(hidden)
+    return f"bppsa_{cell}_{direction}_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()
 
 
 Launcher = Callable[[Launch, torch.device], None]
@@ -348,13 +356,15 @@ def prepare_backward(
     padded = (*factors, *(None,) * (3 - len(factors)), w_hh, grad_out, grad_h, grad_cn)
     inputs = [None if t is None else t.contiguous() for t in padded]
     outs = [grads[0], grads[1] if cell == "gru" else None, states[0], states[1] if cell == "lstm" else None]
+    kernel, block, nbytes, options = _kernel_and_block(cell, first.dtype, hidden, "backward")
     launch = Launch(
-        kernel=f"bppsa_{cell}_backward_{_SUFFIX[first.dtype]}",
+        kernel=kernel,
         grid=batch,
-        block=32 * math.ceil(hidden / 32),
-        shared_bytes=backward_shared_bytes(cell, hidden, first.element_size()),
+        block=block,
+        shared_bytes=nbytes,
         args=(*(0 if t is None else t.data_ptr() for t in (*inputs, *outs)), batch, steps, hidden),
         buffers=(*(t for t in inputs if t is not None), *outputs),
+        options=options,
     )
     return launch, outputs
 
@@ -427,12 +437,11 @@ def _load(device_index: int, launch: Launch) -> tuple[object, Launch]:
     except RuntimeError:
         if not torch.cuda.is_current_stream_capturing():
             raise
-        cell = launch.kernel[len("bppsa_") : launch.kernel.index("_forward")]
-        hidden = launch.args[-1]
-        nbytes = _shared_bytes(cell, hidden, 4, fixed=False)
-        fallback = dataclasses.replace(
-            launch, kernel=f"bppsa_{cell}_forward_f32", shared_bytes=nbytes, options=()
-        )
+        generic = launch.kernel.rsplit("_h", 1)[0]  # bppsa_<cell>_<direction>_f32
+        cell, direction = generic[len("bppsa_") : -len("_f32")].rsplit("_", 1)
+        size = _shared_bytes if direction == "forward" else _backward_shared_bytes
+        nbytes = size(cell, launch.args[-1], 4, fixed=False)
+        fallback = dataclasses.replace(launch, kernel=generic, shared_bytes=nbytes, options=())
         warnings.warn(
             f"{launch.kernel} is first launched inside a CUDA graph capture, where it cannot be compiled: "
             f"the capture runs {fallback.kernel} (slower); run the layer once before capturing",

@@ -33,7 +33,8 @@ def build_arguments(sanitize: str | None = None, options: tuple[str, ...] = ()) 
     suffix = "".join(f"_{name.removeprefix('BPPSA_REC_').lower()}{value}" for name, value in defines.items())
     hidden = defines.get("BPPSA_REC_HIDDEN")
     kernels = (
-        [f"bppsa_{cell}_forward_f32_h{hidden}" for cell in recurrent_cuda.CELLS]
+        [f"bppsa_{cell}_{direction}_f32_h{hidden}" for cell in recurrent_cuda.CELLS
+         for direction in ("forward", "backward")]  # fmt: skip
         if hidden
         else recurrent_cuda.KERNELS
     )

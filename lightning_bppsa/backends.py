@@ -344,7 +344,7 @@ def scan_plan(
         return chosen
     # the linear scan would be the fused kernel, the chunked one the factored scan: the model's cheaper
     element_bytes = torch.finfo(compute_dtype(dtype)).bits // 8
-    fused = cuda_step_model.fused_seconds(gates=cell.gates, hidden=hidden, n=n)
+    fused = cuda_step_model.fused_seconds(gates=cell.gates, hidden=hidden, n=n, element_bytes=element_bytes)
     chunked = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
                                              element_bytes=element_bytes)  # fmt: skip
     if chunked < fused:

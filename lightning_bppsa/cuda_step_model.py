@@ -28,8 +28,9 @@ batch ``B`` and ``n`` steps (seconds):
 
 A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``: the linear recursion and its
 gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
-kernel: NOT fitted (no GPU has run it yet), the generic forward kernel's fitted step applied to the same
-work (a thread per unit doing ``G H`` multiply-adds against ``W_hh`` in shared memory a step).
+kernel: NOT fitted (no GPU has run it yet), the fitted step of the forward kernel of the same family applied
+to the same work (a thread per unit doing ``G H`` multiply-adds a step against ``W_hh`` in registers, float32
+``H <= 32``, or in shared memory).
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -232,10 +233,14 @@ def forward_seconds(
     return n * (s.generic_step + s.generic_unit * gates * hidden)
 
 
-def fused_seconds(*, gates: int, hidden: int, n: int, constants: StepConstants = STEPS) -> float:
+def fused_seconds(
+    *, gates: int, hidden: int, n: int, element_bytes: int = 4, constants: StepConstants = STEPS
+) -> float:
     """Predicted seconds of the fused backward kernel over ``n`` steps (a form, not a fit: see the module
-    docstring): ``n`` dependent steps of the generic forward kernel's cost for ``G H`` dot-product terms."""
-    return n * (constants.generic_step + constants.generic_unit * gates * hidden)
+    docstring): ``n`` dependent steps of the forward kernel of the same family (:func:`forward_seconds`:
+    float32 ``H <= 32`` compiled per ``H`` with ``W_hh`` in registers, else ``W_hh`` in shared memory), whose
+    step does the same ``G H`` dot-product terms a thread."""
+    return forward_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=constants)
 
 
 def step_seconds(
@@ -265,7 +270,7 @@ def step_seconds(
     if path != "scan":
         raise ValueError(f"path must be 'torch' or 'scan'; got {path!r}")
     if fused:
-        kernel = fused_seconds(gates=gates, hidden=hidden, n=n, constants=s)
+        kernel = fused_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=s)
     else:
         name, chunk = fastest_kernel(
             algorithm, n=n, d=d, m=m, batch=batch, element_bytes=element_bytes, constants=kernels

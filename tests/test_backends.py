@@ -354,13 +354,16 @@ def test_a_linear_cuda_call_plans_the_fused_backward_where_the_warp_sweep_would_
         assert str(call).endswith(", fused backward kernel") == fused
 
 
-@pytest.mark.parametrize(("batch", "steps", "expected"), [(16, 1034, "linear"), (1, 10000, "chunked")])
+@pytest.mark.parametrize(
+    ("batch", "steps", "hidden", "expected"), [(16, 1034, 20, "linear"), (1, 10000, 8, "chunked")]
+)
 def test_auto_plans_the_fused_backward_where_the_model_prices_it_below_the_chunked_scan(
-    monkeypatch, batch, steps, expected
+    monkeypatch, batch, steps, hidden, expected
 ):
     """``auto`` on CUDA: the scan model's chunked plan for an LSTM (d = 2 H) is compared with the fused
-    kernel's modelled sweep (B = 16 T = 1034 H = 20: ~0.5 ms vs ~3.4 ms; B = 1 T = 10000: the chunked scan
-    is priced lower); a GRU of H = 20 keeps the scan model's plan (its linear scan is the warp sweep)."""
+    kernel's modelled sweep (B = 16 T = 1034 H = 20: ~0.2 ms vs ~3.4 ms; B = 1 T = 10000 H = 8: the chunked
+    scan is priced lower, ~0.6 ms vs ~2 ms); a GRU keeps the scan model's plan (its linear scan is the warp
+    sweep)."""
     chunked = plan.Plan("cuda", "chunked", 32, "stand-in chunked")
     monkeypatch.setattr(
         plan,
@@ -368,7 +371,7 @@ def test_auto_plans_the_fused_backward_where_the_model_prices_it_below_the_chunk
         lambda algorithm, **shape: plan.Plan("cuda", "linear", 1, "stand-in") if algorithm == "linear" else chunked,
     )
     monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cuda": emulated_cuda(device_type="cuda")})
-    shape = dict(batch=batch, n=steps, hidden=20, device="cuda", dtype=torch.float32)
+    shape = dict(batch=batch, n=steps, hidden=hidden, device="cuda", dtype=torch.float32)
     chosen = backends.scan_plan(CELLS["lstm"], "auto", **shape)
     assert chosen.algorithm == expected, chosen
     if expected == "linear":

@@ -169,11 +169,14 @@ def test_bad_path_is_refused_with_its_name():
 
 
 def test_the_fused_backward_is_priced_as_the_generic_kernels_step_and_its_rows_are_not_fitted_as_the_scan():
-    """The fused backward kernel (not yet measured): ``n`` steps of the generic forward kernel's fitted cost for
-    ``G H`` terms, in place of the scan kernel in the scan path's step; a calibration row whose plan says the
+    """The fused backward kernel (not yet measured): ``n`` steps of the fitted cost of the forward kernel of the
+    same family (per H in float32 up to 32, else generic: ``G H`` terms), in place of the scan kernel in the scan path's step; a calibration row whose plan says the
     fused kernel ran is not read as a factored scan's."""
     s = model.STEPS
-    assert model.fused_seconds(gates=4, hidden=20, n=1000) == 1000 * (s.generic_step + s.generic_unit * 80)
+    assert model.fused_seconds(gates=4, hidden=20, n=1000) == 1000 * s.forward_step  # W_hh in registers
+    assert model.fused_seconds(gates=4, hidden=20, n=1000, element_bytes=8) == 1000 * (
+        s.generic_step + s.generic_unit * 80
+    )
     shape = dict(gates=4, hidden=20, d=40, m=200, batch=16, n=1000)
     scan, fused = model.step_seconds("scan", **shape), model.step_seconds("scan", fused=True, **shape)
     name, chunk = model.fastest_kernel("auto", n=1000, d=40, m=200, batch=16)

@@ -45,7 +45,8 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
 
 // One launch of a backward kernel for a cell of `gates` gates; `given`: grad_out, grad_h (and grad_cn) given.
 template <class T>
-int launch_backward(void (*entry)(const uint64_t*), int gates, bool given, long batch, long steps, long hidden) {
+int launch_backward(void (*entry)(const uint64_t*), int gates, bool given, long batch, long steps, long hidden,
+                    bool per_hidden = false) {
     std::vector<void*> owned;
     const long bt = batch * steps, gh = gates * hidden;
     const bool gru = gates == 3, lstm = gates == 4;
@@ -61,7 +62,7 @@ int launch_backward(void (*entry)(const uint64_t*), int gates, bool given, long 
         (uint64_t)filled<T>(owned, batch * hidden), (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr),
         (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
     const long width = 16 / sizeof(T), padded = (gh + width - 1) / width * width;  // as recurrent_cuda.py
-    const size_t shared = (2 + hidden) * padded * sizeof(T);
+    const size_t shared = (2 + (per_hidden ? 0 : hidden)) * padded * sizeof(T);
     const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
@@ -93,6 +94,9 @@ int main() {
         status |= launch<float>(bppsa_gru_forward_f32_h32_host, 3, {3, 1, 1}, false, false, 1, steps, 32, true);
         status |= launch<float>(bppsa_lstm_forward_f32_h7_host, 4, {1, 4}, true, false, 2, steps, 7, true);
         status |= launch<float>(bppsa_lstm_forward_f32_h32_host, 4, {1, 4}, true, false, 1, steps, 32, true);
+        status |= launch_backward<float>(bppsa_rnn_relu_backward_f32_h1_host, 1, true, 2, steps, 1, true);
+        status |= launch_backward<float>(bppsa_gru_backward_f32_h7_host, 3, false, 2, steps, 7, true);
+        status |= launch_backward<float>(bppsa_lstm_backward_f32_h32_host, 4, true, 1, steps, 32, true);
     }
     std::printf("launch status %d\n", status);
     return status;

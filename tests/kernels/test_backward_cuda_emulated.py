@@ -198,3 +198,28 @@ def test_bad_shapes_name_the_argument(index, bad, message):
 def test_sums_are_refused():
     with pytest.raises(ValueError, match="sums=None"):
         emulated.rnn_backward(torch.zeros(2, 3, 4), torch.zeros(4, 4), None, False, sums=object())
+
+
+def test_launch_config():
+    """Float32 with H <= 32: the kernel compiled for that H (module options, one warp, shared memory = the two
+    row buffers: W_hh in registers); otherwise a thread per unit in whole warps, W_hh in shared memory."""
+
+    def launch(cell: str, hidden: int, dtype: torch.dtype) -> recurrent_cuda.Launch:
+        gates = recurrent_cuda.CELLS[cell]
+        factors = {"rnn_tanh": ((2, 3, hidden),), "gru": ((2, 3, 3 * hidden), (2, 3, hidden), (2, 3, hidden)),
+                   "lstm": ((2, 3, 4 * hidden), (2, 3, hidden), (2, hidden))}[cell]  # fmt: skip
+        tensors = tuple(torch.zeros(shape, dtype=dtype) for shape in factors)
+        w_hh = torch.zeros(gates * hidden, hidden, dtype=dtype)
+        return recurrent_cuda.prepare_backward(cell, tensors, w_hh, None, None, None, device_type="cpu",
+                                               shared_limit=1 << 20)[0]  # fmt: skip
+
+    lstm20 = launch("lstm", 20, torch.float32)
+    assert (lstm20.kernel, lstm20.block, lstm20.shared_bytes) == ("bppsa_lstm_backward_f32_h20", 32, 2 * 80 * 4)
+    assert lstm20.options == recurrent_cuda.module_options(20)
+    gru5 = launch("gru", 5, torch.float32)  # 15 rows padded to 16
+    assert (gru5.kernel, gru5.shared_bytes) == ("bppsa_gru_backward_f32_h5", 2 * 16 * 4)
+    wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36, W_hh 33 x 36
+    assert (wide.kernel, wide.block, wide.shared_bytes, wide.options) == ("bppsa_rnn_tanh_backward_f32", 64,
+                                                                          (2 + 33) * 36 * 4, ())  # fmt: skip
+    double = launch("lstm", 20, torch.float64)
+    assert (double.kernel, double.block, double.shared_bytes) == ("bppsa_lstm_backward_f64", 32, 22 * 80 * 8)

@@ -289,7 +289,8 @@ def test_float32_tiny_rings(monkeypatch, cell, depth):
 def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device, monkeypatch):
     """A per-H kernel's module is compiled on its first launch (with its -D options) and fetched once; the
     shared-memory kernels load as before. Inside a CUDA graph capture, where NVRTC cannot run, the first
-    launch of an H runs the shared-memory kernel of the same cell with its own shared memory, and warns."""
+    launch of an H runs the shared-memory kernel of the same cell and direction with its own shared memory,
+    and warns."""
     fake, _ = fake_device
     device = torch.device("cuda", 0)
     launch = recurrent_cuda.Launch("bppsa_gru_forward_f32_h20", 2, 32, 4000, (1,) * 11 + (20,),
@@ -315,6 +316,14 @@ def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device
         ((1,), (32,), captured.args, recurrent_cuda._shared_bytes("lstm", 7, 4, fixed=False), 0x1000)
     ]
     assert (0, captured.kernel) not in fake.lookups  # nothing compiled inside the capture
+    backward = recurrent_cuda.Launch("bppsa_rnn_relu_backward_f32_h9", 1, 32, 96, (3,) * 13 + (9,),
+                                     options=recurrent_cuda.module_options(9))  # fmt: skip
+    with pytest.warns(UserWarning, match="runs bppsa_rnn_relu_backward_f32 "):
+        recurrent_cuda._launch_cuda(backward, device)
+    generic = fake.kernels[(0, "bppsa_rnn_relu_backward_f32")]
+    assert generic.calls == [
+        ((1,), (32,), backward.args, recurrent_cuda._backward_shared_bytes("rnn_relu", 9, 4, fixed=False), 0x1000)
+    ]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fake.compile_error = RuntimeError("NVRTC: error")
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="NVRTC"):  # outside a capture: raised
@@ -352,7 +361,8 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the CUDA compile gate needs the CUDA toolkit (no GPU needed)")
     usage = _nvcc.ptxas_report(str(gate_source(tmp_path)), ("sm_80", "sm_90"))  # -warn-spills -Werror
-    fixed = [f"bppsa_{cell}_forward_f32_h{h}" for cell in CELLS for h in GATE_HIDDEN]
+    fixed = [f"bppsa_{cell}_{direction}_f32_h{h}" for cell in CELLS for h in GATE_HIDDEN
+             for direction in ("forward", "backward")]  # fmt: skip
     for arch, kernels in usage.items():
         assert sorted(kernels) == sorted([*recurrent_cuda.KERNELS, *fixed]), (
             f"{arch}: ptxas reported {sorted(kernels)}"
