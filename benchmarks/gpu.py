@@ -37,7 +37,9 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
 Between 1 and 2: ``cuda-host.md`` (``benchmarks/host_path.py``: where a step's host time goes, torch's module and
 ours with the scan forced: step waited for, host time to queue it, back to back, CUDA-graphed, syncs, kernels
 and GPU busy per step, the profiler's and cProfile's tables). Between 2 and 3 (each with its own time
-budget): ``cuda-overhead.md`` (what our module adds where "auto"
+budget): ``cuda-fused.md`` (one layer call's backward by the fused backward kernel and by the factored scan
+of the linear plan, on the same factors: whether the fused kernel should also replace the warp sweep),
+``cuda-overhead.md`` (what our module adds where "auto"
 keeps torch's layer: torch, torch again and ours, 10 interleaved rounds), ``cuda-chain.md``, VGG-11's
 convolution chain, cuDNN autograd vs ``SparseChain``; and ``cells-gpu.md``, user-written cells
 (``benchmarks/cells.py``'s, the style corpus included) at H = 32, B = 16, T = 1000: the whole training step
@@ -154,7 +156,8 @@ CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "pla
 #: the stages still to run (what one leaves unused goes to those after it); a whole run needs ~10 minutes
 #: of an H100 (two calls of <= 5 minutes: see the module docstring)
 STAGE_SHARES = {
-    "tests": 0.15, "host": 0.1, "step": 0.15, "overhead": 0.05, "chain": 0.05, "cells": 0.2, "calib": 0.35, "paper": 0.05,
+    "tests": 0.15, "host": 0.1, "step": 0.15, "fused": 0.05, "overhead": 0.05, "chain": 0.05, "cells": 0.2,
+    "calib": 0.3, "paper": 0.05,
 }  # fmt: skip
 #: every stage of ``--all`` in its order (``paper``: the paper's grids)
 STAGES = tuple(STAGE_SHARES)
@@ -192,6 +195,7 @@ class Shapes:
     host: tuple[
         HostWorkload, ...
     ] = ()  # the host-path stage: (cell, B, T, input, H, algorithm forced on ours)
+    fused: tuple[tuple[str, int, int, int], ...] = ()  # the fused-backward stage: (cell, B, T, H)
     rounds: int = 3
 
 
@@ -218,6 +222,10 @@ GPU_SHAPES = Shapes(
         ("RNN", 16, 1000, 1, 20, "linear"), ("RNN", 16, 1000, 1, 20, "chunked"), ("GRU", 16, 1034, 12, 20, "linear"),
         ("LSTM", 16, 1034, 12, 20, "linear"),
     ),
+    fused=(
+        ("RNN", 16, 1000, 20), ("RNN", 256, 1000, 20), ("GRU", 16, 1034, 20), ("GRU", 64, 1034, 20),
+        ("LSTM", 16, 1034, 20), ("RNN", 16, 1000, 64), ("GRU", 16, 1000, 64), ("LSTM", 16, 1000, 64),
+    ),
 )  # fmt: skip
 #: the smoke mode (``--device cpu --tiny``): every stage, on shapes a CPU runs in seconds
 TINY_SHAPES = Shapes(
@@ -234,6 +242,7 @@ TINY_SHAPES = Shapes(
     cells=(3, 2, 5),
     cell_names=("gated",),
     host=(("RNN", 2, 6, 1, 3, "linear"),),
+    fused=(("GRU", 2, 5, 3), ("LSTM", 2, 5, 3)),
 )
 
 
@@ -454,6 +463,79 @@ def _step_table(runner: Runner, done: list[list[str]], total: int) -> str:
 # --------------------------------------------------------------------------------------------------
 # Stage 2a: what our module adds where "auto" keeps torch's layer
 # --------------------------------------------------------------------------------------------------
+
+FUSED_COLUMNS = (
+    "cell", "B", "T", "H", "fused backward ms", "factored scan backward ms", "fused speedup", "factored scan plan",
+    "max rel diff",
+)  # fmt: skip
+
+
+def _fused_backend(device: str):
+    """The CUDA kernels' backend on a GPU; elsewhere the same backend over their host emulation (CPU tensors:
+    the smoke mode runs the stage's code, its times are the emulator's)."""
+    from lightning_bppsa.kernels import recurrent_emulated
+    from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
+
+    from lightning_bppsa import backends
+
+    if device == "cuda":
+        return backends.CUDA
+    return backends.CudaBackend(recurrent_emulated, device, lambda _: SM80_OPTIN_SHARED_BYTES, lambda: (True, ""))
+
+
+def fused_row(runner: Runner, workload: tuple[str, int, int, int], budget: float) -> list[str]:
+    """One row of :data:`FUSED_COLUMNS`: the backward of one layer call (``backends.backward``: kernels, gate
+    gradients, Eq. 2's GEMMs, an output gradient on every step) by the fused kernel and by the factored scan
+    of the linear plan (the warp sweep for RNN / GRU with H <= 32, else the block sweep), on the same
+    forward kernel's factors."""
+    from lightning_bppsa import backends
+    from lightning_bppsa.cells import cell_of
+
+    kind, batch, length, hidden = workload
+    cell, backend, device = cell_of(kind), _fused_backend(runner.device), runner.device
+    torch.manual_seed(0)
+    weights = [p.detach() for p in getattr(nn, kind)(12, hidden, batch_first=True).to(device).parameters()]
+    x = torch.randn(batch, length, 12, device=device)
+    h0 = torch.randn(batch, hidden, device=device) / 2
+    c0 = torch.randn(batch, hidden, device=device) / 2 if cell.has_cell_state else None
+    results = backend.forward(cell, x, h0, c0, weights)
+    out, factors = results[0], results[2 if cell.has_cell_state else 1 :]
+    grad_out = torch.randn_like(out)
+    scan = backends.scan_plan(cell, "linear", batch=batch, n=length, hidden=hidden, device=device,
+                              dtype=torch.float32)  # fmt: skip
+
+    def backward(second: object) -> Callable[[], list[torch.Tensor]]:
+        call = backends.LayerCall(backend, second, scan)
+        return lambda: backends.backward(cell, "linear", call, x, h0, c0, weights, out, factors, grad_out, None, None)
+
+    calls = {"fused": backward(backend.fused), "scan": backward(backends.TORCH)}
+    diff = max(
+        float((a - b).norm() / b.norm().clamp_min(1e-30))
+        for a, b in zip(calls["fused"](), calls["scan"](), strict=True)
+    )
+    times = interleaved(runner, calls, budget)
+    return [kind, str(batch), str(length), str(hidden), ms_text(times["fused"]), ms_text(times["scan"]),
+            ratio_text(times["scan"], times["fused"]), scan.text, f"{diff:.1e}"]  # fmt: skip
+
+
+def fused_stage(runner: Runner) -> list[list[str]]:
+    """:func:`fused_row` of every workload of ``shapes.fused``, ``cuda-fused.md`` rewritten after each: whether
+    the fused backward kernel should also replace the warp sweep (today it runs only where the factored scan
+    would not be warp-resident: an LSTM, or H > 32)."""
+    workloads = runner.shapes.fused
+    done: list[list[str]] = []
+    for index, workload in enumerate(workloads):
+        done.append(fused_row(runner, workload, 0.9 * max(runner.left(), 0) / (len(workloads) - index)))
+        print("fused " + " | ".join(done[-1]), flush=True)
+        write(runner, "cuda-fused.md", header(runner, "The fused backward kernel vs the factored scan") + (
+            "Backward of one layer call (`backends.backward`: the kernels, the gate gradients, the GEMMs of Eq. 2; an "
+            "output gradient on every step, input 12, float32) on the same forward kernel's factors, by the fused "
+            "kernel (`recurrent_cuda.<cell>_backward`) and by the factored scan of the linear plan; median of "
+            f"{runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up calls, {runner.timer}. Max rel diff: "
+            "the largest norm-wise difference of the two's gradients.\n\n" + markdown_table(FUSED_COLUMNS, done)
+        ))  # fmt: skip
+    return done
+
 
 OVERHEAD_COLUMNS = (
     "cell", "B", "T", "in", "H", "torch step ms", "torch again ms", "BPPSA step ms", "BPPSA - torch us",
@@ -901,6 +983,7 @@ def run_all(
         "tests": lambda r: tests_stage(r, tests_command, limit=TESTS_SECONDS),
         "host": host_stage,
         "step": step_stage,
+        "fused": fused_stage,
         "overhead": overhead_stage,
         "chain": chain_stage,
         "cells": cells_stage,

@@ -90,6 +90,7 @@ def test_every_file_has_the_header(full_run: Path) -> None:
         "cuda-tests.md",
         "cuda-host.md",
         "cuda-step.md",
+        "cuda-fused.md",
         "cuda-overhead.md",
         "cuda-chain.md",
         "cuda-calib.md",
@@ -357,3 +358,13 @@ def test_the_plan_reports_every_kernel_s_registers(monkeypatch: pytest.MonkeyPat
         registers = 41 if "warpsweep" in kernel else 40
         assert any(line.startswith(f"| {kernel}") and line.endswith(f"| {registers} | {registers} |")
                    for line in text.splitlines()), kernel  # fmt: skip
+
+
+def test_the_fused_stage_compares_the_two_backwards_on_every_workload(full_run: Path) -> None:
+    """In the smoke mode the fused kernel runs on its host emulation, the factored scan on the C sweeps: both
+    timed, their gradients the same."""
+    rows = _table_rows(_read(full_run, "cuda-fused.md"))
+    assert [row[:4] for row in rows] == [list(map(str, w)) for w in bench.TINY_SHAPES.fused]
+    for row in rows:
+        assert float(row[4]) > 0 and float(row[5]) > 0 and row[7].startswith("linear")
+        assert float(row[8]) < 1e-5, row
