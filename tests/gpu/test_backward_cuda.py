@@ -3,19 +3,23 @@
 The cases of ``tests/kernels/test_backward_cuda_emulated.py`` (torch autograd through its own layer in
 float64, the pre-activations as the layer's input), on the GPU at its sizes; and on a GPU the layers
 themselves: ``bnn.RNN/GRU/LSTM(algorithm="linear")`` plan the fused backward, launch it, and their gradients
-are as exact as cuDNN's. On a CUDA machine where the kernels cannot load these tests FAIL (never skipped
+are as exact as cuDNN's (emulated: planned as on CUDA over the host emulation). On a CUDA machine where the kernels cannot load these tests FAIL (never skipped
 there).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from lightning_bppsa.kernels import cuda, recurrent_emulated
+from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
 
 import lightning_bppsa.nn as bnn
+from lightning_bppsa import backends, plan
 from lightning_bppsa.testing import assert_derived_close
 
 pytestmark = pytest.mark.cuda
@@ -57,20 +61,40 @@ def test_long_sequence_float32_as_exact_as_torch(backend, cell):
             assert_derived_close(a, r, b.cpu(), floor=1e-6, name=f"{cell} {name}")
 
 
+@pytest.fixture
+def cuda_plans(backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Emulated: CPU tensors get the CUDA kernels' backend over their host emulation and are planned as CUDA
+    tensors would be (the plan cache cleared before and after); on a GPU nothing changes."""
+    if backend.is_cuda:
+        yield
+        return
+    real_choose = plan.choose
+    monkeypatch.setattr(
+        plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
+    )
+    emulated = backends.CudaBackend(recurrent_emulated, "cpu", lambda _: SM80_OPTIN_SHARED_BYTES, lambda: (True, ""))
+    monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", emulated)
+    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
+    monkeypatch.setattr(cuda, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES)
+    plan._choose.cache_clear()
+    yield
+    plan._choose.cache_clear()
+
+
 # an RNN / GRU state wider than a warp (narrower ones run the warp sweep), an LSTM of any width
 @pytest.mark.parametrize(("kind", "hidden"), [("RNN", 40), ("GRU", 40), ("LSTM", 20)])
-def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden):
+def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden, cuda_plans):
     """``bnn.<kind>(algorithm="linear")`` on the GPU: the plan names the fused backward, and the gradients of
-    every parameter and of the input equal float64 autograd as closely as cuDNN's float32 ones."""
-    if not backend.is_cuda:
-        pytest.skip("the layer's CUDA plan needs a CUDA device (tests/test_backends.py runs it emulated)")
+    every parameter and of the input equal float64 autograd as closely as cuDNN's float32 ones. Emulated: the
+    layer on CPU tensors planned as on CUDA, its kernels' backend over the host emulation (torch's CPU layer
+    the float32 baseline)."""
     torch.manual_seed(0)
     ours = getattr(bnn, kind)(12, hidden, batch_first=True, algorithm="linear").to(backend.device)
     cudnn = getattr(torch.nn, kind)(12, hidden, batch_first=True).to(backend.device)
     cudnn.load_state_dict(ours.state_dict())
     exact = getattr(torch.nn, kind)(12, hidden, batch_first=True).double()
     exact.load_state_dict(ours.state_dict())
-    x = torch.randn(16, 300, 12)
+    x = torch.randn(backend.size(16, 2), backend.size(300, 7), 12)
     grads = []
     for module, inputs in ((ours, x.to(backend.device)), (cudnn, x.to(backend.device)), (exact, x.double())):
         inputs = inputs.clone().requires_grad_()
@@ -81,3 +105,4 @@ def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden):
     assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
     for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
         assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
+
