@@ -777,63 +777,21 @@ def _eager(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _thin_aware(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` for runs over all ``B T`` rows: its ``mm`` / ``addmm`` through :mod:`lightning_bppsa.gemm`
-    (the backward's thin products, e.g. a narrow input's projection, are several times faster transposed; an
-    ``addmm`` with a bias of one row through :class:`_RowsAddMM`) and its 2-D splits along the last dimension through :class:`_SplitColumns` (whose backward takes the
-    pieces' gradients without a copy where they are adjacent columns of one tensor, as the compiled loop's
-    are)."""
+    (the backward's thin products, e.g. a narrow input's projection, are several times faster transposed; a
+    bias of one row is part of the product) and its 2-D splits along the last dimension through
+    :class:`_SplitColumns` (whose backward takes the pieces' gradients without a copy where they are adjacent
+    columns of one tensor, as the compiled loop's are)."""
     for node in gm.graph.nodes:
         if node.target is aten.mm.default:
             node.target = gemm.mm
         elif node.target is aten.addmm.default:
-            node.target = _rows_addmm
+            node.target = gemm.addmm
         elif node.target in _SPLITS and _last_dim(node.args[2] if len(node.args) > 2 else 0, node):
             node.target = _split_columns
             node.args = (node.args[0], [piece.shape[-1] for piece in node.meta["val"]])
             node.kwargs = {}
     gm.recompile()
     return gm
-
-
-def _rows_addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Tensor:
-    """:func:`gemm.addmm`, through :class:`_RowsAddMM` where the bias is one row."""
-    if beta != 1 or alpha != 1 or bias.dim() > 2 or (bias.dim() == 2 and bias.shape[0] != 1):
-        return gemm.addmm(bias, a, b, beta=beta, alpha=alpha)
-    return _RowsAddMM.apply(bias, a, b)
-
-
-class _RowsAddMM(torch.autograd.Function):
-    """``bias + a @ b`` for a bias of one row, as one product ``[a | 1] @ [b ; bias]`` (:func:`gemm.matmul`): the
-    output written once (``torch.addmm`` first fills it with the bias), and the backward takes the bias's
-    gradient, the sum of the output gradient's rows, from the product that makes ``b``'s: one pass over the
-    ``(B T, n)`` gradient, not a product and a sum (the sum ~0.4 ms of WideFirst's ~10 ms backward, H=32 B=16
-    T=1000, one thread)."""
-
-    @staticmethod
-    def forward(ctx, bias: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b)
-        ctx.bias_shape = bias.shape
-        return gemm.matmul(_with_ones(a), torch.cat([b, bias.reshape(1, -1)]))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        a, b = ctx.saved_tensors
-        need_bias, need_a, need_b = ctx.needs_input_grad
-        grad_a = gemm.matmul(grad, b.t()) if need_a else None
-        grad_bias = grad_b = None
-        if need_b:
-            # (gradᵀ [a | 1])ᵀ's rows: b's gradient with b's columns as rows (as gemm's), the bias's last ([a | 1]
-            # made again, not kept: a double backward reaches a through it)
-            both = gemm.matmul(grad.t(), _with_ones(a))
-            grad_b = both[:, :-1].t()
-            grad_bias = both[:, -1].reshape(ctx.bias_shape) if need_bias else None
-        elif need_bias:
-            grad_bias = grad.sum_to_size(ctx.bias_shape)
-        return grad_bias, grad_a, grad_b
-
-
-def _with_ones(a: Tensor) -> Tensor:
-    """``[a | 1]``: the 2-D ``a`` and a column of ones."""
-    return torch.cat([a, a.new_ones(a.shape[0], 1)], 1)
 
 
 def _split_columns(a: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:

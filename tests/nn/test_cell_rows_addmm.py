@@ -1,4 +1,4 @@
-"""The traced input part's ``addmm`` over all ``B T`` rows (``cell_structure._RowsAddMM``): one product
+"""The traced input part's ``addmm`` over all ``B T`` rows (``gemm._AddMM``): one product
 ``[a | 1] @ [b ; bias]``, and a backward that takes the bias's gradient from the product making ``b``'s. Its values
 and gradients (any of bias, a, b requiring grad; a bias of shape ``(n,)`` or ``(1, n)``; thin and wide outputs,
 whose products :mod:`lightning_bppsa.gemm` orients differently) equal ``torch.addmm``'s in float64, its double
@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bppsa.nn import Recurrence, cell_structure
+from lightning_bppsa import gemm
+from lightning_bppsa.nn import Recurrence
 
 F64 = torch.float64
 
@@ -33,7 +34,7 @@ def test_values_and_gradients_equal_addmm(width, bias_shape, needs):
     leaves = _operands(width, bias_shape, needs)
     wanted = [t for t in leaves if t.requires_grad]
     weights = torch.linspace(0.5, 1.5, 40 * width, dtype=F64).view(40, width)
-    ours = cell_structure._rows_addmm(*leaves)
+    ours = gemm.addmm(*leaves)
     theirs = torch.addmm(*leaves)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     for a, b in zip(
@@ -48,7 +49,7 @@ def test_values_and_gradients_equal_addmm(width, bias_shape, needs):
 @pytest.mark.parametrize("width", [4, 20], ids=["thin", "wide"])
 def test_double_backward(width):
     leaves = _operands(width, (width,), (True, True, True))
-    assert torch.autograd.gradgradcheck(cell_structure._RowsAddMM.apply, leaves)
+    assert torch.autograd.gradgradcheck(gemm._AddMM.apply, leaves)
 
 
 class _Projected(nn.Module):
@@ -63,15 +64,16 @@ class _Projected(nn.Module):
 
 def test_a_compiled_loops_input_projection_runs_through_it(monkeypatch):
     calls = []
-    apply = cell_structure._RowsAddMM.apply
-    monkeypatch.setattr(cell_structure._RowsAddMM, "apply", lambda *args: calls.append(1) or apply(*args))
+    apply = gemm._AddMM.apply
+    # mm goes through it too (no bias): only a call with a bias is the input projection's
+    monkeypatch.setattr(gemm._AddMM, "apply", lambda *args: calls.append(args[0] is not None) or apply(*args))
     torch.manual_seed(0)
     cell = _Projected().to(F64)
     x = torch.randn(5, 2, 3, dtype=F64, requires_grad=True)
     module = Recurrence(cell, algorithm="linear")
     out = module(x)[0]
     assert module.last_stats["path"] == "scan"
-    assert calls
+    assert any(calls)
     leaves = [x, *cell.parameters()]
     ours = torch.autograd.grad(out.pow(2).sum(), leaves)
     h, steps = x.new_zeros(2, 4), []
