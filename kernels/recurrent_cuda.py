@@ -149,34 +149,30 @@ def refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> st
     layer's plan (:meth:`lightning_bppsa.backends.CudaBackend.refuses`) asks it before anything runs.
     Cached: a training loop asks with one shape every step.
     """
-    if cell not in CELLS:
-        raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
-    if dtype not in _SUFFIX:
-        return _limits("forward", hidden, dtype, shared_limit, 0)
-    return _limits("forward", hidden, dtype, shared_limit, shared_bytes(cell, hidden, torch.finfo(dtype).bits // 8))
+    return _limits("forward", cell, hidden, dtype, shared_limit)
 
 
 @functools.lru_cache(maxsize=256)
 def backward_refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
-    """As :func:`refusal`, for the backward kernel of ``cell`` (its block stages ``W_hh`` and two rows of gate
-    gradients: :func:`backward_shared_bytes`)."""
+    """As :func:`refusal`, for the backward kernel of ``cell`` (its block stages two rows of gate gradients and,
+    but where compiled per ``H``, ``W_hh``: :func:`backward_shared_bytes`)."""
+    return _limits("backward", cell, hidden, dtype, shared_limit)
+
+
+def _limits(direction: str, cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+    """Why the CUDA ``direction`` kernel of a ``cell`` layer (one thread per hidden unit, the shared memory of
+    :func:`shared_bytes` / :func:`backward_shared_bytes`) cannot launch; ``None`` where it can."""
     if cell not in CELLS:
         raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
     if dtype not in _SUFFIX:
-        return _limits("backward", hidden, dtype, shared_limit, 0)
-    return _limits("backward", hidden, dtype, shared_limit,
-                   backward_shared_bytes(cell, hidden, torch.finfo(dtype).bits // 8))  # fmt: skip
-
-
-def _limits(kernel: str, hidden: int, dtype: torch.dtype, shared_limit: int, needed: int) -> str | None:
-    """Why the CUDA ``kernel`` (one thread per hidden unit, ``needed`` bytes of shared memory) cannot launch."""
-    if dtype not in _SUFFIX:
-        return f"dtype {dtype} (the CUDA {kernel} kernels take float32 / float64)"
+        return f"dtype {dtype} (the CUDA {direction} kernels take float32 / float64)"
     if hidden > MAX_THREADS:
-        return f"the CUDA {kernel} kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
+        return f"the CUDA {direction} kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
+    size = shared_bytes if direction == "forward" else backward_shared_bytes
+    needed = size(cell, hidden, torch.finfo(dtype).bits // 8)
     if needed > shared_limit:
         return (
-            f"the CUDA {kernel} kernel of H={hidden} needs {needed} B of shared memory per block, "
+            f"the CUDA {direction} kernel of H={hidden} needs {needed} B of shared memory per block, "
             f"the device has {shared_limit} B"
         )
     return None
@@ -349,7 +345,10 @@ def prepare_backward(
     if batch == 0 or steps == 0 or hidden == 0:
         # no step: the initial state is the last one, its gradients the ones given for that
         for given_grad, result in zip((grad_h, grad_cn), states, strict=False):
-            result.zero_() if given_grad is None else result.copy_(given_grad)
+            if given_grad is None:
+                result.zero_()
+            else:
+                result.copy_(given_grad)
         return None, outputs
     # the kernel's words: f0, f1, f2 (0 where the cell has fewer factors), w_hh, grad_out, grad_h, grad_cn,
     # d_gi, d_gh (GRU), gh0, gc0 (LSTM), batch, steps, hidden
@@ -371,10 +370,13 @@ def prepare_backward(
 
 def backward(
     cell: str, factors: tuple[Tensor, ...], w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
-    grad_cn: Tensor | None, *, launcher: Launcher, device_type: str, shared_limit: int,
+    grad_cn: Tensor | None, *, launcher: Launcher, device_type: str, shared_limit: int, sums: object = None,
 ) -> tuple[Tensor, ...] | None:  # fmt: skip
     """:func:`prepare_backward`, then ``launcher(launch, device)``; shared by the CUDA path and the host
-    emulation."""
+    emulation. ``sums`` (the CPU kernels' parameter sums) must be ``None``: the parameter gradients are the
+    caller's GEMMs."""
+    if sums is not None:
+        raise ValueError("the CUDA backward kernels do not sum the parameter gradients: pass sums=None")
     prepared = prepare_backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, device_type=device_type,
                                 shared_limit=shared_limit)  # fmt: skip
     if prepared is None:
@@ -494,14 +496,12 @@ def lstm_forward(gi: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tens
 
 
 def _backward_cuda(cell: str, factors: tuple, w_hh, grad_out, grad_h, grad_cn, sums) -> tuple[Tensor, ...] | None:
-    if sums is not None:
-        raise ValueError("the CUDA backward kernels do not sum the parameter gradients: pass sums=None")
     first = factors[0]
     if first.device.type != "cuda" or not available()[0]:
         return None
     index = first.device.index if first.device.index is not None else torch.cuda.current_device()
     return backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, launcher=_launch_cuda, device_type="cuda",
-                    shared_limit=cupy_loader.shared_limit(index))  # fmt: skip
+                    shared_limit=cupy_loader.shared_limit(index), sums=sums)  # fmt: skip
 
 
 def rnn_backward(

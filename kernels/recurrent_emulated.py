@@ -136,11 +136,9 @@ def lstm_forward(
 
 
 def _backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, sums, shared_limit, resident, timeout):
-    if sums is not None:
-        raise ValueError("the CUDA backward kernels do not sum the parameter gradients: pass sums=None")
     return recurrent_cuda.backward(
         cell, factors, w_hh, grad_out, grad_h, grad_cn,
-        launcher=_launcher(resident, timeout), device_type="cpu", shared_limit=shared_limit,
+        launcher=_launcher(resident, timeout), device_type="cpu", shared_limit=shared_limit, sums=sums,
     )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ to its kernels' backend (tests register :class:`CudaBackend` over the host emula
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -343,16 +344,27 @@ def scan_plan(
     if not fused_backward(cell, hidden, dtype, device):
         return chosen
     # the linear scan would be the fused kernel, the chunked one the factored scan: the model's cheaper
-    element_bytes = torch.finfo(compute_dtype(dtype)).bits // 8
-    fused = cuda_step_model.fused_seconds(gates=cell.gates, hidden=hidden, n=n, element_bytes=element_bytes)
-    chunked = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
-                                             element_bytes=element_bytes)  # fmt: skip
-    if chunked < fused:
+    why = _fused_cheaper(cell.gates, hidden, d, width, batch, n, compute_dtype(dtype), chosen)
+    if not why:
         return chosen
     linear = plan.choose("linear", n=n, d=d, batch=batch, width=width, device=device, dtype=dtype,
                          shared_limit=shared_limit)  # fmt: skip
-    why = f"the fused backward kernel, modelled {fused * 1e3:.3g} ms vs {chosen.text}'s {chunked * 1e3:.3g} ms"
     return dataclasses.replace(linear, reason=why)
+
+
+@functools.lru_cache(maxsize=256)  # asked on every layer call with a chunked CUDA plan: once per shape
+def _fused_cheaper(
+    gates: int, hidden: int, d: int, width: int, batch: int, n: int, dtype: torch.dtype, chosen: plan.Plan
+) -> str:
+    """Why the fused backward kernel is modelled cheaper than the ``chosen`` chunked factored scan (``""``
+    where it is not)."""
+    element_bytes = torch.finfo(dtype).bits // 8
+    fused = cuda_step_model.fused_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes)
+    chunked = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
+                                             element_bytes=element_bytes)  # fmt: skip
+    if chunked < fused:
+        return ""
+    return f"the fused backward kernel, modelled {fused * 1e3:.3g} ms vs {chosen.text}'s {chunked * 1e3:.3g} ms"
 
 
 def fused_backward(cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: str) -> bool:
