@@ -14,7 +14,11 @@ forward and backward (:class:`Backend`):
   plan's factored scan would not be the warp-resident sweep (an LSTM, whose factored scan also needs ~20
   launches for its scales, or a state wider than a warp) and the kernel's block fits: there the fused
   backward kernel (:class:`FusedBackward`: the linear recursion and the gate gradients in one launch), which
-  ``"auto"`` also plans where the model prices it below the chunked scan (:func:`scan_plan`).
+  ``"auto"`` also plans where the model prices it below the chunked scan (:func:`scan_plan`). Where both
+  kernels of a linear backward can run, the first backward of each shape times both on its own data and
+  the faster runs from then on (:class:`MeasuredBackward`, :func:`lightning_bppsa.layer_plan.fastest`); the
+  rule above decides where nothing may measure (tracing, a CUDA graph capture, measurements off) or a
+  measurement would take too long.
 
 :func:`plan_call` decides, once per layer call and before anything runs, which backend runs the forward
 and which the backward, and the scan's plan (:class:`LayerCall`): a kernel that cannot launch as planned
@@ -36,7 +40,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_bppsa import cuda_step_model, ops, plan
+from lightning_bppsa import cuda_step_model, layer_plan, ops, plan
 from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import RecurrentCell
 from lightning_bppsa.kernels import cuda as cuda_scan
@@ -45,7 +49,8 @@ from lightning_bppsa.kernels import recurrent_cuda
 
 __all__ = [
     "CUDA", "DEVICE_BACKENDS", "NATIVE", "TORCH", "Backend", "CudaBackend", "FusedBackward", "LayerCall",
-    "NativeBackend", "TorchBackend", "backward", "forward_backend", "fused_backward", "plan_call", "scan_plan",
+    "MeasuredBackward", "NativeBackend", "TorchBackend", "backward", "forward_backend", "fused_backward", "plan_call",
+    "scan_plan",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -249,29 +254,85 @@ class CudaBackend(TorchBackend):
     def takes(self, scan: plan.Plan) -> bool:
         return scan.kernel == "cuda"
 
-    def fuses(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-        """Whether a linear scan of a ``cell`` layer of ``hidden`` in ``dtype`` on ``device`` runs as the fused
-        backward kernel: where the factored scan's linear kernel is not the warp-resident sweep (an LSTM, or a
-        state wider than a warp: the block sweep streams its operand tile from L2 every step, ~25 us a step at
-        d = 128 on an H100) and the kernel's block fits the device (``recurrent_cuda.backward_refusal``).
-        Where the warp sweep runs (RNN / GRU with H <= 32) it stays: measured there, the fused kernel not yet."""
-        if (cell.name != "lstm" and hidden <= cuda_scan.WARP) or not self.available()[0]:
+    def can_fuse(
+        self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str
+    ) -> bool:
+        """Whether the fused backward kernel can run a ``cell`` layer of ``hidden`` in ``dtype`` on ``device``:
+        the kernels load and its block fits the device (``recurrent_cuda.backward_refusal``)."""
+        if not self.available()[0]:
             return False
         limit = self.shared_limit(torch.device(device))
         return recurrent_cuda.backward_refusal(cell.name, hidden, dtype, limit) is None
 
-    def backward_for(self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype,
-                     device: torch.device) -> Backend:  # fmt: skip
-        """The backend of a call's backward planned ``scan`` on these kernels: :attr:`fused` for a linear scan
-        it :meth:`fuses`, else this backend (the factored scan)."""
-        fused = scan.algorithm == "linear" and self.fuses(cell, hidden, dtype, device)
-        return self.fused if fused else self
+    def fuses(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Whether, unmeasured, a linear scan of a ``cell`` layer of ``hidden`` in ``dtype`` on ``device`` runs as
+        the fused backward kernel: where it :meth:`can_fuse` and the factored scan's linear kernel is not the
+        warp-resident sweep (an LSTM, or a state wider than a warp: the block sweep streams its operand tile
+        from L2 every step, ~25 us a step at d = 128 on an H100). Where the warp sweep runs (RNN / GRU with
+        H <= 32) it stays: measured there, the fused kernel not yet (a measured call chooses:
+        :meth:`backward_for`)."""
+        warp_sweep = cell.name != "lstm" and hidden <= cuda_scan.WARP
+        return not warp_sweep and self.can_fuse(cell, hidden, dtype, device)
+
+    def backward_for(
+        self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype, device: torch.device,
+        batch: int, steps: int,
+    ) -> tuple[Backend, str]:  # fmt: skip
+        """The backend of a call's backward planned ``scan`` on these kernels, and why where measured. A linear
+        scan that :meth:`can_fuse` has two kernels, the factored scan (this backend) and :attr:`fused`: the
+        faster as measured for this shape (:func:`lightning_bppsa.layer_plan.fastest`), a
+        :class:`MeasuredBackward` where its first backward may measure (both modelled to take at most
+        :data:`~lightning_bppsa.layer_plan.MEASURE_BUDGET_SECONDS` three times), else :meth:`fuses`' rule.
+        Any other scan: this backend."""
+        if scan.algorithm != "linear" or not self.can_fuse(cell, hidden, dtype, device):
+            return self, ""
+        key = ("linear backward", cell.name, hidden, batch, steps, dtype, str(device))
+        known = layer_plan.known_fastest(key)
+        if known is not None:
+            return (self.fused if known[0] == MeasuredBackward.FUSED else self), known[1]
+        default = self.fused if self.fuses(cell, hidden, dtype, device) else self
+        if layer_plan.may_measure():
+            modelled = _kernel_seconds(cell.gates, hidden, cell.state_factor * hidden, cell.jacobian_width(hidden),
+                                       batch, steps, compute_dtype(dtype), scan)  # fmt: skip
+            if 3 * sum(modelled) <= layer_plan.MEASURE_BUDGET_SECONDS:
+                return MeasuredBackward(self, key, default), ""
+        return default, ""
 
     def forward(
         self, cell: RecurrentCell, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
     ) -> list[Tensor]:
         gi = cell.input_projection(x, weights, in_kernel=False)
         return list(_ran(cell.kernel_forward(self.kernels, gi, h0, c0, weights), self.name, cell))
+
+
+class MeasuredBackward(TorchBackend):
+    """The backward of the first ``linear [cuda]`` call of a shape whose two kernels can both run
+    (:meth:`CudaBackend.backward_for`): it times the factored scan and the fused kernel on the call's own
+    inputs (:func:`lightning_bppsa.layer_plan.fastest`: once per shape; on a GPU it syncs on this call only),
+    then returns the faster one's gradients; later calls of the shape plan that kernel directly. Where it may
+    no longer measure when it runs (e.g. a capture began), ``default`` runs."""
+
+    name = "cuda measured"
+    FACTORED, FUSED = "factored scan", "fused kernel"
+
+    def __init__(self, kernels: CudaBackend, key: tuple, default: Backend) -> None:
+        self.kernels, self.key, self.default = kernels, key, default
+
+    def backward(
+        self, cell: RecurrentCell, scan: plan.Plan, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor],
+        out: Tensor, factors: Sequence[Tensor], grad_out: Tensor | None, grad_hn: Tensor | None,
+        grad_cn: Tensor | None, need_x: bool,
+    ) -> Gradients:  # fmt: skip
+        args = (cell, scan, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
+        kernels = {self.FACTORED: self.kernels, self.FUSED: self.kernels.fused}
+        # each candidate's last run is timed, not kept: its results may live in the scan's scratch buffers
+        chosen = layer_plan.fastest(self.key, {name: _bound(k.backward, args) for name, k in kernels.items()},
+                                    out.device)  # fmt: skip
+        return (self.default if chosen is None else kernels[chosen[0]]).backward(*args)
+
+
+def _bound(fn: Callable, args: tuple) -> Callable[[], object]:
+    return lambda: fn(*args)
 
 
 TORCH, NATIVE, CUDA = TorchBackend(), NativeBackend(), CudaBackend()
@@ -289,20 +350,30 @@ class LayerCall:
         backward: the backward's backend.
         scan: the backward's scan plan (kernel, algorithm, chunk).
         reason: why the forward runs torch's code where its device has kernels (``""`` otherwise).
+        backward_reason: the measurement that chose the backward's kernel (``""``: none did).
     """
 
     forward: Backend
     backward: Backend
     scan: plan.Plan
     reason: str = ""
+    backward_reason: str = ""
 
     def __str__(self) -> str:
         """``"scan chunked(c=16) [cuda]"``, plus ``" (chunked asked: why)"`` where the scan kernels cannot launch
         the algorithm asked for, ``", fused backward kernel"`` where that runs the backward
-        (:class:`FusedBackward`) and ``", torch forward: why"`` where the forward kernel cannot launch."""
+        (:class:`FusedBackward`), ``", backward kernel measured on its first call"`` where
+        :class:`MeasuredBackward` will choose, the measurement in parentheses where one chose, and
+        ``", torch forward: why"`` where the forward kernel cannot launch."""
         instead = f" ({self.scan.instead})" if self.scan.instead else ""
-        fused = ", fused backward kernel" if isinstance(self.backward, FusedBackward) else ""
-        return f"scan {self.scan.text}{instead}{fused}" + (f", torch forward: {self.reason}" if self.reason else "")
+        kernel = (
+            ", fused backward kernel" if isinstance(self.backward, FusedBackward)
+            else ", backward kernel measured on its first call" if isinstance(self.backward, MeasuredBackward)
+            else ", factored scan" if self.backward_reason else ""
+        )  # fmt: skip
+        measured = f" ({self.backward_reason})" if self.backward_reason else ""
+        forward = f", torch forward: {self.reason}" if self.reason else ""
+        return f"scan {self.scan.text}{instead}{kernel}{measured}{forward}"
 
 
 #: reasons already logged for a torch forward on a device with kernels: once per reason, not per call
@@ -344,27 +415,27 @@ def scan_plan(
     if not fused_backward(cell, hidden, dtype, device):
         return chosen
     # the linear scan would be the fused kernel, the chunked one the factored scan: the model's cheaper
-    why = _fused_cheaper(cell.gates, hidden, d, width, batch, n, compute_dtype(dtype), chosen)
-    if not why:
+    fused, chunked = _kernel_seconds(cell.gates, hidden, d, width, batch, n, compute_dtype(dtype), chosen)
+    if chunked < fused:
         return chosen
     linear = plan.choose("linear", n=n, d=d, batch=batch, width=width, device=device, dtype=dtype,
                          shared_limit=shared_limit)  # fmt: skip
+    why = (
+        f"the fused backward kernel, modelled {fused * 1e3:.3g} ms vs {chosen.text}'s {chunked * 1e3:.3g} ms"
+    )
     return dataclasses.replace(linear, reason=why)
 
 
 @functools.lru_cache(maxsize=256)  # asked on every layer call with a chunked CUDA plan: once per shape
-def _fused_cheaper(
+def _kernel_seconds(
     gates: int, hidden: int, d: int, width: int, batch: int, n: int, dtype: torch.dtype, chosen: plan.Plan
-) -> str:
-    """Why the fused backward kernel is modelled cheaper than the ``chosen`` chunked factored scan (``""``
-    where it is not)."""
+) -> tuple[float, float]:
+    """The CUDA step model's seconds of the fused backward kernel and of the factored scan planned ``chosen``."""
     element_bytes = torch.finfo(dtype).bits // 8
     fused = cuda_step_model.fused_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes)
-    chunked = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
-                                             element_bytes=element_bytes)  # fmt: skip
-    if chunked < fused:
-        return ""
-    return f"the fused backward kernel, modelled {fused * 1e3:.3g} ms vs {chosen.text}'s {chunked * 1e3:.3g} ms"
+    factored = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
+                                              element_bytes=element_bytes)  # fmt: skip
+    return fused, factored
 
 
 def fused_backward(cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: str) -> bool:
@@ -394,10 +465,12 @@ def plan_call(
     forward, why = forward_backend(cell, hidden, (x, h0, c0, *weights))
     scan = scan_plan(cell, algorithm, batch=x.shape[0], n=x.shape[1], hidden=hidden, device=x.device.type,
                      dtype=weights[0].dtype, shared_limit=_scan_shared_limit(x.device))  # fmt: skip
-    backward = forward if forward.takes(scan) else TORCH
+    backward, measured = (forward if forward.takes(scan) else TORCH), ""
     if isinstance(backward, CudaBackend):
-        backward = backward.backward_for(cell, scan, hidden, weights[0].dtype, x.device)
-    return LayerCall(forward, backward, scan, why)
+        backward, measured = backward.backward_for(
+            cell, scan, hidden, weights[0].dtype, x.device, x.shape[0], x.shape[1]
+        )
+    return LayerCall(forward, backward, scan, why, measured)
 
 
 def backward(

@@ -19,6 +19,9 @@ off CUDA, for :class:`~lightning_bppsa.nn.SparseChain` (measured, no model; unme
    never sync. A ``measure`` that raises (a cell found drawing random numbers) leaves nothing cached.
    Where the model is unsure and nothing measures, a model's leaning decides; without a model, torch's path.
 
+Where one path has interchangeable kernels (a CUDA layer's linear backward: the fused kernel or the factored
+scan), :func:`fastest` times them on the call's own data once per shape, as above, and caches the faster.
+
 Decisions under tracing or capture are never cached (a model answer there must not freeze a shape that an
 eager call could measure). :func:`measurements` turns measuring off or on for the process (tests: to make a
 path deterministic), :func:`forget` drops the cache.
@@ -56,8 +59,9 @@ import torch
 
 from lightning_bppsa.kernels import _build, cupy_loader
 
-__all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "SCAN_MARGIN", "UNSURE", "device_timer", "forget",
-           "measurements", "cached", "generation", "plan_layer", "time_candidates", "time_training_steps"]  # fmt: skip
+__all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "SCAN_MARGIN", "UNSURE", "device_timer", "fastest",
+           "forget", "known_fastest", "may_measure", "measurements", "cached", "generation", "plan_layer",
+           "time_candidates", "time_training_steps"]  # fmt: skip
 
 #: the model is "unsure" where its two predictions are within this factor of each other
 UNSURE = 2.0
@@ -100,6 +104,8 @@ class LayerPlan:
 
 
 _decisions: dict[LayerShape, LayerPlan] = {}
+#: :func:`fastest`'s measured choices: key -> (the fastest candidate's name, the measurement in words)
+_fastest: dict[object, tuple[str, str]] = {}
 _measuring = {"on": True}
 #: bumped by :func:`forget`: a caller's memo of a decision (``generation()``, plan) is stale once it moves
 _generation = [0]
@@ -119,6 +125,7 @@ def forget(disk: bool = False) -> None:
     """Drop every cached decision (the next call of each shape decides again); ``disk=True`` also deletes the
     measured decisions kept on disk (every setup's), so that they are measured again."""
     _decisions.clear()
+    _fastest.clear()
     _read_files.clear()
     _generation[0] += 1
     if disk:
@@ -200,6 +207,33 @@ def time_training_steps(
         return time_candidates(
             {name: step(forward) for name, forward in forwards.items()}, device_timer(device)
         )
+
+
+def may_measure() -> bool:
+    """Whether a call may measure now: measurements on (:func:`measurements`) and nothing traced or captured."""
+    return _measuring["on"] and not _tracing()
+
+
+def known_fastest(key: object) -> tuple[str, str] | None:
+    """:func:`fastest`'s cached answer for ``key``, or ``None`` where it has not measured ``key``."""
+    return _fastest.get(key)
+
+
+def fastest(
+    key: object, candidates: dict[str, Callable[[], object]], device: torch.device
+) -> tuple[str, str] | None:
+    """The fastest of ``candidates`` (interchangeable runs of the same work on ``device``, e.g. two kernels of one
+    backward) for ``key``, and the measurement in words: timed once per ``key`` and process
+    (:func:`time_candidates` with :func:`device_timer`: on CUDA it syncs, on this first call only), then cached
+    until :func:`forget`. ``None`` where ``key`` is not cached and nothing may measure now
+    (:func:`may_measure`): the caller runs its default."""
+    known = _fastest.get(key)
+    if known is not None or not may_measure():
+        return known
+    times = time_candidates(candidates, device_timer(device))
+    best = min(times, key=times.__getitem__)
+    _fastest[key] = best, "measured: " + ", ".join(f"{name} {_ms(t)}" for name, t in times.items())
+    return _fastest[key]
 
 
 def _tracing() -> bool:

@@ -14,7 +14,7 @@ from lightning_bppsa.kernels import recurrent_cuda, recurrent_emulated
 from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
 
 import lightning_bppsa.nn as bnn
-from lightning_bppsa import backends, plan
+from lightning_bppsa import backends, layer_plan, plan
 from lightning_bppsa.backends import NATIVE, TORCH, CudaBackend, LayerCall
 from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn import _scan_layer, recurrent
@@ -414,3 +414,74 @@ def test_stacked_bidirectional_layers_on_the_fused_backward_equal_torchs(monkeyp
         assert_all_close(grads[0], grads[1])
     finally:
         plan._choose.cache_clear()
+
+
+@needs_gxx
+@pytest.mark.parametrize(("kind", "hidden", "faster"), [("RNN", 20, "fused kernel"), ("LSTM", 4, "factored scan")])
+def test_a_linear_cuda_backward_is_measured_once_per_shape_and_the_faster_kernel_runs(
+    monkeypatch, cuda_on_cpu, kind, hidden, faster
+):
+    """Where both kernels of a ``linear [cuda]`` backward can run (the fused kernel and the factored scan), the
+    first backward of a shape times both on its own inputs (an injected clock: ``faster`` is scripted to take
+    1 ms, the other 3 ms; the opposite of the unmeasured rule's choice for both cells) and returns the faster
+    one's gradients; later calls plan that kernel directly, say the measurement, and measure nothing more. The
+    gradients equal torch's in float64 on every call. With measurements off the unmeasured rule plans."""
+    ran: list[str] = []
+    for name, backend in (("factored scan", cuda_on_cpu), ("fused kernel", cuda_on_cpu.fused)):
+        real = backend.backward
+        monkeypatch.setattr(backend, "backward", lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    timed: list[str] = []
+
+    def timer(fn):
+        ran.clear()
+        fn()
+        timed.append(ran[-1])
+        return 1e-3 if ran[-1] == faster else 3e-3
+
+    monkeypatch.setattr(layer_plan, "device_timer", lambda device: timer)
+    torch.manual_seed(0)
+    ours = getattr(bnn, kind)(3, hidden, batch_first=True, algorithm="linear").double()
+    reference = getattr(torch.nn, kind)(3, hidden, batch_first=True).double()
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 7, 3, dtype=F64)
+    with layer_plan.measurements(False):
+        ours(x)[0].sum().backward()
+    unmeasured = ours.last_stats["plan"]
+    assert unmeasured.endswith(", fused backward kernel") == (faster == "factored scan"), unmeasured
+    with layer_plan.measurements(True):
+        for call in range(3):
+            ours.zero_grad()
+            reference.zero_grad()
+            grads, last = [], []
+            for module in (ours, reference):
+                inputs = x.clone().requires_grad_()
+                out, _ = module(inputs)
+                ran.clear()
+                out.sin().sum().backward()
+                grads.append([inputs.grad, *(p.grad for p in module.parameters())])
+                last += ran[-1:]
+            assert_all_close(grads[0], grads[1])
+            assert last == [faster], (call, last)  # ours ran the faster kernel last (torch's module: none)
+            plan_text = ours.last_stats["plan"]
+            if call == 0:
+                assert plan_text == "scan linear [cuda], backward kernel measured on its first call", plan_text
+                assert sorted(timed) == ["factored scan"] * 2 + ["fused kernel"] * 2, timed
+            else:
+                assert len(timed) == 4, timed  # measured once
+                kernel = "fused backward kernel" if faster == "fused kernel" else "factored scan"
+                other = "fused kernel" if faster == "factored scan" else "factored scan"
+                assert f", {kernel} (measured: " in plan_text and f"{faster} 1 ms" in plan_text, plan_text
+                assert f"{other} 3 ms" in plan_text, plan_text
+
+
+@needs_gxx
+def test_a_linear_cuda_backward_modelled_too_long_to_time_is_not_measured(monkeypatch, cuda_on_cpu):
+    """A shape whose two backward kernels are modelled to take more than the measuring budget three times over
+    plans the unmeasured rule's kernel, measurements on or not."""
+    monkeypatch.setattr(layer_plan, "MEASURE_BUDGET_SECONDS", 0.0)
+    monkeypatch.setattr(layer_plan, "device_timer", lambda device: pytest.fail("measured"))
+    cell = CELLS["rnn_tanh"]
+    x, h0, c0, weights = layer_inputs(cell, hidden=20)
+    with layer_plan.measurements(True):
+        call = backends.plan_call(cell, "linear", x, h0, c0, weights)
+    assert call.backward is cuda_on_cpu and str(call) == "scan linear [cuda]", call

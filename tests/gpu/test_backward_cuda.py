@@ -15,11 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_bppsa.kernels import cuda, recurrent_emulated
-from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
 
 import lightning_bppsa.nn as bnn
-from lightning_bppsa import backends, plan
 from lightning_bppsa.testing import assert_derived_close
 
 pytestmark = pytest.mark.cuda
@@ -62,23 +59,12 @@ def test_long_sequence_float32_as_exact_as_torch(backend, cell):
 
 
 @pytest.fixture
-def cuda_plans(backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def cuda_plans(backend, request: pytest.FixtureRequest) -> Iterator[None]:
     """Emulated: CPU tensors get the CUDA kernels' backend over their host emulation and are planned as CUDA
-    tensors would be (the plan cache cleared before and after); on a GPU nothing changes."""
-    if backend.is_cuda:
-        yield
-        return
-    real_choose = plan.choose
-    monkeypatch.setattr(
-        plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
-    )
-    emulated = backends.CudaBackend(recurrent_emulated, "cpu", lambda _: SM80_OPTIN_SHARED_BYTES, lambda: (True, ""))
-    monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", emulated)
-    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
-    monkeypatch.setattr(cuda, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES)
-    plan._choose.cache_clear()
+    tensors would be (``cuda_on_cpu``); on a GPU nothing changes."""
+    if not backend.is_cuda:
+        request.getfixturevalue("cuda_on_cpu")
     yield
-    plan._choose.cache_clear()
 
 
 # an RNN / GRU state wider than a warp (narrower ones run the warp sweep), an LSTM of any width

@@ -19,12 +19,11 @@ from collections import Counter
 
 import pytest
 import torch
-from lightning_bppsa.kernels import cuda, emulated, recurrent_cuda, recurrent_emulated
-from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
+from lightning_bppsa.kernels import cuda, recurrent_cuda, recurrent_emulated
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_bppsa.nn as bnn
-from lightning_bppsa import backends, cells, plan
+from lightning_bppsa import cells
 from lightning_bppsa.nn import _scan_layer
 from lightning_bppsa.testing import assert_derived_close
 
@@ -77,8 +76,9 @@ def _is_view(name: str) -> bool:
 
 
 @pytest.fixture
-def launches(monkeypatch) -> Counter:
-    """The CUDA path of the recurrent layers on CPU tensors, both launchers emulated; counts launches by kernel.
+def launches(monkeypatch, cuda_on_cpu) -> Counter:
+    """The CUDA path of the recurrent layers on CPU tensors, both launchers emulated (``cuda_on_cpu``); counts
+    launches by kernel.
 
     Everything between the layer and the launchers is the CUDA path's own code: the CUDA backend
     (``backends.CudaBackend``, registered for the CPU tensors) runs the emulated forward kernels through
@@ -97,22 +97,9 @@ def launches(monkeypatch) -> Counter:
 
     real_launcher = recurrent_emulated._launcher
     monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: counting(real_launcher(*a)))
-    emulated_cuda = backends.CudaBackend(
-        recurrent_emulated, "cpu", lambda device: SM80_OPTIN_SHARED_BYTES, lambda: (True, "")
-    )
-    monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", emulated_cuda)  # CPU tensors get the CUDA backend
-    real_choose = plan.choose
-    monkeypatch.setattr(
-        plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
-    )
-    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
-    monkeypatch.setattr(cuda, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES)
-    monkeypatch.setattr(cuda, "_launch_cuda", counting(emulated._launcher(None, 600.0, 1, 0.0)))
-    monkeypatch.setattr(cuda, "_device_limit", lambda t: SM80_OPTIN_SHARED_BYTES)
+    monkeypatch.setattr(cuda, "_launch_cuda", counting(cuda._launch_cuda))
     monkeypatch.setattr(_scan_layer, "_dispatched", lambda tensors: False)
-    plan._choose.cache_clear()  # plans cached for "cpu" must not answer, nor these leak
-    yield counted
-    plan._choose.cache_clear()
+    return counted
 
 
 @needs_gxx
