@@ -29,9 +29,9 @@ QUICK_LENGTHS, QUICK_BATCHES = (8, 24), (1, 4)
 BENCH_INPUTS = {"RNN": 1, "GRU": 12, "LSTM": 12}
 
 
-def _pair(cell: str, inputs: int, algorithm: str) -> tuple[nn.Module, nn.Module]:
-    ours = getattr(bnn, cell)(inputs, HIDDEN, batch_first=True, algorithm=algorithm)
-    ref = getattr(nn, cell)(inputs, HIDDEN, batch_first=True)
+def _pair(cell: str, inputs: int, algorithm: str, hidden: int = HIDDEN) -> tuple[nn.Module, nn.Module]:
+    ours = getattr(bnn, cell)(inputs, hidden, batch_first=True, algorithm=algorithm)
+    ref = getattr(nn, cell)(inputs, hidden, batch_first=True)
     ref.load_state_dict(ours.state_dict())
     return ours, ref
 
@@ -54,9 +54,11 @@ def _backward(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
 
 
 def measure(
-    cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float, rounds: int = 1
+    cell: str, batch: int, length: int, inputs: int, algorithm: str, min_run_time: float, rounds: int = 1,
+    hidden: int = HIDDEN,
 ) -> dict[str, Any]:
-    """One grid point of ``cell`` (``"RNN"``, ``"GRU"``, ``"LSTM"``) on ``x: (batch, length, inputs)``.
+    """One grid point of ``cell`` (``"RNN"``, ``"GRU"``, ``"LSTM"``) of ``hidden`` units on ``x: (batch, length,
+    inputs)``.
 
     Returns seconds (``forward``, ``forward_bppsa``, ``autograd`` and ``bppsa``: a whole forward +
     backward, ``bwd_autograd``, ``bwd_bppsa``; each the median over ``rounds`` rounds that time all of them
@@ -64,7 +66,7 @@ def measure(
     ``mem_bppsa``) and what the BPPSA module ran (``path``: ``"scan"`` or ``"autograd"``, ``scan_algorithm``).
     """
     torch.manual_seed(0)
-    ours, ref = _pair(cell, inputs, algorithm)
+    ours, ref = _pair(cell, inputs, algorithm, hidden)
     x = torch.randn(batch, length, inputs)
     x = (x > 0.5).float() if inputs == 1 else x  # the bitstream task of Sec. 4.1 for the RNN rows
     memory = peak_memory_bytes(_step(ref, x)), peak_memory_bytes(_step(ours, x))
@@ -86,6 +88,7 @@ def measure(
         "mem_autograd": memory[0],
         "mem_bppsa": memory[1],
         "path": ours.last_stats["path"],
+        "decision": ours.last_stats.get("decision", ""),  # why "auto" ran that path
         "scan_algorithm": ours.last_stats.get("scan_algorithm", ""),  # what the scan resolved algorithm to
     }
 
