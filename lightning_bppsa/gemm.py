@@ -5,12 +5,17 @@ transposed: ``(16000, 96) @ (96, 8)`` 1.99 ms against ``((96, 8)ᵀ @ (16000, 96
 weight gradient ``(96, 16000) @ (16000, 8)`` 2.76 ms against 0.63 ms (one thread, AMD EPYC, torch 2.13,
 2026-11-24; the gap closes at 16 columns, and float64 shows no consistent order). Such products are the
 backward of an input projection over all ``B T`` rows of a narrow input (:class:`~lightning_bppsa.nn.Recurrence`).
+With a bias of one row (the projection ``[a | 1] @ [b ; bias]``) and at most 16 columns of ``a``, the backward's
+two products are one pass of a compiled kernel on the CPU (:mod:`lightning_bppsa.kernels.thin`: ~0.5 ms of
+the GEMMs' ~1.3 ms at 16000 rows, 96 outputs, 8 inputs), torch's elsewhere and under ``create_graph``.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from lightning_bppsa.kernels import thin
 
 __all__ = ["addmm", "matmul", "mm"]
 
@@ -60,6 +65,18 @@ class _AddMM(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
         need_bias, need_a, need_b = ctx.needs_input_grad
+        # a thin a: both products in one pass of the compiled kernel (not under create_graph: not differentiable)
+        want_rows = need_b or need_bias  # [a | 1]ᵀ grad: b's rows, then the bias's
+        fused = (
+            thin.affine_backward(grad, a, b, need_a, want_rows)
+            if ctx.row and (need_a or want_rows) and not torch.is_grad_enabled()
+            else None
+        )
+        if fused is not None:
+            grad_a, both = fused
+            grad_b = both[:-1] if need_b else None
+            grad_bias = both[-1].reshape(ctx.bias_shape) if need_bias else None
+            return grad_bias, grad_a, grad_b
         grad_a = matmul(grad, b.t()) if need_a else None
         grad_bias = grad_b = None
         if need_b and ctx.row:
