@@ -326,13 +326,9 @@ class MeasuredBackward(TorchBackend):
         args = (cell, scan, x, h0, c0, weights, out, factors, grad_out, grad_hn, grad_cn, need_x)
         kernels = {self.FACTORED: self.kernels, self.FUSED: self.kernels.fused}
         # each candidate's last run is timed, not kept: its results may live in the scan's scratch buffers
-        chosen = layer_plan.fastest(self.key, {name: _bound(k.backward, args) for name, k in kernels.items()},
-                                    out.device)  # fmt: skip
+        runs = {name: functools.partial(k.backward, *args) for name, k in kernels.items()}
+        chosen = layer_plan.fastest(self.key, runs, out.device)
         return (self.default if chosen is None else kernels[chosen[0]]).backward(*args)
-
-
-def _bound(fn: Callable, args: tuple) -> Callable[[], object]:
-    return lambda: fn(*args)
 
 
 TORCH, NATIVE, CUDA = TorchBackend(), NativeBackend(), CudaBackend()
