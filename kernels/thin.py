@@ -51,11 +51,13 @@ def affine_backward(
     """``(grad @ bᵀ, [a | 1]ᵀ grad)`` (``None`` for one not wanted) of ``out = [a | 1] @ [b ; bias]``: ``grad``
     ``(rows, n)``, ``a`` ``(rows, k)``, ``b`` ``(k, n)``; the second result is ``(k + 1, n)``, ``b``'s gradient
     then the bias's row. ``None`` where the kernel does not take them (not CPU float32 / float64 tensors of one
-    dtype, ``k`` beyond :data:`MAX_INPUTS`, not built) and the caller runs torch's products."""
+    dtype, ``k`` beyond :data:`MAX_INPUTS`, not built, or while ``torch.compile`` traces: a graph cannot hold
+    the call) and the caller runs torch's products."""
     rows, k = a.shape
     if (
         grad.device.type != "cpu" or grad.dtype not in _SUFFIX or a.dtype != grad.dtype or b.dtype != grad.dtype
-        or a.device.type != "cpu" or b.device.type != "cpu" or not 1 <= k <= MAX_INPUTS or not available()
+        or a.device.type != "cpu" or b.device.type != "cpu" or not 1 <= k <= MAX_INPUTS
+        or torch.compiler.is_compiling() or not available()
     ):  # fmt: skip
         return None
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
