@@ -2,6 +2,7 @@
 
     python benchmarks/fit_cuda_model.py           # the fitted constants, each row's error, the path each shape gets
     python benchmarks/fit_cuda_model.py --write   # the same, and the constants written into cuda_step_model.py
+    python benchmarks/fit_cuda_model.py --data results/cuda-calib.csv   # another grid (e.g. a new GPU run's)
 
 No GPU needed. Data: ``results/calib-h100-2026-11-26-eeeac3a.csv`` (the calibration grid of ``benchmarks/gpu.py``
 on an H100, package commit eeeac3a; its ``#`` lines say where it comes from): kernel launches alone, whole
@@ -9,7 +10,9 @@ steps of cuDNN, whole steps of the scan (forced ``linear`` / ``chunked``, and ``
 scan: the ``plan`` column says which kernel and chunk ran). Kernels are fitted on the launches; the torch
 step on cuDNN's rows; the scan step on the rows that ran the scan with the CUDA forward kernel, with the
 kernel time of the launch that ran taken from the measurements (:func:`measured_kernel`), so that
-kernel-model error does not leak into the step constants. Least squares on log(predicted / measured).
+kernel-model error does not leak into the step constants; the fused backward kernel's constants on its
+launches alone (``fused_kernel`` rows, from the RNN grid: ``G = 1``), where the data has them (the committed
+file does not: they stay the forward kernel's). Least squares on log(predicted / measured).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from lightning_bppsa.kernels import recurrent_cuda
 
 from lightning_bppsa import cuda_step_model as model
 
@@ -75,6 +79,7 @@ class Calibration:
     launches: list[Launch]
     cudnn: dict[tuple[int, int, int], float]  # (d, B, T) -> seconds of cuDNN's step
     scans: list[ScanStep]
+    fused: list[Launch] = dataclasses.field(default_factory=list)  # the fused backward kernel alone (RNN)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -96,18 +101,20 @@ def scan_plan(plan: str, n: int) -> tuple[str, int] | None:
 
 def load(path: Path = DATA) -> Calibration:
     """The rows of ``path`` that have a time (a row with a note but no ms was skipped or refused)."""
-    launches, cudnn, scans = [], {}, []
+    launches, cudnn, scans, fused = [], {}, [], []
     for r in read_csv(path):
         if not r["ms"]:
             continue
         d, batch, n, seconds = int(r["d"]), int(r["B"]), int(r["T"]), float(r["ms"]) * 1e-3
         if r["what"] == "kernel":
             launches.append(Launch(r["algorithm"], d, batch, n, int(r["chunk"]), seconds))
+        elif r["what"] == "fused_kernel":
+            fused.append(Launch("fused", d, batch, n, n, seconds))
         elif r["what"] == "step_cudnn":
             cudnn[(d, batch, n)] = seconds
         elif r["what"] in ("step_scan", "step_bppsa") and (ran := scan_plan(r["plan"], n)) is not None:
             scans.append(ScanStep(d, batch, n, *ran, seconds, "torch forward" in r["plan"]))
-    return Calibration(launches, cudnn, scans)
+    return Calibration(launches, cudnn, scans, fused)
 
 
 def predicted_kernel(
@@ -201,10 +208,33 @@ def fit(data: Calibration) -> tuple[model.KernelConstants, model.StepConstants]:
     """The constants that fit ``data``, from :data:`START_KERNELS` and :data:`START_STEPS`."""
     kfields = [f.name for f in dataclasses.fields(model.KernelConstants)]
     kernels = _fit(kfields, lambda k: kernel_residuals(data, k), START_KERNELS)
-    torch_fields = [f.name for f in dataclasses.fields(model.StepConstants) if f.name.startswith("torch")]
-    scan_fields = [f.name for f in dataclasses.fields(model.StepConstants) if not f.name.startswith("torch")]
+    names = [f.name for f in dataclasses.fields(model.StepConstants)]
+    torch_fields = [f for f in names if f.startswith("torch")]
+    scan_fields = [f for f in names if not f.startswith(("torch", "fused"))]
     steps = _fit(torch_fields, lambda s: torch_residuals(data, s), START_STEPS)
-    return kernels, _fit(scan_fields, lambda s: scan_residuals(data, s, kernels), steps)
+    steps = _fit(scan_fields, lambda s: scan_residuals(data, s, kernels), steps)
+    return kernels, fit_fused(data, steps)
+
+
+#: the fused kernel's constants and the forward kernel's they start from (the same form)
+FUSED_FIELDS = {"fused_step": "forward_step", "fused_generic_step": "generic_step", "fused_generic_unit": "generic_unit"}
+
+
+def fit_fused(data: Calibration, steps: model.StepConstants) -> model.StepConstants:
+    """``steps`` with the fused kernel's constants fitted on ``data.fused``, starting from the forward kernel's;
+    where no launch of a family was measured (float32 ``H <= 32``: per ``H``; else generic) its constants are
+    the forward kernel's."""
+    steps = dataclasses.replace(steps, **{fused: getattr(steps, forward) for fused, forward in FUSED_FIELDS.items()})
+    per_h = [x for x in data.fused if x.d <= recurrent_cuda.FIXED_HIDDEN]
+    fields = (["fused_step"] if per_h else []) + (
+        ["fused_generic_step", "fused_generic_unit"] if len(data.fused) > len(per_h) else []
+    )
+    return _fit(fields, lambda s: fused_residuals(data, s), steps) if fields else steps
+
+
+def fused_residuals(data: Calibration, s: model.StepConstants) -> list[float]:
+    """log(predicted / measured) of each fused kernel launch (the RNN grid: one gate block, float32)."""
+    return [math.log(model.fused_seconds(gates=1, hidden=x.d, n=x.n, constants=s) / x.seconds) for x in data.fused]
 
 
 def kernel_residuals(data: Calibration, k: model.KernelConstants) -> list[float]:
@@ -259,8 +289,9 @@ def _errors(label: str, residuals: list[float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the constants into cuda_step_model.py")
+    parser.add_argument("--data", type=Path, default=DATA, help=f"the calibration CSV (default {DATA.name})")
     args = parser.parse_args()
-    data = load()
+    data = load(args.data)
     kernels, steps = fit(data)
     for name, fitted in (("KernelConstants", kernels), ("StepConstants", steps)):
         print(name)
@@ -269,6 +300,8 @@ def main() -> None:
     _errors("kernels", kernel_residuals(data, kernels))
     _errors("torch steps", torch_residuals(data, steps))
     _errors("scan steps", scan_residuals(data, steps, kernels))
+    if data.fused:
+        _errors("fused kernel launches", fused_residuals(data, steps))
     print("\nkernel launches, worst 12 (measured ms, predicted / measured)")
     res = kernel_residuals(data, kernels)
     for r, x in sorted(zip(res, data.launches, strict=True), key=lambda p: -abs(p[0]))[:12]:

@@ -28,9 +28,10 @@ batch ``B`` and ``n`` steps (seconds):
 
 A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``: the linear recursion and its
 gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
-kernel: NOT fitted (no GPU has run it yet), the fitted step of the forward kernel of the same family applied
-to the same work (a thread per unit doing ``G H`` multiply-adds a step against ``W_hh`` in registers, float32
-``H <= 32``, or in shared memory).
+kernel: the form of the forward kernel's (a thread per unit doing ``G H`` multiply-adds a step against
+``W_hh`` in registers, float32 ``H <= 32``, or in shared memory) with constants of its own, NOT fitted (no
+GPU has run it yet: they are the forward's); ``benchmarks/fit_cuda_model.py`` fits them on the calibration
+grid's ``fused_kernel`` launches where a data file has them.
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -95,6 +96,10 @@ class StepConstants:
     generic_step: float = 4.47e-08
     generic_unit: float = 5.54e-09
     elementwise: float = 3.52e-11
+    #: the fused backward kernel's step, per kernel family as the forward's (not yet measured: the forward's)
+    fused_step: float = 2e-07
+    fused_generic_step: float = 4.47e-08
+    fused_generic_unit: float = 5.54e-09
 
 
 KERNELS = KernelConstants()
@@ -219,28 +224,38 @@ def fastest_kernel(
     return ("chunked", chunk) if chunked < linear else ("linear", 1)
 
 
+def _row_kernel_seconds(
+    gates: int, hidden: int, n: int, element_bytes: int, step: float, generic_step: float, generic_unit: float
+) -> float:
+    """``n`` dependent steps of a kernel with one block per batch row and a thread per hidden unit doing ``G H``
+    multiply-adds a step: float32 with ``H <= 32`` compiled per ``H`` (``W_hh`` in registers, one warp: measured
+    the same a step for every ``H`` of the grid, ``step``), else generic (``W_hh`` in shared memory, a step
+    growing with ``G H``)."""
+    if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
+        return n * step
+    return n * (generic_step + generic_unit * gates * hidden)
+
+
 def forward_seconds(
     *, gates: int, hidden: int, n: int, element_bytes: int = 4, constants: StepConstants = STEPS
 ) -> float:
-    """Predicted seconds of the scan's forward kernel over ``n`` steps (:mod:`lightning_bppsa.kernels.recurrent_cuda`):
-    one block per batch row (no waves below ~500 rows), a thread per hidden unit doing ``G`` dot products of
-    length ``H`` a step. Float32 with ``H <= 32`` runs the kernels compiled for their ``H`` (``W_hh`` in
-    registers, one warp): measured the same a step for every ``H`` of the grid; the others the generic kernel
-    (``W_hh`` in shared memory), whose step grows with ``G H``."""
+    """Predicted seconds of the scan's forward kernel over ``n`` steps (:mod:`lightning_bppsa.kernels.recurrent_cuda`,
+    :func:`_row_kernel_seconds`; no waves below ~500 rows)."""
     s = constants
-    if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
-        return n * s.forward_step
-    return n * (s.generic_step + s.generic_unit * gates * hidden)
+    return _row_kernel_seconds(gates, hidden, n, element_bytes, s.forward_step, s.generic_step, s.generic_unit)
 
 
 def fused_seconds(
     *, gates: int, hidden: int, n: int, element_bytes: int = 4, constants: StepConstants = STEPS
 ) -> float:
-    """Predicted seconds of the fused backward kernel over ``n`` steps (a form, not a fit: see the module
-    docstring): ``n`` dependent steps of the forward kernel of the same family (:func:`forward_seconds`:
-    float32 ``H <= 32`` compiled per ``H`` with ``W_hh`` in registers, else ``W_hh`` in shared memory), whose
-    step does the same ``G H`` dot-product terms a thread."""
-    return forward_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=constants)
+    """Predicted seconds of the fused backward kernel over ``n`` steps: the form of the forward kernel's
+    (:func:`_row_kernel_seconds`: the same ``G H`` terms a thread, ``W_hh`` in registers or shared memory) with
+    its own constants (``fused_*``: the forward's until ``benchmarks/fit_cuda_model.py`` fits them on
+    measured launches, see the module docstring)."""
+    s = constants
+    return _row_kernel_seconds(
+        gates, hidden, n, element_bytes, s.fused_step, s.fused_generic_step, s.fused_generic_unit
+    )
 
 
 def step_seconds(

@@ -7,6 +7,7 @@ Data: ``benchmarks/results/calib-h100-2026-11-26-eeeac3a.csv`` (package commit e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -169,14 +170,21 @@ def test_bad_path_is_refused_with_its_name():
 
 
 def test_the_fused_backward_is_priced_as_the_generic_kernels_step_and_its_rows_are_not_fitted_as_the_scan():
-    """The fused backward kernel (not yet measured): ``n`` steps of the fitted cost of the forward kernel of the
-    same family (per H in float32 up to 32, else generic: ``G H`` terms), in place of the scan kernel in the scan path's step; a calibration row whose plan says the
-    fused kernel ran is not read as a factored scan's."""
+    """The fused backward kernel (not yet measured): ``n`` steps of its own constants in the forward kernel's
+    form (per H in float32 up to 32, else generic: ``G H`` terms), which equal the forward kernel's until
+    fitted, in place of the scan kernel in the scan path's step; a calibration row whose plan says the fused
+    kernel ran is not read as a factored scan's."""
     s = model.STEPS
-    assert model.fused_seconds(gates=4, hidden=20, n=1000) == 1000 * s.forward_step  # W_hh in registers
-    assert model.fused_seconds(gates=4, hidden=20, n=1000, element_bytes=8) == 1000 * (
-        s.generic_step + s.generic_unit * 80
+    assert (s.fused_step, s.fused_generic_step, s.fused_generic_unit) == (
+        s.forward_step, s.generic_step, s.generic_unit
     )
+    assert model.fused_seconds(gates=4, hidden=20, n=1000) == 1000 * s.fused_step  # W_hh in registers
+    assert model.fused_seconds(gates=4, hidden=20, n=1000, element_bytes=8) == 1000 * (
+        s.fused_generic_step + s.fused_generic_unit * 80
+    )
+    doubled = dataclasses.replace(s, fused_step=2 * s.fused_step)
+    assert model.fused_seconds(gates=4, hidden=20, n=1000, constants=doubled) == 2000 * s.fused_step
+    assert model.forward_seconds(gates=4, hidden=20, n=1000, constants=doubled) == 1000 * s.forward_step
     shape = dict(gates=4, hidden=20, d=40, m=200, batch=16, n=1000)
     scan, fused = model.step_seconds("scan", **shape), model.step_seconds("scan", fused=True, **shape)
     name, chunk = model.fastest_kernel("auto", n=1000, d=40, m=200, batch=16)
@@ -184,3 +192,43 @@ def test_the_fused_backward_is_priced_as_the_generic_kernels_step_and_its_rows_a
     assert fused - scan == pytest.approx(model.fused_seconds(gates=4, hidden=20, n=1000) - kernel)
     assert fit.scan_plan("scan linear [cuda]", 1000) == ("linear", 1000)
     assert fit.scan_plan("scan linear [cuda], fused backward kernel", 1000) is None
+
+
+def test_the_fit_recovers_the_fused_kernels_constants_from_its_launches_and_keeps_the_forwards_without_them():
+    """``fused_kernel`` rows (the fused RNN backward alone, per d, B, T) generated from known constants, with
+    +-3% of alternating noise: the fit finds the constants of both families within 5%; a grid without such rows
+    (the committed one) leaves them the forward kernel's."""
+    truth = dataclasses.replace(model.STEPS, fused_step=1.3e-7, fused_generic_step=9e-8, fused_generic_unit=2.2e-9)
+    rows = [
+        fit.Launch("fused", d, batch, n, n, model.fused_seconds(gates=1, hidden=d, n=n, constants=truth) * noise)
+        for (d, batch, n), noise in zip(
+            [(d, b, n) for d in (8, 20, 32, 64, 128, 256) for b in (1, 16) for n in (100, 1000, 10000)],
+            [1.03, 0.97] * 18,
+            strict=True,
+        )
+    ]
+    data = dataclasses.replace(DATA, fused=rows)
+    fitted = fit.fit_fused(data, model.STEPS)
+    for name in fit.FUSED_FIELDS:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    assert fit.fit_fused(DATA, model.STEPS) == model.STEPS  # no launch measured: the forward kernel's
+    only_generic = dataclasses.replace(DATA, fused=[x for x in rows if x.d > 32])
+    kept = fit.fit_fused(only_generic, model.STEPS)
+    assert kept.fused_step == model.STEPS.forward_step and kept.fused_generic_unit == pytest.approx(
+        truth.fused_generic_unit, rel=0.05
+    )
+
+
+def test_the_fused_kernels_launches_are_read_from_a_calibration_file(tmp_path):
+    """``benchmarks/gpu.py``'s calibration rows of the fused kernel alone (``what = fused_kernel``) are loaded as
+    its launches; a row without a time (skipped, refused) is not."""
+    path = tmp_path / "cuda-calib.csv"
+    path.write_text(
+        "# provenance\nwhat,cell,d,B,T,algorithm,chunk,ms,plan,note\n"
+        "fused_kernel,RNN,20,16,1000,fused,1000,0.2500,,\n"
+        "fused_kernel,RNN,256,16,1000,fused,1000,,,refused: no room\n"
+        "kernel,RNN,20,16,1000,linear,1000,0.4000,,\n"
+    )
+    data = fit.load(path)
+    assert data.fused == [fit.Launch("fused", 20, 16, 1000, 1000, 0.25e-3)]
+    assert data.launches == [fit.Launch("linear", 20, 16, 1000, 1000, 0.4e-3)]
