@@ -3,13 +3,15 @@
 The cases of ``tests/kernels/test_backward_cuda_emulated.py`` (torch autograd through its own layer in
 float64, the pre-activations as the layer's input), on the GPU at its sizes; and on a GPU the layers
 themselves: ``bnn.RNN/GRU/LSTM(algorithm="linear")`` plan the fused backward, launch it, and their gradients
-are as exact as cuDNN's (emulated: planned as on CUDA over the host emulation). On a CUDA machine where the kernels cannot load these tests FAIL (never skipped
+are as exact as cuDNN's (emulated: planned as on CUDA over the host emulation); with measurements on, the
+first backward of a shape times both kernels and later calls run the faster. On a CUDA machine where the kernels cannot load these tests FAIL (never skipped
 there).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import lightning_bppsa.nn as bnn
+from lightning_bppsa import layer_plan
 from lightning_bppsa.testing import assert_derived_close
 
 pytestmark = pytest.mark.cuda
@@ -92,3 +95,43 @@ def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden, cuda_
     for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
         assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
 
+
+
+@pytest.mark.parametrize(("kind", "hidden"), [("RNN", 20), ("GRU", 40), ("LSTM", 20)])
+def test_the_first_backward_of_a_shape_measures_both_kernels_and_later_calls_run_the_faster(
+    backend, kind, hidden, cuda_plans
+):
+    """With measurements on (as in a user's process): the first backward of a ``linear`` layer times the
+    factored scan and the fused kernel on its own data (on a GPU with CUDA events), later calls plan the one
+    the measurement found faster and say both times; every call's gradients are as exact as cuDNN's against
+    float64 autograd. Emulated: the host emulation's wall-clock times decide."""
+    torch.manual_seed(1)
+    ours = getattr(bnn, kind)(12, hidden, batch_first=True, algorithm="linear").to(backend.device)
+    cudnn = getattr(torch.nn, kind)(12, hidden, batch_first=True).to(backend.device)
+    cudnn.load_state_dict(ours.state_dict())
+    exact = getattr(torch.nn, kind)(12, hidden, batch_first=True).double()
+    exact.load_state_dict(ours.state_dict())
+    x = torch.randn(backend.size(16, 2), backend.size(300, 7), 12)
+    plans = []
+    with layer_plan.measurements(True):
+        for _ in range(2):
+            grads = []
+            for module, inputs in ((ours, x.to(backend.device)), (cudnn, x.to(backend.device)), (exact, x.double())):
+                module.zero_grad()
+                inputs = inputs.clone().requires_grad_()
+                out, _ = module(inputs)
+                out.square().mean().backward()
+                grads.append([inputs.grad.cpu(), *(p.grad.cpu() for p in module.parameters())])
+            plans.append(ours.last_stats["plan"])
+            for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
+                assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
+    assert plans[0] == "scan linear [cuda], backward kernel measured on its first call", plans
+    found = re.fullmatch(
+        r"scan linear \[cuda\], (fused backward kernel|factored scan) \(measured: factored scan (\S+) ms, "
+        r"fused kernel (\S+) ms\)",
+        plans[1],
+    )
+    assert found, plans
+    factored, fused = float(found.group(2)), float(found.group(3))
+    if factored != fused:  # equal to the 3 digits shown: either may have been faster
+        assert found.group(1) == ("fused backward kernel" if fused < factored else "factored scan"), plans
