@@ -233,6 +233,7 @@ def fastest(
     times = time_candidates(candidates, device_timer(device))
     best = min(times, key=times.__getitem__)
     _fastest[key] = best, "measured: " + ", ".join(f"{name} {_ms(t)}" for name, t in times.items())
+    log.info("lightning_bppsa: %s runs the %s (%s)", key, best, _fastest[key][1])
     return _fastest[key]
 
 
