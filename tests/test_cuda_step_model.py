@@ -197,7 +197,7 @@ def test_the_fused_backward_is_priced_as_the_generic_kernels_step_and_its_rows_a
 def test_the_fit_recovers_the_fused_kernels_constants_from_its_launches_and_keeps_the_forwards_without_them():
     """``fused_kernel`` rows (the fused RNN backward alone, per d, B, T) generated from known constants, with
     +-3% of alternating noise: the fit finds the constants of both families within 5%; a grid without such rows
-    (the committed one) leaves them the forward kernel's. The fit needs SciPy (the bench extra; the torch-floor
+    (the committed one) leaves them the forward kernel's. The fit needs SciPy (JAX of the bench extra brings it; the torch-floor
     CI leg installs the dev extra alone)."""
     pytest.importorskip("scipy")
     truth = dataclasses.replace(model.STEPS, fused_step=1.3e-7, fused_generic_step=9e-8, fused_generic_unit=2.2e-9)
