@@ -70,6 +70,37 @@ def cuda_plans(backend, request: pytest.FixtureRequest) -> Iterator[None]:
     yield
 
 
+def _layers(kind: str, hidden: int, backend, seed: int) -> tuple:
+    """``(ours, cudnn, exact, x)``: ``bnn.<kind>(algorithm="linear")`` on the backend's device, torch's module
+    with the same weights there and in float64, and an input batch."""
+    torch.manual_seed(seed)
+    ours = getattr(bnn, kind)(12, hidden, batch_first=True, algorithm="linear").to(backend.device)
+    cudnn = getattr(torch.nn, kind)(12, hidden, batch_first=True).to(backend.device)
+    cudnn.load_state_dict(ours.state_dict())
+    exact = getattr(torch.nn, kind)(12, hidden, batch_first=True).double()
+    exact.load_state_dict(ours.state_dict())
+    return ours, cudnn, exact, torch.randn(backend.size(16, 2), backend.size(300, 7), 12)
+
+
+def _check_step(kind: str, layers: tuple, backend, loss) -> None:
+    """One step of each module of ``layers`` (``loss(out, state)``): our gradients of every parameter and of
+    the input equal float64 autograd's as closely as cuDNN's float32 ones."""
+    *modules, x = layers
+    grads = []
+    for module, inputs in zip(modules, (x.to(backend.device), x.to(backend.device), x.double()), strict=True):
+        module.zero_grad()
+        inputs = inputs.clone().requires_grad_()
+        loss(*module(inputs)).backward()
+        grads.append([inputs.grad.cpu(), *(p.grad.cpu() for p in module.parameters())])
+    for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
+        assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
+
+
+def _with_states(out, state):
+    states = state if isinstance(state, tuple) else (state,)
+    return out.square().mean() + sum(s.sum() for s in states)
+
+
 # an RNN / GRU state wider than a warp (narrower ones run the warp sweep), an LSTM of any width
 @pytest.mark.parametrize(("kind", "hidden"), [("RNN", 40), ("GRU", 40), ("LSTM", 20)])
 def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden, cuda_plans):
@@ -77,24 +108,9 @@ def test_the_layers_plan_and_run_the_fused_backward(backend, kind, hidden, cuda_
     every parameter and of the input equal float64 autograd as closely as cuDNN's float32 ones. Emulated: the
     layer on CPU tensors planned as on CUDA, its kernels' backend over the host emulation (torch's CPU layer
     the float32 baseline)."""
-    torch.manual_seed(0)
-    ours = getattr(bnn, kind)(12, hidden, batch_first=True, algorithm="linear").to(backend.device)
-    cudnn = getattr(torch.nn, kind)(12, hidden, batch_first=True).to(backend.device)
-    cudnn.load_state_dict(ours.state_dict())
-    exact = getattr(torch.nn, kind)(12, hidden, batch_first=True).double()
-    exact.load_state_dict(ours.state_dict())
-    x = torch.randn(backend.size(16, 2), backend.size(300, 7), 12)
-    grads = []
-    for module, inputs in ((ours, x.to(backend.device)), (cudnn, x.to(backend.device)), (exact, x.double())):
-        inputs = inputs.clone().requires_grad_()
-        out, state = module(inputs)
-        states = state if isinstance(state, tuple) else (state,)
-        (out.square().mean() + sum(s.sum() for s in states)).backward()
-        grads.append([inputs.grad.cpu(), *(p.grad.cpu() for p in module.parameters())])
-    assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
-    for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
-        assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
-
+    layers = _layers(kind, hidden, backend, seed=0)
+    _check_step(kind, layers, backend, _with_states)
+    assert layers[0].last_stats["plan"].endswith(", fused backward kernel"), layers[0].last_stats
 
 
 @pytest.mark.parametrize(("kind", "hidden"), [("RNN", 20), ("GRU", 40), ("LSTM", 20)])
@@ -105,26 +121,12 @@ def test_the_first_backward_of_a_shape_measures_both_kernels_and_later_calls_run
     factored scan and the fused kernel on its own data (on a GPU with CUDA events), later calls plan the one
     the measurement found faster and say both times; every call's gradients are as exact as cuDNN's against
     float64 autograd. Emulated: the host emulation's wall-clock times decide."""
-    torch.manual_seed(1)
-    ours = getattr(bnn, kind)(12, hidden, batch_first=True, algorithm="linear").to(backend.device)
-    cudnn = getattr(torch.nn, kind)(12, hidden, batch_first=True).to(backend.device)
-    cudnn.load_state_dict(ours.state_dict())
-    exact = getattr(torch.nn, kind)(12, hidden, batch_first=True).double()
-    exact.load_state_dict(ours.state_dict())
-    x = torch.randn(backend.size(16, 2), backend.size(300, 7), 12)
+    layers = _layers(kind, hidden, backend, seed=1)
     plans = []
     with layer_plan.measurements(True):
         for _ in range(2):
-            grads = []
-            for module, inputs in ((ours, x.to(backend.device)), (cudnn, x.to(backend.device)), (exact, x.double())):
-                module.zero_grad()
-                inputs = inputs.clone().requires_grad_()
-                out, _ = module(inputs)
-                out.square().mean().backward()
-                grads.append([inputs.grad.cpu(), *(p.grad.cpu() for p in module.parameters())])
-            plans.append(ours.last_stats["plan"])
-            for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
-                assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
+            _check_step(kind, layers, backend, lambda out, _: out.square().mean())
+            plans.append(layers[0].last_stats["plan"])
     assert plans[0] == "scan linear [cuda], backward kernel measured on its first call", plans
     found = re.fullmatch(
         r"scan linear \[cuda\], (fused backward kernel|factored scan) \(measured: factored scan (\S+) ms, "
