@@ -271,8 +271,7 @@ class CudaBackend(TorchBackend):
         from L2 every step, ~25 us a step at d = 128 on an H100). Where the warp sweep runs (RNN / GRU with
         H <= 32) it stays: measured there, the fused kernel not yet (a measured call chooses:
         :meth:`backward_for`)."""
-        warp_sweep = cell.name != "lstm" and hidden <= cuda_scan.WARP
-        return not warp_sweep and self.can_fuse(cell, hidden, dtype, device)
+        return not _warp_sweep(cell, hidden) and self.can_fuse(cell, hidden, dtype, device)
 
     def backward_for(
         self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype, device: torch.device,
@@ -290,7 +289,7 @@ class CudaBackend(TorchBackend):
         known = layer_plan.known_fastest(key)
         if known is not None:
             return (self.fused if known[0] == MeasuredBackward.FUSED else self), known[1]
-        default = self.fused if self.fuses(cell, hidden, dtype, device) else self
+        default = self if _warp_sweep(cell, hidden) else self.fused  # fuses(), can_fuse already asked
         if layer_plan.may_measure():
             modelled = _kernel_seconds(cell.gates, hidden, cell.state_factor * hidden, cell.jacobian_width(hidden),
                                        batch, steps, compute_dtype(dtype), scan)  # fmt: skip
@@ -303,6 +302,12 @@ class CudaBackend(TorchBackend):
     ) -> list[Tensor]:
         gi = cell.input_projection(x, weights, in_kernel=False)
         return list(_ran(cell.kernel_forward(self.kernels, gi, h0, c0, weights), self.name, cell))
+
+
+def _warp_sweep(cell: RecurrentCell, hidden: int) -> bool:
+    """Whether a linear factored scan of a ``cell`` layer of ``hidden`` is the warp-resident sweep (RNN / GRU with
+    ``H`` up to a warp; an LSTM's state is ``2 H`` with five operand tiles)."""
+    return cell.name != "lstm" and hidden <= cuda_scan.WARP
 
 
 class MeasuredBackward(TorchBackend):

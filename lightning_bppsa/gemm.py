@@ -6,8 +6,8 @@ weight gradient ``(96, 16000) @ (16000, 8)`` 2.76 ms against 0.63 ms (one thread
 2026-11-24; the gap closes at 16 columns, and float64 shows no consistent order). Such products are the
 backward of an input projection over all ``B T`` rows of a narrow input (:class:`~lightning_bppsa.nn.Recurrence`).
 With a bias of one row (the projection ``[a | 1] @ [b ; bias]``) and at most 16 columns of ``a``, the backward's
-two products are one pass of a compiled kernel on the CPU (:mod:`lightning_bppsa.kernels.thin`: ~0.5 ms of
-the GEMMs' ~1.3 ms at 16000 rows, 96 outputs, 8 inputs), torch's elsewhere and under ``create_graph``.
+two products are one pass of a compiled kernel on the CPU (:mod:`lightning_bppsa.kernels.thin`: ~0.6 ms of
+the GEMMs' ~1.3 ms at 16000 rows, 96 outputs, 8 inputs, one thread), torch's elsewhere and under ``create_graph``.
 """
 
 from __future__ import annotations
