@@ -492,7 +492,7 @@ def fused_row(runner: Runner, workload: tuple[str, int, int, int], budget: float
     from lightning_bppsa.cells import cell_of
 
     kind, batch, length, hidden = workload
-    cell, backend, device = cell_of(kind), _fused_backend(runner.device), runner.device
+    cell, backend, device = cell_of({"RNN": "rnn_tanh"}.get(kind, kind)), _fused_backend(runner.device), runner.device
     torch.manual_seed(0)
     weights = [p.detach() for p in getattr(nn, kind)(12, hidden, batch_first=True).to(device).parameters()]
     x = torch.randn(batch, length, 12, device=device)

@@ -58,13 +58,14 @@ def autograd(cell: str, p: dict, dtype: torch.dtype) -> list[torch.Tensor | None
     leaves = [p[k].to(dtype).requires_grad_() for k in ("gi", "w_hh", "h0")]
     gi, w_hh, h0 = leaves
     eye = torch.eye(gi.shape[-1], dtype=dtype, device=gi.device)
+    # train=True (no dropout: 0.0): cuDNN refuses the backward of a layer run in eval mode
     if cell == "lstm":
         c0 = p["c0"].to(dtype).requires_grad_()
         leaves.append(c0)
-        out, h_n, c_n = torch._VF.lstm(gi, (h0[None], c0[None]), [eye, w_hh], False, 1, 0.0, False, False, True)
+        out, h_n, c_n = torch._VF.lstm(gi, (h0[None], c0[None]), [eye, w_hh], False, 1, 0.0, True, False, True)
     else:
         fn = {"rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu, "gru": torch._VF.gru}[cell]
-        out, h_n = fn(gi, h0[None], [eye, w_hh], False, 1, 0.0, False, False, True)
+        out, h_n = fn(gi, h0[None], [eye, w_hh], False, 1, 0.0, True, False, True)
     assert out.shape[-1] == hidden
     loss = (h_n[0] * _given(p, "grad_h", dtype)).sum()
     if p["grad_out"] is not None:
