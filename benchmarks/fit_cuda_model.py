@@ -3,6 +3,7 @@
     python benchmarks/fit_cuda_model.py           # the fitted constants, each row's error, the path each shape gets
     python benchmarks/fit_cuda_model.py --write   # the same, and the constants written into cuda_step_model.py
     python benchmarks/fit_cuda_model.py --data results/cuda-calib.csv   # another grid (e.g. a new GPU run's)
+    python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-be3c8e9.csv --write  # fused: an H200's
 
 No GPU needed. Data: ``results/calib-h100-2026-11-26-eeeac3a.csv`` (the calibration grid of ``benchmarks/gpu.py``
 on an H100, package commit eeeac3a; its ``#`` lines say where it comes from): kernel launches alone, whole
@@ -11,8 +12,10 @@ scan: the ``plan`` column says which kernel and chunk ran). Kernels are fitted o
 step on cuDNN's rows; the scan step on the rows that ran the scan with the CUDA forward kernel, with the
 kernel time of the launch that ran taken from the measurements (:func:`measured_kernel`), so that
 kernel-model error does not leak into the step constants; the fused backward kernel's constants on its
-launches alone (``fused_kernel`` rows, from the RNN grid: ``G = 1``), where the data has them (the committed
-file does not: they stay the forward kernel's). Least squares on log(predicted / measured).
+launches alone (``fused_kernel`` rows, from the RNN grid: ``G = 1``), where the data has them (the H100 file
+does not: ``--fused-data`` names a file that does, e.g. ``results/cuda-calib-h200-be3c8e9.csv``, an H200's, the
+same GH100 chip). Least squares on log(predicted / measured). Where the fused kernel ran at a shape's ``d``,
+the path picked compares cuDNN with the faster the model predicts of the factored scan and the fused kernel.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class Calibration:
     cudnn: dict[tuple[int, int, int], float]  # (d, B, T) -> seconds of cuDNN's step
     scans: list[ScanStep]
     fused: list[Launch] = dataclasses.field(default_factory=list)  # the fused backward kernel alone (RNN)
+    #: (d, B, T) -> seconds of the fastest measured step whose linear plan ran the fused backward kernel
+    fused_steps: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -101,7 +106,7 @@ def scan_plan(plan: str, n: int) -> tuple[str, int] | None:
 
 def load(path: Path = DATA) -> Calibration:
     """The rows of ``path`` that have a time (a row with a note but no ms was skipped or refused)."""
-    launches, cudnn, scans, fused = [], {}, [], []
+    launches, cudnn, scans, fused, fused_steps = [], {}, [], [], {}
     for r in read_csv(path):
         if not r["ms"]:
             continue
@@ -112,9 +117,13 @@ def load(path: Path = DATA) -> Calibration:
             fused.append(Launch("fused", d, batch, n, n, seconds))
         elif r["what"] == "step_cudnn":
             cudnn[(d, batch, n)] = seconds
-        elif r["what"] in ("step_scan", "step_bppsa") and (ran := scan_plan(r["plan"], n)) is not None:
+        elif r["what"] not in ("step_scan", "step_bppsa"):
+            continue
+        elif (ran := scan_plan(r["plan"], n)) is not None:
             scans.append(ScanStep(d, batch, n, *ran, seconds, "torch forward" in r["plan"]))
-    return Calibration(launches, cudnn, scans, fused)
+        elif "fused backward kernel" in r["plan"]:
+            fused_steps[(d, batch, n)] = min(seconds, fused_steps.get((d, batch, n), math.inf))
+    return Calibration(launches, cudnn, scans, fused, fused_steps)
 
 
 def predicted_kernel(
@@ -163,7 +172,7 @@ class Decision:
     n: int
     picked: str  # "torch" or "scan"
     cudnn: float  # measured seconds
-    scan: float  # the best measured scan step (any algorithm and chunk)
+    scan: float  # the best measured scan step (any algorithm and chunk, or the fused backward kernel)
     predicted_torch: float
     predicted_scan: float
 
@@ -179,13 +188,19 @@ def decisions(
     kernels: model.KernelConstants = model.KERNELS,
     steps: model.StepConstants = model.STEPS,
 ) -> list[Decision]:
-    """The model's pick at every shape where cuDNN's step and at least one scan step were measured."""
+    """The model's pick at every shape where cuDNN's step and at least one scan step were measured. Where the
+    fused backward kernel ran at the shape's ``d`` (a ``fused_kernel`` launch was measured), the model's scan is
+    the faster it predicts of the factored scan and the fused kernel, as the layer plan's is."""
     out = []
+    fused_widths = {x.d for x in data.fused}
     for key in sorted(data.cudnn):
         scans = [s.seconds for s in data.scans if (s.d, s.batch, s.n) == key]
+        scans += [data.fused_steps[key]] if key in data.fused_steps else []
         if not scans:
             continue
         torch_, scan = (step(path, *key, constants=steps, kernels=kernels) for path in ("torch", "scan"))
+        if key[0] in fused_widths:
+            scan = min(scan, step("scan", *key, fused=True, constants=steps, kernels=kernels))
         picked = "scan" if scan < torch_ else "torch"
         out.append(Decision(*key, picked, data.cudnn[key], min(scans), torch_, scan))
     return out
@@ -204,8 +219,9 @@ def _fit(fields: list[str], residuals, base):
     return constants(least_squares(lambda y: residuals(constants(y)), np.zeros(len(fields))).x)
 
 
-def fit(data: Calibration) -> tuple[model.KernelConstants, model.StepConstants]:
-    """The constants that fit ``data``, from :data:`START_KERNELS` and :data:`START_STEPS`."""
+def fit(data: Calibration, fused: Calibration | None = None) -> tuple[model.KernelConstants, model.StepConstants]:
+    """The constants that fit ``data``, from :data:`START_KERNELS` and :data:`START_STEPS`; the fused kernel's on
+    ``fused``'s launches (default: ``data``'s)."""
     kfields = [f.name for f in dataclasses.fields(model.KernelConstants)]
     kernels = _fit(kfields, lambda k: kernel_residuals(data, k), START_KERNELS)
     names = [f.name for f in dataclasses.fields(model.StepConstants)]
@@ -213,20 +229,18 @@ def fit(data: Calibration) -> tuple[model.KernelConstants, model.StepConstants]:
     scan_fields = [f for f in names if not f.startswith(("torch", "fused"))]
     steps = _fit(torch_fields, lambda s: torch_residuals(data, s), START_STEPS)
     steps = _fit(scan_fields, lambda s: scan_residuals(data, s, kernels), steps)
-    return kernels, fit_fused(data, steps)
+    return kernels, fit_fused(fused or data, steps)
 
 
-#: the fused kernel's constants and the forward kernel's they start from (the same form)
-FUSED_FIELDS = {"fused_step": "forward_step", "fused_generic_step": "generic_step", "fused_generic_unit": "generic_unit"}
+#: the fused backward kernel's constants, each fitted where a launch of its family was measured
+FUSED_FIELDS = ("fused_launch", "fused_step", "fused_generic_step", "fused_generic_unit")
 
 
 def fit_fused(data: Calibration, steps: model.StepConstants) -> model.StepConstants:
-    """``steps`` with the fused kernel's constants fitted on ``data.fused``, starting from the forward kernel's;
-    where no launch of a family was measured (float32 ``H <= 32``: per ``H``; else generic) its constants are
-    the forward kernel's."""
-    steps = dataclasses.replace(steps, **{fused: getattr(steps, forward) for fused, forward in FUSED_FIELDS.items()})
+    """``steps`` with the fused kernel's constants fitted on ``data.fused``, starting from ``steps``' values; a
+    family without a measured launch (float32 ``H <= 32``: per ``H``; else generic) keeps ``steps``' constants."""
     per_h = [x for x in data.fused if x.d <= recurrent_cuda.FIXED_HIDDEN]
-    fields = (["fused_step"] if per_h else []) + (
+    fields = (["fused_launch"] if data.fused else []) + (["fused_step"] if per_h else []) + (
         ["fused_generic_step", "fused_generic_unit"] if len(data.fused) > len(per_h) else []
     )
     return _fit(fields, lambda s: fused_residuals(data, s), steps) if fields else steps
@@ -290,9 +304,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the constants into cuda_step_model.py")
     parser.add_argument("--data", type=Path, default=DATA, help=f"the calibration CSV (default {DATA.name})")
+    parser.add_argument(
+        "--fused-data", type=Path, metavar="CSV", help="fit the fused kernel's constants on this CSV's launches"
+    )
     args = parser.parse_args()
     data = load(args.data)
-    kernels, steps = fit(data)
+    fused = load(args.fused_data) if args.fused_data else data
+    kernels, steps = fit(data, fused)
     for name, fitted in (("KernelConstants", kernels), ("StepConstants", steps)):
         print(name)
         for f in dataclasses.fields(fitted):
@@ -300,8 +318,8 @@ def main() -> None:
     _errors("kernels", kernel_residuals(data, kernels))
     _errors("torch steps", torch_residuals(data, steps))
     _errors("scan steps", scan_residuals(data, steps, kernels))
-    if data.fused:
-        _errors("fused kernel launches", fused_residuals(data, steps))
+    if fused.fused:
+        _errors("fused kernel launches", fused_residuals(fused, steps))
     print("\nkernel launches, worst 12 (measured ms, predicted / measured)")
     res = kernel_residuals(data, kernels)
     for r, x in sorted(zip(res, data.launches, strict=True), key=lambda p: -abs(p[0]))[:12]:

@@ -28,10 +28,13 @@ batch ``B`` and ``n`` steps (seconds):
 
 A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``: the linear recursion and its
 gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
-kernel: the form of the forward kernel's (a thread per unit doing ``G H`` multiply-adds a step against
-``W_hh`` in registers, float32 ``H <= 32``, or in shared memory) with constants of its own, NOT fitted (no
-GPU has run it yet: they are the forward's); ``benchmarks/fit_cuda_model.py`` fits them on the calibration
-grid's ``fused_kernel`` launches where a data file has them.
+kernel: a launch plus the form of the forward kernel's steps (a thread per unit doing ``G H`` multiply-adds a
+step against ``W_hh`` in registers, float32 ``H <= 32``, or in shared memory) with constants of its own,
+fitted by ``benchmarks/fit_cuda_model.py --fused-data`` on the 60 ``fused_kernel`` launches of an H200's grid
+(``results/cuda-calib-h200-be3c8e9.csv``; median error 16%, worst 1.38x: the kernel takes up to ~1.5x longer
+a step at B >= 16 than at B = 1, which the form does not carry). With them the model's pick is within 10% of
+the faster measured path at all 61 shapes of that grid with a scan step measured (the fused kernel's steps
+included).
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -96,10 +99,11 @@ class StepConstants:
     generic_step: float = 4.47e-08
     generic_unit: float = 5.54e-09
     elementwise: float = 3.52e-11
-    #: the fused backward kernel's step, per kernel family as the forward's (not yet measured: the forward's)
-    fused_step: float = 2e-07
-    fused_generic_step: float = 4.47e-08
-    fused_generic_unit: float = 5.54e-09
+    #: the fused backward kernel's launch and step, per kernel family as the forward's
+    fused_launch: float = 4.33e-05
+    fused_step: float = 1.62e-07
+    fused_generic_step: float = 4.08e-07
+    fused_generic_unit: float = 5.41e-09
 
 
 KERNELS = KernelConstants()
@@ -253,7 +257,7 @@ def fused_seconds(
     its own constants (``fused_*``: the forward's until ``benchmarks/fit_cuda_model.py`` fits them on
     measured launches, see the module docstring)."""
     s = constants
-    return _row_kernel_seconds(
+    return s.fused_launch + _row_kernel_seconds(
         gates, hidden, n, element_bytes, s.fused_step, s.fused_generic_step, s.fused_generic_unit
     )
 
