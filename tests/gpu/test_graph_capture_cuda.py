@@ -4,8 +4,10 @@ On a GPU the whole step (zero the gradients, forward, loss, backward: the forwar
 launches, the torch ops around them) is captured once with ``torch.cuda.graph`` and replayed on new input
 data; the replayed gradients must be eager's for that data (the chunked scan's look-back flags are the graph's
 own, reset by a captured memset before every replay). ``torch.cuda.make_graphed_callables`` (forward and
-backward graphed separately) is checked the same way. Emulated (no GPU), ``graph_capture`` runs the body
-eagerly: the same comparisons on the CPU path.
+backward graphed separately) is checked the same way, and so is ``torch.compile(mode="reduce-overhead")``
+(the compiled forward and backward replayed from CUDA graphs by torch's cudagraph trees). Emulated (no GPU),
+``graph_capture`` runs the body eagerly and the compiled layer runs without graphs: the same comparisons on
+the CPU path.
 """
 
 import pytest
@@ -64,3 +66,21 @@ def test_make_graphed_callables_gives_eagers_gradients(backend, kind):
     graphed = torch.cuda.make_graphed_callables(layer, (data[0],)) if backend.is_cuda else layer
     for x, grads in zip(data, expected, strict=True):
         _close(_eager_grads(graphed, x), grads)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "GRU"])
+def test_reduce_overhead_compilation_gives_eagers_gradients(backend, kind, monkeypatch):
+    """Issue 29: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs through torch's cudagraph trees on a
+    GPU) of a layer whose scan runs, traced into the graph (dynamo's ``allow_rnn``; without it dynamo leaves
+    every ``nn.RNN`` to eager mode): three steps on new data, each with eager's gradients."""
+    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    layer = getattr(bnn, kind)(3, 8, batch_first=True, algorithm="linear").to(backend.device)
+    data = [torch.randn(4, 50, 3, device=backend.device) for _ in range(3)]
+    expected = [_eager_grads(layer, x) for x in data]
+    assert layer.last_stats["plan"].startswith("scan linear")
+    compiled = torch.compile(layer, mode="reduce-overhead")
+    for x, grads in zip(data, expected, strict=True):
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last replay's outputs may be reused
+        _close(_eager_grads(compiled, x), grads)
