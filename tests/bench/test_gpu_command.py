@@ -342,6 +342,24 @@ def test_stages_run_alone_and_leave_their_unused_time_to_the_next(tmp_path: Path
     assert left_first == pytest.approx(100.0, abs=0.1) and last == pytest.approx(left_last, abs=0.01)
 
 
+def test_the_tests_stage_may_use_its_limit_whatever_its_share(tmp_path: Path) -> None:
+    """pytest is stopped at its limit, so the tests stage gets up to TESTS_SECONDS even where its share of the
+    run is less (a 520 s run of every stage gave it 74 s on an H200), and no more than the time left."""
+    budgets = []
+    original = bench.Runner.until
+    for total in (520.0, 100.0):
+        runner = _runner(tmp_path, FakeClock(), budget=total)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bench.Runner, "until", lambda self, seconds: budgets.append(seconds) or original(self, seconds))
+            for stage in ("tests_stage", "cells_stage", "calib_stage"):  # the budgets are what is checked
+                patch.setattr(bench, stage, lambda r, *a, **k: "")
+            bench.run_all(runner, tests_command=FAKE_TESTS, stages=["tests", "cells", "calib"])
+    chosen = sum(bench.STAGE_SHARES[stage] for stage in ("tests", "cells", "calib"))
+    assert bench.STAGE_SHARES["tests"] / chosen * 520 < bench.TESTS_SECONDS  # its share would have stopped it
+    # tests, cells, calib of each run: the tests get their limit, and no more than the time left
+    assert budgets[0] == pytest.approx(bench.TESTS_SECONDS) and budgets[3] == pytest.approx(100.0, abs=0.1)
+
+
 def test_the_plan_reports_every_kernel_s_registers(monkeypatch: pytest.MonkeyPatch) -> None:
     # ptxas's report stood in: the generic module lacks the warp sweeps, compiled per (d, k) (a KeyError once)
     from lightning_bppsa.kernels import cuda, cuda_inspect
