@@ -12,7 +12,7 @@ First run on an H100 on 2026-11-26 (``results/cuda-gpu-h100-2026-11-26.md``, ``r
 On an H100 the whole of ``--all`` needed ~10 minutes on 2026-11-26 (tests/gpu ~75 s with a cold kernel
 cache, the calibration grid ~5 minutes, the user cells ~2 minutes), more than one call of a lent GPU machine
 (at most 10 minutes, 15 minutes of device time a session, a start ~1-2 minutes of it). On an H200 on
-2026-11-27 tests/gpu (385 tests) took ~100 s, the calibration grid's 72 shapes ~150 s, 19 of the 23 user
+2026-11-27 tests/gpu (385 tests) took about a minute, the calibration grid's 72 shapes ~150 s, 19 of the 23 user
 cells ~2 minutes; one call of every stage but the paper's grids fits the device time with a margin:
 
     python benchmarks/gpu.py --all --stages tests,host,step,fused,overhead,chain,cells,calib --within 540
