@@ -254,8 +254,8 @@ def fused_seconds(
 ) -> float:
     """Predicted seconds of the fused backward kernel over ``n`` steps: the form of the forward kernel's
     (:func:`_row_kernel_seconds`: the same ``G H`` terms a thread, ``W_hh`` in registers or shared memory) with
-    its own constants (``fused_*``: the forward's until ``benchmarks/fit_cuda_model.py`` fits them on
-    measured launches, see the module docstring)."""
+    its own constants (``fused_*``, and a launch ``fused_launch``: fitted on an H200's launches by
+    ``benchmarks/fit_cuda_model.py --fused-data``, see the module docstring)."""
     s = constants
     return s.fused_launch + _row_kernel_seconds(
         gates, hidden, n, element_bytes, s.fused_step, s.fused_generic_step, s.fused_generic_unit

@@ -84,6 +84,11 @@ def test_a_near_tie_is_measured_again_and_the_faster_of_each_paths_two_measureme
     clear = Sequence({"scan": 1.0e-3, "autograd": 1.2e-3}, {"scan": 9.0, "autograd": 9.0})
     plan = plan_layer(dataclasses.replace(SHAPE, batch=32), lambda: (1.0e-3, 1.1e-3), clear)
     assert clear.calls == 1 and plan.reason == "measured: scan 1 ms vs torch 1.2 ms a step"
+    # a near-tie whose second measurement would take more than the budget is not measured again
+    costly = Sequence({"scan": 1.3, "autograd": 1.4}, {"scan": 0.1, "autograd": 9.0})
+    plan = plan_layer(dataclasses.replace(SHAPE, batch=64), lambda: "no model", costly)
+    assert 3 * (1.3 + 1.4) > layer_plan.MEASURE_BUDGET_SECONDS
+    assert costly.calls == 1 and plan.reason == "measured: scan 1.3e+03 ms vs torch 1.4e+03 ms a step"
 
 
 def test_sure_or_too_large_shapes_are_not_measured(measuring):
