@@ -69,18 +69,17 @@ def test_make_graphed_callables_gives_eagers_gradients(backend, kind):
 
 
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
-def test_reduce_overhead_compilation_gives_eagers_gradients(backend, kind, monkeypatch):
+def test_reduce_overhead_compilation_gives_eagers_gradients(backend, kind):
     """Issue 29: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs through torch's cudagraph trees on a
     GPU) of a layer whose scan runs, traced into the graph (dynamo's ``allow_rnn``; without it dynamo leaves
     every ``nn.RNN`` to eager mode): three steps on new data, each with eager's gradients."""
-    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
-    torch._dynamo.reset()
     torch.manual_seed(2)
     layer = getattr(bnn, kind)(3, 8, batch_first=True, algorithm="linear").to(backend.device)
     data = [torch.randn(4, 50, 3, device=backend.device) for _ in range(3)]
     expected = [_eager_grads(layer, x) for x in data]
     assert layer.last_stats["plan"].startswith("scan linear")
     compiled = torch.compile(layer, mode="reduce-overhead")
-    for x, grads in zip(data, expected, strict=True):
-        torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last replay's outputs may be reused
-        _close(_eager_grads(compiled, x), grads)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        for x, grads in zip(data, expected, strict=True):
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last replay's outputs may go
+            _close(_eager_grads(compiled, x), grads)
