@@ -27,7 +27,8 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
 2. ``cuda-step.md``: the whole training step (zero grads, forward, loss = sum of the last output step,
    backward) of torch.nn.RNN/GRU/LSTM (cuDNN) against lightning_bppsa.nn's with ``algorithm="auto"`` and
    the same weights, twelve workloads incl. H = 128 / 256 for each cell (issue 28's targets); the no-grad
-   forward of both; each one's gradient error against torch's module in float64; what "auto" chose
+   forward of both; the step captured in one CUDA graph, cuDNN's and the scan's (issue 29: the GPU's work
+   without the host's); each one's gradient error against torch's module in float64; what "auto" chose
    (``last_stats["plan"]``).
 3. ``cuda-calib.csv`` / ``cuda-calib.md``: the calibration grid, RNN tanh input 1, d {8 .. 256} x B {1 .. 256}
    x T {100, 1000, 10000}, in the committed CSV's columns plus ``plan`` and ``note``: step and forward of
@@ -122,7 +123,7 @@ from device_runner import (
     write,
 )
 from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
-from host_path import HostWorkload, host_stage, python_profile
+from host_path import HostWorkload, graphed_seconds, host_stage, python_profile
 
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -409,8 +410,10 @@ def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: f
 
 STEP_COLUMNS = (
     "cell", "B", "T", "in", "H", "cuDNN step ms", "BPPSA step ms", "step speedup", "cuDNN fwd ms", "BPPSA fwd ms",
-    "cuDNN grad relerr", "BPPSA grad relerr", "BPPSA plan",
+    "cuDNN graphed ms", "scan graphed ms", "graphed speedup", "cuDNN grad relerr", "BPPSA grad relerr", "BPPSA plan",
 )  # fmt: skip
+#: the widest layer whose scan is captured in the graphed columns (wider: a forced scan's step takes tens of ms)
+GRAPHED_MAX_HIDDEN = 64
 
 
 def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
@@ -424,6 +427,7 @@ def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
     forward = interleaved(
         runner, {"cudnn": no_grad_forward(ref, x), "bppsa": no_grad_forward(ours, x)}, 0.2 * budget
     )
+    graphed = _graphed(runner, ref, x, plan, hidden)
     if runner.left() > 0:
         reference = _grads(copy.deepcopy(ref).double(), x.double())  # float64 cuDNN (float64 torch on a CPU)
         errors = [f"{grad_relerr(_grads(module, x), reference):.1e}" for module in (ref, ours)]
@@ -431,8 +435,24 @@ def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
         errors = [SKIPPED] * 2
     return [
         *map(str, workload), ms_text(step["cudnn"]), ms_text(step["bppsa"]), ratio_text(step["cudnn"], step["bppsa"]),
-        ms_text(forward["cudnn"]), ms_text(forward["bppsa"]), *errors, plan,
+        ms_text(forward["cudnn"]), ms_text(forward["bppsa"]), ms_text(graphed["cudnn"]), ms_text(graphed["scan"]),
+        ratio_text(graphed["cudnn"], graphed["scan"]), *errors, plan,
     ]  # fmt: skip
+
+
+def _graphed(runner: Runner, ref: nn.RNNBase, x: torch.Tensor, plan: str, hidden: int) -> dict[str, float | str]:
+    """Seconds per replay of the whole step captured in one CUDA graph (the host's Python gone: the GPU's work)
+    of cuDNN's module and of ours with the scan named (the plan's algorithm where "auto" ran the scan, else
+    linear: "auto" decides on eager steps), or why not measured."""
+    if runner.device != "cuda":
+        return dict.fromkeys(("cudnn", "scan"), NO_CUDA)
+    if runner.left() <= 0:
+        return dict.fromkeys(("cudnn", "scan"), SKIPPED)
+    if hidden > GRAPHED_MAX_HIDDEN:
+        why = f"not captured: H > {GRAPHED_MAX_HIDDEN} (a forced scan's step takes tens of ms)"
+        return {"cudnn": graphed_seconds(ref, x), "scan": why}
+    algorithm = "chunked" if plan.startswith("scan chunked") else "linear"
+    return {"cudnn": graphed_seconds(ref, x), "scan": graphed_seconds(_bppsa(ref, algorithm), x)}
 
 
 def step_stage(runner: Runner) -> list[list[str]]:
@@ -455,7 +475,10 @@ def _step_table(runner: Runner, done: list[list[str]], total: int) -> str:
         "Step = zero the gradients, forward, loss = sum of the last output step, backward. "
         f"Median of {rounds} interleaved rounds of up to {steps} steps each after {WARMUP} warm-up steps, {runner.timer}; "
         "fwd = no-grad forward. Grad relerr = max over parameters of |g - g64| / |g64| against torch's module "
-        "in float64 (cuDNN on a GPU). BPPSA plan = `last_stats[\"plan\"]` after a step; speedup = cuDNN / BPPSA.\n\n"
+        "in float64 (cuDNN on a GPU). BPPSA plan = `last_stats[\"plan\"]` after a step; speedup = cuDNN / BPPSA. "
+        "Graphed: the whole step captured in one CUDA graph, per replay (the host's time gone), cuDNN's module and "
+        "ours with the scan named (the plan's algorithm where auto ran the scan, else linear; not where "
+        f"H > {GRAPHED_MAX_HIDDEN}).\n\n"
         f"Rows done: {len(done)} of {total} (a skipped row says why).\n\n"
         + markdown_table(STEP_COLUMNS, done)
     )  # fmt: skip

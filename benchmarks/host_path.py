@@ -73,7 +73,7 @@ def _back_to_back_seconds(fn: Callable[[], None], device: str) -> float:
     return (time.perf_counter() - start) / BACK_TO_BACK
 
 
-def _graphed_seconds(module: nn.Module, x: torch.Tensor) -> float | str:
+def graphed_seconds(module: nn.Module, x: torch.Tensor) -> float | str:
     """Seconds per replay of the whole step captured in one CUDA graph, or why it could not be captured."""
     step = train_step(module, x, set_to_none=False)
     try:
@@ -161,7 +161,7 @@ def host_row(runner: Runner, workload: HostWorkload) -> tuple[list[list[str]], s
         for _ in range(3):
             step()  # warm-up: kernels compiled, plans made
         cuda = runner.device == "cuda"
-        graphed = _graphed_seconds(module, x) if cuda else NO_CUDA
+        graphed = graphed_seconds(module, x) if cuda else NO_CUDA
         kernels, busy, table = _profile(step) if cuda else (NO_CUDA, NO_CUDA, "")
         plan = getattr(module, "last_stats", {}).get("plan", "torch's layer")
         rows.append([

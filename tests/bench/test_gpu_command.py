@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 #: a stand-in for ``pytest tests/gpu``: one failure, its summary line, exit 1
@@ -116,9 +117,28 @@ def test_the_step_table_has_every_workload_with_float64_checked_gradients(full_r
         assert len(row) == len(bench.STEP_COLUMNS)
         step_ms = [float(row[i]) for i in (5, 6, 8, 9)]  # the CPU clock's (fake) ms: numbers, not reasons
         assert all(ms > 0 for ms in step_ms) and row[7].endswith("x")
+        # no graph capture without CUDA: the columns say so
+        assert row[10:13] == [bench.NO_CUDA, bench.NO_CUDA, "-"]
         # both float32 modules' gradients against float64 torch: the error is float32 rounding, not a bug
-        assert float(row[10]) < 1e-4 and float(row[11]) < 1e-4
-        assert row[12], "the BPPSA plan is reported"
+        assert float(row[13]) < 1e-4 and float(row[14]) < 1e-4
+        assert row[15], "the BPPSA plan is reported"
+
+
+def test_the_graphed_columns_capture_cudnn_and_the_scan_the_plan_ran_else_linear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU (its capture stood in): cuDNN's module and ours with the scan named, chunked where "auto" ran the
+    chunked scan, else linear (also where auto kept cuDNN); wider than GRAPHED_MAX_HIDDEN, the scan is not
+    captured and the cell says why."""
+    captured = []
+    monkeypatch.setattr(bench, "graphed_seconds", lambda module, x: captured.append(module) or 1e-3)
+    runner = dataclasses.replace(_runner(tmp_path, FakeClock()), device="cuda")
+    ref, x = torch.nn.RNN(1, 4, batch_first=True), torch.zeros(2, 5, 1)
+    for plan in ("scan chunked(c=16) [cuda]", "autograd (measured: scan 2 ms vs torch 1 ms a step)"):
+        assert bench._graphed(runner, ref, x, plan, 4) == {"cudnn": 1e-3, "scan": 1e-3}
+    assert [getattr(m, "algorithm", "cuDNN") for m in captured] == ["cuDNN", "chunked", "cuDNN", "linear"]
+    wide = bench._graphed(runner, ref, x, "autograd (cost model)", bench.GRAPHED_MAX_HIDDEN + 1)
+    assert wide["cudnn"] == 1e-3 and wide["scan"].startswith("not captured: H > ")
 
 
 def test_the_calibration_csv_has_the_committed_columns_and_every_row(full_run: Path) -> None:
