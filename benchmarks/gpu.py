@@ -244,7 +244,7 @@ TINY_SHAPES = Shapes(
     cells=(3, 2, 5),
     cell_names=("gated",),
     host=(("RNN", 2, 6, 1, 3, "linear"),),
-    fused=(("GRU", 2, 5, 3), ("LSTM", 2, 5, 3)),
+    fused=(("RNN", 2, 5, 3), ("GRU", 2, 5, 3), ("LSTM", 2, 5, 3)),  # each cell: RNN is torch.nn.RNN (mode RNN_TANH)
 )
 
 
@@ -516,9 +516,10 @@ def fused_row(runner: Runner, workload: tuple[str, int, int, int], budget: float
     from lightning_bppsa.cells import cell_of
 
     kind, batch, length, hidden = workload
-    cell, backend, device = cell_of({"RNN": "rnn_tanh"}.get(kind, kind)), _fused_backend(runner.device), runner.device
+    backend, device = _fused_backend(runner.device), runner.device
     torch.manual_seed(0)
-    weights = [p.detach() for p in getattr(nn, kind)(12, hidden, batch_first=True).to(device).parameters()]
+    layer = getattr(nn, kind)(12, hidden, batch_first=True).to(device)
+    cell, weights = cell_of(layer.mode), [p.detach() for p in layer.parameters()]  # torch's mode: RNN_TANH, GRU, ...
     x = torch.randn(batch, length, 12, device=device)
     h0 = torch.randn(batch, hidden, device=device) / 2
     c0 = torch.randn(batch, hidden, device=device) / 2 if cell.has_cell_state else None
