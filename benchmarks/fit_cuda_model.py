@@ -117,12 +117,11 @@ def load(path: Path = DATA) -> Calibration:
             fused.append(Launch("fused", d, batch, n, n, seconds))
         elif r["what"] == "step_cudnn":
             cudnn[(d, batch, n)] = seconds
-        elif r["what"] not in ("step_scan", "step_bppsa"):
-            continue
-        elif (ran := scan_plan(r["plan"], n)) is not None:
-            scans.append(ScanStep(d, batch, n, *ran, seconds, "torch forward" in r["plan"]))
-        elif "fused backward kernel" in r["plan"]:
-            fused_steps[(d, batch, n)] = min(seconds, fused_steps.get((d, batch, n), math.inf))
+        elif r["what"] in ("step_scan", "step_bppsa"):
+            if (ran := scan_plan(r["plan"], n)) is not None:
+                scans.append(ScanStep(d, batch, n, *ran, seconds, "torch forward" in r["plan"]))
+            elif "fused backward kernel" in r["plan"]:
+                fused_steps[(d, batch, n)] = min(seconds, fused_steps.get((d, batch, n), math.inf))
     return Calibration(launches, cudnn, scans, fused, fused_steps)
 
 
