@@ -651,7 +651,8 @@ def chain_stage(runner: Runner) -> list[list[str]]:
                  "bppsa": chain_step(ours, x, grad)}  # fmt: skip
         times = interleaved(runner, calls, 0.9 * budget)
         stats = ours.last_stats
-        path = stats.get("path", "") + (f" ({stats['reason']})" if stats.get("reason") else "")
+        why = stats.get("reason") or stats.get("decision")  # auto's measured decision where the scan ran
+        path = stats.get("path", "") + (f" ({why})" if why else "")
         done.append([weights, str(batch), ms_text(times["cudnn"]), ms_text(times["again"]), ms_text(times["bppsa"]),
                      ratio_text(times["cudnn"], times["bppsa"]), path])  # fmt: skip
         print("chain " + " | ".join(done[-1]), flush=True)

@@ -2,8 +2,8 @@
 
 :func:`plan_layer` is the one place where ``algorithm="auto"`` chooses between torch's own layer (cuDNN on
 CUDA, oneDNN / ATen on CPU; the module then runs exactly torch's code) and the scan, for the built-in layers,
-for :class:`~lightning_bppsa.nn.Recurrence` (a user's cell; autograd through its loop is then "torch") and,
-off CUDA, for :class:`~lightning_bppsa.nn.SparseChain` (measured, no model; unmeasured it scans):
+for :class:`~lightning_bppsa.nn.Recurrence` (a user's cell; autograd through its loop is then "torch") and
+for :class:`~lightning_bppsa.nn.SparseChain` (measured, no model; unmeasured: cuDNN on CUDA, else the scan):
 
 1. a decision already made for this shape (cached per process: :class:`LayerShape`, ``(cell, layers,
    directions, B, T, input, H, dtype, device)``; a user cell is named by a digest of its traced step);

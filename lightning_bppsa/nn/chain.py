@@ -21,11 +21,12 @@ hooks. So a chain never fails where the equivalent ``nn.Sequential`` runs, and i
 torch's own error from the layer's forward.
 ``torch.jit.script`` compiles the equivalent ``nn.Sequential`` (see :meth:`SparseChain.__prepare_scriptable__`).
 
-``algorithm="auto"`` keeps cuDNN's convolutions on CUDA (the scan measured 13-65x slower there); elsewhere
-the first call of each input shape times both whole forward + backward passes on its own data and keeps the
-faster (:func:`~lightning_bppsa.layer_plan.plan_layer`, ``last_stats["decision"]``; on a CPU the scan measured
-1.5-23x slower than autograd on VGG-11's convolutions), so a converted chain never pays for the scan unasked;
-where nothing may measure (``layer_plan.measurements(False)``) it scans. A named algorithm always scans.
+With ``algorithm="auto"`` the first call of each input shape times both whole forward + backward passes on
+its own data (CUDA events on CUDA) and keeps the faster (:func:`~lightning_bppsa.layer_plan.plan_layer`,
+``last_stats["decision"]``; on a CPU the scan measured 1.5-23x slower than autograd on VGG-11's
+convolutions, on an H200 13-65x slower than cuDNN), so a converted chain never pays for the scan unasked;
+where nothing may measure (``layer_plan.measurements(False)``) a chain on CUDA keeps cuDNN's autograd and one
+elsewhere scans. A named algorithm always scans.
 
 Precision: the scan computes in one dtype, :func:`~lightning_bppsa.sparse_scan.scan_dtype` of the
 Jacobians and the output gradient (float32 for float16 / bfloat16 chains, with or without autocast:
@@ -52,9 +53,9 @@ mode (in training mode its Jacobian couples the batch) or with hooks on a layer 
 the layers) stay on autograd, and the conversion report says why. Even
 then, on CPU the sparse scan is slower than autograd's fused convolution backward
 (``benchmarks/results/vgg-cpu.md``): conversion is meant for the paper's setting (many workers, pruned
-weights), and exactness is what the tests guarantee. On CUDA, where cuDNN's convolutions are 13-65x faster
-than the scan with its Jacobians' linearisation (``benchmarks/results/sparse-chain-h200-2026-11-26.txt``),
-``algorithm="auto"`` runs the layers under autograd and says so; an explicit algorithm forces the scan.
+weights), and exactness is what the tests guarantee. On CUDA, where cuDNN's convolutions measured 13-65x
+faster than the scan with its Jacobians' linearisation (``benchmarks/results/sparse-chain-h200-2026-11-26.txt``),
+``algorithm="auto"`` measures the same way and says which ran; an explicit algorithm forces the scan.
 """
 
 from __future__ import annotations
@@ -147,14 +148,11 @@ class SparseChain(nn.Sequential):
 
     def forward(self, input: Tensor) -> Tensor:  # named as nn.Sequential's, which callers may pass by name
         plan = None
-        if self.algorithm == "auto" and isinstance(input, Tensor) and input.device.type == "cuda":
-            params, reason = (), _CUDA_AUTO  # decided first: cuDNN's chain pays nothing for the other checks
-        else:
-            params = tuple(p for p in self.parameters() if p.requires_grad)
-            reason = self._why_autograd(input, params)
-            if reason is None and self.algorithm == "auto":
-                plan = self._auto(input, params)
-                reason = None if plan.path == "scan" else f"auto: {plan.reason}"
+        params = tuple(p for p in self.parameters() if p.requires_grad)
+        reason = self._why_autograd(input, params)
+        if reason is None and self.algorithm == "auto":
+            plan = self._auto(input, params)
+            reason = None if plan.path == "scan" else f"auto: {plan.reason}"
         # a fresh dict per call: the backward of this forward updates the one it was given
         self.last_stats = self._new_stats(reason)
         if plan is not None:
@@ -177,11 +175,13 @@ class SparseChain(nn.Sequential):
         }
 
     def _auto(self, x: Tensor, params: tuple[nn.Parameter, ...]) -> layer_plan.LayerPlan:
-        """``algorithm="auto"`` off CUDA: the scan or autograd for this call, and why. The faster of the
-        two whole forward + backward passes, measured once per input shape on the call's own data
-        (:func:`~lightning_bppsa.layer_plan.plan_layer`; the scan measured 1.5-23x slower than autograd on
-        VGG-11's convolutions on a CPU, ``benchmarks/results/vgg-cpu.md``, so a converted chain must not pay
-        for it unasked); where nothing may measure (``layer_plan.measurements(False)``, tracing) the scan."""
+        """``algorithm="auto"``: the scan or autograd for this call, and why. The faster of the two whole
+        forward + backward passes, measured once per input shape on the call's own data
+        (:func:`~lightning_bppsa.layer_plan.plan_layer`, CUDA events on CUDA; the scan measured 1.5-23x slower
+        than autograd on VGG-11's convolutions on a CPU, ``benchmarks/results/vgg-cpu.md``, and 13-65x slower
+        than cuDNN on an H200, so a converted chain must not pay for it unasked). No model prices a chain:
+        where nothing may measure (``layer_plan.measurements(False)``) a chain on CUDA runs cuDNN's autograd
+        (:data:`_CUDA_UNMEASURED`), elsewhere the scan it was converted to."""
         key = (x.shape, x.dtype, x.device, layer_plan.generation())
         memo = self.__dict__.get("_plan_memo")
         if memo is None or memo[0] != key:
@@ -189,9 +189,11 @@ class SparseChain(nn.Sequential):
                 f"SparseChain {id(self):x}", len(self), 1, x.shape[0], 0, math.prod(x.shape[1:]), 0, x.dtype,
                 str(x.device), persist=False,
             )  # fmt: skip
+            on_cuda = x.device.type == "cuda"
             plan = layer_plan.plan_layer(
-                shape, lambda: "no model for layer chains", lambda: self._measure(x, params),
-                timed="a forward + backward", unmeasured="scan",
+                shape, lambda: _CUDA_UNMEASURED if on_cuda else "no model for layer chains",
+                lambda: self._measure(x, params), timed="a forward + backward",
+                unmeasured="autograd" if on_cuda else "scan",
             )  # fmt: skip
             memo = (key, plan)
             if layer_plan.cached(shape):
@@ -230,10 +232,11 @@ class SparseChain(nn.Sequential):
         return scan_flop_report(self._last_patterns, algorithm=self.algorithm)
 
 
-#: why ``algorithm="auto"`` keeps a chain on cuDNN autograd on CUDA (a measured ratio, far outside any noise)
-_CUDA_AUTO = (
-    "auto on CUDA: cuDNN autograd (the sparse scan measured 13-65x slower on an H200: the Jacobians' "
-    "linearisation dominates; benchmarks/results/sparse-chain-h200-2026-11-26.txt); pass an algorithm to force it"
+#: why a chain on CUDA runs cuDNN's autograd where ``algorithm="auto"`` may not measure (a measured ratio, far
+#: outside any noise)
+_CUDA_UNMEASURED = (
+    "no model for layer chains on CUDA (the sparse scan measured 13-65x slower than cuDNN on an H200, the "
+    "Jacobians' linearisation dominating: benchmarks/results/sparse-chain-h200-2026-11-26.txt)"
 )
 
 

@@ -311,6 +311,7 @@ def test_the_chain_table_has_both_weights_and_says_which_path_ran(full_run: Path
     rows = _table_rows(_read(full_run, "cuda-chain.md"))
     assert [row[:2] for row in rows] == [["dense", "1"], ["pruned 97%", "2"]]
     assert all(row[-1].startswith(("scan", "autograd")) and "" not in row[2:5] for row in rows)
+    assert all("measured" in row[-1] for row in rows)  # auto's decision, on either path (here: not measured)
     assert all(float(row[3]) > 0 for row in rows)  # the second copy of torch's model ran
 
 

@@ -421,18 +421,48 @@ class _OnCuda(torch.Tensor):
         return torch.device("cuda", 0)
 
 
-def test_auto_on_cuda_keeps_cudnn_autograd_with_the_reason_and_an_algorithm_forces_the_scan():
+def test_auto_on_cuda_unmeasured_keeps_cudnn_autograd_with_the_reason_and_an_algorithm_forces_the_scan():
+    # measurements are off in the tests (conftest): no model prices a chain, and on CUDA the scan measured 13-65x
+    # slower than cuDNN, so an unmeasured chain there runs cuDNN's autograd; elsewhere the scan it was converted to
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     on_cuda = torch.Tensor._make_subclass(_OnCuda, x.detach(), True)
     auto = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
     auto(on_cuda)  # runs on the CPU: the rule reads the device the tensor reports
     reason = auto.last_stats["reason"]
-    assert auto.last_stats["path"] == "autograd" and reason.startswith("auto on CUDA: cuDNN autograd")
-    assert "13-65x" in reason
+    assert auto.last_stats["path"] == "autograd" and reason.startswith("auto: no model for layer chains on CUDA")
+    assert "13-65x" in reason and "not measured (measurements off): torch's path" in reason
     forced = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), algorithm="chunked")
     assert forced._why_autograd(on_cuda, tuple(forced.parameters())) is None  # the scan (not run: no GPU)
     auto(x)
     assert auto.last_stats["path"] == "scan"  # CPU: the scan
+
+
+@pytest.mark.parametrize(("scan_ms", "path"), [(2.0, "autograd"), (0.5, "scan")])
+def test_auto_on_cuda_takes_the_faster_path_measured_once_per_shape(monkeypatch, scan_ms, path):
+    # on CUDA "auto" measures as elsewhere (both whole forward + backward passes, on the call's device): the
+    # measurement injected, the device it was asked for recorded
+    asked = []
+
+    def measure(forwards, wrt, device):
+        asked.append((sorted(forwards), device.type))
+        return {"scan": scan_ms * 1e-3, "autograd": 1e-3}
+
+    monkeypatch.setattr(layer_plan, "time_training_steps", measure)
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "0")
+    chain = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    on_cuda = torch.Tensor._make_subclass(_OnCuda, x.detach(), True)
+    params = tuple(chain.parameters())
+    decision = f"measured: scan {scan_ms:.3g} ms vs torch 1 ms a forward + backward"
+    with layer_plan.measurements(True):
+        plan = chain._auto(on_cuda, params)  # what forward asks (the scan itself cannot run here: no GPU)
+        assert asked == [(["autograd", "scan"], "cuda")]
+        assert (plan.path, plan.reason) == (path, decision)
+        assert chain._auto(on_cuda, params) == plan and len(asked) == 1  # the same shape again: not measured
+        if path == "autograd":  # the call runs cuDNN's path (here the CPU's) and says why
+            chain(on_cuda)
+            assert chain.last_stats["path"] == "autograd" and chain.last_stats["reason"] == f"auto: {decision}"
+            assert len(asked) == 1
 
 
 @pytest.mark.parametrize(("scan_ms", "path"), [(2.0, "autograd"), (0.5, "scan")])
