@@ -147,7 +147,7 @@ def test_the_calibration_csv_has_the_committed_columns_and_every_row(full_run: P
     rows = _calibration(full_run)
     s = bench.TINY_SHAPES
     launches = {t: 1 + sum(c < t for c in s.kernel_chunks) for t in s.calib_length}
-    expected = sum(7 + launches[t] for t in s.calib_length) * len(s.calib_d) * len(s.calib_batch)
+    expected = sum(8 + launches[t] for t in s.calib_length) * len(s.calib_d) * len(s.calib_batch)
     assert len(rows) == expected
     assert sum(row["what"] == "fused_kernel" for row in rows) == len(s.calib_d) * len(s.calib_batch) * len(s.calib_length)
     for row in rows:
@@ -165,6 +165,12 @@ def test_the_calibration_csv_has_the_committed_columns_and_every_row(full_run: P
     text = _read(full_run, "cuda-calib.md")
     assert f"Shapes done: {len(steps)} of {len(steps)}" in text and "measured shapes below 0.9x cuDNN" in text
     assert len(_table_rows(text)) == len(steps)
+    # cuDNN's second copy, timed in the same rounds: each row gives its time and its ratio to the first
+    again = {(r["d"], r["B"], r["T"]): float(r["ms"]) for r in rows if r["what"] == "step_cudnn_again"}
+    assert len(again) == len(steps)
+    for row in _table_rows(text):
+        assert row[4] == f"{again[tuple(row[:3])]:.3f} (1.00x)"  # the fake clock: every call 1 ms
+    assert f"cuDNN's second copy below 0.9x of the first on 0 of {len(steps)}" in text
 
 
 def test_the_paper_grid_has_its_rows(full_run: Path) -> None:
