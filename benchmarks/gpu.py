@@ -13,9 +13,11 @@ On an H100 the whole of ``--all`` needed ~10 minutes on 2026-11-26 (tests/gpu ~7
 cache, the calibration grid ~5 minutes, the user cells ~2 minutes), more than one call of a lent GPU machine
 (at most 10 minutes, 15 minutes of device time a session, a start ~1-2 minutes of it). On an H200 on
 2026-11-27 tests/gpu (385 tests) took about a minute, the calibration grid's 72 shapes ~150 s, 19 of the 23 user
-cells ~2 minutes; one call of every stage but the paper's grids fits the device time with a margin:
+cells ~2 minutes; one call of every stage but the paper's grids fitted the device time with a margin (the
+``stalls`` stage, added since, has not run on a GPU yet: six ncu profiles, each bounded by PROFILE_SECONDS and
+the deadline; what the deadline leaves no time for is written as skipped):
 
-    python benchmarks/gpu.py --all --stages tests,host,step,fused,overhead,chain,cells,calib --within 540
+    python benchmarks/gpu.py --all --stages tests,host,step,fused,stalls,overhead,chain,cells,calib --within 540
 
 ``--all`` runs the stages below, each writing its files under ``benchmarks/results/`` as it goes (a killed run
 leaves what was finished), each headed by the device, torch, cuDNN, CuPy, the commit (``$BPPSA_COMMIT`` or
@@ -41,7 +43,9 @@ ours with the scan forced: step waited for, host time to queue it, back to back,
 and GPU busy per step, the profiler's and cProfile's tables). Between 2 and 3 (each with its own time
 budget): ``cuda-fused.md`` (one layer call's backward by the fused backward kernel and by the factored scan
 of the linear plan, on the same factors: whether the fused kernel should also replace the warp sweep),
-``cuda-overhead.md`` (what our module adds where "auto"
+``cuda-stalls.md`` (``benchmarks/kernel_stalls.py``: Nsight Compute's profile of every kernel of one training
+step, cuDNN's and ours, RNN / GRU / LSTM at H = 20: ns and instructions per dependent step, and the stall
+reasons a warp waits in), ``cuda-overhead.md`` (what our module adds where "auto"
 keeps torch's layer: torch, torch again and ours, 10 interleaved rounds), ``cuda-chain.md``, VGG-11's
 convolution chain, cuDNN autograd vs ``SparseChain``; and ``cells-gpu.md``, user-written cells
 (``benchmarks/cells.py``'s, the style corpus included) at H = 32, B = 16, T = 1000: the whole training step
@@ -124,6 +128,7 @@ from device_runner import (
 )
 from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
 from host_path import HostWorkload, graphed_seconds, host_stage, python_profile
+from kernel_stalls import stalls_stage
 
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -158,8 +163,8 @@ CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "pla
 #: the stages still to run (what one leaves unused goes to those after it); a whole run needs ~10 minutes
 #: of an H100 (two calls of <= 5 minutes: see the module docstring)
 STAGE_SHARES = {
-    "tests": 0.15, "host": 0.1, "step": 0.15, "fused": 0.05, "overhead": 0.05, "chain": 0.05, "cells": 0.2,
-    "calib": 0.3, "paper": 0.05,
+    "tests": 0.15, "host": 0.1, "step": 0.15, "fused": 0.05, "stalls": 0.1, "overhead": 0.05, "chain": 0.05,
+    "cells": 0.2, "calib": 0.3, "paper": 0.05,
 }  # fmt: skip
 #: every stage of ``--all`` in its order (``paper``: the paper's grids)
 STAGES = tuple(STAGE_SHARES)
@@ -1024,6 +1029,7 @@ def run_all(
         "host": host_stage,
         "step": step_stage,
         "fused": fused_stage,
+        "stalls": stalls_stage,
         "overhead": overhead_stage,
         "chain": chain_stage,
         "cells": cells_stage,

@@ -92,6 +92,7 @@ def test_every_file_has_the_header(full_run: Path) -> None:
         "cuda-host.md",
         "cuda-step.md",
         "cuda-fused.md",
+        "cuda-stalls.md",
         "cuda-overhead.md",
         "cuda-chain.md",
         "cuda-calib.md",
