@@ -60,7 +60,11 @@ LSTM = ("LSTM", 16, 1034, 12, 20)
 
 def test_parse_reads_every_kernel_in_launch_order_with_numbers():
     kernels = stalls.parse(NCU_OUTPUT)
-    assert [k.name for k in kernels] == ["bppsa_lstm_forward_f32_h20", "copy_kernel", "bppsa_lstm_backward_f32_h20"]
+    assert [k.name for k in kernels] == [
+        "bppsa_lstm_forward_f32_h20",
+        "copy_kernel",
+        "bppsa_lstm_backward_f32_h20",
+    ]
     forward = kernels[0]
     assert forward.grid == (16, 1, 1) and forward.block == (32, 1, 1) and forward.warps == 16
     assert forward.metrics[stalls.DURATION] == 1_034_000.0 and forward.metrics[_stall("wait")] == 2.25
@@ -74,7 +78,10 @@ def test_rows_give_per_step_figures_and_the_largest_stalls_of_the_kernels_that_m
     forward, backward = rows
     assert forward[:2] == ["bppsa", "LSTM 16 1034 12 20"] and forward[3] == "16x1x1 x 32x1x1"
     assert forward[4:8] == ["1034.0", "67%", "1000", "300"]  # us, share, ns / step, warp instructions / step
-    assert forward[8] == "-" and forward[9] == "short_scoreboard 4.0, wait 2.2, long_scoreboard 1.5, selected 1.0"
+    assert (
+        forward[8] == "-"
+        and forward[9] == "short_scoreboard 4.0, wait 2.2, long_scoreboard 1.5, selected 1.0"
+    )
     assert backward[4:10] == ["517.0", "33%", "500", "-", "6.5", "-"]
 
 
@@ -101,7 +108,15 @@ def test_the_stage_profiles_every_module_and_workload_and_writes_the_table(tmp_p
     assert len(commands) == len(stalls.STALL_WORKLOADS) * len(stalls.MODULES)
     first = commands[0]
     assert first[:5] == ["/opt/ncu", "--csv", "--profile-from-start", "off", "--metrics"]
-    assert first[5].split(",") == list(stalls.METRICS) and first[-7:] == ["--run", "cudnn", "RNN", "16", "1000", "1", "20"]
+    assert first[5].split(",") == list(stalls.METRICS) and first[-7:] == [
+        "--run",
+        "cudnn",
+        "RNN",
+        "16",
+        "1000",
+        "1",
+        "20",
+    ]
     rows = _written_rows(tmp_path)
     assert rows == [[cell.strip() for cell in row] for row in done] and len(rows) == 2 * len(commands)
 
@@ -120,7 +135,10 @@ def test_a_refused_stall_metric_is_retried_without_the_stall_metrics_and_said(tm
 
 def test_a_profile_that_gives_nothing_says_why(tmp_path, monkeypatch):
     def ncu(command, timeout):
-        return 1, "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters"
+        return (
+            1,
+            "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters",
+        )
 
     done = stalls.stalls_stage(_cuda_runner(tmp_path, monkeypatch), ncu="/opt/ncu", run=ncu)
     assert len(done) == len(stalls.STALL_WORKLOADS) * len(stalls.MODULES)
@@ -130,7 +148,9 @@ def test_a_profile_that_gives_nothing_says_why(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("device", "which", "expected"), [("cpu", "/opt/ncu", "n/a: no CUDA"),
                                                            ("cuda", None, "n/a: ncu not found")])  # fmt: skip
-def test_without_cuda_or_ncu_nothing_runs_and_the_table_says_so(tmp_path, monkeypatch, device, which, expected):
+def test_without_cuda_or_ncu_nothing_runs_and_the_table_says_so(
+    tmp_path, monkeypatch, device, which, expected
+):
     runner = _cuda_runner(tmp_path, monkeypatch, device=device)
     monkeypatch.setattr(stalls.shutil, "which", lambda name: which)
     ran = []
