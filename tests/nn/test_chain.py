@@ -505,3 +505,24 @@ def test_auto_without_measurements_keeps_the_scan_and_says_why():
     chain(torch.randn(2, 2, 8, 10, dtype=torch.float64, requires_grad=True))
     assert chain.last_stats["path"] == "scan"
     assert chain.last_stats["decision"].endswith("not measured (measurements off): the scan")
+
+
+@pytest.mark.parametrize(("scan_ms", "checked"), [(2.0, False), (0.5, True)])
+def test_a_shape_decided_for_autograd_skips_the_per_call_checks(monkeypatch, scan_ms, checked):
+    # once "auto" has decided autograd for an input shape, nothing else could put the call on the scan: its calls
+    # go straight to the layers (the checks cost ~30 us a call for VGG-11); a scan decision keeps checking
+    monkeypatch.setattr(layer_plan, "time_training_steps", lambda *a: {"scan": scan_ms * 1e-3, "autograd": 1e-3})
+    monkeypatch.setenv("BPPSA_PLAN_CACHE", "0")
+    chain = SparseChain(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with layer_plan.measurements(True):
+        chain(x)
+        calls = []
+        real = chain._why_autograd
+        monkeypatch.setattr(chain, "_why_autograd", lambda *a: calls.append(a) or real(*a))
+        out = chain(x)
+    assert bool(calls) == checked
+    assert chain.last_stats["path"] == ("scan" if checked else "autograd")
+    if not checked:
+        assert chain.last_stats["reason"] == "auto: measured: scan 2 ms vs torch 1 ms a forward + backward"
+        assert out.grad_fn is not None and type(out.grad_fn).__name__ != "_ChainFunctionBackward"
