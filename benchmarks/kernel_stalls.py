@@ -5,8 +5,8 @@ kernels ~440-470 ns on an H100 (the RNN's ~160-200 ns), where their SASS issues 
 step: what bounds them is to be measured, not modelled. Nsight Compute (``ncu``) profiles every kernel of one
 training step (zero the gradients, forward, loss = sum of the last output step, backward, float32) of
 torch's module (cuDNN) and of lightning_bppsa's with the linear plan forced, per workload in a process of its
-own (:func:`driver`: warm-up steps outside the profiled range, ``cudaProfilerStart`` / ``Stop`` around one
-step). Per kernel that took at least :data:`SHOWN_SHARE` of its step's GPU time: its duration, ns and warp
+own (:func:`driver`: warm-up steps outside the profiled range, ``torch.cuda.profiler.start`` / ``stop``
+around one step). Per kernel that took at least :data:`SHOWN_SHARE` of its step's GPU time: its duration, ns and warp
 instructions a step (of T; instructions per warp), the warp's cycles per issued instruction and the stall
 reasons that make them up (cycles per issued instruction each, the largest first: ``long_scoreboard`` is a
 wait on global or local memory, ``barrier`` on a block or warp barrier, ``short_scoreboard`` on shared memory
@@ -109,10 +109,10 @@ def driver(module: str, workload: tuple[str, int, int, int, int]) -> str:
     for _ in range(3):  # kernels built, plans measured: not profiled
         step()
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
+    torch.cuda.profiler.start()  # ncu --profile-from-start off: only what follows is profiled
     step()
     torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    torch.cuda.profiler.stop()
     return getattr(layer, "last_stats", {}).get("plan", "torch's layer")
 
 
