@@ -14,7 +14,7 @@ cache, the calibration grid ~5 minutes, the user cells ~2 minutes), more than on
 (at most 10 minutes, 15 minutes of device time a session, a start ~1-2 minutes of it). On an H200 on
 2026-11-27 tests/gpu (385 tests) took about a minute, the calibration grid's 72 shapes ~150 s, 19 of the 23 user
 cells ~2 minutes; one call of every stage but the paper's grids fitted the device time with a margin (the
-``stalls`` stage, added since, has not run on a GPU yet: six ncu profiles, each bounded by PROFILE_SECONDS and
+``stalls`` stage, added since, has not run on a GPU yet: eight ncu profiles, each bounded by PROFILE_SECONDS and
 the deadline; what the deadline leaves no time for is written as skipped):
 
     python benchmarks/gpu.py --all --stages tests,host,step,fused,stalls,overhead,chain,cells,calib --within 540
@@ -44,8 +44,8 @@ and GPU busy per step, the profiler's and cProfile's tables). Between 2 and 3 (e
 budget): ``cuda-fused.md`` (one layer call's backward by the fused backward kernel and by the factored scan
 of the linear plan, on the same factors: whether the fused kernel should also replace the warp sweep),
 ``cuda-stalls.md`` (``benchmarks/kernel_stalls.py``: Nsight Compute's profile of every kernel of one training
-step, cuDNN's and ours, RNN / GRU / LSTM at H = 20: ns and instructions per dependent step, and the stall
-reasons a warp waits in), ``cuda-overhead.md`` (what our module adds where "auto"
+step, cuDNN's and ours, RNN / GRU / LSTM at H = 20 (linear) and the RNN at T = 10000 (chunked): ns and
+instructions per dependent step, and the stall reasons a warp waits in), ``cuda-overhead.md`` (what our module adds where "auto"
 keeps torch's layer: torch, torch again and ours, 10 interleaved rounds), ``cuda-chain.md``, VGG-11's
 convolution chain, cuDNN autograd vs ``SparseChain``; and ``cells-gpu.md``, user-written cells
 (``benchmarks/cells.py``'s, the style corpus included) at H = 32, B = 16, T = 1000: the whole training step

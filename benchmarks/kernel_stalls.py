@@ -4,7 +4,7 @@ Issue 29: on an H200 the LSTM's fused backward kernel took ~570 ns a dependent s
 kernels ~440-470 ns on an H100 (the RNN's ~160-200 ns), where their SASS issues ~300-400 cycles of work a
 step: what bounds them is to be measured, not modelled. Nsight Compute (``ncu``) profiles every kernel of one
 training step (zero the gradients, forward, loss = sum of the last output step, backward, float32) of
-torch's module (cuDNN) and of lightning_bppsa's with the linear plan forced, per workload in a process of its
+torch's module (cuDNN) and of lightning_bppsa's with the workload's scan forced, per workload in a process of its
 own (:func:`driver`: warm-up steps outside the profiled range, ``torch.cuda.profiler.start`` / ``stop``
 around one step). Per kernel that took at least :data:`SHOWN_SHARE` of its step's GPU time: its duration, ns and warp
 instructions a step (of T; instructions per warp), the warp's cycles per issued instruction and the stall
@@ -13,7 +13,7 @@ wait on global or local memory, ``barrier`` on a block or warp barrier, ``short_
 or a special function, ``wait`` a fixed-latency dependency, ``math_pipe_throttle`` a busy pipe).
 
     python benchmarks/kernel_stalls.py                            # GPU and ncu: benchmarks/results/cuda-stalls.md
-    python benchmarks/kernel_stalls.py --run bppsa LSTM 16 1034 12 20   # what ncu runs: one profiled step
+    python benchmarks/kernel_stalls.py --run bppsa LSTM 16 1034 12 20 linear   # what ncu runs: one profiled step
 
 Without CUDA or ``ncu`` the file says so; a profile ncu refuses (no access to the GPU's performance counters:
 ``ERR_NVGPUCTRPERM``) is written as ncu's error.
@@ -38,8 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules,
 from device_runner import NO_CUDA, RESULTS, SKIPPED, Runner, header, markdown_table, train_step, write
 from torch import nn
 
-#: (cell, B, T, input, H): the workloads whose per-step costs issue 29 asks about
-STALL_WORKLOADS = (("RNN", 16, 1000, 1, 20), ("GRU", 16, 1034, 12, 20), ("LSTM", 16, 1034, 12, 20))
+#: (cell, B, T, input, H, the algorithm forced on ours): the workloads whose per-step costs issue 29 asks about
+#: (the linear plan's forward and fused backward kernels; at T = 10000 the chunked scan "auto" runs there)
+STALL_WORKLOADS = (
+    ("RNN", 16, 1000, 1, 20, "linear"), ("GRU", 16, 1034, 12, 20, "linear"), ("LSTM", 16, 1034, 12, 20, "linear"),
+    ("RNN", 16, 10000, 1, 20, "chunked"),
+)  # fmt: skip
 MODULES = ("cudnn", "bppsa")
 #: the stall reasons ncu counts (smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio: cycles a warp
 #: spends in that state per instruction it issues)
@@ -93,17 +97,17 @@ class KernelProfile:
         return blocks * -(-threads // 32)
 
 
-def driver(module: str, workload: tuple[str, int, int, int, int]) -> str:
+def driver(module: str, workload: tuple[str, int, int, int, int, str]) -> str:
     """One profiled training step of ``module`` (``"cudnn"``: torch's; ``"bppsa"``: lightning_bppsa's with the
-    linear plan forced) on ``workload``, after warm-up steps outside the profiled range; returns its plan."""
+    workload's algorithm) on ``workload``, after warm-up steps outside the profiled range; returns its plan."""
     from lightning_bppsa import nn as bnn
 
-    cell, batch, length, inputs, hidden = workload
+    cell, batch, length, inputs, hidden, algorithm = workload
     torch.manual_seed(0)
     layer = (
         getattr(nn, cell)(inputs, hidden, batch_first=True)
         if module == "cudnn"
-        else getattr(bnn, cell)(inputs, hidden, batch_first=True, algorithm="linear")
+        else getattr(bnn, cell)(inputs, hidden, batch_first=True, algorithm=algorithm)
     ).cuda()
     step = train_step(layer, torch.randn(batch, length, inputs, device="cuda"))
     for _ in range(3):  # kernels built, plans measured: not profiled
@@ -239,8 +243,8 @@ def stalls_stage(runner: Runner, ncu: str | None = None, run: Run = _run) -> lis
                 notes.append(f"- {module} {label[1]}: {why}")
             print(f"stalls {module} {label[1]}: {len(kernels)} kernels {why}", flush=True)
         write(runner, "cuda-stalls.md", header(runner, "What the recurrent kernels wait on (Nsight Compute)") + (
-            "One training step per module and workload (cell B T input H), float32, lightning_bppsa's with "
-            "`algorithm=\"linear\"`, profiled by `ncu` after 3 warm-up steps (`benchmarks/kernel_stalls.py`); "
+            "One training step per module and workload (cell B T input H, and the algorithm forced on "
+            "lightning_bppsa's), float32, profiled by `ncu` after 3 warm-up steps (`benchmarks/kernel_stalls.py`); "
             f"kernels that took >= {SHOWN_SHARE:.0%} of the step's GPU time. ns / step and warp inst / step: per "
             "dependent step of T (instructions per warp of the launch); cycles / issue: a warp's cycles per "
             "issued instruction, the stalls its parts (ncu's `smsp__average_warps_issue_stalled_*`).\n\n"
@@ -252,13 +256,13 @@ def stalls_stage(runner: Runner, ncu: str | None = None, run: Run = _run) -> lis
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", nargs=6, metavar=("MODULE", "CELL", "B", "T", "IN", "H"),
+    parser.add_argument("--run", nargs=7, metavar=("MODULE", "CELL", "B", "T", "IN", "H", "ALGORITHM"),
                         help="one profiled step (what ncu runs)")  # fmt: skip
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.run:
-        module, cell, *sizes = args.run
-        print(driver(module, (cell, *map(int, sizes))), file=sys.stderr)
+        module, cell, *sizes, algorithm = args.run
+        print(driver(module, (cell, *map(int, sizes), algorithm)), file=sys.stderr)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = Runner(device, None, time.monotonic() + 600, results=args.results,

@@ -55,7 +55,7 @@ NCU_OUTPUT = "\n".join([
     "==PROF== Disconnected from process 7",
 ])  # fmt: skip
 
-LSTM = ("LSTM", 16, 1034, 12, 20)
+LSTM = ("LSTM", 16, 1034, 12, 20, "linear")
 
 
 def test_parse_reads_every_kernel_in_launch_order_with_numbers():
@@ -76,7 +76,7 @@ def test_rows_give_per_step_figures_and_the_largest_stalls_of_the_kernels_that_m
     rows = stalls.rows_of("bppsa", LSTM, stalls.parse(NCU_OUTPUT))
     assert [row[2] for row in rows] == ["`bppsa_lstm_forward_f32_h20`", "`bppsa_lstm_backward_f32_h20`"]
     forward, backward = rows
-    assert forward[:2] == ["bppsa", "LSTM 16 1034 12 20"] and forward[3] == "16x1x1 x 32x1x1"
+    assert forward[:2] == ["bppsa", "LSTM 16 1034 12 20 linear"] and forward[3] == "16x1x1 x 32x1x1"
     assert forward[4:8] == ["1034.0", "67%", "1000", "300"]  # us, share, ns / step, warp instructions / step
     assert (
         forward[8] == "-"
@@ -108,15 +108,9 @@ def test_the_stage_profiles_every_module_and_workload_and_writes_the_table(tmp_p
     assert len(commands) == len(stalls.STALL_WORKLOADS) * len(stalls.MODULES)
     first = commands[0]
     assert first[:5] == ["/opt/ncu", "--csv", "--profile-from-start", "off", "--metrics"]
-    assert first[5].split(",") == list(stalls.METRICS) and first[-7:] == [
-        "--run",
-        "cudnn",
-        "RNN",
-        "16",
-        "1000",
-        "1",
-        "20",
-    ]
+    assert first[5].split(",") == list(stalls.METRICS)
+    assert first[-8:] == ["--run", "cudnn", "RNN", "16", "1000", "1", "20", "linear"]
+    assert commands[-1][-8:] == ["--run", "bppsa", "RNN", "16", "10000", "1", "20", "chunked"]
     rows = _written_rows(tmp_path)
     assert rows == [[cell.strip() for cell in row] for row in done] and len(rows) == 2 * len(commands)
 
