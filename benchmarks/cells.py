@@ -21,7 +21,8 @@ before, untimed) and the whole step
 the CPU clock or CUDA events around each call (each waited for; JAX's with ``block_until_ready``); the CPU
 table gives the min of the N x rounds calls, the GPU table the median. Gradient error: the largest norm-wise
 relative error of the input's and every parameter's gradient against autograd through the loop in float64.
-Loss: mean square of every step's output (the first state tensor), float32, input size 8; "auto picks": what ``Recurrence(cell)``
+Peak memory: what one whole step adds at its peak (CPU: the resident set's high-water mark, every arm alike;
+CUDA: torch's allocator, JAX's device memory not counted). Loss: mean square of every step's output (the first state tensor), float32, input size 8; "auto picks": what ``Recurrence(cell)``
 (algorithm "auto") ran for one step.
 
     OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py          # CPU, every cell
@@ -71,7 +72,7 @@ from device_runner import (
     write,
 )
 
-from lightning_bppsa.bench.measure import load_average, machine_description
+from lightning_bppsa.bench.measure import load_average, machine_description, peak_memory_bytes
 from lightning_bppsa.nn import Recurrence
 from lightning_bppsa.testing import relative_error
 
@@ -368,14 +369,34 @@ def measure_row(runner: Runner, row: Row, jax: Any, jax_reason: str | None, budg
         times = interleaved(runner, fns, left / (len(quantities) - index), warmup=1, statistic=statistic)
         for name in ARMS:  # JAX's reason where it has no arm
             result[f"{quantity}_{name}"] = times.get(name, result["err_JAX"])
+    for name in ARMS:
+        result[f"peak_{name}"] = (
+            _peak_bytes(arms[name]["step"], runner.device, name) if name in arms else result["err_JAX"]
+        )
     return result
+
+
+def _peak_bytes(step: Callable[[], object], device: str, arm: str) -> float | str:
+    """The memory one whole step (forward + backward) adds at its peak: on the CPU the resident set's high-water
+    mark (:func:`~lightning_bppsa.bench.measure.peak_memory_bytes`, every arm alike), on CUDA torch's allocator
+    (JAX's device memory is XLA's, not counted there: it says so)."""
+    if device == "cpu":
+        return float(peak_memory_bytes(step))
+    if arm == "JAX":
+        return "n/a: XLA's allocator"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated() - base)
 
 
 COLUMNS = (
     "cell", "H", "B", "T", "d", "Recurrence path",
     *(f"{q} ms {a}" for q in QUANTITIES for a in ARMS),
     "bwd vs loop", "bwd vs JAX", "step vs loop", "step vs JAX",
-    *(f"grad err {a}" for a in ARMS), "JAX compile s", "auto picks",
+    *(f"grad err {a}" for a in ARMS), *(f"peak MiB {a}" for a in ARMS), "JAX compile s", "auto picks",
 )  # fmt: skip
 
 
@@ -392,6 +413,7 @@ def table_row(row: Row, r: dict) -> list[str]:
     speedups = [ratio_text(r.get(f"{q}_{base}", "-"), r.get(f"{q}_Recurrence", "-")) for q in ("bwd", "step")
                 for base in ("loop", "JAX")]  # fmt: skip
     errors = [_cell_text(r.get(f"err_{a}"), ".1e") for a in ARMS]
+    peaks = [_cell_text(r.get(f"peak_{a}"), ".1f", scale=2**-20) for a in ARMS]
     return [
         *map(str, row),
         str(r["d"]),
@@ -399,6 +421,7 @@ def table_row(row: Row, r: dict) -> list[str]:
         *times,
         *speedups,
         *errors,
+        *peaks,
         _cell_text(r.get("compile"), ".1f"),
         r["auto"],
     ]
@@ -499,7 +522,10 @@ def _table(
         "recorded (JAX: jit(vjp), residuals kept; its matrix products in full float32, `jax_default_matmul_precision='highest'`, as torch's), bwd = backward alone on a fresh graph recorded untimed before each call (JAX: the jitted VJP on fresh residuals), "
         "step = both (JAX: jit(value_and_grad)). Speedups: loop / Recurrence and JAX / Recurrence. Grad err: largest "
         "norm-wise relative error of the input's and parameters' gradients against autograd through the loop in "
-        "float64.\n\n"
+        "float64. Peak MiB: what one whole step adds at its peak (" + (
+            "the resident set's high-water mark, every arm alike" if runner.device == "cpu"
+            else "torch's allocator; JAX's device memory is XLA's, not counted"
+        ) + ").\n\n"
         f"Rows done: {len(done)} of {len(s.rows)} (a skipped row says why).\n\n"
         + markdown_table(COLUMNS, done)
         + "\nIssue 30's targets (at B=16 T=1000 H=32):\n\n" + summary(done, runner.device)
