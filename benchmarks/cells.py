@@ -21,8 +21,8 @@ before, untimed) and the whole step
 the CPU clock or CUDA events around each call (each waited for; JAX's with ``block_until_ready``); the CPU
 table gives the min of the N x rounds calls, the GPU table the median. Gradient error: the largest norm-wise
 relative error of the input's and every parameter's gradient against autograd through the loop in float64.
-Peak memory: what one whole step adds at its peak (CPU: the resident set's high-water mark, every arm alike;
-CUDA: torch's allocator, JAX's device memory not counted). Loss: mean square of every step's output (the first state tensor), float32, input size 8; "auto picks": what ``Recurrence(cell)``
+Peak memory: what one whole step of the torch arms adds at its peak (CPU: the resident set's high-water mark;
+CUDA: torch's allocator); not JAX's, whose XLA allocator keeps a pool of its own. Loss: mean square of every step's output (the first state tensor), float32, input size 8; "auto picks": what ``Recurrence(cell)``
 (algorithm "auto") ran for one step.
 
     OMP_NUM_THREADS=1 flock -x /tmp/bppsa-bench.lock python benchmarks/cells.py          # CPU, every cell
@@ -377,13 +377,14 @@ def measure_row(runner: Runner, row: Row, jax: Any, jax_reason: str | None, budg
 
 
 def _peak_bytes(step: Callable[[], object], device: str, arm: str) -> float | str:
-    """The memory one whole step (forward + backward) adds at its peak: on the CPU the resident set's high-water
-    mark (:func:`~lightning_bppsa.bench.measure.peak_memory_bytes`, every arm alike), on CUDA torch's allocator
-    (JAX's device memory is XLA's, not counted there: it says so)."""
-    if device == "cpu":
-        return float(peak_memory_bytes(step))
+    """The memory one whole torch step (forward + backward) adds at its peak: on the CPU the resident set's
+    high-water mark (:func:`~lightning_bppsa.bench.measure.peak_memory_bytes`), on CUDA torch's allocator. Not
+    JAX's: XLA keeps its own pool (on the CPU its reused pages do not raise the resident set: a JAX step read
+    0.2-41 MiB there, against 13-46 MiB for the loop), so its column says so."""
     if arm == "JAX":
         return "n/a: XLA's allocator"
+    if device == "cpu":
+        return float(peak_memory_bytes(step))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -522,10 +523,9 @@ def _table(
         "recorded (JAX: jit(vjp), residuals kept; its matrix products in full float32, `jax_default_matmul_precision='highest'`, as torch's), bwd = backward alone on a fresh graph recorded untimed before each call (JAX: the jitted VJP on fresh residuals), "
         "step = both (JAX: jit(value_and_grad)). Speedups: loop / Recurrence and JAX / Recurrence. Grad err: largest "
         "norm-wise relative error of the input's and parameters' gradients against autograd through the loop in "
-        "float64. Peak MiB: what one whole step adds at its peak (" + (
-            "the resident set's high-water mark, every arm alike" if runner.device == "cpu"
-            else "torch's allocator; JAX's device memory is XLA's, not counted"
-        ) + ").\n\n"
+        "float64. Peak MiB: what one whole step of the torch arms adds at its peak (" + (
+            "the resident set's high-water mark" if runner.device == "cpu" else "torch's allocator"
+        ) + "); not JAX's, whose XLA allocator keeps a pool of its own.\n\n"
         f"Rows done: {len(done)} of {len(s.rows)} (a skipped row says why).\n\n"
         + markdown_table(COLUMNS, done)
         + "\nIssue 30's targets (at B=16 T=1000 H=32):\n\n" + summary(done, runner.device)
