@@ -137,8 +137,8 @@ def parse(text: str) -> list[KernelProfile]:
         return []
     kernels: dict[str, tuple[str, str, str, dict[str, float]]] = {}
     for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
-        if not row.get("ID") or not row.get("Metric Name"):
-            continue
+        if not (row.get("ID") or "").isdigit() or not row.get("Metric Name"):
+            continue  # a line ncu or the program printed between the rows
         entry = kernels.setdefault(row["ID"], (row["Kernel Name"], row["Grid Size"], row["Block Size"], {}))
         try:
             entry[3][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))

@@ -50,6 +50,7 @@ NCU_OUTPUT = "\n".join([
     _row(0, "bppsa_lstm_forward_f32_h20", "(16, 1, 1)", _stall("short_scoreboard"), "4"),
     _row(0, "bppsa_lstm_forward_f32_h20", "(16, 1, 1)", _stall("selected"), "1"),
     _row(1, "copy_kernel", "(4, 1, 1)", stalls.DURATION, "2,000"),
+    "==WARNING== a line printed between the rows,with,as,many,commas,as,a,row,has,so,that,it,reads,as,1",
     _row(2, "bppsa_lstm_backward_f32_h20", "(16, 1, 1)", stalls.DURATION, "517,000"),
     _row(2, "bppsa_lstm_backward_f32_h20", "(16, 1, 1)", stalls.CYCLES_PER_ISSUE, "6.5"),
     "==PROF== Disconnected from process 7",
