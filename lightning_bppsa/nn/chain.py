@@ -147,16 +147,16 @@ class SparseChain(nn.Sequential):
         return None
 
     def forward(self, input: Tensor) -> Tensor:  # named as nn.Sequential's, which callers may pass by name
-        plan = self._decided(input)
-        if plan is not None and plan.path == "autograd":
+        known = plan = self._decided(input)
+        if known is not None and known.path == "autograd":
             # autograd decided for this input shape: what else could keep the call off the scan needs no check
             # (~30 us a call for VGG-11's 21 layers on a CPU, more on a GPU host)
-            params, reason = (), f"auto: {plan.reason}"
+            params, reason = (), f"auto: {known.reason}"
         else:
-            params = tuple(p for p in self.parameters() if p.requires_grad)
+            params, plan = tuple(p for p in self.parameters() if p.requires_grad), None
             reason = self._why_autograd(input, params)
             if reason is None and self.algorithm == "auto":
-                plan = self._auto(input, params)
+                plan = known or self._auto(input, params)
                 reason = None if plan.path == "scan" else f"auto: {plan.reason}"
         # a fresh dict per call: the backward of this forward updates the one it was given
         self.last_stats = self._new_stats(reason)
@@ -186,24 +186,21 @@ class SparseChain(nn.Sequential):
         than autograd on VGG-11's convolutions on a CPU, ``benchmarks/results/vgg-cpu.md``, and 13-65x slower
         than cuDNN on an H200, so a converted chain must not pay for it unasked). No model prices a chain:
         where nothing may measure (``layer_plan.measurements(False)``) a chain on CUDA runs cuDNN's autograd
-        (:data:`_CUDA_UNMEASURED`), elsewhere the scan it was converted to."""
-        key = _memo_key(x)
-        memo = self.__dict__.get("_plan_memo")
-        if memo is None or memo[0] != key:
-            shape = layer_plan.LayerShape(
-                f"SparseChain {id(self):x}", len(self), 1, x.shape[0], 0, math.prod(x.shape[1:]), 0, x.dtype,
-                str(x.device), persist=False,
-            )  # fmt: skip
-            on_cuda = x.device.type == "cuda"
-            plan = layer_plan.plan_layer(
-                shape, lambda: _CUDA_UNMEASURED if on_cuda else "no model for layer chains",
-                lambda: self._measure(x, params), timed="a forward + backward",
-                unmeasured="autograd" if on_cuda else "scan",
-            )  # fmt: skip
-            memo = (key, plan)
-            if layer_plan.cached(shape):
-                self._plan_memo = memo
-        return memo[1]
+        (:data:`_CUDA_UNMEASURED`), elsewhere the scan it was converted to. A kept decision is kept on the chain
+        too, for :meth:`_decided` (the forward asks it first)."""
+        shape = layer_plan.LayerShape(
+            f"SparseChain {id(self):x}", len(self), 1, x.shape[0], 0, math.prod(x.shape[1:]), 0, x.dtype,
+            str(x.device), persist=False,
+        )  # fmt: skip
+        on_cuda = x.device.type == "cuda"
+        plan = layer_plan.plan_layer(
+            shape, lambda: _CUDA_UNMEASURED if on_cuda else "no model for layer chains",
+            lambda: self._measure(x, params), timed="a forward + backward",
+            unmeasured="autograd" if on_cuda else "scan",
+        )  # fmt: skip
+        if layer_plan.cached(shape):
+            self._plan_memo = (_memo_key(x), plan)
+        return plan
 
     def _decided(self, x: object) -> layer_plan.LayerPlan | None:
         """``algorithm="auto"``'s kept decision for an input like ``x`` (eager calls only), or ``None``."""
