@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import math
 import shutil
 import subprocess
 import sys
@@ -89,12 +90,7 @@ class KernelProfile:
     @property
     def warps(self) -> int:
         """Warps of the launch (blocks x warps a block)."""
-        blocks, threads = 1, 1
-        for g in self.grid:
-            blocks *= g
-        for b in self.block:
-            threads *= b
-        return blocks * -(-threads // 32)
+        return math.prod(self.grid) * -(-math.prod(self.block) // 32)
 
 
 def driver(module: str, workload: tuple[str, int, int, int, int, str]) -> str:
@@ -227,14 +223,14 @@ def stalls_stage(runner: Runner, ncu: str | None = None, run: Run = _run) -> lis
     for workload in STALL_WORKLOADS:
         for module in MODULES:
             label = [module, " ".join(map(str, workload))]
-            if runner.device != "cuda":
-                done.append([*label, NO_CUDA, *["-"] * (len(STALL_COLUMNS) - 3)])
-                continue
-            if ncu is None:
-                done.append([*label, "n/a: ncu not found", *["-"] * (len(STALL_COLUMNS) - 3)])
-                continue
-            if runner.left() <= 0:
-                done.append([*label, SKIPPED, *["-"] * (len(STALL_COLUMNS) - 3)])
+            absent = (
+                NO_CUDA if runner.device != "cuda"
+                else "n/a: ncu not found" if ncu is None
+                else SKIPPED if runner.left() <= 0
+                else None
+            )  # fmt: skip
+            if absent is not None:
+                done.append([*label, absent, *["-"] * (len(STALL_COLUMNS) - 3)])
                 continue
             kernels, why = profile(ncu, module, workload, min(PROFILE_SECONDS, runner.left()), run)
             rows = rows_of(module, workload, kernels)
