@@ -318,8 +318,17 @@ def test_the_chain_table_has_both_weights_and_says_which_path_ran(full_run: Path
     rows = _table_rows(_read(full_run, "cuda-chain.md"))
     assert [row[:2] for row in rows] == [["dense", "1"], ["pruned 97%", "2"]]
     assert all(row[-1].startswith(("scan", "autograd")) and "" not in row[2:5] for row in rows)
-    assert all("measured" in row[-1] for row in rows)  # auto's decision, on either path (here: not measured)
+    assert all("measured" in row[-1] for row in rows)  # auto's decision, on either path
     assert all(float(row[3]) > 0 for row in rows)  # the second copy of torch's model ran
+
+
+def test_the_chain_table_gives_the_decision_where_the_scan_ran_too(tmp_path: Path, monkeypatch) -> None:
+    from lightning_bppsa import layer_plan
+
+    monkeypatch.setattr(layer_plan, "time_training_steps", lambda *a: {"scan": 1e-3, "autograd": 2e-3})
+    with layer_plan.measurements(True):
+        rows = bench.chain_stage(_runner(tmp_path, FakeClock()))
+    assert [row[-1] for row in rows] == ["scan (measured: scan 1 ms vs torch 2 ms a forward + backward)"] * 2
 
 
 def test_the_overhead_table_compares_torch_with_itself_and_with_ours(full_run: Path) -> None:
