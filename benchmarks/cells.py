@@ -64,6 +64,7 @@ from device_runner import (
     ROOT,
     SKIPPED,
     Runner,
+    cuda_peak_bytes,
     header,
     interleaved,
     markdown_table,
@@ -385,12 +386,8 @@ def _peak_bytes(step: Callable[[], object], device: str, arm: str) -> float | st
         return "n/a: XLA's allocator"
     if device == "cpu":
         return float(peak_memory_bytes(step))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return float(torch.cuda.max_memory_allocated() - base)
+    peak, before = cuda_peak_bytes(step)
+    return float(peak - before)
 
 
 COLUMNS = (

@@ -129,6 +129,17 @@ def train_step(module: torch.nn.Module, x: torch.Tensor, set_to_none: bool = Tru
     return step
 
 
+def cuda_peak_bytes(fn: Callable[[], object]) -> tuple[int, int]:
+    """``(peak, before)``: torch's CUDA allocator's peak while ``fn()`` runs (its queue drained, the peak reset
+    first) and what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), before
+
+
 def ms_text(value: float | str, digits: int = 3) -> str:
     """Seconds as milliseconds, or the reason there is no figure."""
     return value if isinstance(value, str) else f"{value * 1e3:.{digits}f}"

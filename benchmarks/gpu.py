@@ -118,6 +118,7 @@ from device_runner import (
     SKIPPED,
     WARMUP,
     Runner,
+    cuda_peak_bytes,
     header,
     interleaved,
     markdown_table,
@@ -931,13 +932,13 @@ def _peak_bytes(runner: Runner, module: nn.Module, x: torch.Tensor) -> int | Non
     """Peak CUDA memory of one forward + backward (``None`` off CUDA)."""
     if runner.device != "cuda":
         return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    module.zero_grad(set_to_none=True)
-    output, _ = module(x)
-    output[:, -1].pow(2).sum().backward()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        output, _ = module(x)
+        output[:, -1].pow(2).sum().backward()
+
+    return cuda_peak_bytes(step)[0]
 
 
 def _kernel_seconds(runner: Runner, cell: str, batch: int, length: int, budget: float) -> dict:
