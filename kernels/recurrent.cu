@@ -73,6 +73,9 @@ static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one bein
 constexpr int kBackwardAhead = 4;  // steps of operands a backward thread has in flight (cell_backward)
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
+// the cells by their names in kernel names (BPPSA_REC_CELL)
+[[maybe_unused]] constexpr Cell kCell_rnn_tanh = kRnnTanh, kCell_rnn_relu = kRnnRelu, kCell_gru = kGru,
+                                kCell_lstm = kLstm;
 
 template <int C>
 constexpr int kGates = C == kGru ? 3 : C == kLstm ? 4 : 1;
@@ -372,7 +375,10 @@ __device__ void shared_forward(const Layer<T>& p) {
 // read neighbouring words) with r read as broadcast 16-byte vectors. The unit's operands are loaded
 // kBackwardAhead steps ahead into registers, off that path. r is double-buffered (step t writes buffer
 // t & 1): one barrier per step suffices, as in family 2. Rows of r and W_hh are padded to P = G H rounded up to whole
-// 16-byte vectors (zeros). Shared memory: (2 + H) P elements (backward_shared_bytes in recurrent_cuda.py).
+// 16-byte vectors (zeros). Shared memory: (2 + H) P elements (backward_shared_bytes in recurrent_cuda.py); 2 P
+// where W_hh is held in registers (float32, compiled per H: below). On an H200 the shared-memory kernel took
+// ~0.65 us a step at H = 64 and ~1 us at H = 128 (cuda-calib-h200-be3c8e9.md's fused kernel column): its G H
+// scalar shared loads of W_hh a step likely bound it (our reading, not a profile); the register kernels load none.
 
 template <class T>
 struct CellBackward {
@@ -419,15 +425,19 @@ struct UnitOperands {
 // stored at d_gi / d_gh (unit j of step t), the LSTM's gc carried; returns g's diagonal part for t - 1.
 template <class T, int C>
 __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& gc, T (&r)[kGates<C>],
-                                           T* d_gi, T* d_gh, int H) {
+                                           T* d_gi, T* d_gh, int H, bool store) {
     if constexpr (C == kRnnTanh) {
         r[0] = g * (T(1) - u.v[0] * u.v[0]);
     } else if constexpr (C == kRnnRelu) {
         r[0] = u.v[0] <= T(0) ? T(0) : g;
     } else if constexpr (C == kGru) {
 #pragma unroll
-        for (int q = 0; q < 3; ++q) d_gh[q * H] = r[q] = g * u.v[q];
-        d_gi[0] = r[0], d_gi[H] = r[1], d_gi[2 * H] = g * u.v[4];
+        for (int q = 0; q < 3; ++q) r[q] = g * u.v[q];
+        if (store) {
+#pragma unroll
+            for (int q = 0; q < 3; ++q) d_gh[q * H] = r[q];
+            d_gi[0] = r[0], d_gi[H] = r[1], d_gi[2 * H] = g * u.v[4];
+        }
         return g * u.v[3];
     } else {
         const T in = u.v[0], forget = u.v[1], cand = u.v[2], og = u.v[3];
@@ -440,32 +450,46 @@ __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& 
         gc = gc_tot * forget;
     }
     if constexpr (C != kGru) {
+        if (store)
 #pragma unroll
-        for (int q = 0; q < kGates<C>; ++q) d_gi[q * H] = r[q];
+            for (int q = 0; q < kGates<C>; ++q) d_gi[q * H] = r[q];
     }
     return T(0);
 }
 
-// HF > 0: float32 with H = HF <= 32 known at compile time (the module compiled per H, as family 1): one
-// warp, lane j holds W_hh's column j in registers (G H floats), the block's shared memory is the two row
-// buffers only, and the product's loop unrolls fully. HF = 0: any H, W_hh in shared memory.
-template <class T, int C, int HF = 0>
+// HF > 0: float32 with H = HF known at compile time (a module compiled per H): W_hh's column j sits in
+// registers, split over S lanes per unit (S a power of two: a unit's lanes are adjacent, in one warp). Lane s
+// of unit j holds the 16-byte packs c = rc S + s (rc < RC) of the column, so a unit's S lanes read S
+// neighbouring packs of the row buffer at once (no bank conflict), and their partial products meet in a
+// butterfly of shuffles that hands every lane the same sum (each addition commutes); the S lanes of a unit
+// run its pointwise step alike, the first one storing. The block's shared memory is the two row buffers
+// only, and the product's loop unrolls fully. HF <= 32 (one warp): S = 1, lane j = unit j. HF = 0: any H,
+// W_hh in shared memory, one thread per unit.
+template <class T, int C, int HF = 0, int S = 1>
 __device__ void cell_backward(const CellBackward<T>& p) {
-    constexpr int G = kGates<C>, V = Pack<T>::kWidth, PF = HF ? (G * HF + V - 1) / V * V : 1;
-    static_assert(HF == 0 || (HF <= 32 && sizeof(T) == 4), "the per-H kernels: float32, one warp");
-    const int H = HF ? HF : p.hidden, GH = G * H, P = HF ? PF : (GH + V - 1) / V * V, j = threadIdx.x;
+    constexpr int G = kGates<C>, V = Pack<T>::kWidth;
+    constexpr int RC = HF ? ((G * HF + V - 1) / V + S - 1) / S : 1, PF = RC * V;  // packs, floats a lane holds
+    static_assert(HF == 0 || sizeof(T) == 4, "the per-H kernels: float32");
+    static_assert(S >= 1 && S <= 32 && (S & (S - 1)) == 0, "a unit's lanes: a power of two within a warp");
+    const int H = HF ? HF : p.hidden, GH = G * H, P = HF ? RC * S * V : (GH + V - 1) / V * V;
+    const int part = threadIdx.x % S, j = threadIdx.x / S;
     const bool active = j < H;
     const i64 b = blockIdx.x, steps = p.steps;
-    const bool one_warp = HF || blockDim.x <= 32;
+    const bool one_warp = HF ? HF * S <= 32 : blockDim.x <= 32;
 
     BPPSA_DYNAMIC_SHARED(smem);
     T* rows = reinterpret_cast<T*>(smem);  // two buffers of P row entries
     T* w = rows + 2 * P;                   // HF = 0: W_hh row-major, rows GH..P-1 zero
-    T w_own_reg[PF];                       // HF > 0: W_hh's column j (lanes >= H: column H - 1), rows >= GH zero
+    T w_own_reg[PF];                       // HF > 0: the lane's packs of column j (j >= H: column H - 1)
     if constexpr (HF > 0) {
         const int column = active ? j : H - 1;
 #pragma unroll
-        for (int r = 0; r < PF; ++r) w_own_reg[r] = r < GH ? p.w_hh[r * H + column] : T(0);
+        for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                const int row = (rc * S + part) * V + v;
+                w_own_reg[rc * V + v] = row < GH ? p.w_hh[row * H + column] : T(0);
+            }
     } else {
         for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
     }
@@ -499,9 +523,11 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                 const T g = carried + direct[k];
                 T r[G];
                 const i64 at = (b * steps + t) * GH + j;
-                carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H);
+                carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H,
+                                              part == 0);
+                if (part == 0)
 #pragma unroll
-                for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
+                    for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
             }
             load(ring[k], direct[k], t - kBackwardAhead);  // in flight while the block meets and multiplies
             // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
@@ -509,15 +535,15 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                 bppsa_rec::warp_barrier();
             else
                 __syncthreads();
-            if (active) {
+            if (HF > 0 || active) {  // HF > 0: every lane (the shuffles take the whole warp; j >= H shadow)
                 T acc[V];
 #pragma unroll
                 for (int v = 0; v < V; ++v) acc[v] = T(0);
                 const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
                 if constexpr (HF > 0) {
 #pragma unroll
-                    for (int rc = 0; rc < PF / V; ++rc) {
-                        const Pack<T> rv = r_packs[rc];  // one broadcast 16-byte read
+                    for (int rc = 0; rc < RC; ++rc) {
+                        const Pack<T> rv = r_packs[rc * S + part];  // a broadcast 16-byte read per unit part
 #pragma unroll
                         for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own_reg[rc * V + v];
                     }
@@ -531,11 +557,13 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                 T sum = acc[0];
 #pragma unroll
                 for (int v = 1; v < V; ++v) sum += acc[v];
-                carried += sum;  // the GRU's diagonal part plus r W_hh
+#pragma unroll
+                for (int o = S / 2; o > 0; o /= 2) sum += __shfl_sync(0xffffffffu, sum, (threadIdx.x % 32) ^ o);
+                if (active) carried += sum;  // the GRU's diagonal part plus r W_hh
             }
         }
     }
-    if (active) {
+    if (active && part == 0) {
         p.gh0[b * H + j] = carried;
         if (C == kLstm) p.gc0[b * H + j] = gc;
     }
@@ -558,12 +586,14 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         fixed_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                     \
     }                                                                                                       \
     BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
-#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H)                                                               \
-    extern "C" __global__ void __launch_bounds__(32) NAME BPPSA_BWD_PARAMS(float) {                        \
-        cell_backward<float, CELL, H>(CellBackward<float>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn, d_gi, \
-                                                          d_gh, gh0, gc0, batch, steps, (int)hidden});       \
-    }                                                                                                       \
+// the backward compiled for H, W_hh's column split over S lanes a unit (H S threads, whole warps)
+#define BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, S)                                                              \
+    extern "C" __global__ void __launch_bounds__((H * S + 31) / 32 * 32) NAME BPPSA_BWD_PARAMS(float) {       \
+        cell_backward<float, CELL, H, S>(CellBackward<float>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn,     \
+                                                             d_gi, d_gh, gh0, gc0, batch, steps, (int)hidden}); \
+    }                                                                                                         \
     BPPSA_ENTRY(NAME, BPPSA_BWD_PARAMS(float), BPPSA_BWD_HOST_ARGS(float))
+#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H) BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, 1)
 #define BPPSA_REC_FIXED_KERNELS_(H)                                         \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H)  \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H)  \
@@ -574,6 +604,9 @@ __device__ void cell_backward(const CellBackward<T>& p) {
     BPPSA_BWD_FIXED_KERNEL(bppsa_gru_backward_f32_h##H, kGru, H)           \
     BPPSA_BWD_FIXED_KERNEL(bppsa_lstm_backward_f32_h##H, kLstm, H)
 #define BPPSA_REC_FIXED_KERNELS(H) BPPSA_REC_FIXED_KERNELS_(H)
+// a module compiled for H > 32: one cell's float32 backward (kernels/recurrent_cuda.py: wide_split picks S)
+#define BPPSA_BWD_WIDE_KERNEL_(NAME, H, S) BPPSA_BWD_SPLIT_KERNEL(bppsa_##NAME##_backward_f32_h##H, kCell_##NAME, H, S)
+#define BPPSA_BWD_WIDE_KERNEL(NAME, H, S) BPPSA_BWD_WIDE_KERNEL_(NAME, H, S)
 
 // family 2
 #define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
@@ -608,7 +641,9 @@ __device__ void cell_backward(const CellBackward<T>& p) {
 
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
-#ifdef BPPSA_REC_HIDDEN
+#if defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL)
+BPPSA_BWD_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT)
+#elif defined(BPPSA_REC_HIDDEN)
 BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
 #else
 BPPSA_REC_EACH_CELL(BPPSA_REC_KERNEL, float, f32)
@@ -617,5 +652,8 @@ BPPSA_REC_EACH_CELL(BPPSA_BWD_KERNEL, float, f32)
 BPPSA_REC_EACH_CELL(BPPSA_BWD_KERNEL, double, f64)
 #ifdef BPPSA_REC_HIDDEN_LIST
 BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
+#endif
+#ifdef BPPSA_REC_WIDE_LIST  // X(cell, H, S) ...: the compile gates
+BPPSA_REC_WIDE_LIST(BPPSA_BWD_WIDE_KERNEL)
 #endif
 #endif

@@ -31,13 +31,14 @@ def build_arguments(sanitize: str | None = None, options: tuple[str, ...] = ()) 
     kernels) and ``sanitize`` (e.g. "address")."""
     defines = dict(option[2:].split("=", 1) for option in options)
     suffix = "".join(f"_{name.removeprefix('BPPSA_REC_').lower()}{value}" for name, value in defines.items())
-    hidden = defines.get("BPPSA_REC_HIDDEN")
-    kernels = (
-        [f"bppsa_{cell}_{direction}_f32_h{hidden}" for cell in recurrent_cuda.CELLS
-         for direction in ("forward", "backward")]  # fmt: skip
-        if hidden
-        else recurrent_cuda.KERNELS
-    )
+    hidden, wide_cell = defines.get("BPPSA_REC_HIDDEN"), defines.get("BPPSA_REC_CELL")
+    if wide_cell:  # one cell's backward compiled for an H > 32 (recurrent_cuda.wide_options)
+        kernels = [f"bppsa_{wide_cell}_backward_f32_h{hidden}"]
+    elif hidden:
+        kernels = [f"bppsa_{cell}_{direction}_f32_h{hidden}" for cell in recurrent_cuda.CELLS
+                   for direction in ("forward", "backward")]  # fmt: skip
+    else:
+        kernels = list(recurrent_cuda.KERNELS)
     return {
         "name": "bppsa_recurrent_emulated" + suffix + (f"_{sanitize}" if sanitize else ""),
         "sources": [str(kernel_path("recurrent.cu"))],

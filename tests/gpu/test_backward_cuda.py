@@ -61,6 +61,14 @@ def test_long_sequence_float32_as_exact_as_torch(backend, cell):
             assert_derived_close(a, r, b.cpu(), floor=1e-6, name=f"{cell} {name}")
 
 
+@pytest.mark.parametrize(("cell", "hidden", "split"), CASES.SPLITS)
+def test_float32_wide_layers_register_kernels(backend, cell, hidden, split):
+    """Float32 wider than a warp, ``W_hh`` in registers split over 1-4 lanes a unit (or in shared memory where it
+    does not fit): B = 16, T = 1000 on a GPU (smaller emulated), within the derived tolerance of float64."""
+    p = CASES.make_inputs(cell, backend.size(16, 2), backend.size(1000, 9), hidden, seed=hidden, given=True)
+    check(cell, p, torch.float32, backend)
+
+
 @pytest.fixture
 def cuda_plans(backend, request: pytest.FixtureRequest) -> Iterator[None]:
     """Emulated: CPU tensors get the CUDA kernels' backend over their host emulation and are planned as CUDA

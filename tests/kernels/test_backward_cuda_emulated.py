@@ -128,6 +128,31 @@ def test_float32_within_derived_tolerance(cell, hidden):
     check(cell, make_inputs(cell, 2, 37, hidden, seed=hidden, given=True), torch.float32)
 
 
+#: float32 widths above a warp whose W_hh sits in registers, by the lanes a unit splits it over
+#: (recurrent_cuda.wide_split): several warps of one lane a unit, two and four lanes a unit (their partial
+#: products meet by shuffles), the widest RNN (two lanes), and a GRU too wide for registers (shared memory)
+SPLITS = [("rnn_tanh", 33, 1), ("rnn_relu", 100, 1), ("rnn_tanh", 192, 2), ("gru", 40, 1), ("gru", 60, 2),
+          ("lstm", 40, 2), ("lstm", 75, 4), ("gru", 110, None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cell", "hidden", "split"), SPLITS)
+def test_float32_register_kernels_split_over_lanes(monkeypatch, cell, hidden, split):
+    launched = []
+    real = recurrent_cuda.prepare_backward
+
+    def prepare_backward(*args, **kwargs):
+        prepared = real(*args, **kwargs)
+        launched.append(prepared[0])
+        return prepared
+
+    monkeypatch.setattr(recurrent_cuda, "prepare_backward", prepare_backward)
+    assert recurrent_cuda.wide_split(cell, hidden) == split
+    check(cell, make_inputs(cell, 2, 9, hidden, seed=hidden, given=True), torch.float32)
+    (launch,) = launched
+    expected = f"bppsa_{cell}_backward_f32" + ("" if split is None else f"_h{hidden}")
+    assert (launch.kernel, launch.block) == (expected, 32 * -(-hidden * (split or 1) // 32))
+
+
 def test_relu_passes_the_gradient_through_a_nan_state_as_torch():
     """Torch's ReLU backward selects (``threshold_backward``): where ``h`` is NaN the gradient passes, where
     ``h <= 0`` it is 0 even for a NaN gradient; a product with a mask would give NaN both times."""
@@ -219,8 +244,14 @@ def test_launch_config():
     assert lstm20.options == recurrent_cuda.module_options(20)
     gru5 = launch("gru", 5, torch.float32)  # 15 rows padded to 16
     assert (gru5.kernel, gru5.shared_bytes) == ("bppsa_gru_backward_f32_h5", 2 * 16 * 4)
-    wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36, W_hh 33 x 36
-    assert (wide.kernel, wide.block, wide.shared_bytes, wide.options) == ("bppsa_rnn_tanh_backward_f32", 64,
-                                                                          (2 + 33) * 36 * 4, ())  # fmt: skip
+    wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36, W_hh in registers
+    assert (wide.kernel, wide.block, wide.shared_bytes, wide.options) == (
+        "bppsa_rnn_tanh_backward_f32_h33", 64, 2 * 36 * 4, recurrent_cuda.wide_options("rnn_tanh", 33, 1))
+    split = launch("gru", 60, torch.float32)  # 180 rows: 45 packs, two lanes a unit: 23 packs each
+    assert (split.kernel, split.block, split.shared_bytes, split.options) == (
+        "bppsa_gru_backward_f32_h60", 128, 2 * 46 * 4 * 4, recurrent_cuda.wide_options("gru", 60, 2))
+    shared = launch("gru", 120, torch.float32)  # 360 rows, W_hh 120 x 360 in shared memory
+    assert (shared.kernel, shared.block, shared.shared_bytes, shared.options) == (
+        "bppsa_gru_backward_f32", 128, (2 + 120) * 360 * 4, ())
     double = launch("lstm", 20, torch.float64)
     assert (double.kernel, double.block, double.shared_bytes) == ("bppsa_lstm_backward_f64", 32, 22 * 80 * 8)

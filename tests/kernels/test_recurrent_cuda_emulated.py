@@ -322,7 +322,15 @@ def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device
         recurrent_cuda._launch_cuda(backward, device)
     generic = fake.kernels[(0, "bppsa_rnn_relu_backward_f32")]
     assert generic.calls == [
-        ((1,), (32,), backward.args, recurrent_cuda._backward_shared_bytes("rnn_relu", 9, 4, fixed=False), 0x1000)
+        ((1,), (32,), backward.args, recurrent_cuda._backward_shared_bytes("rnn_relu", 9, 4, split=None), 0x1000)
+    ]
+    # two lanes a unit (128 threads for H = 60): the shared-memory kernel runs one a unit
+    split = recurrent_cuda.Launch("bppsa_gru_backward_f32_h60", 1, 128, 1472, (3,) * 13 + (60,),
+                                  options=recurrent_cuda.wide_options("gru", 60, 2))  # fmt: skip
+    with pytest.warns(UserWarning, match="runs bppsa_gru_backward_f32 "):
+        recurrent_cuda._launch_cuda(split, device)
+    assert fake.kernels[(0, "bppsa_gru_backward_f32")].calls == [
+        ((1,), (64,), split.args, recurrent_cuda._backward_shared_bytes("gru", 60, 4, split=None), 0x1000)
     ]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fake.compile_error = RuntimeError("NVRTC: error")
@@ -345,12 +353,27 @@ def test_available_is_false_without_cuda_here():
 GATE_HIDDEN = (1, 5, 20, 31, 32)
 
 
+def wide_gate() -> list[tuple[str, int, int]]:
+    """``(cell, H, lanes a unit)`` of the backward kernels compiled per ``H > 32`` that hold the most registers
+    for their split (``recurrent_cuda.wide_split``): per cell the widest ``H`` of each split, and the first."""
+    chosen = []
+    for cell in recurrent_cuda.CELLS:
+        splits = {h: recurrent_cuda.wide_split(cell, h) for h in range(33, recurrent_cuda.MAX_THREADS + 1)}
+        fitting = [h for h, split in splits.items() if split is not None]
+        assert fitting == list(range(33, fitting[-1] + 1)), f"{cell}: the register kernels' H are not one range"
+        chosen += [(cell, h, splits[h]) for h in fitting if h == 33 or splits.get(h + 1) != splits[h]]
+    return chosen
+
+
 def gate_source(directory: Path) -> Path:
-    """A file compiling recurrent.cu with the per-H kernels of :data:`GATE_HIDDEN` beside the others."""
+    """A file compiling recurrent.cu with the per-H kernels of :data:`GATE_HIDDEN` and :func:`wide_gate` beside
+    the others."""
     wrapper = directory / "recurrent_gate.cu"
     hidden = " ".join(f"X({h})" for h in GATE_HIDDEN)
+    wide = " ".join(f"X({cell}, {h}, {split})" for cell, h, split in wide_gate())
     wrapper.write_text(
         f"#define BPPSA_REC_RING {recurrent_cuda.RING_DEPTH}\n#define BPPSA_REC_HIDDEN_LIST(X) {hidden}\n"
+        f"#define BPPSA_REC_WIDE_LIST(X) {wide}\n"
         f'#include "{kernel_path("recurrent.cu")}"\n'
     )
     return wrapper
@@ -363,6 +386,7 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
     usage = _nvcc.ptxas_report(str(gate_source(tmp_path)), ("sm_80", "sm_90"))  # -warn-spills -Werror
     fixed = [f"bppsa_{cell}_{direction}_f32_h{h}" for cell in CELLS for h in GATE_HIDDEN
              for direction in ("forward", "backward")]  # fmt: skip
+    fixed += [f"bppsa_{cell}_backward_f32_h{h}" for cell, h, _ in wide_gate()]
     for arch, kernels in usage.items():
         assert sorted(kernels) == sorted([*recurrent_cuda.KERNELS, *fixed]), (
             f"{arch}: ptxas reported {sorted(kernels)}"
@@ -378,7 +402,11 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
 def test_nvrtc_compiles_what_cupy_loads():
     """The exact source CuPy compiles (headers inlined) through NVRTC, which needs no GPU either: the generic
     module and each per-H module."""
-    option_sets = ((), *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN))
+    option_sets = (
+        (),
+        *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN),
+        *(recurrent_cuda.wide_options(*kernel) for kernel in wide_gate()[:2]),
+    )
     COMPILE_TESTS.assert_nvrtc_compiles(recurrent_cuda.source(), "recurrent.cu", option_sets)
 
 
