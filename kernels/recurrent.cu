@@ -49,8 +49,10 @@
 //    shared memory, packed so that thread j reads its weights as 16-byte vectors (float4 / double2) and the 32
 //    lanes of a warp read 32 consecutive vectors (no bank conflict):
 //        w[((g KC + kc) H + j) V + v] = W_hh[g H + j][kc V + v],  V = 16 / sizeof(T), KC = ceil(H / V)
-//    (columns k >= H are zero padding); gi_{t+1} is loaded into registers at the start of step t; the
-//    barrier is __syncwarp when the block is one warp, else __syncthreads.
+//    (columns k >= H are zero padding); gi is loaded into registers kForwardAhead steps ahead; the barrier
+//    is __syncwarp when the block is one warp, else __syncthreads. Float32 with 32 < H where W_hh fits in the
+//    block's registers (recurrent_cuda.wide_split: RNN H <= 192, GRU H <= 104, LSTM H <= 88) compiles the same
+//    kernel per cell and H with unit j's G rows of W_hh in registers, split over 1-4 lanes (shared_forward).
 // Both keep the state h_{t-1} in shared memory (two buffers of KC V values: step t reads one and writes the
 // other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
 // h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
@@ -71,6 +73,7 @@ using i64 = long long;
 constexpr int kRing = BPPSA_REC_RING;
 static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one being filled");
 constexpr int kBackwardAhead = 4;  // steps of operands a backward thread has in flight (cell_backward)
+constexpr int kForwardAhead = 4;   // steps of gi a forward thread has in flight (shared_forward)
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
 // the cells by their names in kernel names (BPPSA_REC_CELL)
@@ -269,66 +272,109 @@ __device__ void fixed_forward(const Layer<float>& p) {
     copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
 }
 
-// ---- family 2: any H, W_hh in shared memory -------------------------------------------------------------
+// ---- family 2: any H, W_hh in shared memory; or float32 H > 32 compiled per H, W_hh in registers ----------
+//
+// HF > 0 (a module compiled per cell and H, float32): unit j's rows of W_hh (G rows of H) sit in registers,
+// split over S lanes a unit as the backward's columns (cell_backward below): lane s holds the 16-byte packs
+// c = rc S + s of each row and reads the same packs of h_{t-1}; the S partial sums of a gate meet in a
+// butterfly of shuffles, every lane of the unit runs the cell alike, the first one stores. HF = 0: W_hh in
+// shared memory (above). Both take gi kForwardAhead steps ahead into registers (the time loop unrolled by
+// that many, as the backward's operands: a lead of one step would not cover a load's latency once the step
+// is short).
 
-template <class T, int C>
+template <class T, int C, int HF = 0, int S = 1>
 __device__ void shared_forward(const Layer<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
-    const int H = p.hidden, KC = (H + V - 1) / V, P = KC * V, j = threadIdx.x;
-    const bool active = j < H;
+    constexpr int RC = HF ? ((HF + V - 1) / V + S - 1) / S : 1;  // HF > 0: the packs of a row a lane holds
+    static_assert(HF == 0 || sizeof(T) == 4, "the per-H kernels: float32");
+    static_assert(S >= 1 && S <= 32 && (S & (S - 1)) == 0, "a unit's lanes: a power of two within a warp");
+    const int H = HF ? HF : p.hidden, KC = HF ? RC * S : (H + V - 1) / V, P = KC * V;
+    const int part = threadIdx.x % S, j = threadIdx.x / S;
+    const bool active = j < H, first = active && part == 0;
+    const int unit = active ? j : H - 1;  // HF > 0: lanes beyond the units shadow the last one, store nothing
     const i64 b = blockIdx.x, steps = p.steps;
-    const bool one_warp = blockDim.x <= 32;
+    const bool one_warp = HF ? HF * S <= 32 : blockDim.x <= 32;
 
     BPPSA_DYNAMIC_SHARED(smem);
-    T* w = reinterpret_cast<T*>(smem);
-    T* state = w + G * P * H;  // two buffers of P values
-    for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
-        const int v = e % V, unit = e / V % H, gk = e / (V * H);  // gk = g KC + kc
-        const int k = gk % KC * V + v, g = gk / KC;
-        w[e] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
+    T* w = reinterpret_cast<T*>(smem);     // HF = 0: W_hh packed
+    T* state = w + (HF ? 0 : G * P * H);   // two buffers of P values
+    T w_reg[HF ? G : 1][HF ? RC * V : 1];  // HF > 0: the lane's packs of unit j's G rows
+    if constexpr (HF > 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    const int k = (rc * S + part) * V + v;
+                    w_reg[g][rc * V + v] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
+                }
+    } else {
+        for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
+            const int v = e % V, u = e / V % H, gk = e / (V * H);  // gk = g KC + kc
+            const int k = gk % KC * V + v, g = gk / KC;
+            w[e] = k < H ? p.w_hh[(i64)(g * H + u) * H + k] : T(0);
+        }
     }
     for (int e = threadIdx.x; e < 2 * P; e += blockDim.x) state[e] = e < H ? p.h0[b * H + e] : T(0);
 
-    const T* gi_t = p.gi + b * steps * G * H + j;
-    Outputs<T, C> outputs(p, b, H, j);
-    T h_own = T(0), c_own = T(0), u_bias[G], v_bias[G], next[G];
+    const T* gi = p.gi + b * steps * G * H + unit;  // unit j of row b's gi, step 0
+    Outputs<T, C> outputs(p, b, H, unit);
+    T h_own = p.h0[b * H + unit], c_own = C == kLstm ? p.c0[b * H + unit] : T(0), u_bias[G], v_bias[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        const T bias = active && p.b_hh ? p.b_hh[g * H + j] : T(0);
+        const T bias = p.b_hh ? p.b_hh[g * H + unit] : T(0);
         u_bias[g] = bias_inside<C>(g) ? T(0) : bias;
         v_bias[g] = bias_inside<C>(g) ? bias : T(0);
-        next[g] = active ? gi_t[g * H] : T(0);
     }
-    if (active) {
-        h_own = p.h0[b * H + j];
-        if (C == kLstm) c_own = p.c0[b * H + j];
-    }
+    // gi of the next K steps in flight: ahead[k] holds step base + k's and is refilled, once used, with step
+    // base + k + K's (k a compile-time index: no register moves waiting for the loads)
+    T ahead[kForwardAhead][G];
+    const auto load = [&](T (&row)[G], i64 t) {
+        if (t < steps)
+#pragma unroll
+            for (int g = 0; g < G; ++g) row[g] = gi[t * G * H + g * H];
+    };
+#pragma unroll
+    for (int k = 0; k < kForwardAhead; ++k) load(ahead[k], k);
     __syncthreads();
 
-    const Pack<T>* w_own = reinterpret_cast<const Pack<T>*>(w) + j;
-    for (i64 t = 0; t < steps; ++t) {
-        const Pack<T>* h = reinterpret_cast<const Pack<T>*>(state + (t & 1) * P);
-        T* h_next = state + ((t + 1) & 1) * P;
-        if (active) {
+    const Pack<T>* w_own = reinterpret_cast<const Pack<T>*>(w) + unit;
+    for (i64 base = 0; base < steps; base += kForwardAhead) {
+#pragma unroll
+        for (int k = 0; k < kForwardAhead; ++k) {
+            const i64 t = base + k;
+            if (t >= steps) break;  // the same t in every thread: the barriers stay uniform
+            const Pack<T>* h = reinterpret_cast<const Pack<T>*>(state + (t & 1) * P);
+            T* h_next = state + ((t + 1) & 1) * P;
             T u[G];
 #pragma unroll
-            for (int g = 0; g < G; ++g) u[g] = next[g] + u_bias[g];
-            if (t + 1 < steps)  // prefetch gi_{t+1}
-#pragma unroll
-                for (int g = 0; g < G; ++g) next[g] = gi_t[(G + g) * H];
+            for (int g = 0; g < G; ++g) u[g] = ahead[k][g] + u_bias[g];
+            load(ahead[k], t + kForwardAhead);
 
             T acc[G][V];
 #pragma unroll
             for (int g = 0; g < G; ++g)
 #pragma unroll
                 for (int v = 0; v < V; ++v) acc[g][v] = T(0);
-            for (int kc = 0; kc < KC; ++kc) {
-                const Pack<T> hv = h[kc];
+            if constexpr (HF > 0) {
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const Pack<T> wv = w_own[(g * KC + kc) * H];
+                for (int rc = 0; rc < RC; ++rc) {
+                    const Pack<T> hv = h[rc * S + part];
 #pragma unroll
-                    for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
+                    for (int g = 0; g < G; ++g)
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * w_reg[g][rc * V + v];
+                }
+            } else if (active) {
+                for (int kc = 0; kc < KC; ++kc) {
+                    const Pack<T> hv = h[kc];
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const Pack<T> wv = w_own[(g * KC + kc) * H];
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
+                    }
                 }
             }
             T v[G], f[kFactors<C> ? kFactors<C> : 1];
@@ -337,20 +383,25 @@ __device__ void shared_forward(const Layer<T>& p) {
                 T sum = acc[g][0];
 #pragma unroll
                 for (int e = 1; e < V; ++e) sum += acc[g][e];
+#pragma unroll
+                for (int o = S / 2; o > 0; o /= 2) sum += __shfl_sync(0xffffffffu, sum, (threadIdx.x % 32) ^ o);
                 v[g] = bias_inside<C>(g) ? sum + v_bias[g] : sum;
             }
-            const T h_new = cell_update<T, C>(u, v, h_own, c_own, f);
-            h_next[j] = h_new;
-            h_own = h_new;
-            outputs.store(h_new, f, H);
+            if (HF > 0 || active) {
+                const T h_new = cell_update<T, C>(u, v, h_own, c_own, f);
+                h_own = h_new;
+                if (first) {
+                    h_next[j] = h_new;
+                    outputs.store(h_new, f, H);
+                }
+            }
+            outputs.advance(H);
+            // h_next is complete before anyone reads it; nobody reads h (the buffer step t+1 writes) any more
+            if (one_warp)
+                bppsa_rec::warp_barrier();
+            else
+                __syncthreads();
         }
-        gi_t += G * H;
-        outputs.advance(H);
-        // h_next is complete before anyone reads it; nobody reads h (the buffer step t+1 writes) any more
-        if (one_warp)
-            bppsa_rec::warp_barrier();
-        else
-            __syncthreads();
     }
 }
 
@@ -604,9 +655,17 @@ __device__ void cell_backward(const CellBackward<T>& p) {
     BPPSA_BWD_FIXED_KERNEL(bppsa_gru_backward_f32_h##H, kGru, H)           \
     BPPSA_BWD_FIXED_KERNEL(bppsa_lstm_backward_f32_h##H, kLstm, H)
 #define BPPSA_REC_FIXED_KERNELS(H) BPPSA_REC_FIXED_KERNELS_(H)
-// a module compiled for H > 32: one cell's float32 backward (kernels/recurrent_cuda.py: wide_split picks S)
+// a module compiled for H > 32: one cell's float32 forward or backward (kernels/recurrent_cuda.py: wide_split
+// picks S)
 #define BPPSA_BWD_WIDE_KERNEL_(NAME, H, S) BPPSA_BWD_SPLIT_KERNEL(bppsa_##NAME##_backward_f32_h##H, kCell_##NAME, H, S)
 #define BPPSA_BWD_WIDE_KERNEL(NAME, H, S) BPPSA_BWD_WIDE_KERNEL_(NAME, H, S)
+#define BPPSA_REC_WIDE_KERNEL_(NAME, H, S)                                                                 \
+    extern "C" __global__ void __launch_bounds__((H * S + 31) / 32 * 32)                                   \
+        bppsa_##NAME##_forward_f32_h##H BPPSA_REC_PARAMS(float) {                                          \
+        shared_forward<float, kCell_##NAME, H, S>(BPPSA_REC_LAYER(float));                                 \
+    }                                                                                                      \
+    BPPSA_ENTRY(bppsa_##NAME##_forward_f32_h##H, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
+#define BPPSA_REC_WIDE_KERNEL(NAME, H, S) BPPSA_REC_WIDE_KERNEL_(NAME, H, S)
 
 // family 2
 #define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
@@ -641,7 +700,9 @@ __device__ void cell_backward(const CellBackward<T>& p) {
 
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
-#if defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL)
+#if defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL) && defined(BPPSA_REC_FORWARD)
+BPPSA_REC_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT)
+#elif defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL)
 BPPSA_BWD_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT)
 #elif defined(BPPSA_REC_HIDDEN)
 BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
@@ -655,5 +716,8 @@ BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
 #endif
 #ifdef BPPSA_REC_WIDE_LIST  // X(cell, H, S) ...: the compile gates
 BPPSA_REC_WIDE_LIST(BPPSA_BWD_WIDE_KERNEL)
+#endif
+#ifdef BPPSA_REC_WIDE_FORWARD_LIST
+BPPSA_REC_WIDE_FORWARD_LIST(BPPSA_REC_WIDE_KERNEL)
 #endif
 #endif

@@ -19,9 +19,10 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
 Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>`` and
 ``bppsa_<cell>_backward_f32_h<H>``: one module per ``H``, compiled on the first launch of that ``H`` with
 ``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in registers, the forward's ``gi`` staged :data:`RING_DEPTH` steps ahead
-through shared memory). Wider float32 layers run the backward compiled for their cell and ``H`` too where
-``W_hh`` fits in the block's registers (:func:`wide_split`: RNN ``H <= 192``, GRU ``H <= 104``, LSTM
-``H <= 80``; each unit's column split over 1-4 lanes; one module per cell and ``H``, :func:`wide_options`).
+through shared memory). Wider float32 layers run kernels compiled for their cell, direction and ``H`` too
+where ``W_hh`` fits in the block's registers (:func:`wide_split`: RNN ``H <= 192``, GRU ``H <= 104``, LSTM
+``H <= 88`` forward / ``80`` backward; each unit's share split over 1-4 lanes; one module per cell, direction
+and ``H``, :func:`wide_options`).
 The others keep ``W_hh`` in shared memory (:data:`KERNELS`, one module compiled by :func:`available`). ``recurrent.cu``'s header says why. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
 forward there before anything runs); each function returns ``None`` where the kernels cannot run:
 a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
@@ -124,21 +125,25 @@ def _fixed(hidden: int, element_bytes: int) -> bool:
     return element_bytes == 4 and hidden <= FIXED_HIDDEN
 
 
-#: registers a backward lane holds beside its share of ``W_hh`` (ptxas on sm_80 / sm_90 measured up to RNN 64,
-#: GRU 88, LSTM 112 at the H of the compile gate), by cell
-_BACKWARD_OTHER_REGISTERS = {"rnn_tanh": 64, "rnn_relu": 64, "gru": 96, "lstm": 112}
+#: registers a lane holds beside its share of ``W_hh``, by direction and cell (ptxas on sm_80 / sm_90 measured
+#: up to: backward RNN 64, GRU 88, LSTM 112; forward RNN 70, GRU 90, LSTM 86, at the H of the compile gate)
+_OTHER_REGISTERS = {
+    "forward": {"rnn_tanh": 72, "rnn_relu": 72, "gru": 96, "lstm": 96},
+    "backward": {"rnn_tanh": 64, "rnn_relu": 64, "gru": 96, "lstm": 112},
+}
 _REGISTERS_PER_SM = 65536  # every sm_80 / sm_90 multiprocessor: a block's threads share them
 _MAX_THREADS_PER_BLOCK = 1024
 
 
 @functools.lru_cache(maxsize=256)
-def wide_split(cell: str, hidden: int) -> int | None:
-    """Lanes per hidden unit of the float32 backward kernel compiled for ``FIXED_HIDDEN < hidden``, whose lanes
-    hold ``W_hh``'s column of their unit in registers, split over that many lanes (``recurrent.cu``'s
-    ``cell_backward``): the smallest power of two whose share fits beside a lane's other registers with the
-    block in one multiprocessor's register file; ``None`` where none fits (the kernel with ``W_hh`` in shared
-    memory runs): RNN ``H > 192``, GRU ``H > 104``, LSTM ``H > 80``. The compile gate
-    (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the widest ``H`` of each split without a spill."""
+def wide_split(cell: str, hidden: int, direction: str = "backward") -> int | None:
+    """Lanes per hidden unit of the float32 ``direction`` kernel compiled for ``FIXED_HIDDEN < hidden``, whose
+    lanes hold their unit's share of ``W_hh`` in registers (the backward its column, the forward its ``G`` rows),
+    split over that many lanes (``recurrent.cu``'s ``cell_backward`` / ``shared_forward``): the smallest power of
+    two whose share fits beside a lane's other registers with the block in one multiprocessor's register file;
+    ``None`` where none fits (the kernel with ``W_hh`` in shared memory runs): RNN ``H > 192``, GRU ``H > 104``,
+    LSTM ``H > 88`` forward, ``H > 80`` backward. The compile gate (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the widest
+    ``H`` of each split without a spill."""
     packs = math.ceil(CELLS[cell] * hidden / 4)  # W_hh's column in 16-byte packs
     for split in (1, 2, 4, 8):
         threads = 32 * math.ceil(hidden * split / 32)
@@ -146,23 +151,24 @@ def wide_split(cell: str, hidden: int) -> int | None:
             return None
         # a thread's registers under __launch_bounds__(threads): the file's share, in whole 8-register units
         limit = min(255, _REGISTERS_PER_SM // threads // 8 * 8)
-        if 4 * math.ceil(packs / split) + _BACKWARD_OTHER_REGISTERS[cell] <= limit:
+        if 4 * math.ceil(packs / split) + _OTHER_REGISTERS[direction][cell] <= limit:
             return split
     return None
 
 
-def _backward_split(cell: str, hidden: int, element_bytes: int) -> int | None:
-    """Lanes per unit of the backward kernel holding ``W_hh`` in registers (1: compiled per ``H <= 32``), or
-    ``None``: ``W_hh`` in shared memory."""
+def _register_split(cell: str, hidden: int, element_bytes: int, direction: str) -> int | None:
+    """Lanes per unit of the ``direction`` kernel holding ``W_hh`` in registers (1: compiled per ``H <= 32``),
+    or ``None``: ``W_hh`` in shared memory."""
     if element_bytes != 4:
         return None
-    return 1 if hidden <= FIXED_HIDDEN else wide_split(cell, hidden)
+    return 1 if hidden <= FIXED_HIDDEN else wide_split(cell, hidden, direction)
 
 
-def wide_options(cell: str, hidden: int, split: int) -> tuple[str, ...]:
-    """The -D options of the module of ``cell``'s float32 backward kernel compiled for ``hidden`` > 32 with
-    ``W_hh``'s column split over ``split`` lanes a unit (:func:`wide_split`)."""
-    return (f"-DBPPSA_REC_HIDDEN={hidden}", f"-DBPPSA_REC_SPLIT={split}", f"-DBPPSA_REC_CELL={cell}")
+def wide_options(cell: str, hidden: int, split: int, direction: str = "backward") -> tuple[str, ...]:
+    """The -D options of the module of ``cell``'s float32 ``direction`` kernel compiled for ``hidden`` > 32 with
+    ``W_hh`` split over ``split`` lanes a unit (:func:`wide_split`)."""
+    forward = ("-DBPPSA_REC_FORWARD=1",) if direction == "forward" else ()
+    return (f"-DBPPSA_REC_HIDDEN={hidden}", f"-DBPPSA_REC_SPLIT={split}", f"-DBPPSA_REC_CELL={cell}", *forward)
 
 
 def module_options(hidden: int) -> tuple[str, ...]:
@@ -173,16 +179,21 @@ def module_options(hidden: int) -> tuple[str, ...]:
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors), plus ``W_hh`` packed
     in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
-    the ring of :data:`RING_DEPTH` steps of ``gi``."""
-    return _shared_bytes(cell, hidden, element_bytes, fixed=_fixed(hidden, element_bytes))
+    the ring of :data:`RING_DEPTH` steps of ``gi``; where ``W_hh`` is in registers above that (:func:`wide_split`)
+    the state buffers alone, padded to whole vectors for each of a unit's lanes."""
+    fixed = _fixed(hidden, element_bytes)
+    split = None if fixed else _register_split(cell, hidden, element_bytes, "forward")
+    return _shared_bytes(cell, hidden, element_bytes, fixed=fixed, split=split)
 
 
-def _shared_bytes(cell: str, hidden: int, element_bytes: int, *, fixed: bool) -> int:
+def _shared_bytes(cell: str, hidden: int, element_bytes: int, *, fixed: bool, split: int | None = None) -> int:
     width = 16 // element_bytes
-    padded = math.ceil(hidden / width) * width
+    vectors = math.ceil(hidden / width)
     if fixed:
-        return (2 * padded + RING_DEPTH * CELLS[cell] * hidden) * element_bytes
-    return (CELLS[cell] * hidden + 2) * padded * element_bytes
+        return (2 * vectors * width + RING_DEPTH * CELLS[cell] * hidden) * element_bytes
+    if split is not None:
+        return 2 * math.ceil(vectors / split) * split * width * element_bytes
+    return (CELLS[cell] * hidden + 2) * vectors * width * element_bytes
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,7 +239,8 @@ def backward_shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     16-byte vectors, and ``W_hh`` (but in the kernels compiled per ``H`` that hold it in registers, float32
     with ``H <= 32`` or :func:`wide_split`: there the rows are padded to whole vectors for each of a unit's
     lanes)."""
-    return _backward_shared_bytes(cell, hidden, element_bytes, split=_backward_split(cell, hidden, element_bytes))
+    split = _register_split(cell, hidden, element_bytes, "backward")
+    return _backward_shared_bytes(cell, hidden, element_bytes, split=split)
 
 
 def _backward_shared_bytes(cell: str, hidden: int, element_bytes: int, *, split: int | None) -> int:
@@ -323,10 +335,11 @@ def _kernel_and_block(
     nbytes = size(cell, hidden, element_bytes)
     if _fixed(hidden, element_bytes):
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", 32, nbytes, module_options(hidden)
-    split = _backward_split(cell, hidden, element_bytes) if direction == "backward" else None
+    split = _register_split(cell, hidden, element_bytes, direction)
     if split is not None:
         threads = 32 * math.ceil(hidden * split / 32)
-        return f"bppsa_{cell}_backward_f32_h{hidden}", threads, nbytes, wide_options(cell, hidden, split)
+        options = wide_options(cell, hidden, split, direction)
+        return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, options
     return f"bppsa_{cell}_{direction}_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()
 
 

@@ -32,8 +32,9 @@ def build_arguments(sanitize: str | None = None, options: tuple[str, ...] = ()) 
     defines = dict(option[2:].split("=", 1) for option in options)
     suffix = "".join(f"_{name.removeprefix('BPPSA_REC_').lower()}{value}" for name, value in defines.items())
     hidden, wide_cell = defines.get("BPPSA_REC_HIDDEN"), defines.get("BPPSA_REC_CELL")
-    if wide_cell:  # one cell's backward compiled for an H > 32 (recurrent_cuda.wide_options)
-        kernels = [f"bppsa_{wide_cell}_backward_f32_h{hidden}"]
+    if wide_cell:  # one cell's forward or backward compiled for an H > 32 (recurrent_cuda.wide_options)
+        direction = "forward" if defines.get("BPPSA_REC_FORWARD") else "backward"
+        kernels = [f"bppsa_{wide_cell}_{direction}_f32_h{hidden}"]
     elif hidden:
         kernels = [f"bppsa_{cell}_{direction}_f32_h{hidden}" for cell in recurrent_cuda.CELLS
                    for direction in ("forward", "backward")]  # fmt: skip

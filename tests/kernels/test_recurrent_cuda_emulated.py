@@ -143,11 +143,32 @@ def test_float64_matches_torch(cell, hidden, batch, steps):
 
 
 @needs_gxx
-# H <= 32: the per-H kernels; 33: W_hh in shared memory
+# H <= 32: the per-H kernels; 33: W_hh in registers too (a module per cell and H)
 @pytest.mark.parametrize("hidden", [1, 7, 20, 32, 33])
 @pytest.mark.parametrize("cell", CELLS)
 def test_float32_within_derived_tolerance(cell, hidden):
     check_layer(cell, 3, 37, hidden, torch.float32, seed=hidden)
+
+
+#: float32 above a warp, by the lanes a unit splits its rows of W_hh over (recurrent_cuda.wide_split):
+#: several warps of one lane a unit, two and four lanes (their partial sums meet by shuffles), the widest RNN,
+#: and widths too wide for registers (W_hh in shared memory)
+FORWARD_SPLITS = [("rnn_tanh", 33, 1), ("rnn_relu", 100, 1), ("rnn_tanh", 192, 2), ("gru", 40, 1), ("gru", 60, 2),
+                  ("lstm", 40, 2), ("lstm", 80, 4), ("gru", 110, None), ("lstm", 90, None)]  # fmt: skip
+
+
+@needs_gxx
+@pytest.mark.parametrize(("cell", "hidden", "split"), FORWARD_SPLITS)
+def test_float32_register_kernels_split_over_lanes(cell, hidden, split):
+    assert recurrent_cuda.wide_split(cell, hidden, "forward") == split
+    launch = recurrent_cuda.prepare(
+        cell, **{"b_hh": None, "c0": None, **kernel_inputs(cell, make_layer(cell, 2, 9, hidden, 0), torch.float32,
+                                                            False)},
+        device_type="cpu", shared_limit=1 << 20,
+    )[0]  # fmt: skip
+    expected = f"bppsa_{cell}_forward_f32" + ("" if split is None else f"_h{hidden}")
+    assert (launch.kernel, launch.block) == (expected, 32 * -(-hidden * (split or 1) // 32))
+    check_layer(cell, 2, 9, hidden, torch.float32, fold_bias=hidden % 2 == 0, seed=hidden)
 
 
 @needs_gxx
@@ -219,7 +240,9 @@ def test_bad_shapes_name_the_argument(change, message):
 
 def test_launch_config():
     """Float32 with H <= 32: the kernels compiled for that H (module options), one warp, shared memory = two
-    state buffers + the gi ring; otherwise one thread per unit in whole warps, packed W_hh + state buffers."""
+    state buffers + the gi ring; wider float32 where W_hh fits in registers: compiled per cell and H, 1-4 lanes
+    a unit, the state buffers alone; otherwise one thread per unit in whole warps, packed W_hh + state
+    buffers."""
 
     def prepare(cell, layer, dtype, **change):
         args = {"b_hh": None, "c0": None, **kernel_inputs(cell, layer, dtype, False), **change}
@@ -238,8 +261,14 @@ def test_launch_config():
     shared = launch("gru", 20, torch.float64)
     assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
     assert shared.options == () and shared.kernel in recurrent_cuda.KERNELS
-    wide = launch("lstm", 33, torch.float32)
-    assert (wide.kernel, wide.block, wide.options) == ("bppsa_lstm_forward_f32", 64, ())
+    wide = launch("lstm", 33, torch.float32)  # W_hh in registers, a lane a unit: the state buffers alone
+    assert (wide.kernel, wide.block, wide.shared_bytes) == ("bppsa_lstm_forward_f32_h33", 64, 2 * 36 * 4)
+    assert wide.options == recurrent_cuda.wide_options("lstm", 33, 1, "forward")
+    split = launch("gru", 60, torch.float32)  # two lanes a unit: 15 packs a row, 8 each
+    assert (split.kernel, split.block, split.shared_bytes) == ("bppsa_gru_forward_f32_h60", 128, 2 * 16 * 4 * 4)
+    shared = launch("lstm", 90, torch.float32)  # too wide for registers: W_hh packed in shared memory
+    assert (shared.kernel, shared.block, shared.options) == ("bppsa_lstm_forward_f32", 96, ())
+    assert shared.shared_bytes == (4 * 90 + 2) * 92 * 4
     wide = launch("lstm", 33, torch.float64)
     assert (wide.kernel, wide.block) == ("bppsa_lstm_forward_f64", 64)
     assert wide.shared_bytes == (4 * 33 + 2) * 34 * 8  # H padded to whole double2 vectors
@@ -351,14 +380,16 @@ def test_available_is_false_without_cuda_here():
 
 #: the H of the per-H kernels the compile gates build (the largest H holds the most registers)
 GATE_HIDDEN = (1, 5, 20, 31, 32)
+DIRECTIONS = ("forward", "backward")
 
 
-def wide_gate() -> list[tuple[str, int, int]]:
-    """``(cell, H, lanes a unit)`` of the backward kernels compiled per ``H > 32`` that hold the most registers
-    for their split (``recurrent_cuda.wide_split``): per cell the widest ``H`` of each split, and the first."""
+def wide_gate(direction: str) -> list[tuple[str, int, int]]:
+    """``(cell, H, lanes a unit)`` of the ``direction`` kernels compiled per ``H > 32`` that hold the most
+    registers for their split (``recurrent_cuda.wide_split``): per cell the widest ``H`` of each split, and the
+    first."""
     chosen = []
     for cell in recurrent_cuda.CELLS:
-        splits = {h: recurrent_cuda.wide_split(cell, h) for h in range(33, recurrent_cuda.MAX_THREADS + 1)}
+        splits = {h: recurrent_cuda.wide_split(cell, h, direction) for h in range(33, recurrent_cuda.MAX_THREADS + 1)}
         fitting = [h for h, split in splits.items() if split is not None]
         assert fitting == list(range(33, fitting[-1] + 1)), f"{cell}: the register kernels' H are not one range"
         chosen += [(cell, h, splits[h]) for h in fitting if h == 33 or splits.get(h + 1) != splits[h]]
@@ -370,10 +401,10 @@ def gate_source(directory: Path) -> Path:
     the others."""
     wrapper = directory / "recurrent_gate.cu"
     hidden = " ".join(f"X({h})" for h in GATE_HIDDEN)
-    wide = " ".join(f"X({cell}, {h}, {split})" for cell, h, split in wide_gate())
+    wide = {d: " ".join(f"X({cell}, {h}, {split})" for cell, h, split in wide_gate(d)) for d in DIRECTIONS}
     wrapper.write_text(
         f"#define BPPSA_REC_RING {recurrent_cuda.RING_DEPTH}\n#define BPPSA_REC_HIDDEN_LIST(X) {hidden}\n"
-        f"#define BPPSA_REC_WIDE_LIST(X) {wide}\n"
+        f"#define BPPSA_REC_WIDE_LIST(X) {wide['backward']}\n#define BPPSA_REC_WIDE_FORWARD_LIST(X) {wide['forward']}\n"
         f'#include "{kernel_path("recurrent.cu")}"\n'
     )
     return wrapper
@@ -386,7 +417,7 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
     usage = _nvcc.ptxas_report(str(gate_source(tmp_path)), ("sm_80", "sm_90"))  # -warn-spills -Werror
     fixed = [f"bppsa_{cell}_{direction}_f32_h{h}" for cell in CELLS for h in GATE_HIDDEN
              for direction in ("forward", "backward")]  # fmt: skip
-    fixed += [f"bppsa_{cell}_backward_f32_h{h}" for cell, h, _ in wide_gate()]
+    fixed += [f"bppsa_{cell}_{d}_f32_h{h}" for d in DIRECTIONS for cell, h, _ in wide_gate(d)]
     for arch, kernels in usage.items():
         assert sorted(kernels) == sorted([*recurrent_cuda.KERNELS, *fixed]), (
             f"{arch}: ptxas reported {sorted(kernels)}"
@@ -405,7 +436,7 @@ def test_nvrtc_compiles_what_cupy_loads():
     option_sets = (
         (),
         *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN),
-        *(recurrent_cuda.wide_options(*kernel) for kernel in wide_gate()[:2]),
+        *(recurrent_cuda.wide_options(*kernel, d) for d in DIRECTIONS for kernel in wide_gate(d)[:2]),
     )
     COMPILE_TESTS.assert_nvrtc_compiles(recurrent_cuda.source(), "recurrent.cu", option_sets)
 
