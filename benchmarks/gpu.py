@@ -14,7 +14,7 @@ cache, the calibration grid ~5 minutes, the user cells ~2 minutes), more than on
 (at most 10 minutes, 15 minutes of device time a session, a start ~1-2 minutes of it). On an H200 on
 2026-11-27 tests/gpu (385 tests) took about a minute, the calibration grid's 72 shapes ~150 s, 19 of the 23 user
 cells ~2 minutes; one call of every stage but the paper's grids fitted the device time with a margin (the
-``stalls`` stage, added since, has not run on a GPU yet: eight ncu profiles, each bounded by PROFILE_SECONDS and
+``stalls`` stage, added since, has not run on a GPU yet: ten ncu profiles, each bounded by PROFILE_SECONDS and
 the deadline; what the deadline leaves no time for is written as skipped):
 
     python benchmarks/gpu.py --all --stages tests,host,step,fused,stalls,overhead,chain,cells,calib --within 540

@@ -40,10 +40,11 @@ from device_runner import NO_CUDA, RESULTS, SKIPPED, Runner, header, markdown_ta
 from torch import nn
 
 #: (cell, B, T, input, H, the algorithm forced on ours): the workloads whose per-step costs issue 29 asks about
-#: (the linear plan's forward and fused backward kernels; at T = 10000 the chunked scan "auto" runs there)
+#: (the linear plan's forward and fused backward kernels; at T = 10000 the chunked scan "auto" runs there; at
+#: H = 128 the kernels holding W_hh in registers across a block of four warps)
 STALL_WORKLOADS = (
     ("RNN", 16, 1000, 1, 20, "linear"), ("GRU", 16, 1034, 12, 20, "linear"), ("LSTM", 16, 1034, 12, 20, "linear"),
-    ("RNN", 16, 10000, 1, 20, "chunked"),
+    ("RNN", 16, 10000, 1, 20, "chunked"), ("RNN", 16, 1000, 1, 128, "linear"),
 )  # fmt: skip
 MODULES = ("cudnn", "bppsa")
 #: the stall reasons ncu counts (smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio: cycles a warp
