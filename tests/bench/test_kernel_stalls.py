@@ -111,7 +111,7 @@ def test_the_stage_profiles_every_module_and_workload_and_writes_the_table(tmp_p
     assert first[:5] == ["/opt/ncu", "--csv", "--profile-from-start", "off", "--metrics"]
     assert first[5].split(",") == list(stalls.METRICS)
     assert first[-8:] == ["--run", "cudnn", "RNN", "16", "1000", "1", "20", "linear"]
-    assert commands[-1][-8:] == ["--run", "bppsa", "RNN", "16", "10000", "1", "20", "chunked"]
+    assert commands[-1][-8:] == ["--run", "bppsa", "RNN", "16", "1000", "1", "128", "linear"]
     rows = _written_rows(tmp_path)
     assert rows == [[cell.strip() for cell in row] for row in done] and len(rows) == 2 * len(commands)
 
