@@ -75,13 +75,6 @@ def test_float32_within_derived_tolerance(backend, cell, hidden):
     check_layer(cell, 3, 37, hidden, torch.float32, backend, seed=hidden)
 
 
-@pytest.mark.parametrize(("cell", "hidden", "split"), CASES.FORWARD_SPLITS)
-def test_float32_wide_layers_register_kernels(backend, cell, hidden, split):
-    """Float32 wider than a warp, ``W_hh`` in registers over 1-4 lanes a unit (or in shared memory where it does
-    not fit): B = 16, T = 1000 on a GPU (smaller emulated), within the derived tolerance of float64."""
-    check_layer(cell, backend.size(16, 2), backend.size(1000, 9), hidden, torch.float32, backend, seed=hidden)
-
-
 @pytest.mark.parametrize("cell", CASES.CELLS)
 def test_long_sequence_against_cudnn(backend, cell):
     """B = 16, T = 1000, H = 20 in float32: as close to the float64 truth as cuDNN's own float32 forward."""
