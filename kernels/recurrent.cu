@@ -72,8 +72,8 @@ using i64 = long long;
 [[maybe_unused]] constexpr int kMaxThreads = 256;  // family 2: H <= 256, one thread per hidden unit
 constexpr int kRing = BPPSA_REC_RING;
 static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one being filled");
-constexpr int kBackwardAhead = 4;  // steps of operands a backward thread has in flight (cell_backward)
-constexpr int kForwardAhead = 4;   // steps of gi a forward thread has in flight (shared_forward)
+[[maybe_unused]] constexpr int kBackwardAhead = 4;  // steps of operands a backward thread has in flight (cell_backward)
+[[maybe_unused]] constexpr int kForwardAhead = 4;   // steps of gi a forward thread has in flight (shared_forward)
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
 // the cells by their names in kernel names (BPPSA_REC_CELL)
