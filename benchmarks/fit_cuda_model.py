@@ -238,9 +238,9 @@ FUSED_FIELDS = ("fused_launch", "fused_step", "fused_generic_step", "fused_gener
 def fit_fused(data: Calibration, steps: model.StepConstants) -> model.StepConstants:
     """``steps`` with the fused kernel's constants fitted on ``data.fused``, starting from ``steps``' values; a
     family without a measured launch (float32 ``H <= 32``: per ``H``; else generic) keeps ``steps``' constants.
-    A grid measured at ff2c2be or later ran, at 32 < d <= 192, the kernel holding ``W_hh`` in registers
-    (``recurrent_cuda.wide_split``), not the shared-memory one the generic constants describe: those rows want a
-    family of their own before they are fitted here (none yet: no such launch has been measured)."""
+    A grid measured at ff2c2be or later ran, at 32 < d, kernels holding ``W_hh`` in registers, wholly or in
+    part (``recurrent_cuda.wide_layout``), not the shared-memory one the generic constants describe: those rows
+    want a family of their own before they are fitted here (none yet: no such launch has been measured)."""
     per_h = [x for x in data.fused if x.d <= recurrent_cuda.FIXED_HIDDEN]
     fields = (["fused_launch"] if data.fused else []) + (["fused_step"] if per_h else []) + (
         ["fused_generic_step", "fused_generic_unit"] if len(data.fused) > len(per_h) else []

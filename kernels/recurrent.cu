@@ -50,9 +50,10 @@
 //    lanes of a warp read 32 consecutive vectors (no bank conflict):
 //        w[((g KC + kc) H + j) V + v] = W_hh[g H + j][kc V + v],  V = 16 / sizeof(T), KC = ceil(H / V)
 //    (columns k >= H are zero padding); gi is loaded into registers kForwardAhead steps ahead; the barrier
-//    is __syncwarp when the block is one warp, else __syncthreads. Float32 with 32 < H where W_hh fits in the
-//    block's registers (recurrent_cuda.wide_split: RNN H <= 192, GRU H <= 104, LSTM H <= 88) compiles the same
-//    kernel per cell and H with unit j's G rows of W_hh in registers, split over 1-4 lanes (shared_forward).
+//    is __syncwarp when the block is one warp, else __syncthreads. Float32 with 32 < H compiles the same
+//    kernel per cell and H (shared_forward's HF) with unit j's G rows of W_hh split over 1-2 lanes, in
+//    registers where they fit (recurrent_cuda.wide_layout: RNN H <= 192, GRU H <= 104, LSTM H <= 72), else
+//    partly in registers and the rest packed in shared memory.
 // Both keep the state h_{t-1} in shared memory (two buffers of KC V values: step t reads one and writes the
 // other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
 // h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
@@ -274,18 +275,20 @@ __device__ void fixed_forward(const Layer<float>& p) {
 
 // ---- family 2: any H, W_hh in shared memory; or float32 H > 32 compiled per H, W_hh in registers ----------
 //
-// HF > 0 (a module compiled per cell and H, float32): unit j's rows of W_hh (G rows of H) sit in registers,
-// split over S lanes a unit as the backward's columns (cell_backward below): lane s holds the 16-byte packs
-// c = rc S + s of each row and reads the same packs of h_{t-1}; the S partial sums of a gate meet in a
-// butterfly of shuffles, every lane of the unit runs the cell alike, the first one stores. HF = 0: W_hh in
-// shared memory (above). Both take gi kForwardAhead steps ahead into registers (the time loop unrolled by
+// HF > 0 (a module compiled per cell and H, float32): unit j's rows of W_hh (G rows of H) split over S lanes a
+// unit as the backward's columns (cell_backward below): lane s holds the 16-byte packs c = rc S + s of each
+// row, the first RR in registers and the others in shared memory (lane by lane: neighbouring lanes read
+// neighbouring packs), and reads the same packs of h_{t-1}; the S partial sums of a gate meet in a butterfly
+// of shuffles, every lane of the unit runs the cell alike, the first one stores. HF = 0: W_hh in shared
+// memory (above). Both take gi kForwardAhead steps ahead into registers (the time loop unrolled by
 // that many, as the backward's operands: a lead of one step would not cover a load's latency once the step
 // is short).
 
-template <class T, int C, int HF = 0, int S = 1>
+template <class T, int C, int HF = 0, int S = 1, int RR = -1>
 __device__ void shared_forward(const Layer<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
-    constexpr int RC = HF ? ((HF + V - 1) / V + S - 1) / S : 1;  // HF > 0: the packs of a row a lane holds
+    constexpr int RC = HF ? ((HF + V - 1) / V + S - 1) / S : 1;  // HF > 0: the packs of a row a lane has
+    constexpr int RG = HF ? (RR < 0 || RR > RC ? RC : RR) : 1, RSH = HF ? RC - RG : 0;  // in registers / shared
     static_assert(HF == 0 || sizeof(T) == 4, "the per-H kernels: float32");
     static_assert(S >= 1 && S <= 32 && (S & (S - 1)) == 0, "a unit's lanes: a power of two within a warp");
     const int H = HF ? HF : p.hidden, KC = HF ? RC * S : (H + V - 1) / V, P = KC * V;
@@ -296,19 +299,26 @@ __device__ void shared_forward(const Layer<T>& p) {
     const bool one_warp = HF ? HF * S <= 32 : blockDim.x <= 32;
 
     BPPSA_DYNAMIC_SHARED(smem);
-    T* w = reinterpret_cast<T*>(smem);     // HF = 0: W_hh packed
-    T* state = w + (HF ? 0 : G * P * H);   // two buffers of P values
-    T w_reg[HF ? G : 1][HF ? RC * V : 1];  // HF > 0: the lane's packs of unit j's G rows
+    // HF = 0: W_hh packed, then the state buffers; HF > 0: the state buffers, then the packs beyond a lane's
+    // RG, lane by lane ([g][rs][unit][part]: neighbouring lanes read neighbouring 16-byte packs)
+    T* w = reinterpret_cast<T*>(smem) + (HF ? 2 * P : 0);
+    T* state = reinterpret_cast<T*>(smem) + (HF ? 0 : G * P * H);  // two buffers of P values
+    T w_reg[HF ? G : 1][HF ? RG * V : 1];                           // HF > 0: the lane's first RG packs of each row
     if constexpr (HF > 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int rc = 0; rc < RC; ++rc)
+            for (int rc = 0; rc < RG; ++rc)
 #pragma unroll
                 for (int v = 0; v < V; ++v) {
                     const int k = (rc * S + part) * V + v;
                     w_reg[g][rc * V + v] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
                 }
+        for (int e = threadIdx.x; e < G * RSH * H * S * V; e += blockDim.x) {  // once per launch
+            const int v = e % V, lane = e / V % S, u = e / (V * S) % H, rs = e / (V * S * H) % (RSH ? RSH : 1);
+            const int g = e / (V * S * H * (RSH ? RSH : 1)), k = ((RG + rs) * S + lane) * V + v;
+            w[e] = k < H ? p.w_hh[(i64)(g * H + u) * H + k] : T(0);
+        }
     } else {
         for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
             const int v = e % V, u = e / V % H, gk = e / (V * H);  // gk = g KC + kc
@@ -359,12 +369,23 @@ __device__ void shared_forward(const Layer<T>& p) {
                 for (int v = 0; v < V; ++v) acc[g][v] = T(0);
             if constexpr (HF > 0) {
 #pragma unroll
-                for (int rc = 0; rc < RC; ++rc) {
+                for (int rc = 0; rc < RG; ++rc) {
                     const Pack<T> hv = h[rc * S + part];
 #pragma unroll
                     for (int g = 0; g < G; ++g)
 #pragma unroll
                         for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * w_reg[g][rc * V + v];
+                }
+                const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + unit * S + part;
+#pragma unroll
+                for (int rs = 0; rs < RSH; ++rs) {
+                    const Pack<T> hv = h[(RG + rs) * S + part];
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const Pack<T> wv = w_packs[(g * RSH + rs) * H * S];
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
+                    }
                 }
             } else if (active) {
                 for (int kc = 0; kc < KC; ++kc) {
@@ -508,39 +529,47 @@ __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& 
     return T(0);
 }
 
-// HF > 0: float32 with H = HF known at compile time (a module compiled per H): W_hh's column j sits in
-// registers, split over S lanes per unit (S a power of two: a unit's lanes are adjacent, in one warp). Lane s
-// of unit j holds the 16-byte packs c = rc S + s (rc < RC) of the column, so a unit's S lanes read S
-// neighbouring packs of the row buffer at once (no bank conflict), and their partial products meet in a
-// butterfly of shuffles that hands every lane the same sum (each addition commutes); the S lanes of a unit
-// run its pointwise step alike, the first one storing. The block's shared memory is the two row buffers
-// only, and the product's loop unrolls fully. HF <= 32 (one warp): S = 1, lane j = unit j. HF = 0: any H,
-// W_hh in shared memory, one thread per unit.
-template <class T, int C, int HF = 0, int S = 1>
+// HF > 0: float32 with H = HF known at compile time (a module compiled per H): W_hh's column j split over S
+// lanes per unit (S a power of two: a unit's lanes are adjacent, in one warp). Lane s of unit j holds the
+// 16-byte packs c = rc S + s (rc < RC) of the column, the first RR in registers (all where they fit: then the
+// block's shared memory is the two row buffers only) and the others in shared memory, lane by lane; a unit's S
+// lanes read S neighbouring packs of the row buffer at once (no bank conflict), and their partial products
+// meet in a butterfly of shuffles that hands every lane the same sum (each addition commutes); the S lanes of
+// a unit run its pointwise step alike, the first one storing. The product's loops unroll fully. HF <= 32 (one
+// warp): S = 1, lane j = unit j. HF = 0: any H, W_hh in shared memory, one thread per unit.
+template <class T, int C, int HF = 0, int S = 1, int RR = -1>
 __device__ void cell_backward(const CellBackward<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
-    constexpr int RC = HF ? ((G * HF + V - 1) / V + S - 1) / S : 1, PF = RC * V;  // packs, floats a lane holds
+    constexpr int RC = HF ? ((G * HF + V - 1) / V + S - 1) / S : 1;  // HF > 0: the packs of the column a lane has
+    constexpr int RG = HF ? (RR < 0 || RR > RC ? RC : RR) : 1, RSH = HF ? RC - RG : 0;  // in registers / shared
     static_assert(HF == 0 || sizeof(T) == 4, "the per-H kernels: float32");
     static_assert(S >= 1 && S <= 32 && (S & (S - 1)) == 0, "a unit's lanes: a power of two within a warp");
     const int H = HF ? HF : p.hidden, GH = G * H, P = HF ? RC * S * V : (GH + V - 1) / V * V;
     const int part = threadIdx.x % S, j = threadIdx.x / S;
     const bool active = j < H;
+    const int column = active ? j : H - 1;  // HF > 0: lanes beyond the units shadow the last one
     const i64 b = blockIdx.x, steps = p.steps;
     const bool one_warp = HF ? HF * S <= 32 : blockDim.x <= 32;
 
     BPPSA_DYNAMIC_SHARED(smem);
     T* rows = reinterpret_cast<T*>(smem);  // two buffers of P row entries
-    T* w = rows + 2 * P;                   // HF = 0: W_hh row-major, rows GH..P-1 zero
-    T w_own_reg[PF];                       // HF > 0: the lane's packs of column j (j >= H: column H - 1)
+    // HF = 0: W_hh row-major, rows GH..P-1 zero; HF > 0: the packs beyond a lane's RG, lane by lane
+    // ([rs][unit][part]: neighbouring lanes read neighbouring 16-byte packs)
+    T* w = rows + 2 * P;
+    T w_own_reg[HF ? RG * V : 1];  // HF > 0: the lane's first RG packs of column j
     if constexpr (HF > 0) {
-        const int column = active ? j : H - 1;
 #pragma unroll
-        for (int rc = 0; rc < RC; ++rc)
+        for (int rc = 0; rc < RG; ++rc)
 #pragma unroll
             for (int v = 0; v < V; ++v) {
                 const int row = (rc * S + part) * V + v;
                 w_own_reg[rc * V + v] = row < GH ? p.w_hh[row * H + column] : T(0);
             }
+        for (int e = threadIdx.x; e < RSH * H * S * V; e += blockDim.x) {  // once per launch
+            const int v = e % V, lane = e / V % S, unit = e / (V * S) % H, rs = e / (V * S * H);
+            const int row = ((RG + rs) * S + lane) * V + v;
+            w[e] = row < GH ? p.w_hh[row * H + unit] : T(0);
+        }
     } else {
         for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
     }
@@ -593,10 +622,17 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                 const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
                 if constexpr (HF > 0) {
 #pragma unroll
-                    for (int rc = 0; rc < RC; ++rc) {
+                    for (int rc = 0; rc < RG; ++rc) {
                         const Pack<T> rv = r_packs[rc * S + part];  // a broadcast 16-byte read per unit part
 #pragma unroll
                         for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own_reg[rc * V + v];
+                    }
+                    const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + column * S + part;
+#pragma unroll
+                    for (int rs = 0; rs < RSH; ++rs) {
+                        const Pack<T> rv = r_packs[(RG + rs) * S + part], wv = w_packs[rs * H * S];
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * wv.v[v];
                     }
                 } else {
                     for (int rc = 0; rc < P / V; ++rc) {
@@ -637,14 +673,16 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         fixed_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                     \
     }                                                                                                       \
     BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
-// the backward compiled for H, W_hh's column split over S lanes a unit (H S threads, whole warps)
-#define BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, S)                                                              \
+// the backward compiled for H, W_hh's column split over S lanes a unit (H S threads, whole warps), RR packs
+// of a lane's share in registers (-1: all)
+#define BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, S, RR)                                                          \
     extern "C" __global__ void __launch_bounds__((H * S + 31) / 32 * 32) NAME BPPSA_BWD_PARAMS(float) {       \
-        cell_backward<float, CELL, H, S>(CellBackward<float>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn,     \
-                                                             d_gi, d_gh, gh0, gc0, batch, steps, (int)hidden}); \
+        cell_backward<float, CELL, H, S, RR>(CellBackward<float>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn, \
+                                                                 d_gi, d_gh, gh0, gc0, batch, steps,          \
+                                                                 (int)hidden});                               \
     }                                                                                                         \
     BPPSA_ENTRY(NAME, BPPSA_BWD_PARAMS(float), BPPSA_BWD_HOST_ARGS(float))
-#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H) BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, 1)
+#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H) BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, 1, -1)
 #define BPPSA_REC_FIXED_KERNELS_(H)                                         \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H)  \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H)  \
@@ -655,17 +693,18 @@ __device__ void cell_backward(const CellBackward<T>& p) {
     BPPSA_BWD_FIXED_KERNEL(bppsa_gru_backward_f32_h##H, kGru, H)           \
     BPPSA_BWD_FIXED_KERNEL(bppsa_lstm_backward_f32_h##H, kLstm, H)
 #define BPPSA_REC_FIXED_KERNELS(H) BPPSA_REC_FIXED_KERNELS_(H)
-// a module compiled for H > 32: one cell's float32 forward or backward (kernels/recurrent_cuda.py: wide_split
-// picks S)
-#define BPPSA_BWD_WIDE_KERNEL_(NAME, H, S) BPPSA_BWD_SPLIT_KERNEL(bppsa_##NAME##_backward_f32_h##H, kCell_##NAME, H, S)
-#define BPPSA_BWD_WIDE_KERNEL(NAME, H, S) BPPSA_BWD_WIDE_KERNEL_(NAME, H, S)
-#define BPPSA_REC_WIDE_KERNEL_(NAME, H, S)                                                                 \
+// a module compiled for H > 32: one cell's float32 forward or backward (kernels/recurrent_cuda.py: wide_layout
+// picks S and RR)
+#define BPPSA_BWD_WIDE_KERNEL_(NAME, H, S, RR) \
+    BPPSA_BWD_SPLIT_KERNEL(bppsa_##NAME##_backward_f32_h##H, kCell_##NAME, H, S, RR)
+#define BPPSA_BWD_WIDE_KERNEL(NAME, H, S, RR) BPPSA_BWD_WIDE_KERNEL_(NAME, H, S, RR)
+#define BPPSA_REC_WIDE_KERNEL_(NAME, H, S, RR)                                                             \
     extern "C" __global__ void __launch_bounds__((H * S + 31) / 32 * 32)                                   \
         bppsa_##NAME##_forward_f32_h##H BPPSA_REC_PARAMS(float) {                                          \
-        shared_forward<float, kCell_##NAME, H, S>(BPPSA_REC_LAYER(float));                                 \
+        shared_forward<float, kCell_##NAME, H, S, RR>(BPPSA_REC_LAYER(float));                             \
     }                                                                                                      \
     BPPSA_ENTRY(bppsa_##NAME##_forward_f32_h##H, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
-#define BPPSA_REC_WIDE_KERNEL(NAME, H, S) BPPSA_REC_WIDE_KERNEL_(NAME, H, S)
+#define BPPSA_REC_WIDE_KERNEL(NAME, H, S, RR) BPPSA_REC_WIDE_KERNEL_(NAME, H, S, RR)
 
 // family 2
 #define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
@@ -701,9 +740,9 @@ __device__ void cell_backward(const CellBackward<T>& p) {
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
 #if defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL) && defined(BPPSA_REC_FORWARD)
-BPPSA_REC_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT)
+BPPSA_REC_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT, BPPSA_REC_REGISTER_PACKS)
 #elif defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL)
-BPPSA_BWD_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT)
+BPPSA_BWD_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT, BPPSA_REC_REGISTER_PACKS)
 #elif defined(BPPSA_REC_HIDDEN)
 BPPSA_REC_FIXED_KERNELS(BPPSA_REC_HIDDEN)
 #else
@@ -714,7 +753,7 @@ BPPSA_REC_EACH_CELL(BPPSA_BWD_KERNEL, double, f64)
 #ifdef BPPSA_REC_HIDDEN_LIST
 BPPSA_REC_HIDDEN_LIST(BPPSA_REC_FIXED_KERNELS)
 #endif
-#ifdef BPPSA_REC_WIDE_LIST  // X(cell, H, S) ...: the compile gates
+#ifdef BPPSA_REC_WIDE_LIST  // X(cell, H, S, register packs) ...: the compile gates
 BPPSA_REC_WIDE_LIST(BPPSA_BWD_WIDE_KERNEL)
 #endif
 #ifdef BPPSA_REC_WIDE_FORWARD_LIST

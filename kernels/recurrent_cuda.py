@@ -19,22 +19,24 @@ for RNN and LSTM the caller may fold ``b_hh`` into it):
 Float32 layers with ``H <= 32`` run kernels compiled for their ``H`` (``bppsa_<cell>_forward_f32_h<H>`` and
 ``bppsa_<cell>_backward_f32_h<H>``: one module per ``H``, compiled on the first launch of that ``H`` with
 ``-DBPPSA_REC_HIDDEN=<H>``; ``W_hh`` in registers, the forward's ``gi`` staged :data:`RING_DEPTH` steps ahead
-through shared memory). Wider float32 layers run kernels compiled for their cell, direction and ``H`` too
-where ``W_hh`` fits in the block's registers (:func:`wide_split`: RNN ``H <= 192``, GRU ``H <= 104``, LSTM
-``H <= 88`` forward / ``80`` backward; each unit's share split over 1-4 lanes; one module per cell, direction
-and ``H``, :func:`wide_options`).
-The others keep ``W_hh`` in shared memory (:data:`KERNELS`, one module compiled by :func:`available`). ``recurrent.cu``'s header says why. :func:`refusal` says where and why a launch cannot be made (the caller plans torch's
-forward there before anything runs); each function returns ``None`` where the kernels cannot run:
-a dtype other than float32 / float64 or mismatched dtypes, tensors not on one CUDA device, ``H > 256``
-(one thread per hidden unit), or the packed ``W_hh`` plus two state buffers above the device's shared memory
-per block (opt-in limit: 163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond about
+through shared memory). Wider float32 layers (``32 < H <= 256``) run kernels compiled for their cell, direction
+and ``H`` too (:func:`wide_layout`; one module each, :func:`wide_options`): each unit's share of ``W_hh`` split
+over one or two lanes, in registers where it fits (RNN ``H <= 192``, GRU ``H <= 104``, LSTM ``H <= 72``
+forward / ``70`` backward), else partly in registers and the rest in shared memory. Float64 layers keep
+``W_hh`` in shared memory (:data:`KERNELS`, one module compiled by :func:`available`; float32 too inside a
+CUDA graph capture, where NVRTC cannot compile). ``recurrent.cu``'s header says why. :func:`refusal` says
+where and why a launch cannot be made (the caller plans torch's forward there before anything runs); each
+function returns ``None`` where the kernels cannot run: a dtype other than float32 / float64 or mismatched
+dtypes, tensors not on one CUDA device, ``H > 256`` (one thread per hidden unit), or a block's shared memory
+(state or row buffers, and the part of ``W_hh`` it holds) above the device's per block (opt-in limit:
+163 KiB on sm_80, 227 KiB on sm_90), i.e. beyond
 
     ===========  =====  =====  =====
     max H        RNN    GRU    LSTM
     ===========  =====  =====  =====
-    sm_80 f32    202    116    100
+    sm_80 f32    256    138    128
     sm_80 f64    142    82     71
-    sm_90 f32    240    137    120
+    sm_90 f32    256    160    133
     sm_90 f64    168    98     84
     ===========  =====  =====  =====
 
@@ -56,6 +58,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from lightning_bppsa.kernels import cuda, cupy_loader
@@ -75,8 +78,9 @@ __all__ = [
     "lstm_backward",
     "lstm_forward",
     "module_options",
+    "WideLayout",
+    "wide_layout",
     "wide_options",
-    "wide_split",
     "prepare",
     "refusal",
     "rnn_backward",
@@ -131,44 +135,72 @@ _OTHER_REGISTERS = {
     "forward": {"rnn_tanh": 72, "rnn_relu": 72, "gru": 96, "lstm": 96},
     "backward": {"rnn_tanh": 64, "rnn_relu": 64, "gru": 96, "lstm": 112},
 }
+#: and beside a share read partly from shared memory (its loads in flight: ptxas spilled 8-24 bytes with 16)
+_SHARED_PART_REGISTERS = 32
 _REGISTERS_PER_SM = 65536  # every sm_80 / sm_90 multiprocessor: a block's threads share them
 _MAX_THREADS_PER_BLOCK = 1024
 
 
-@functools.lru_cache(maxsize=256)
-def wide_split(cell: str, hidden: int, direction: str = "backward") -> int | None:
-    """Lanes per hidden unit of the float32 ``direction`` kernel compiled for ``FIXED_HIDDEN < hidden``, whose
-    lanes hold their unit's share of ``W_hh`` in registers (the backward its column, the forward its ``G`` rows),
-    split over that many lanes (``recurrent.cu``'s ``cell_backward`` / ``shared_forward``): the smallest power of
-    two whose share fits beside a lane's other registers with the block in one multiprocessor's register file;
-    ``None`` where none fits (the kernel with ``W_hh`` in shared memory runs): RNN ``H > 192``, GRU ``H > 104``,
-    LSTM ``H > 88`` forward, ``H > 80`` backward. The compile gate (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the widest
-    ``H`` of each split without a spill."""
-    packs = math.ceil(CELLS[cell] * hidden / 4)  # W_hh's column in 16-byte packs
+class WideLayout(NamedTuple):
+    """How a float32 kernel compiled per ``H > 32`` holds ``W_hh`` (``recurrent.cu``'s ``cell_backward`` /
+    ``shared_forward``): ``split`` lanes a unit, each with ``lane_packs`` 16-byte packs of the unit's share (the
+    backward's: of its column; the forward's: of each of its ``G`` rows), the first ``register_packs`` in
+    registers, the others in shared memory."""
+
+    split: int
+    register_packs: int
+    lane_packs: int
+
+
+@functools.lru_cache(maxsize=512)
+def wide_layout(cell: str, hidden: int, direction: str = "backward") -> WideLayout | None:
+    """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``:
+    the fewest lanes a unit (a power of two) whose share fits in registers beside a lane's other registers, the
+    block within ptxas's bound (a quarter of the register file for the warps of each scheduler); where none
+    does, the split holding the most of it in registers, the rest in shared memory (RNN ``H > 192``, GRU
+    ``H > 104``, LSTM ``H > 72`` forward, ``H > 70`` backward). ``None`` outside that range. The compile gate
+    (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the widest ``H`` of each layout without a spill."""
+    if not FIXED_HIDDEN < hidden <= MAX_THREADS:
+        return None
+    gates, backward = CELLS[cell], direction == "backward"
+    packs = math.ceil((gates if backward else 1) * hidden / 4)  # of the column / of each row, in 16-byte packs
+    registers_a_pack = 4 if backward else 4 * gates  # a forward lane holds a pack of each gate's row
+    best = None
     for split in (1, 2, 4, 8):
         threads = 32 * math.ceil(hidden * split / 32)
         if threads > _MAX_THREADS_PER_BLOCK:
-            return None
-        # a thread's registers under __launch_bounds__(threads): the file's share, in whole 8-register units
-        limit = min(255, _REGISTERS_PER_SM // threads // 8 * 8)
-        if 4 * math.ceil(packs / split) + _OTHER_REGISTERS[direction][cell] <= limit:
-            return split
-    return None
+            break
+        # a thread's registers under __launch_bounds__(threads): a quarter of the file serves each of the SM's
+        # four schedulers, whose warps share it (ptxas's bound; in whole 8-register units)
+        warps_a_quarter = math.ceil(threads / 32 / 4)
+        limit = min(255, _REGISTERS_PER_SM // 4 // warps_a_quarter // 32 // 8 * 8)
+        lane, other = math.ceil(packs / split), _OTHER_REGISTERS[direction][cell]
+        if lane * registers_a_pack + other <= limit:
+            return WideLayout(split, lane, lane)
+        fit = max(0, (limit - other - _SHARED_PART_REGISTERS) // registers_a_pack)
+        if best is None or split * fit > best.split * best.register_packs:
+            best = WideLayout(split, fit, lane)
+    return best
 
 
-def _register_split(cell: str, hidden: int, element_bytes: int, direction: str) -> int | None:
-    """Lanes per unit of the ``direction`` kernel holding ``W_hh`` in registers (1: compiled per ``H <= 32``),
-    or ``None``: ``W_hh`` in shared memory."""
+def _register_layout(cell: str, hidden: int, element_bytes: int, direction: str) -> WideLayout | None:
+    """The layout of ``W_hh`` of the ``direction`` kernel compiled per ``H``: the one warp of ``H <= 32`` (the
+    backward's: its column in registers; the forward's :data:`FIXED_HIDDEN` kernels are not described by it), or
+    :func:`wide_layout`; ``None`` for the kernels of :data:`KERNELS` (float64)."""
     if element_bytes != 4:
         return None
-    return 1 if hidden <= FIXED_HIDDEN else wide_split(cell, hidden, direction)
+    if hidden <= FIXED_HIDDEN:
+        lane = math.ceil(CELLS[cell] * hidden / 4)
+        return WideLayout(1, lane, lane)
+    return wide_layout(cell, hidden, direction)
 
 
-def wide_options(cell: str, hidden: int, split: int, direction: str = "backward") -> tuple[str, ...]:
+def wide_options(cell: str, hidden: int, layout: WideLayout, direction: str = "backward") -> tuple[str, ...]:
     """The -D options of the module of ``cell``'s float32 ``direction`` kernel compiled for ``hidden`` > 32 with
-    ``W_hh`` split over ``split`` lanes a unit (:func:`wide_split`)."""
+    ``W_hh`` held as ``layout`` says (:func:`wide_layout`)."""
     forward = ("-DBPPSA_REC_FORWARD=1",) if direction == "forward" else ()
-    return (f"-DBPPSA_REC_HIDDEN={hidden}", f"-DBPPSA_REC_SPLIT={split}", f"-DBPPSA_REC_CELL={cell}", *forward)
+    return (f"-DBPPSA_REC_HIDDEN={hidden}", f"-DBPPSA_REC_SPLIT={layout.split}", f"-DBPPSA_REC_CELL={cell}",
+            f"-DBPPSA_REC_REGISTER_PACKS={layout.register_packs}", *forward)  # fmt: skip
 
 
 def module_options(hidden: int) -> tuple[str, ...]:
@@ -179,21 +211,31 @@ def module_options(hidden: int) -> tuple[str, ...]:
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors), plus ``W_hh`` packed
     in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
-    the ring of :data:`RING_DEPTH` steps of ``gi``; where ``W_hh`` is in registers above that (:func:`wide_split`)
-    the state buffers alone, padded to whole vectors for each of a unit's lanes."""
+    the ring of :data:`RING_DEPTH` steps of ``gi``; in the float32 kernels compiled per ``H`` above that
+    (:func:`wide_layout`) the state buffers, padded to whole vectors for each of a unit's lanes, and the part of
+    ``W_hh`` not in registers."""
     fixed = _fixed(hidden, element_bytes)
-    split = None if fixed else _register_split(cell, hidden, element_bytes, "forward")
-    return _shared_bytes(cell, hidden, element_bytes, fixed=fixed, split=split)
+    layout = None if fixed else _register_layout(cell, hidden, element_bytes, "forward")
+    return _shared_bytes(cell, hidden, element_bytes, fixed=fixed, layout=layout)
 
 
-def _shared_bytes(cell: str, hidden: int, element_bytes: int, *, fixed: bool, split: int | None = None) -> int:
+def _shared_bytes(
+    cell: str, hidden: int, element_bytes: int, *, fixed: bool, layout: WideLayout | None = None
+) -> int:
     width = 16 // element_bytes
     vectors = math.ceil(hidden / width)
     if fixed:
         return (2 * vectors * width + RING_DEPTH * CELLS[cell] * hidden) * element_bytes
-    if split is not None:
-        return 2 * math.ceil(vectors / split) * split * width * element_bytes
+    if layout is not None:
+        return _wide_bytes(layout, hidden, CELLS[cell])
     return (CELLS[cell] * hidden + 2) * vectors * width * element_bytes
+
+
+def _wide_bytes(layout: WideLayout, hidden: int, rows: int) -> int:
+    """A :class:`WideLayout` block's shared memory (float32): two row or state buffers of a unit's lanes' packs,
+    and the packs not in registers of ``rows`` rows (the forward's gates; the backward's column: 1) per unit."""
+    lanes = layout.split * layout.lane_packs
+    return 2 * lanes * 16 + rows * (layout.lane_packs - layout.register_packs) * hidden * layout.split * 16
 
 
 @functools.lru_cache(maxsize=256)
@@ -236,18 +278,17 @@ def _limits(direction: str, cell: str, hidden: int, dtype: torch.dtype, shared_l
 
 def backward_shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     """Dynamic shared memory of a backward block: two rows of the ``G H`` gate gradients, padded to whole
-    16-byte vectors, and ``W_hh`` (but in the kernels compiled per ``H`` that hold it in registers, float32
-    with ``H <= 32`` or :func:`wide_split`: there the rows are padded to whole vectors for each of a unit's
-    lanes)."""
-    split = _register_split(cell, hidden, element_bytes, "backward")
-    return _backward_shared_bytes(cell, hidden, element_bytes, split=split)
+    16-byte vectors, and ``W_hh`` (but in the float32 kernels compiled per ``H``, :func:`wide_layout`: the rows
+    padded to whole vectors for each of a unit's lanes, and only the part of ``W_hh`` not in registers)."""
+    layout = _register_layout(cell, hidden, element_bytes, "backward")
+    return _backward_shared_bytes(cell, hidden, element_bytes, layout=layout)
 
 
-def _backward_shared_bytes(cell: str, hidden: int, element_bytes: int, *, split: int | None) -> int:
+def _backward_shared_bytes(cell: str, hidden: int, element_bytes: int, *, layout: WideLayout | None) -> int:
+    if layout is not None:
+        return _wide_bytes(layout, hidden, 1)
     width = 16 // element_bytes
     vectors = math.ceil(CELLS[cell] * hidden / width)
-    if split is not None:
-        return 2 * math.ceil(vectors / split) * split * width * element_bytes
     return (2 + hidden) * vectors * width * element_bytes
 
 
@@ -335,10 +376,10 @@ def _kernel_and_block(
     nbytes = size(cell, hidden, element_bytes)
     if _fixed(hidden, element_bytes):
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", 32, nbytes, module_options(hidden)
-    split = _register_split(cell, hidden, element_bytes, direction)
-    if split is not None:
-        threads = 32 * math.ceil(hidden * split / 32)
-        options = wide_options(cell, hidden, split, direction)
+    layout = _register_layout(cell, hidden, element_bytes, direction)
+    if layout is not None:
+        threads = 32 * math.ceil(hidden * layout.split / 32)
+        options = wide_options(cell, hidden, layout, direction)
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, options
     return f"bppsa_{cell}_{direction}_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()
 
@@ -510,7 +551,7 @@ def _load(device_index: int, launch: Launch) -> tuple[object, Launch]:
         nbytes = (
             _shared_bytes(cell, hidden, 4, fixed=False)
             if direction == "forward"
-            else _backward_shared_bytes(cell, hidden, 4, split=None)
+            else _backward_shared_bytes(cell, hidden, 4, layout=None)
         )
         fallback = dataclasses.replace(
             launch, kernel=generic, block=32 * math.ceil(hidden / 32), shared_bytes=nbytes, options=()

@@ -35,9 +35,9 @@ fitted by ``benchmarks/fit_cuda_model.py --fused-data`` on the 60 ``fused_kernel
 a step at B >= 16 than at B = 1, which the form does not carry). With them the model's pick is within 10% of
 the faster measured path at all 61 shapes of that grid with a scan step measured (the fused kernel's steps
 included). Since then float32 layers with 32 < H run forward and backward kernels holding ``W_hh`` in
-registers where it fits (``recurrent_cuda.wide_split``), never measured yet: the model still prices them as the
-shared-memory kernels it was fitted on (cautious: those load ``W_hh`` from shared memory every step), until a
-GPU run refits the constants.
+registers, or as much of it as fits (``recurrent_cuda.wide_layout``), never measured yet: the model still
+prices them as the shared-memory kernels it was fitted on (cautious: those load all of ``W_hh`` from shared
+memory every step), until a GPU run refits the constants.
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous

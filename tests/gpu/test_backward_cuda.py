@@ -61,10 +61,10 @@ def test_long_sequence_float32_as_exact_as_torch(backend, cell):
             assert_derived_close(a, r, b.cpu(), floor=1e-6, name=f"{cell} {name}")
 
 
-@pytest.mark.parametrize(("cell", "hidden", "split"), CASES.SPLITS)
-def test_float32_wide_layers_register_kernels(backend, cell, hidden, split):
-    """Float32 wider than a warp, ``W_hh`` in registers split over 1-4 lanes a unit (or in shared memory where it
-    does not fit), in the forward kernels (whose states and factors the backward's gradients depend on) and the
+@pytest.mark.parametrize(("cell", "hidden", "split", "hybrid"), CASES.LAYOUTS)
+def test_float32_wide_layers_register_kernels(backend, cell, hidden, split, hybrid):
+    """Float32 wider than a warp, ``W_hh`` in registers split over 1-4 lanes a unit (the rest of a lane's share
+    in shared memory where it does not fit), in the forward kernels (whose states and factors the backward's gradients depend on) and the
     backward ones: B = 16, T = 1000 on a GPU (smaller emulated), within the derived tolerance of float64. One
     module per cell, direction and H is compiled on its first launch: a forward-only twin would compile more."""
     p = CASES.make_inputs(cell, backend.size(16, 2), backend.size(1000, 9), hidden, seed=hidden, given=True)

@@ -128,15 +128,17 @@ def test_float32_within_derived_tolerance(cell, hidden):
     check(cell, make_inputs(cell, 2, 37, hidden, seed=hidden, given=True), torch.float32)
 
 
-#: float32 widths above a warp whose W_hh sits in registers, by the lanes a unit splits it over
-#: (recurrent_cuda.wide_split): several warps of one lane a unit, two and four lanes a unit (their partial
-#: products meet by shuffles), the widest RNN (two lanes), and a GRU too wide for registers (shared memory)
-SPLITS = [("rnn_tanh", 33, 1), ("rnn_relu", 100, 1), ("rnn_tanh", 192, 2), ("gru", 40, 1), ("gru", 60, 2),
-          ("lstm", 40, 2), ("lstm", 80, 4), ("gru", 110, None)]  # fmt: skip
+#: float32 widths above a warp, by how the kernel compiled for them holds W_hh (recurrent_cuda.wide_layout):
+#: ``(cell, H, lanes a unit, part of it in shared memory)``: several warps of one lane a unit, two lanes a unit
+#: (their partial products meet by shuffles), the widest RNN in registers alone, and wider ones whose lanes
+#: hold the rest of their share in shared memory
+LAYOUTS = [("rnn_tanh", 33, 1, False), ("rnn_relu", 100, 1, False), ("rnn_tanh", 192, 2, False),
+           ("rnn_tanh", 256, 1, True), ("gru", 40, 1, False), ("gru", 60, 2, False), ("gru", 110, 2, True),
+           ("lstm", 40, 2, False), ("lstm", 96, 2, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("cell", "hidden", "split"), SPLITS)
-def test_float32_register_kernels_split_over_lanes(monkeypatch, cell, hidden, split):
+@pytest.mark.parametrize(("cell", "hidden", "split", "hybrid"), LAYOUTS)
+def test_float32_register_kernels_split_over_lanes(monkeypatch, cell, hidden, split, hybrid):
     launched = []
     real = recurrent_cuda.prepare_backward
 
@@ -146,11 +148,12 @@ def test_float32_register_kernels_split_over_lanes(monkeypatch, cell, hidden, sp
         return prepared
 
     monkeypatch.setattr(recurrent_cuda, "prepare_backward", prepare_backward)
-    assert recurrent_cuda.wide_split(cell, hidden) == split
+    layout = recurrent_cuda.wide_layout(cell, hidden)
+    assert (layout.split, layout.register_packs < layout.lane_packs) == (split, hybrid)
     check(cell, make_inputs(cell, 2, 9, hidden, seed=hidden, given=True), torch.float32)
     (launch,) = launched
-    expected = f"bppsa_{cell}_backward_f32" + ("" if split is None else f"_h{hidden}")
-    assert (launch.kernel, launch.block) == (expected, 32 * -(-hidden * (split or 1) // 32))
+    assert (launch.kernel, launch.block) == (f"bppsa_{cell}_backward_f32_h{hidden}", 32 * -(-hidden * split // 32))
+    assert launch.options == recurrent_cuda.wide_options(cell, hidden, layout)
 
 
 def test_relu_passes_the_gradient_through_a_nan_state_as_torch():
@@ -244,14 +247,17 @@ def test_launch_config():
     assert lstm20.options == recurrent_cuda.module_options(20)
     gru5 = launch("gru", 5, torch.float32)  # 15 rows padded to 16
     assert (gru5.kernel, gru5.shared_bytes) == ("bppsa_gru_backward_f32_h5", 2 * 16 * 4)
-    wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36, W_hh in registers
-    assert (wide.kernel, wide.block, wide.shared_bytes, wide.options) == (
-        "bppsa_rnn_tanh_backward_f32_h33", 64, 2 * 36 * 4, recurrent_cuda.wide_options("rnn_tanh", 33, 1))
+    wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36 (9 packs), W_hh in registers
+    assert recurrent_cuda.wide_layout("rnn_tanh", 33) == (1, 9, 9)
+    assert (wide.kernel, wide.block, wide.shared_bytes) == ("bppsa_rnn_tanh_backward_f32_h33", 64, 2 * 36 * 4)
     split = launch("gru", 60, torch.float32)  # 180 rows: 45 packs, two lanes a unit: 23 packs each
-    assert (split.kernel, split.block, split.shared_bytes, split.options) == (
-        "bppsa_gru_backward_f32_h60", 128, 2 * 46 * 4 * 4, recurrent_cuda.wide_options("gru", 60, 2))
-    shared = launch("gru", 120, torch.float32)  # 360 rows, W_hh 120 x 360 in shared memory
-    assert (shared.kernel, shared.block, shared.shared_bytes, shared.options) == (
-        "bppsa_gru_backward_f32", 128, (2 + 120) * 360 * 4, ())
+    assert recurrent_cuda.wide_layout("gru", 60) == (2, 23, 23)
+    assert (split.kernel, split.block, split.shared_bytes) == ("bppsa_gru_backward_f32_h60", 128, 2 * 46 * 16)
+    # 360 rows: 90 packs, 45 a lane of which 31 in registers; the other 14 of each of 240 lanes in shared memory
+    hybrid = launch("gru", 120, torch.float32)
+    assert recurrent_cuda.wide_layout("gru", 120) == (2, 31, 45)
+    assert (hybrid.kernel, hybrid.block, hybrid.shared_bytes) == (
+        "bppsa_gru_backward_f32_h120", 256, 2 * 90 * 16 + 14 * 240 * 16)
+    assert hybrid.options[-1] == "-DBPPSA_REC_REGISTER_PACKS=31"
     double = launch("lstm", 20, torch.float64)
     assert (double.kernel, double.block, double.shared_bytes) == ("bppsa_lstm_backward_f64", 32, 22 * 80 * 8)

@@ -150,24 +150,27 @@ def test_float32_within_derived_tolerance(cell, hidden):
     check_layer(cell, 3, 37, hidden, torch.float32, seed=hidden)
 
 
-#: float32 above a warp, by the lanes a unit splits its rows of W_hh over (recurrent_cuda.wide_split):
-#: several warps of one lane a unit, two and four lanes (their partial sums meet by shuffles), the widest RNN,
-#: and widths too wide for registers (W_hh in shared memory)
-FORWARD_SPLITS = [("rnn_tanh", 33, 1), ("rnn_relu", 100, 1), ("rnn_tanh", 192, 2), ("gru", 40, 1), ("gru", 60, 2),
-                  ("lstm", 40, 2), ("lstm", 80, 4), ("gru", 110, None), ("lstm", 90, None)]  # fmt: skip
+#: float32 above a warp, by how the kernel compiled for them holds W_hh (recurrent_cuda.wide_layout): ``(cell, H,
+#: lanes a unit, part of it in shared memory)``: several warps of one lane a unit, two lanes (their partial sums
+#: meet by shuffles), the widest RNN in registers alone, and wider ones whose lanes hold the rest of their rows
+#: in shared memory
+FORWARD_LAYOUTS = [("rnn_tanh", 33, 1, False), ("rnn_relu", 100, 1, False), ("rnn_tanh", 192, 2, False),
+                   ("rnn_tanh", 256, 1, True), ("gru", 40, 1, False), ("gru", 60, 2, False), ("gru", 110, 2, True),
+                   ("lstm", 40, 2, False), ("lstm", 90, 2, True)]  # fmt: skip
 
 
 @needs_gxx
-@pytest.mark.parametrize(("cell", "hidden", "split"), FORWARD_SPLITS)
-def test_float32_register_kernels_split_over_lanes(cell, hidden, split):
-    assert recurrent_cuda.wide_split(cell, hidden, "forward") == split
+@pytest.mark.parametrize(("cell", "hidden", "split", "hybrid"), FORWARD_LAYOUTS)
+def test_float32_register_kernels_split_over_lanes(cell, hidden, split, hybrid):
+    layout = recurrent_cuda.wide_layout(cell, hidden, "forward")
+    assert (layout.split, layout.register_packs < layout.lane_packs) == (split, hybrid)
     launch = recurrent_cuda.prepare(
         cell, **{"b_hh": None, "c0": None, **kernel_inputs(cell, make_layer(cell, 2, 9, hidden, 0), torch.float32,
                                                             False)},
         device_type="cpu", shared_limit=1 << 20,
     )[0]  # fmt: skip
-    expected = f"bppsa_{cell}_forward_f32" + ("" if split is None else f"_h{hidden}")
-    assert (launch.kernel, launch.block) == (expected, 32 * -(-hidden * (split or 1) // 32))
+    assert (launch.kernel, launch.block) == (f"bppsa_{cell}_forward_f32_h{hidden}", 32 * -(-hidden * split // 32))
+    assert launch.options == recurrent_cuda.wide_options(cell, hidden, layout, "forward")
     check_layer(cell, 2, 9, hidden, torch.float32, fold_bias=hidden % 2 == 0, seed=hidden)
 
 
@@ -262,13 +265,16 @@ def test_launch_config():
     assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
     assert shared.options == () and shared.kernel in recurrent_cuda.KERNELS
     wide = launch("lstm", 33, torch.float32)  # W_hh in registers, a lane a unit: the state buffers alone
+    assert recurrent_cuda.wide_layout("lstm", 33, "forward") == (1, 9, 9)
     assert (wide.kernel, wide.block, wide.shared_bytes) == ("bppsa_lstm_forward_f32_h33", 64, 2 * 36 * 4)
-    assert wide.options == recurrent_cuda.wide_options("lstm", 33, 1, "forward")
+    assert wide.options == recurrent_cuda.wide_options("lstm", 33, recurrent_cuda.WideLayout(1, 9, 9), "forward")
     split = launch("gru", 60, torch.float32)  # two lanes a unit: 15 packs a row, 8 each
     assert (split.kernel, split.block, split.shared_bytes) == ("bppsa_gru_forward_f32_h60", 128, 2 * 16 * 4 * 4)
-    shared = launch("lstm", 90, torch.float32)  # too wide for registers: W_hh packed in shared memory
-    assert (shared.kernel, shared.block, shared.options) == ("bppsa_lstm_forward_f32", 96, ())
-    assert shared.shared_bytes == (4 * 90 + 2) * 92 * 4
+    # 23 packs a row, 12 a lane of which 7 in registers: 5 of each of the 4 rows of 180 lanes in shared memory
+    hybrid = launch("lstm", 90, torch.float32)
+    assert recurrent_cuda.wide_layout("lstm", 90, "forward") == (2, 7, 12)
+    assert (hybrid.kernel, hybrid.block) == ("bppsa_lstm_forward_f32_h90", 192)
+    assert hybrid.shared_bytes == 2 * 24 * 16 + 4 * 5 * 180 * 16
     wide = launch("lstm", 33, torch.float64)
     assert (wide.kernel, wide.block) == ("bppsa_lstm_forward_f64", 64)
     assert wide.shared_bytes == (4 * 33 + 2) * 34 * 8  # H padded to whole double2 vectors
@@ -351,15 +357,15 @@ def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device
         recurrent_cuda._launch_cuda(backward, device)
     generic = fake.kernels[(0, "bppsa_rnn_relu_backward_f32")]
     assert generic.calls == [
-        ((1,), (32,), backward.args, recurrent_cuda._backward_shared_bytes("rnn_relu", 9, 4, split=None), 0x1000)
+        ((1,), (32,), backward.args, recurrent_cuda._backward_shared_bytes("rnn_relu", 9, 4, layout=None), 0x1000)
     ]
     # two lanes a unit (128 threads for H = 60): the shared-memory kernel runs one a unit
     split = recurrent_cuda.Launch("bppsa_gru_backward_f32_h60", 1, 128, 1472, (3,) * 13 + (60,),
-                                  options=recurrent_cuda.wide_options("gru", 60, 2))  # fmt: skip
+                                  options=recurrent_cuda.wide_options("gru", 60, recurrent_cuda.WideLayout(2, 23, 23)))  # fmt: skip
     with pytest.warns(UserWarning, match="runs bppsa_gru_backward_f32 "):
         recurrent_cuda._launch_cuda(split, device)
     assert fake.kernels[(0, "bppsa_gru_backward_f32")].calls == [
-        ((1,), (64,), split.args, recurrent_cuda._backward_shared_bytes("gru", 60, 4, split=None), 0x1000)
+        ((1,), (64,), split.args, recurrent_cuda._backward_shared_bytes("gru", 60, 4, layout=None), 0x1000)
     ]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fake.compile_error = RuntimeError("NVRTC: error")
@@ -383,16 +389,20 @@ GATE_HIDDEN = (1, 5, 20, 31, 32)
 DIRECTIONS = ("forward", "backward")
 
 
-def wide_gate(direction: str) -> list[tuple[str, int, int]]:
-    """``(cell, H, lanes a unit)`` of the ``direction`` kernels compiled per ``H > 32`` that hold the most
-    registers for their split (``recurrent_cuda.wide_split``): per cell the widest ``H`` of each split, and the
-    first."""
+def wide_gate(direction: str) -> list[tuple[str, int, int, int]]:
+    """``(cell, H, lanes a unit, register packs)`` of the ``direction`` kernels compiled per ``H > 32`` that hold
+    the most registers (``recurrent_cuda.wide_layout``): per cell the first ``H``, the widest ``H`` of each split
+    holding ``W_hh`` in registers alone, and of each layout holding part of it in shared memory (their
+    registers are the same whatever ``H``), and the widest ``H``."""
     chosen = []
     for cell in recurrent_cuda.CELLS:
-        splits = {h: recurrent_cuda.wide_split(cell, h, direction) for h in range(33, recurrent_cuda.MAX_THREADS + 1)}
-        fitting = [h for h, split in splits.items() if split is not None]
-        assert fitting == list(range(33, fitting[-1] + 1)), f"{cell}: the register kernels' H are not one range"
-        chosen += [(cell, h, splits[h]) for h in fitting if h == 33 or splits.get(h + 1) != splits[h]]
+        layouts = {h: recurrent_cuda.wide_layout(cell, h, direction) for h in range(33, recurrent_cuda.MAX_THREADS + 1)}
+
+        def kind(layout):
+            return layout.split, layout.register_packs if layout.register_packs < layout.lane_packs else "all"
+
+        chosen += [(cell, h, *layout[:2]) for h, layout in layouts.items()
+                   if h in (33, recurrent_cuda.MAX_THREADS) or kind(layouts[h + 1]) != kind(layout)]  # fmt: skip
     return chosen
 
 
@@ -401,7 +411,8 @@ def gate_source(directory: Path) -> Path:
     the others."""
     wrapper = directory / "recurrent_gate.cu"
     hidden = " ".join(f"X({h})" for h in GATE_HIDDEN)
-    wide = {d: " ".join(f"X({cell}, {h}, {split})" for cell, h, split in wide_gate(d)) for d in DIRECTIONS}
+    wide = {d: " ".join(f"X({cell}, {h}, {split}, {packs})" for cell, h, split, packs in wide_gate(d))
+            for d in DIRECTIONS}
     wrapper.write_text(
         f"#define BPPSA_REC_RING {recurrent_cuda.RING_DEPTH}\n#define BPPSA_REC_HIDDEN_LIST(X) {hidden}\n"
         f"#define BPPSA_REC_WIDE_LIST(X) {wide['backward']}\n#define BPPSA_REC_WIDE_FORWARD_LIST(X) {wide['forward']}\n"
@@ -417,7 +428,7 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
     usage = _nvcc.ptxas_report(str(gate_source(tmp_path)), ("sm_80", "sm_90"))  # -warn-spills -Werror
     fixed = [f"bppsa_{cell}_{direction}_f32_h{h}" for cell in CELLS for h in GATE_HIDDEN
              for direction in ("forward", "backward")]  # fmt: skip
-    fixed += [f"bppsa_{cell}_{d}_f32_h{h}" for d in DIRECTIONS for cell, h, _ in wide_gate(d)]
+    fixed += [f"bppsa_{cell}_{d}_f32_h{h}" for d in DIRECTIONS for cell, h, _, _ in wide_gate(d)]
     for arch, kernels in usage.items():
         assert sorted(kernels) == sorted([*recurrent_cuda.KERNELS, *fixed]), (
             f"{arch}: ptxas reported {sorted(kernels)}"
@@ -436,7 +447,8 @@ def test_nvrtc_compiles_what_cupy_loads():
     option_sets = (
         (),
         *(recurrent_cuda.module_options(h) for h in GATE_HIDDEN),
-        *(recurrent_cuda.wide_options(*kernel, d) for d in DIRECTIONS for kernel in wide_gate(d)[:2]),
+        *(recurrent_cuda.wide_options(cell, h, recurrent_cuda.wide_layout(cell, h, d), d)
+          for d in DIRECTIONS for cell, h, _, _ in wide_gate(d)[:2]),
     )
     COMPILE_TESTS.assert_nvrtc_compiles(recurrent_cuda.source(), "recurrent.cu", option_sets)
 
