@@ -553,6 +553,13 @@ def _load(device_index: int, launch: Launch) -> tuple[object, Launch]:
             if direction == "forward"
             else _backward_shared_bytes(cell, hidden, 4, layout=None)
         )
+        limit = cupy_loader.shared_limit(device_index)
+        if nbytes > limit:  # float32 H beyond what W_hh in shared memory allows (its own layout held part of it)
+            raise RuntimeError(
+                f"{launch.kernel} is first launched inside a CUDA graph capture, where it cannot be compiled, and "
+                f"the shared-memory kernel of H={hidden} needs {nbytes} B of shared memory (the device has "
+                f"{limit} B): run the layer once before capturing"
+            ) from None
         fallback = dataclasses.replace(
             launch, kernel=generic, block=32 * math.ceil(hidden / 32), shared_bytes=nbytes, options=()
         )

@@ -367,6 +367,15 @@ def test_per_hidden_modules_load_once_and_fall_back_inside_a_capture(fake_device
     assert fake.kernels[(0, "bppsa_gru_backward_f32")].calls == [
         ((1,), (64,), split.args, recurrent_cuda._backward_shared_bytes("gru", 60, 4, layout=None), 0x1000)
     ]
+    # H = 256: W_hh in shared memory alone would not fit the device: said, not launched
+    wide = recurrent_cuda.Launch("bppsa_rnn_tanh_backward_f32_h256", 1, 256, 104448, (3,) * 13 + (256,),
+                                 options=recurrent_cuda.wide_options("rnn_tanh", 256,
+                                                                     recurrent_cuda.wide_layout("rnn_tanh", 256)))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"needs 264192 B .*run the layer once before capturing"):
+        recurrent_cuda._launch_cuda(wide, device)
+    assert (0, "bppsa_rnn_tanh_backward_f32") not in fake.kernels or not fake.kernels[
+        (0, "bppsa_rnn_tanh_backward_f32")
+    ].calls
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fake.compile_error = RuntimeError("NVRTC: error")
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="NVRTC"):  # outside a capture: raised
