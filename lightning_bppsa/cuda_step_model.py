@@ -57,8 +57,14 @@ from dataclasses import dataclass
 from lightning_bppsa.kernels import cuda as cuda_kernel
 from lightning_bppsa.kernels import recurrent_cuda
 
-__all__ = ["KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel", "forward_seconds",
+__all__ = ["FUSED_MEASURED_HIDDEN", "KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel",
+           "forward_seconds",
            "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
+
+#: the widest hidden size of a measured fused backward launch (the H200's grid at be3c8e9: none above 128, where
+#: the kernels then refused H = 256): the model does not extrapolate the scan's step beyond it (it would pick the
+#: scan at d = 256 T = 1000 by 2-10% on constants fitted at d <= 128, for kernels never timed there)
+FUSED_MEASURED_HIDDEN = 128
 
 H100_SMS = 132
 H100_SHARED = 232448  # the per-block shared memory opt-in the kernels launch with on an H100
@@ -282,7 +288,7 @@ def step_seconds(
 ) -> float:
     """Predicted seconds of one layer's training step (forward + backward) on the ``path`` ``"torch"``
     (cuDNN) or ``"scan"`` (its kernels, ``algorithm`` resolved by :func:`fastest_kernel`; ``fused``: the
-    backward is the fused kernel, :func:`fused_seconds`)."""
+    backward is the fused kernel, :func:`fused_seconds`, infinite above :data:`FUSED_MEASURED_HIDDEN`)."""
     s = constants
     macs = gates * hidden * hidden
     if path == "torch":
@@ -292,6 +298,8 @@ def step_seconds(
     if path != "scan":
         raise ValueError(f"path must be 'torch' or 'scan'; got {path!r}")
     if fused:
+        if hidden > FUSED_MEASURED_HIDDEN:  # never measured there: not priced, so cuDNN's step is the pick
+            return math.inf
         kernel = fused_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=s)
     else:
         name, chunk = fastest_kernel(

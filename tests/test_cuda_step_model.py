@@ -190,6 +190,18 @@ def test_the_fused_backward_is_priced_as_a_launch_and_its_steps_and_its_rows_are
     assert fit.scan_plan("scan linear [cuda], fused backward kernel", 1000) is None
 
 
+def test_the_fused_backward_is_not_priced_beyond_the_widest_hidden_size_measured():
+    """Above the widest H a fused launch was measured at, the scan's step is not extrapolated: cuDNN's is the
+    pick (at d = 256 T = 1000 B = 16 the fitted constants alone would pick the scan)."""
+    widest = model.FUSED_MEASURED_HIDDEN
+    assert widest == max(x.d for x in fit.load(fit.RESULTS / "cuda-calib-h200-be3c8e9.csv").fused)
+    shape = dict(gates=1, m=1, batch=16, n=1000)
+    assert math.isfinite(model.step_seconds("scan", fused=True, hidden=widest, d=widest, **shape))
+    assert model.step_seconds("scan", fused=True, hidden=widest + 1, d=widest + 1, **shape) == math.inf
+    assert math.isfinite(model.step_seconds("scan", hidden=256, d=256, **shape))  # the factored scan: measured
+    assert model.step_seconds("torch", hidden=256, d=256, **shape) < math.inf
+
+
 def test_with_the_fused_kernels_constants_the_model_picks_within_10_percent_on_the_h200_grid_of_be3c8e9():
     """Issue 28: the H200's grid at be3c8e9, where "auto" ran the fused backward kernel on 12 shapes (its
     constants fitted on that grid's launches alone, the rest on the H100's): at each of the 61 shapes with
