@@ -273,6 +273,15 @@ __device__ void fixed_forward(const Layer<float>& p) {
     copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
 }
 
+// The sum of v over the S adjacent lanes of a unit (S a power of two within a warp; every lane of the warp
+// calls it): a butterfly of shuffles, which hands every lane the same bits (each addition commutes).
+template <int S, class T>
+__device__ __forceinline__ T unit_sum(T v) {
+#pragma unroll
+    for (int o = S / 2; o > 0; o /= 2) v += __shfl_sync(0xffffffffu, v, (threadIdx.x % 32) ^ o);
+    return v;
+}
+
 // ---- family 2: any H, W_hh in shared memory; or float32 H > 32 compiled per H, W_hh in registers ----------
 //
 // HF > 0 (a module compiled per cell and H, float32): unit j's rows of W_hh (G rows of H) split over S lanes a
@@ -404,8 +413,7 @@ __device__ void shared_forward(const Layer<T>& p) {
                 T sum = acc[g][0];
 #pragma unroll
                 for (int e = 1; e < V; ++e) sum += acc[g][e];
-#pragma unroll
-                for (int o = S / 2; o > 0; o /= 2) sum += __shfl_sync(0xffffffffu, sum, (threadIdx.x % 32) ^ o);
+                sum = unit_sum<S>(sum);
                 v[g] = bias_inside<C>(g) ? sum + v_bias[g] : sum;
             }
             if (HF > 0 || active) {
@@ -644,8 +652,7 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                 T sum = acc[0];
 #pragma unroll
                 for (int v = 1; v < V; ++v) sum += acc[v];
-#pragma unroll
-                for (int o = S / 2; o > 0; o /= 2) sum += __shfl_sync(0xffffffffu, sum, (threadIdx.x % 32) ^ o);
+                sum = unit_sum<S>(sum);
                 if (active) carried += sum;  // the GRU's diagonal part plus r W_hh
             }
         }

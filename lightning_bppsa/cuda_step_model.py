@@ -58,8 +58,7 @@ from lightning_bppsa.kernels import cuda as cuda_kernel
 from lightning_bppsa.kernels import recurrent_cuda
 
 __all__ = ["FUSED_MEASURED_HIDDEN", "KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel",
-           "forward_seconds",
-           "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
+           "forward_seconds", "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
 
 #: the widest hidden size of a measured fused backward launch (the H200's grid at be3c8e9: none above 128, where
 #: the kernels then refused H = 256): the model does not extrapolate the scan's step beyond it (it would pick the
