@@ -3,7 +3,7 @@
     python benchmarks/fit_cuda_model.py           # the fitted constants, each row's error, the path each shape gets
     python benchmarks/fit_cuda_model.py --write   # the same, and the constants written into cuda_step_model.py
     python benchmarks/fit_cuda_model.py --data results/cuda-calib.csv   # another grid (e.g. a new GPU run's)
-    python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-be3c8e9.csv --write  # fused: an H200's
+    python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-a4e83a3.csv --write  # fused: an H200's
 
 No GPU needed. Data: ``results/calib-h100-2026-11-26-eeeac3a.csv`` (the calibration grid of ``benchmarks/gpu.py``
 on an H100, package commit eeeac3a; its ``#`` lines say where it comes from): kernel launches alone, whole
@@ -13,7 +13,7 @@ step on cuDNN's rows; the scan step on the rows that ran the scan with the CUDA 
 kernel time of the launch that ran taken from the measurements (:func:`measured_kernel`), so that
 kernel-model error does not leak into the step constants; the fused backward kernel's constants on its
 launches alone (``fused_kernel`` rows, from the RNN grid: ``G = 1``), where the data has them (the H100 file
-does not: ``--fused-data`` names a file that does, e.g. ``results/cuda-calib-h200-be3c8e9.csv``, an H200's, the
+does not: ``--fused-data`` names a file that does, e.g. ``results/cuda-calib-h200-a4e83a3.csv``, an H200's, the
 same GH100 chip). Least squares on log(predicted / measured). Where the fused kernel ran at a shape's ``d``,
 the path picked compares cuDNN with the faster the model predicts of the factored scan and the fused kernel.
 """
@@ -220,37 +220,79 @@ def _fit(fields: list[str], residuals, base):
 
 def fit(data: Calibration, fused: Calibration | None = None) -> tuple[model.KernelConstants, model.StepConstants]:
     """The constants that fit ``data``, from :data:`START_KERNELS` and :data:`START_STEPS`; the fused kernel's on
-    ``fused``'s launches (default: ``data``'s)."""
+    ``fused``'s launches (default: ``data``'s), and the forward kernel's above one warp in float32 on ``fused``'s
+    steps (none without ``fused``: ``data``'s ran the kernels before them)."""
     kfields = [f.name for f in dataclasses.fields(model.KernelConstants)]
     kernels = _fit(kfields, lambda k: kernel_residuals(data, k), START_KERNELS)
     names = [f.name for f in dataclasses.fields(model.StepConstants)]
     torch_fields = [f for f in names if f.startswith("torch")]
-    scan_fields = [f for f in names if not f.startswith(("torch", "fused"))]
+    # the generic forward's constants are kept: fitted at eeeac3a, where float32 d > 32 ran it (now float64's)
+    scan_fields = [f for f in names if not f.startswith(("torch", "fused", "generic")) and f not in REGISTER_FORWARD_FIELDS]
     steps = _fit(torch_fields, lambda s: torch_residuals(data, s), START_STEPS)
     steps = _fit(scan_fields, lambda s: scan_residuals(data, s, kernels), steps)
-    return kernels, fit_fused(fused or data, steps)
+    if fused is None:
+        return kernels, fit_fused(data, steps)
+    steps = fit_fused(fused, steps)
+    return kernels, fit_register_forward(fused, steps, kernels)
 
 
-#: the fused backward kernel's constants, each fitted where a launch of its family was measured
-FUSED_FIELDS = ("fused_launch", "fused_step", "fused_generic_step", "fused_generic_unit")
+#: the fused backward kernel's constants, each family's fitted where a launch of that family was measured
+FUSED_FIELDS = ("fused_launch", "fused_step", "fused_register_step", "fused_register_unit", "fused_register_shared")
+#: the forward kernel's above one warp in float32 (``W_hh`` in registers, or partly)
+REGISTER_FORWARD_FIELDS = ("forward_register_step", "forward_register_unit", "forward_register_shared")
+
+
+def _wide(x) -> bool:
+    """Whether a launch or step of the RNN grid ran the float32 kernels of ``H > 32`` (:func:`recurrent_cuda.wide_layout`)."""
+    return x.d > recurrent_cuda.FIXED_HIDDEN
 
 
 def fit_fused(data: Calibration, steps: model.StepConstants) -> model.StepConstants:
     """``steps`` with the fused kernel's constants fitted on ``data.fused``, starting from ``steps``' values; a
-    family without a measured launch (float32 ``H <= 32``: per ``H``; else generic) keeps ``steps``' constants.
-    A grid measured at ff2c2be or later ran, at 32 < d, kernels holding ``W_hh`` in registers, wholly or in
-    part (``recurrent_cuda.wide_layout``), not the shared-memory one the generic constants describe: those rows
-    want a family of their own before they are fitted here (none yet: no such launch has been measured)."""
-    per_h = [x for x in data.fused if x.d <= recurrent_cuda.FIXED_HIDDEN]
-    fields = (["fused_launch"] if data.fused else []) + (["fused_step"] if per_h else []) + (
-        ["fused_generic_step", "fused_generic_unit"] if len(data.fused) > len(per_h) else []
+    family without a measured launch (float32 ``H <= 32``: per ``H``; above: ``W_hh`` in registers or partly,
+    ``recurrent_cuda.wide_layout``) keeps ``steps``' constants. ``data`` must be a grid measured at ff2c2be or
+    later (before, the kernels above a warp read all of ``W_hh`` from shared memory: the generic constants,
+    fitted on ``results/cuda-calib-h200-be3c8e9.csv`` and now describing float64's kernels, are not refitted)."""
+    wide = [x for x in data.fused if _wide(x)]
+    fields = (["fused_launch"] if data.fused else []) + (["fused_step"] if len(data.fused) > len(wide) else []) + (
+        list(FUSED_FIELDS[2:]) if wide else []
     )
     return _fit(fields, lambda s: fused_residuals(data, s), steps) if fields else steps
 
 
+def fit_register_forward(
+    data: Calibration, steps: model.StepConstants, kernels: model.KernelConstants
+) -> model.StepConstants:
+    """``steps`` with the forward kernel's constants above one warp in float32 fitted on ``data``'s scan steps at
+    ``d > 32`` (the factored scan's, its kernel as measured, :func:`measured_kernel`; the fused kernel's, its
+    launch as measured), the other constants as given; unchanged where ``data`` has no such step."""
+    residuals = register_forward_residuals(data, steps, kernels)
+    if not residuals:
+        return steps
+    return _fit(list(REGISTER_FORWARD_FIELDS), lambda s: register_forward_residuals(data, s, kernels), steps)
+
+
+def register_forward_residuals(
+    data: Calibration, s: model.StepConstants, kernels: model.KernelConstants
+) -> list[float]:
+    """log(predicted / measured) of each scan step of ``data`` at ``d > 32`` whose backward was measured alone
+    (:func:`fit_register_forward`)."""
+    out = _scan_residuals(data, [x for x in _fitted_scans(data) if _wide(x)], s, kernels)
+    launches = {(x.d, x.batch, x.n): x.seconds for x in data.fused}
+    quiet = _without_kernels(kernels)
+    for key, seconds in sorted(data.fused_steps.items()):
+        if key[0] > recurrent_cuda.FIXED_HIDDEN and key in launches:  # the step without its backward kernel
+            pred = step("scan", *key, algorithm="linear", constants=s, kernels=quiet) + launches[key]
+            out.append(math.log(pred / seconds))
+    return out
+
+
 def fused_residuals(data: Calibration, s: model.StepConstants) -> list[float]:
     """log(predicted / measured) of each fused kernel launch (the RNN grid: one gate block, float32)."""
-    return [math.log(model.fused_seconds(gates=1, hidden=x.d, n=x.n, constants=s) / x.seconds) for x in data.fused]
+    return [
+        math.log(model.fused_seconds(gates=1, hidden=x.d, n=x.n, batch=x.batch, constants=s) / x.seconds)
+        for x in data.fused
+    ]
 
 
 def kernel_residuals(data: Calibration, k: model.KernelConstants) -> list[float]:
@@ -270,14 +312,32 @@ def _fitted_scans(data: Calibration) -> list[ScanStep]:
     return [s for s in data.scans if not s.torch_forward]
 
 
+def _without_kernels(kernels: model.KernelConstants) -> model.KernelConstants:
+    """``kernels`` priced at nothing: a step's prediction without its scan kernel (added as measured)."""
+    return dataclasses.replace(kernels, **{f.name: 0.0 for f in dataclasses.fields(kernels)})
+
+
+def _host_scans(data: Calibration) -> list[ScanStep]:
+    """The scan steps the host's, the forward's per-``H`` and the elementwise constants are fitted on: ``d <= 32``
+    (above, the forward kernels changed since the H100's grid: :func:`fit_register_forward`)."""
+    return [s for s in _fitted_scans(data) if not _wide(s)]
+
+
 def scan_residuals(data: Calibration, s: model.StepConstants, kernels: model.KernelConstants) -> list[float]:
-    """log(predicted / measured) of each scan step, the kernel inside it as measured (:func:`measured_kernel`)."""
-    quiet = dataclasses.replace(kernels, **{f.name: 0.0 for f in dataclasses.fields(kernels)})
-    out = []
-    for x in _fitted_scans(data):
-        pred = step("scan", x.d, x.batch, x.n, algorithm=x.algorithm, constants=s, kernels=quiet)
-        out.append(math.log((pred + measured_kernel(data, x, kernels)) / x.seconds))
-    return out
+    """log(predicted / measured) of each scan step of :func:`_host_scans`, the kernel inside it as measured
+    (:func:`measured_kernel`)."""
+    return _scan_residuals(data, _host_scans(data), s, kernels)
+
+
+def _scan_residuals(
+    data: Calibration, scans: list[ScanStep], s: model.StepConstants, kernels: model.KernelConstants
+) -> list[float]:
+    quiet = _without_kernels(kernels)
+    return [
+        math.log((step("scan", x.d, x.batch, x.n, algorithm=x.algorithm, constants=s, kernels=quiet)
+                  + measured_kernel(data, x, kernels)) / x.seconds)
+        for x in scans
+    ]  # fmt: skip
 
 
 def write(constants: list) -> None:
@@ -311,8 +371,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     data = load(args.data)
+    kernels, steps = fit(data, load(args.fused_data) if args.fused_data else None)
     fused = load(args.fused_data) if args.fused_data else data
-    kernels, steps = fit(data, fused)
     for name, fitted in (("KernelConstants", kernels), ("StepConstants", steps)):
         print(name)
         for f in dataclasses.fields(fitted):
@@ -322,6 +382,8 @@ def main() -> None:
     _errors("scan steps", scan_residuals(data, steps, kernels))
     if fused.fused:
         _errors("fused kernel launches", fused_residuals(fused, steps))
+    if args.fused_data:
+        _errors("scan steps above a warp (forward kernel)", register_forward_residuals(fused, steps, kernels))
     print("\nkernel launches, worst 12 (measured ms, predicted / measured)")
     res = kernel_residuals(data, kernels)
     for r, x in sorted(zip(res, data.launches, strict=True), key=lambda p: -abs(p[0]))[:12]:
@@ -329,7 +391,7 @@ def main() -> None:
             f"  {x.algorithm:8s} c={x.chunk:<5d} d={x.d:<4d} B={x.batch:<4d} T={x.n:<6d} {x.seconds * 1e3:9.3f}  x{math.exp(r):.2f}"
         )
     print("\nscan steps (measured ms, predicted / measured with the kernel as measured)")
-    for r, x in zip(scan_residuals(data, steps, kernels), _fitted_scans(data), strict=True):
+    for r, x in zip(scan_residuals(data, steps, kernels), _host_scans(data), strict=True):
         print(
             f"  d={x.d:<4d} B={x.batch:<4d} T={x.n:<6d} {x.algorithm:8s} c={x.chunk:<5d} {x.seconds * 1e3:8.3f}  x{math.exp(r):.2f}"
         )

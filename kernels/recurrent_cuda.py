@@ -79,8 +79,10 @@ __all__ = [
     "lstm_forward",
     "module_options",
     "WideLayout",
+    "wide_blocks_per_sm",
     "wide_layout",
     "wide_options",
+    "wide_threads",
     "prepare",
     "refusal",
     "rnn_backward",
@@ -167,13 +169,10 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward") -> WideLayo
     registers_a_pack = 4 if backward else 4 * gates  # a forward lane holds a pack of each gate's row
     best = None
     for split in (1, 2, 4, 8):
-        threads = 32 * math.ceil(hidden * split / 32)
+        threads = wide_threads(hidden, split)
         if threads > _MAX_THREADS_PER_BLOCK:
             break
-        # a thread's registers under __launch_bounds__(threads): a quarter of the file serves each of the SM's
-        # four schedulers, whose warps share it (ptxas's bound; in whole 8-register units)
-        warps_a_quarter = math.ceil(threads / 32 / 4)
-        limit = min(255, _REGISTERS_PER_SM // 4 // warps_a_quarter // 32 // 8 * 8)
+        limit = _register_limit(threads)
         lane, other = math.ceil(packs / split), _OTHER_REGISTERS[direction][cell]
         if lane * registers_a_pack + other <= limit:
             return WideLayout(split, lane, lane)
@@ -181,6 +180,33 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward") -> WideLayo
         if best is None or split * fit > best.split * best.register_packs:
             best = WideLayout(split, fit, lane)
     return best
+
+
+def wide_threads(hidden: int, split: int) -> int:
+    """Threads of a block of a :class:`WideLayout` kernel: ``split`` lanes a unit, in whole warps."""
+    return 32 * math.ceil(hidden * split / 32)
+
+
+def _register_limit(threads: int) -> int:
+    """A thread's registers under ``__launch_bounds__(threads)``: a quarter of the file serves each of the SM's
+    four schedulers, whose warps share it (ptxas's bound; in whole 8-register units)."""
+    warps_a_quarter = math.ceil(threads / 32 / 4)
+    return min(255, _REGISTERS_PER_SM // 4 // warps_a_quarter // 32 // 8 * 8)
+
+
+def wide_blocks_per_sm(cell: str, hidden: int, direction: str) -> int:
+    """Blocks of the float32 ``direction`` kernel of ``hidden`` (:func:`wide_layout`) one multiprocessor holds
+    at once by registers: a thread's estimated from its layout (the share in registers and the lane's others,
+    as :func:`wide_layout` reckons them, up to ptxas's bound); 1 where there is no such kernel."""
+    layout = wide_layout(cell, hidden, direction)
+    if layout is None:
+        return 1
+    threads = wide_threads(hidden, layout.split)
+    a_pack = 4 if direction == "backward" else 4 * CELLS[cell]
+    hybrid = _SHARED_PART_REGISTERS if layout.register_packs < layout.lane_packs else 0
+    wanted = layout.register_packs * a_pack + _OTHER_REGISTERS[direction][cell] + hybrid
+    registers = min(_register_limit(threads), math.ceil(wanted / 8) * 8)
+    return max(1, _REGISTERS_PER_SM // (threads * registers))
 
 
 def _register_layout(cell: str, hidden: int, element_bytes: int, direction: str) -> WideLayout | None:
@@ -378,7 +404,7 @@ def _kernel_and_block(
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", 32, nbytes, module_options(hidden)
     layout = _register_layout(cell, hidden, element_bytes, direction)
     if layout is not None:
-        threads = 32 * math.ceil(hidden * layout.split / 32)
+        threads = wide_threads(hidden, layout.split)
         options = wide_options(cell, hidden, layout, direction)
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, options
     return f"bppsa_{cell}_{direction}_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()

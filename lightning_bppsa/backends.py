@@ -433,7 +433,7 @@ def _kernel_seconds(
 ) -> tuple[float, float]:
     """The CUDA step model's seconds of the fused backward kernel and of the factored scan planned ``chosen``."""
     element_bytes = torch.finfo(dtype).bits // 8
-    fused = cuda_step_model.fused_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes)
+    fused = cuda_step_model.fused_seconds(gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes)
     factored = cuda_step_model.kernel_seconds(chosen.algorithm, n=n, d=d, m=width, batch=batch, chunk=chosen.chunk,
                                               element_bytes=element_bytes)  # fmt: skip
     return fused, factored

@@ -28,23 +28,29 @@ batch ``B`` and ``n`` steps (seconds):
 
 A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``: the linear recursion and its
 gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
-kernel: a launch plus the form of the forward kernel's steps (a thread per unit doing ``G H`` multiply-adds a
-step against ``W_hh`` in registers, float32 ``H <= 32``, or in shared memory) with constants of its own,
-fitted by ``benchmarks/fit_cuda_model.py --fused-data`` on the 60 ``fused_kernel`` launches of an H200's grid
-(``results/cuda-calib-h200-be3c8e9.csv``; median error 16%, worst 1.38x: the kernel takes up to ~1.5x longer
-a step at B >= 16 than at B = 1, which the form does not carry). With them the model's pick is within 10% of
-the faster measured path at all 61 shapes of that grid with a scan step measured (the fused kernel's steps
-included). Since then float32 layers with 32 < H run forward and backward kernels holding ``W_hh`` in
-registers, or as much of it as fits (``recurrent_cuda.wide_layout``), never measured yet: the model still
-prices them as the shared-memory kernels it was fitted on (cautious: those load all of ``W_hh`` from shared
-memory every step), until a GPU run refits the constants.
+kernel: a launch plus the form of the forward kernel's steps (:func:`_row_kernel_seconds`) with constants of
+its own. Both directions' kernels come in three families: float32 ``H <= 32`` compiled per ``H`` (one warp,
+``W_hh`` in registers: a constant a step); float32 ``32 < H <= 256`` compiled per cell and ``H``
+(``recurrent_cuda.wide_layout``: a unit's share of ``W_hh`` split over its lanes, in registers or partly in
+shared memory: a step plus a lane's multiply-adds from each, in waves of the blocks the SMs hold by
+registers); float64, generic (``W_hh`` in shared memory; its constants fitted on the float32 shared-memory
+kernels they replaced, at eeeac3a and be3c8e9). The fused kernel's constants and the float32 forward's above
+a warp are fitted by ``benchmarks/fit_cuda_model.py --fused-data`` on an H200's grid at a4e83a3
+(``results/cuda-calib-h200-a4e83a3.csv``): the 72 ``fused_kernel`` launches (median error 16%, worst 1.47x:
+a step takes up to ~1.5x longer at B >= 16 than at B = 1, which the form does not carry) and the 45 scan
+steps at ``d > 32`` with their backward as measured alone (median 10%, worst 1.39x). The forward's constant
+for multiply-adds from shared memory is its start value, a guess: only RNN ``H = 256`` reads part of ``W_hh``
+from there, measured at T = 100 alone, where the host hides it (so no step above
+:data:`FUSED_MEASURED_HIDDEN` is priced). With them the model's pick is within 10% of the faster measured
+path at 63 of the 64 shapes of that grid with a scan step measured, 1.18x at d = 64 B = 16 T = 1000, where
+repeated measurements of both paths differ by more (``tests/test_cuda_step_model.py``).
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
 shape, d = 20 B = 1 T = 100), cuDNN's step on 72 shapes (median 11%, worst 1.56x at T = 100, where cuDNN
-measured 0.57-1.33 ms), the scan step on 121 measured steps (forced linear / chunked and ``auto``'s; median
-6%, worst 1.41x) of the RNN grid d in {8..256} x B in {1..256} x T in {100, 1000, 10000}. At 58 of the 59
-shapes where both were measured, the path it picks costs within 10% of the faster; at d = 20 B = 64 T = 1000
+measured 0.57-1.33 ms), the scan step on its 87 measured steps at d <= 32 (forced linear / chunked and
+``auto``'s; median 6%, worst 1.41x; above, the forward kernels since replaced ran) of the RNN grid
+d in {8..256} x B in {1..256} x T in {100, 1000, 10000}. At 58 of the 59 shapes where both were measured, the path it picks costs within 10% of the faster; at d = 20 B = 64 T = 1000
 1.13x, within the spread of repeated measurements there (``tests/test_cuda_step_model.py``). Only RNN cells
 (``G = 1``) were measured: the ``G`` terms are a form, not a fit.
 """
@@ -60,9 +66,10 @@ from lightning_bppsa.kernels import recurrent_cuda
 __all__ = ["FUSED_MEASURED_HIDDEN", "KERNELS", "STEPS", "KernelConstants", "StepConstants", "fastest_kernel",
            "forward_seconds", "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
 
-#: the widest hidden size of a measured fused backward launch (the H200's grid at be3c8e9: none above 128, where
-#: the kernels then refused H = 256): the model does not extrapolate the scan's step beyond it (it would pick the
-#: scan at d = 256 T = 1000 by 2-10% on constants fitted at d <= 128, for kernels never timed there)
+#: the widest hidden size at which a whole step with the fused backward was measured at T >= 1000, where the
+#: forward kernel's time shows (the H200's grid at a4e83a3: 128; at d = 256 the fused kernel alone, and steps
+#: at T = 100 only): the model does not extrapolate the scan's step beyond it (fitted at d <= 128 it would pick
+#: the scan at d = 256 T = 1000 by 25-35% for a forward kernel never timed there)
 FUSED_MEASURED_HIDDEN = 128
 
 H100_SMS = 132
@@ -101,17 +108,25 @@ class StepConstants:
     torch_row: float = 5.07e-08
     torch_batch: float = 2.36e-09
     torch_mac: float = 2.39e-13
-    scan_host: float = 0.00117
-    scan_gpu: float = 0.000103
-    forward_step: float = 2e-07
-    generic_step: float = 4.47e-08
-    generic_unit: float = 5.54e-09
-    elementwise: float = 3.52e-11
+    scan_host: float = 0.00118
+    scan_gpu: float = 1.69e-05
+    forward_step: float = 2.08e-07
+    generic_step: float = 2e-07
+    generic_unit: float = 5e-09
+    elementwise: float = 3.48e-11
     #: the fused backward kernel's launch and step, per kernel family as the forward's
-    fused_launch: float = 4.33e-05
-    fused_step: float = 1.62e-07
+    fused_launch: float = 5.06e-05
+    fused_step: float = 1.46e-07
     fused_generic_step: float = 4.08e-07
     fused_generic_unit: float = 5.41e-09
+    #: the float32 kernels compiled per H > 32 (W_hh in registers, or partly): a step, per multiply-add of a
+    #: lane's share in registers, per multiply-add of it in shared memory; the forward's and the backward's
+    forward_register_step: float = 3.25e-07
+    forward_register_unit: float = 1.39e-10
+    forward_register_shared: float = 6e-09
+    fused_register_step: float = 3.06e-15
+    fused_register_unit: float = 3.26e-09
+    fused_register_shared: float = 9.99e-09
 
 
 KERNELS = KernelConstants()
@@ -236,38 +251,66 @@ def fastest_kernel(
     return ("chunked", chunk) if chunked < linear else ("linear", 1)
 
 
+#: the cell kind of a gate count (the float32 kernels above one warp are laid out per cell)
+_CELL_OF_GATES = {1: "rnn_tanh", 3: "gru", 4: "lstm"}
+
+
 def _row_kernel_seconds(
-    gates: int, hidden: int, n: int, element_bytes: int, step: float, generic_step: float, generic_unit: float
+    direction: str,
+    *,
+    gates: int,
+    hidden: int,
+    n: int,
+    batch: int,
+    element_bytes: int,
+    per_h: float,
+    generic: tuple[float, float],
+    register: tuple[float, float, float],
 ) -> float:
-    """``n`` dependent steps of a kernel with one block per batch row and a thread per hidden unit doing ``G H``
-    multiply-adds a step: float32 with ``H <= 32`` compiled per ``H`` (``W_hh`` in registers, one warp: measured
-    the same a step for every ``H`` of the grid, ``step``), else generic (``W_hh`` in shared memory, a step
-    growing with ``G H``)."""
+    """``n`` dependent steps of the ``direction`` kernel with one block per batch row: float32 with ``H <= 32``
+    compiled per ``H`` (``W_hh`` in registers, one warp: measured the same a step for every ``H`` of the grid,
+    ``per_h``); float32 above that compiled per ``H`` with a unit's share of ``W_hh`` split over its lanes, in
+    registers or partly in shared memory (``recurrent_cuda.wide_layout``: ``register`` = a step, a lane's
+    multiply-add from registers, from shared memory), in waves of the blocks the SMs hold by registers; else
+    generic (``W_hh`` in shared memory, a step growing with ``G H``: float64)."""
     if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
-        return n * step
-    return n * (generic_step + generic_unit * gates * hidden)
+        return n * per_h
+    cell = _CELL_OF_GATES.get(gates)
+    layout = recurrent_cuda.wide_layout(cell, hidden, direction) if element_bytes == 4 and cell else None
+    if layout is None:
+        return n * (generic[0] + generic[1] * gates * hidden)
+    rows = gates if direction == "forward" else 1  # a forward lane holds a pack of each gate's row
+    on_chip, in_shared = 4 * rows * layout.register_packs, 4 * rows * (layout.lane_packs - layout.register_packs)
+    waves = math.ceil(batch / (H100_SMS * recurrent_cuda.wide_blocks_per_sm(cell, hidden, direction)))
+    return n * waves * (register[0] + register[1] * on_chip + register[2] * in_shared)
 
 
 def forward_seconds(
-    *, gates: int, hidden: int, n: int, element_bytes: int = 4, constants: StepConstants = STEPS
+    *, gates: int, hidden: int, n: int, batch: int, element_bytes: int = 4, constants: StepConstants = STEPS
 ) -> float:
-    """Predicted seconds of the scan's forward kernel over ``n`` steps (:mod:`lightning_bppsa.kernels.recurrent_cuda`,
-    :func:`_row_kernel_seconds`; no waves below ~500 rows)."""
+    """Predicted seconds of the scan's forward kernel over ``n`` steps of ``batch`` rows
+    (:mod:`lightning_bppsa.kernels.recurrent_cuda`, :func:`_row_kernel_seconds`)."""
     s = constants
-    return _row_kernel_seconds(gates, hidden, n, element_bytes, s.forward_step, s.generic_step, s.generic_unit)
+    return _row_kernel_seconds(
+        "forward", gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, per_h=s.forward_step,
+        generic=(s.generic_step, s.generic_unit),
+        register=(s.forward_register_step, s.forward_register_unit, s.forward_register_shared),
+    )  # fmt: skip
 
 
 def fused_seconds(
-    *, gates: int, hidden: int, n: int, element_bytes: int = 4, constants: StepConstants = STEPS
+    *, gates: int, hidden: int, n: int, batch: int, element_bytes: int = 4, constants: StepConstants = STEPS
 ) -> float:
-    """Predicted seconds of the fused backward kernel over ``n`` steps: the form of the forward kernel's
-    (:func:`_row_kernel_seconds`: the same ``G H`` terms a thread, ``W_hh`` in registers or shared memory) with
-    its own constants (``fused_*``, and a launch ``fused_launch``: fitted on an H200's launches by
-    ``benchmarks/fit_cuda_model.py --fused-data``, see the module docstring)."""
+    """Predicted seconds of the fused backward kernel over ``n`` steps of ``batch`` rows: the form of the
+    forward kernel's (:func:`_row_kernel_seconds`) with its own constants (``fused_*``, and a launch
+    ``fused_launch``: fitted on an H200's launches by ``benchmarks/fit_cuda_model.py --fused-data``, see the
+    module docstring)."""
     s = constants
     return s.fused_launch + _row_kernel_seconds(
-        gates, hidden, n, element_bytes, s.fused_step, s.fused_generic_step, s.fused_generic_unit
-    )
+        "backward", gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, per_h=s.fused_step,
+        generic=(s.fused_generic_step, s.fused_generic_unit),
+        register=(s.fused_register_step, s.fused_register_unit, s.fused_register_shared),
+    )  # fmt: skip
 
 
 def step_seconds(
@@ -299,13 +342,13 @@ def step_seconds(
     if fused:
         if hidden > FUSED_MEASURED_HIDDEN:  # never measured there: not priced, so cuDNN's step is the pick
             return math.inf
-        kernel = fused_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=s)
+        kernel = fused_seconds(gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, constants=s)
     else:
         name, chunk = fastest_kernel(
             algorithm, n=n, d=d, m=m, batch=batch, element_bytes=element_bytes, constants=kernels
         )
         kernel = kernel_seconds(name, n=n, d=d, m=m, batch=batch, chunk=chunk, element_bytes=element_bytes,
                                 constants=kernels)  # fmt: skip
-    forward = forward_seconds(gates=gates, hidden=hidden, n=n, element_bytes=element_bytes, constants=s)
+    forward = forward_seconds(gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, constants=s)
     # the host's Python up to the scan's launch overlaps the forward; the scan and what follows it do not
     return max(s.scan_host, s.scan_gpu + forward) + kernel + s.elementwise * batch * n * gates * hidden
