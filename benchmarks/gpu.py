@@ -172,6 +172,9 @@ STAGES = tuple(STAGE_SHARES)
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
 TESTS_SECONDS = 150.0  # tests/gpu took 83 s with a cold kernel cache on an H200 once, > 90 s another time
+#: pytest-xdist's workers where it is installed (the lent GPU machines have it, and 16 cores): tests/gpu compiles
+#: a kernel module per cell and H on the CPU (NVRTC), > 150 s in one process on an H200 at a4e83a3
+TEST_WORKERS = ("-n", str(min(8, os.cpu_count() or 1))) if importlib.util.find_spec("xdist") else ()
 TESTS_COMMAND = (
     sys.executable,
     "-m",
@@ -179,6 +182,7 @@ TESTS_COMMAND = (
     "tests/gpu",
     "-p",
     "no:cacheprovider",
+    *TEST_WORKERS,
 )  # -q: pyproject's addopts (-qq hides the count)
 
 Workload = tuple[str, int, int, int, int]  # (cell, B, T, input, H)
