@@ -21,9 +21,12 @@
 //
 // 1. bppsa_<cell>_forward_f32_h<H>: float32, H <= 32 a COMPILE-TIME constant (the module is compiled per H
 //    on demand with -DBPPSA_REC_HIDDEN=<H>, or for a list with BPPSA_REC_HIDDEN_LIST(X) = X(1) X(5) ...),
-//    one warp per row. A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from shared memory),
-//    the dot products (fully unrolled, W_hh in registers: G H floats per lane), the cell's functions, store
-//    h_t to shared memory, one __syncwarp. Everything else is kept off that path:
+//    one warp per row for the RNN cells, one warp per GATE for GRU and LSTM (gate_split_forward: each warp
+//    one gate's dot product and activation, a barrier, every warp the cell's update from the G gates, a
+//    barrier; the stores shared out). A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from
+//    shared memory), the dot products (fully unrolled, W_hh in registers: G H floats per lane, or H a warp
+//    of a gated cell), the cell's functions, store h_t to shared memory, a barrier (__syncwarp for one
+//    warp). Everything else is kept off that path:
 //    - gi is staged through a ring of R = BPPSA_REC_RING step rows in shared memory, filled R - 1 steps
 //      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). The previous kernel loaded a
 //      step's gi one step ahead, so a step could not be shorter than a global-load round trip: on an H100
@@ -58,8 +61,8 @@
 // other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
 // h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
 // Shared memory (computed by kernels/recurrent_cuda.py:shared_bytes, which with prepare picks the kernel
-// and returns None where the caller runs torch's forward): family 1 (2 KC 4 + R G H) floats, family 2
-// (G H + 2) KC V elements.
+// and returns None where the caller runs torch's forward): family 1 (2 KC 4 + R G H) floats (GRU / LSTM:
+// and their warps' gates, (G + 1) 32 / G 32), family 2 (G H + 2) KC V elements.
 #include "cuda_host_emulation.h"
 #include "recurrent_emulation.h"
 
@@ -110,6 +113,38 @@ struct Layer {
     int hidden;
 };
 
+// A gate's value where it needs no other gate: GRU's r and z, every LSTM gate activated; GRU's n needs r, so
+// its hidden part v passes through (its input part u goes to cell_combine beside it).
+template <class T, int C>
+__device__ __forceinline__ T gate_stage(int g, T u, T v) {
+    if constexpr (C == kGru) return g < 2 ? bppsa_rec::sigmoid_of(u + v) : v;
+    return g == 2 ? bppsa_rec::tanh_of(u + v) : bppsa_rec::sigmoid_of(u + v);
+}
+
+// The gated cells' update from their gate_stage values a (u2: GRU's input part of n); c is the LSTM's cell
+// state (updated); f receives the unit's factors. Returns h_t.
+template <class T, int C>
+__device__ __forceinline__ T cell_combine(const T (&a)[kGates<C>], T u2, T h_prev, T& c, T (&f)[kFactors<C>]) {
+    if constexpr (C == kGru) {
+        const T r = a[0], z = a[1];
+        const T n = bppsa_rec::tanh_of(u2 + r * a[2]);
+        const T diff = h_prev - n;
+        const T dn = (T(1) - z) * (T(1) - n * n);
+        f[0] = dn * a[2] * r * (T(1) - r);  // scales
+        f[1] = diff * z * (T(1) - z);
+        f[2] = dn * r;
+        f[3] = z;
+        f[4] = dn;
+        return diff * z + n;
+    } else {
+        c = a[1] * c + a[0] * a[2];
+        f[0] = c;  // cells
+#pragma unroll
+        for (int g = 0; g < 4; ++g) f[1 + g] = a[g];  // activated gates: in, forget, cand, out
+        return a[3] * bppsa_rec::tanh_of(c);
+    }
+}
+
 // The cell on one unit: u[g] = gi_g (+ b_g unless inside), v[g] = (W h_prev)_g (+ b_g if inside); c is the
 // LSTM's cell state (updated); f receives the unit's factors. Returns h_t.
 template <class T, int C>
@@ -120,30 +155,11 @@ __device__ __forceinline__ T cell_update(const T (&u)[kGates<C>], const T (&v)[k
     } else if constexpr (C == kRnnRelu) {
         const T a = u[0] + v[0];
         return a <= T(0) ? T(0) : a;  // a NaN stays NaN, as torch's relu
-    } else if constexpr (C == kGru) {
-        const T r = bppsa_rec::sigmoid_of(u[0] + v[0]);
-        const T z = bppsa_rec::sigmoid_of(u[1] + v[1]);
-        const T n = bppsa_rec::tanh_of(u[2] + r * v[2]);
-        const T diff = h_prev - n;
-        const T dn = (T(1) - z) * (T(1) - n * n);
-        f[0] = dn * v[2] * r * (T(1) - r);  // scales
-        f[1] = diff * z * (T(1) - z);
-        f[2] = dn * r;
-        f[3] = z;
-        f[4] = dn;
-        return diff * z + n;
     } else {
-        const T in = bppsa_rec::sigmoid_of(u[0] + v[0]);
-        const T forget = bppsa_rec::sigmoid_of(u[1] + v[1]);
-        const T cand = bppsa_rec::tanh_of(u[2] + v[2]);
-        const T og = bppsa_rec::sigmoid_of(u[3] + v[3]);
-        c = forget * c + in * cand;
-        f[0] = c;  // cells
-        f[1] = in;  // activated gates
-        f[2] = forget;
-        f[3] = cand;
-        f[4] = og;
-        return og * bppsa_rec::tanh_of(c);
+        T a[kGates<C>];
+#pragma unroll
+        for (int g = 0; g < kGates<C>; ++g) a[g] = gate_stage<T, C>(g, u[g], v[g]);
+        return cell_combine<T, C>(a, u[2], h_prev, c, f);
     }
 }
 
@@ -163,16 +179,24 @@ struct Outputs {
     }
     __device__ __forceinline__ void store(T h, const T (&f)[kFactors<C> ? kFactors<C> : 1], int H) {
         *out = h;
-        if constexpr (C == kGru) {
-            f0[0] = f[0];
-            f0[H] = f[1];
-            f0[2 * H] = f[2];
-            *f1 = f[3];
-            *f2 = f[4];
-        } else if constexpr (C == kLstm) {
-            *f0 = f[0];
 #pragma unroll
-            for (int g = 0; g < 4; ++g) f1[g * H] = f[1 + g];
+        for (int part = 1; part < kGates<C>; ++part) store_factors(f, H, part);
+    }
+    // part 1 .. G - 1 of the factors' stores (gate_split_forward's warps 1 .. G - 1 each store one)
+    __device__ __forceinline__ void store_factors(const T (&f)[kFactors<C> ? kFactors<C> : 1], int H, int part) {
+        if constexpr (C == kGru) {
+            if (part == 1) {
+                f0[0] = f[0];
+                f0[H] = f[1];
+                f0[2 * H] = f[2];
+            } else {
+                *f1 = f[3];
+                *f2 = f[4];
+            }
+        } else if constexpr (C == kLstm) {
+            if (part == 1) *f0 = f[0], f1[0] = f[1];
+            else if (part == 2) f1[H] = f[2], f1[2 * H] = f[3];
+            else f1[3 * H] = f[4];
         }
     }
     __device__ __forceinline__ void advance(int H) {
@@ -185,7 +209,7 @@ struct Outputs {
 // ---- family 1: float32, H <= 32 known at compile time, W_hh in registers, gi through the ring -----------
 
 template <int C, int H>
-__device__ void fixed_forward(const Layer<float>& p) {
+__device__ void fixed_forward(const Layer<float>& p) {  // the RNN cells (the gated: gate_split_forward)
     static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
     constexpr int G = kGates<C>, GH = G * H, KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
     const int lane = threadIdx.x % 32;
@@ -271,6 +295,98 @@ __device__ void fixed_forward(const Layer<float>& p) {
         h_in = swap;
     }
     copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
+}
+
+// The gated cells (GRU, LSTM) at H <= 32: one warp a gate, lane j unit j. Warp g holds row g H + j of W_hh
+// in registers, stages its own gate's slice of gi through the ring, and takes its gate to gate_stage; after a
+// barrier every warp combines the G gates alike (each keeps its own copy of c), and the stores are shared out:
+// warp 0 the output and h_t, the others the factors. A step's dependent chain is one gate's H multiply-adds
+// and activation, not G of each (measured: the one-warp kernel issued 242 / 296 instructions a step for
+// GRU / LSTM at H = 20, ~3.2 cycles each, cuDNN's forward ~0.48 us a step against our 0.56-0.62).
+template <int C, int H>
+__device__ void gate_split_forward(const Layer<float>& p) {
+    static_assert(H >= 1 && H <= 32 && (C == kGru || C == kLstm), "gated cells, one lane per hidden unit");
+    constexpr int G = kGates<C>, GH = G * H, KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
+    const int lane = threadIdx.x % 32, g = threadIdx.x / 32;
+    const bool active = lane < H;
+    const int j = active ? lane : H - 1;  // lanes >= H shadow unit H - 1 and store nothing
+    const i64 b = blockIdx.x, steps = p.steps;
+
+    BPPSA_DYNAMIC_SHARED(smem);
+    float* state = reinterpret_cast<float*>(smem);  // two buffers of P values (16-byte aligned)
+    float* ring = state + 2 * P;                    // kRing slots of one step's gi row (G H values)
+    float* gates = ring + kRing * GH;               // [G (+ 1)][32]: gate_stage of each gate (GRU: n's u)
+
+    const float* src = p.gi + b * steps * GH + g * H;  // row b's gi, step 0, this warp's gate
+    bppsa_rec::RowCopy<H> copy;
+    for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start(ring + s * GH + g * H, src + s * GH);
+    copy.commit();
+    src += (kRing - 1) * GH;
+
+    float w[H];
+#pragma unroll
+    for (int k = 0; k < H; ++k) w[k] = p.w_hh[(g * H + j) * H + k];
+    const float bias = p.b_hh ? p.b_hh[g * H + j] : 0.0f;
+    const bool inside = C == kGru && g == 2;
+    const float u_bias = inside ? 0.0f : bias, v_bias = bias;
+    for (int e = threadIdx.x; e < P; e += blockDim.x) {
+        state[e] = e < H ? p.h0[b * H + e] : 0.0f;
+        state[P + e] = 0.0f;
+    }
+    float h_own = p.h0[b * H + j], c_own = C == kLstm ? p.c0[b * H + j] : 0.0f;
+    Outputs<float, C> outputs(p, b, H, j);
+    copy.template wait<0>();
+    __syncthreads();
+
+    const float* h_in = state;
+    float* h_out = state + P;
+    int read = g * H, write = (kRing - 1) * GH + g * H;
+    for (i64 t = 0; t < steps; ++t) {
+        const float u = ring[read + j] + u_bias;
+        float acc[A];
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            const Pack<float> hv = reinterpret_cast<const Pack<float>*>(h_in)[kc];  // one broadcast LDS.128
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                if (4 * kc + v >= H) break;
+                acc[v] = kc == 0 ? w[v] * hv.v[v] : fmaf(w[4 * kc + v], hv.v[v], acc[v]);
+            }
+        }
+        float sum = A == 4 ? (acc[0] + acc[1]) + (acc[2] + acc[3]) : acc[0];
+        if constexpr (A == 2 || A == 3) sum += acc[1];
+        if constexpr (A == 3) sum += acc[2];
+        const float v = inside ? sum + v_bias : sum;  // x + 0.0f is not folded (-0): only where the bias is
+        gates[g * 32 + lane] = gate_stage<float, C>(g, u, v);
+        if (inside) gates[G * 32 + lane] = u;
+        if (t + kRing - 1 < steps) copy.start(ring + write, src);
+        copy.commit();
+        __syncthreads();  // every gate of step t staged
+
+        float a[G], f[kFactors<C>];
+#pragma unroll
+        for (int k = 0; k < G; ++k) a[k] = gates[k * 32 + lane];
+        const float h_new = cell_combine<float, C>(a, C == kGru ? gates[G * 32 + lane] : 0.0f, h_own, c_own, f);
+        if (active) {
+            if (g == 0) {
+                h_out[lane] = h_new;
+                *outputs.out = h_new;
+            } else {
+                outputs.store_factors(f, H, g);  // warp g: part g of them
+            }
+        }
+        h_own = h_new;
+        outputs.advance(H);
+        src += GH;
+        read = read >= (kRing - 1) * GH ? g * H : read + GH;
+        write = write >= (kRing - 1) * GH ? g * H : write + GH;
+        copy.template wait<kRing - 2>();  // step t + 1's slice has landed (in this lane's view) ...
+        __syncthreads();  // ... and in every lane's, with h_t; the gates of step t read by every warp
+        const float* swap = h_out;
+        h_out = const_cast<float*>(h_in);
+        h_in = swap;
+    }
+    copy.template wait<0>();
 }
 
 // The sum of v over the S adjacent lanes of a unit (S a power of two within a warp; every lane of the warp
@@ -458,7 +574,8 @@ __device__ void shared_forward(const Layer<T>& p) {
 // 16-byte vectors (zeros). Shared memory: (2 + H) P elements (backward_shared_bytes in recurrent_cuda.py); 2 P
 // where W_hh is held in registers (float32, compiled per H: below). On an H200 the shared-memory kernel took
 // ~0.65 us a step at H = 64 and ~1 us at H = 128 (cuda-calib-h200-be3c8e9.md's fused kernel column): its G H
-// scalar shared loads of W_hh a step likely bound it (our reading, not a profile); the register kernels load none.
+// scalar shared loads of W_hh a step likely bound it (our reading, not a profile); the register kernels load
+// none and took 0.15-0.21 us a step at H = 64, 0.40-0.56 us at H = 128 (RNN, cuda-calib-h200-a4e83a3.csv).
 
 template <class T>
 struct CellBackward {
@@ -680,6 +797,12 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         fixed_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                     \
     }                                                                                                       \
     BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
+// the gated cells' forward at H <= 32: a warp a gate
+#define BPPSA_REC_GATE_SPLIT_KERNEL(NAME, CELL, H)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * kGates<CELL>) NAME BPPSA_REC_PARAMS(float) {         \
+        gate_split_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                \
+    }                                                                                                       \
+    BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
 // the backward compiled for H, W_hh's column split over S lanes a unit (H S threads, whole warps), RR packs
 // of a lane's share in registers (-1: all)
 #define BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, S, RR)                                                          \
@@ -689,12 +812,18 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                                                                  (int)hidden});                               \
     }                                                                                                         \
     BPPSA_ENTRY(NAME, BPPSA_BWD_PARAMS(float), BPPSA_BWD_HOST_ARGS(float))
-#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H) BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, 1, -1)
+// H <= 32: the gated cells' column (3-4 H rows) over kFixedSplit lanes a unit (recurrent_cuda.FIXED_SPLIT): a
+// step's product is then a half (GRU) or a quarter (LSTM) of the G H multiply-adds one lane did (measured:
+// 135 / 200 instructions a step for GRU / LSTM at H = 20 in one warp, 0.46 / 0.60 us a step on an H200). The
+// GRU's 4 lanes spilled in ptxas at H = 27 (sm_80) and 28-31 (sm_90); 2 do not.
+template <int C>
+constexpr int kFixedSplit = C == kGru ? 2 : C == kLstm ? 4 : 1;
+#define BPPSA_BWD_FIXED_KERNEL(NAME, CELL, H) BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, kFixedSplit<CELL>, -1)
 #define BPPSA_REC_FIXED_KERNELS_(H)                                         \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H)  \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H)  \
-    BPPSA_REC_FIXED_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)            \
-    BPPSA_REC_FIXED_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)          \
+    BPPSA_REC_GATE_SPLIT_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)       \
+    BPPSA_REC_GATE_SPLIT_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)     \
     BPPSA_BWD_FIXED_KERNEL(bppsa_rnn_tanh_backward_f32_h##H, kRnnTanh, H) \
     BPPSA_BWD_FIXED_KERNEL(bppsa_rnn_relu_backward_f32_h##H, kRnnRelu, H) \
     BPPSA_BWD_FIXED_KERNEL(bppsa_gru_backward_f32_h##H, kGru, H)           \

@@ -103,7 +103,11 @@ KERNELS = tuple(
     for suffix in ("f32", "f64")
 )
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
-FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp)
+FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp; GRU /
+# LSTM forward: a warp a gate)
+#: lanes a unit of the gated cells' backward compiled for H <= 32 (recurrent.cu's kFixedSplit): a half / a
+#: quarter of the column's 3 H / 4 H multiply-adds a lane; the RNN cells keep one lane (one warp)
+FIXED_SPLIT = {"gru": 2, "lstm": 4}
 #: steps of gi the H <= 32 kernels stage ahead in shared memory (BPPSA_REC_RING; a lead of RING_DEPTH - 2
 #: steps must cover a global load's latency: ~0.5-1 us on an H100 against ~0.1-0.2 us a step)
 RING_DEPTH = 16
@@ -216,8 +220,9 @@ def _register_layout(cell: str, hidden: int, element_bytes: int, direction: str)
     if element_bytes != 4:
         return None
     if hidden <= FIXED_HIDDEN:
-        lane = math.ceil(CELLS[cell] * hidden / 4)
-        return WideLayout(1, lane, lane)
+        split = FIXED_SPLIT.get(cell, 1) if direction == "backward" else 1
+        lane = math.ceil(math.ceil(CELLS[cell] * hidden / 4) / split)
+        return WideLayout(split, lane, lane)
     return wide_layout(cell, hidden, direction)
 
 
@@ -237,7 +242,7 @@ def module_options(hidden: int) -> tuple[str, ...]:
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors), plus ``W_hh`` packed
     in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
-    the ring of :data:`RING_DEPTH` steps of ``gi``; in the float32 kernels compiled per ``H`` above that
+    the ring of :data:`RING_DEPTH` steps of ``gi`` (GRU / LSTM: and their warps' gates, a warp a gate); in the float32 kernels compiled per ``H`` above that
     (:func:`wide_layout`) the state buffers, padded to whole vectors for each of a unit's lanes, and the part of
     ``W_hh`` not in registers."""
     fixed = _fixed(hidden, element_bytes)
@@ -250,8 +255,9 @@ def _shared_bytes(
 ) -> int:
     width = 16 // element_bytes
     vectors = math.ceil(hidden / width)
-    if fixed:
-        return (2 * vectors * width + RING_DEPTH * CELLS[cell] * hidden) * element_bytes
+    if fixed:  # the gated cells' forward also exchanges its warps' gates: [G (+ 1 for GRU's n)][32]
+        exchange = (CELLS[cell] + (cell == "gru")) * 32 if CELLS[cell] > 1 else 0
+        return (2 * vectors * width + RING_DEPTH * CELLS[cell] * hidden + exchange) * element_bytes
     if layout is not None:
         return _wide_bytes(layout, hidden, CELLS[cell])
     return (CELLS[cell] * hidden + 2) * vectors * width * element_bytes
@@ -400,8 +406,12 @@ def _kernel_and_block(
     element_bytes = torch.finfo(dtype).bits // 8
     size = shared_bytes if direction == "forward" else backward_shared_bytes
     nbytes = size(cell, hidden, element_bytes)
-    if _fixed(hidden, element_bytes):
-        return f"bppsa_{cell}_{direction}_f32_h{hidden}", 32, nbytes, module_options(hidden)
+    if _fixed(hidden, element_bytes):  # the gated cells: forward a warp a gate, backward FIXED_SPLIT lanes a unit
+        if direction == "forward":
+            threads = 32 * CELLS[cell]
+        else:
+            threads = wide_threads(hidden, _register_layout(cell, hidden, 4, direction).split)
+        return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, module_options(hidden)
     layout = _register_layout(cell, hidden, element_bytes, direction)
     if layout is not None:
         threads = wide_threads(hidden, layout.split)

@@ -230,8 +230,10 @@ def test_sums_are_refused():
 
 
 def test_launch_config():
-    """Float32 with H <= 32: the kernel compiled for that H (module options, one warp, shared memory = the two
-    row buffers: W_hh in registers); otherwise a thread per unit in whole warps, W_hh in shared memory."""
+    """Float32 with H <= 32: the kernel compiled for that H (module options, shared memory = the two row buffers:
+    W_hh in registers; the RNN cells one warp, the GRU's column over 2 lanes a unit, the LSTM's over 4); above: per
+    H, W_hh over a unit's lanes in registers and maybe shared memory; otherwise a thread per unit in whole
+    warps, W_hh in shared memory."""
 
     def launch(cell: str, hidden: int, dtype: torch.dtype) -> recurrent_cuda.Launch:
         gates = recurrent_cuda.CELLS[cell]
@@ -242,11 +244,15 @@ def test_launch_config():
         return recurrent_cuda.prepare_backward(cell, tensors, w_hh, None, None, None, device_type="cpu",
                                                shared_limit=1 << 20)[0]  # fmt: skip
 
-    lstm20 = launch("lstm", 20, torch.float32)
-    assert (lstm20.kernel, lstm20.block, lstm20.shared_bytes) == ("bppsa_lstm_backward_f32_h20", 32, 2 * 80 * 4)
+    lstm20 = launch("lstm", 20, torch.float32)  # 80 rows: 20 packs, 5 for each of a unit's 4 lanes (80 threads)
+    assert (lstm20.kernel, lstm20.block, lstm20.shared_bytes) == ("bppsa_lstm_backward_f32_h20", 96, 2 * 80 * 4)
     assert lstm20.options == recurrent_cuda.module_options(20)
-    gru5 = launch("gru", 5, torch.float32)  # 15 rows padded to 16
-    assert (gru5.kernel, gru5.shared_bytes) == ("bppsa_gru_backward_f32_h5", 2 * 16 * 4)
+    gru5 = launch("gru", 5, torch.float32)  # 15 rows: 4 packs, two a lane (10 threads: one warp)
+    assert (gru5.kernel, gru5.block, gru5.shared_bytes) == ("bppsa_gru_backward_f32_h5", 32, 2 * 16 * 4)
+    gru20 = launch("gru", 20, torch.float32)  # 60 rows: 15 packs, 8 a lane (the second lane's 8th: padding)
+    assert (gru20.block, gru20.shared_bytes) == (64, 2 * 64 * 4)
+    rnn20 = launch("rnn_tanh", 20, torch.float32)  # one warp, a lane a unit
+    assert (rnn20.block, rnn20.shared_bytes) == (32, 2 * 20 * 4)
     wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36 (9 packs), W_hh in registers
     assert recurrent_cuda.wide_layout("rnn_tanh", 33) == (1, 9, 9)
     assert (wide.kernel, wide.block, wide.shared_bytes) == ("bppsa_rnn_tanh_backward_f32_h33", 64, 2 * 36 * 4)

@@ -255,12 +255,15 @@ def test_launch_config():
         return prepare(cell, make_layer(cell, 3, 4, hidden, seed=0), dtype)[0]
 
     depth = recurrent_cuda.RING_DEPTH
-    small = launch("gru", 20, torch.float32)
-    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_h20", 3, 32)
+    small = launch("gru", 20, torch.float32)  # a warp a gate; their gates exchanged: [3 + 1 (n's u)][32]
+    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_h20", 3, 96)
     assert small.options == ("-DBPPSA_REC_HIDDEN=20", f"-DBPPSA_REC_RING={depth}")
-    assert small.shared_bytes == (2 * 20 + depth * 3 * 20) * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    assert small.shared_bytes == (2 * 20 + depth * 3 * 20 + 4 * 32) * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
     odd = launch("lstm", 5, torch.float32)  # state buffers padded to whole float4 vectors, the ring is not
-    assert (odd.kernel, odd.shared_bytes) == ("bppsa_lstm_forward_f32_h5", (2 * 8 + depth * 4 * 5) * 4)
+    assert (odd.kernel, odd.block) == ("bppsa_lstm_forward_f32_h5", 128)
+    assert odd.shared_bytes == (2 * 8 + depth * 4 * 5 + 4 * 32) * 4
+    one = launch("rnn_tanh", 20, torch.float32)  # one warp
+    assert (one.block, one.shared_bytes) == (32, (2 * 20 + depth * 20) * 4)
     shared = launch("gru", 20, torch.float64)
     assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
     assert shared.options == () and shared.kernel in recurrent_cuda.KERNELS
