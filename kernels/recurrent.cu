@@ -209,8 +209,9 @@ struct Outputs {
 // ---- family 1: float32, H <= 32 known at compile time, W_hh in registers, gi through the ring -----------
 
 template <int C, int H>
-__device__ void fixed_forward(const Layer<float>& p) {  // the RNN cells (the gated: gate_split_forward)
+__device__ void fixed_forward(const Layer<float>& p) {
     static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
+    static_assert(kGates<C> == 1, "the RNN cells (the gated cells: gate_split_forward, a warp a gate)");
     constexpr int G = kGates<C>, GH = G * H, KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
     const int lane = threadIdx.x % 32;
     const bool active = lane < H;

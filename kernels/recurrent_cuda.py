@@ -214,9 +214,10 @@ def wide_blocks_per_sm(cell: str, hidden: int, direction: str) -> int:
 
 
 def _register_layout(cell: str, hidden: int, element_bytes: int, direction: str) -> WideLayout | None:
-    """The layout of ``W_hh`` of the ``direction`` kernel compiled per ``H``: the one warp of ``H <= 32`` (the
-    backward's: its column in registers; the forward's :data:`FIXED_HIDDEN` kernels are not described by it), or
-    :func:`wide_layout`; ``None`` for the kernels of :data:`KERNELS` (float64)."""
+    """The layout of ``W_hh`` of the ``direction`` kernel compiled per ``H``: for ``H <= 32`` the backward's
+    column over :data:`FIXED_SPLIT` lanes a unit (the RNN cells' one lane: one warp; the forward's
+    :data:`FIXED_HIDDEN` kernels, a warp a gate, are not described by it), or :func:`wide_layout`; ``None`` for
+    the kernels of :data:`KERNELS` (float64)."""
     if element_bytes != 4:
         return None
     if hidden <= FIXED_HIDDEN:
@@ -242,9 +243,9 @@ def module_options(hidden: int) -> tuple[str, ...]:
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors), plus ``W_hh`` packed
     in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
-    the ring of :data:`RING_DEPTH` steps of ``gi`` (GRU / LSTM: and their warps' gates, a warp a gate); in the float32 kernels compiled per ``H`` above that
-    (:func:`wide_layout`) the state buffers, padded to whole vectors for each of a unit's lanes, and the part of
-    ``W_hh`` not in registers."""
+    the ring of :data:`RING_DEPTH` steps of ``gi`` (GRU / LSTM: and their warps' gates, a warp a gate); in the
+    float32 kernels compiled per ``H`` above that (:func:`wide_layout`) the state buffers, padded to whole
+    vectors for each of a unit's lanes, and the part of ``W_hh`` not in registers."""
     fixed = _fixed(hidden, element_bytes)
     layout = None if fixed else _register_layout(cell, hidden, element_bytes, "forward")
     return _shared_bytes(cell, hidden, element_bytes, fixed=fixed, layout=layout)
