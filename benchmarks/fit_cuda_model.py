@@ -371,8 +371,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     data = load(args.data)
-    kernels, steps = fit(data, load(args.fused_data) if args.fused_data else None)
-    fused = load(args.fused_data) if args.fused_data else data
+    given = load(args.fused_data) if args.fused_data else None
+    kernels, steps = fit(data, given)
+    fused = given or data
     for name, fitted in (("KernelConstants", kernels), ("StepConstants", steps)):
         print(name)
         for f in dataclasses.fields(fitted):

@@ -212,7 +212,7 @@ template <int C, int H>
 __device__ void fixed_forward(const Layer<float>& p) {
     static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
     static_assert(kGates<C> == 1, "the RNN cells (the gated cells: gate_split_forward, a warp a gate)");
-    constexpr int G = kGates<C>, GH = G * H, KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
+    constexpr int KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
     const int lane = threadIdx.x % 32;
     const bool active = lane < H;
     const int j = active ? lane : H - 1;  // lanes >= H shadow unit H - 1 and store nothing
@@ -220,24 +220,19 @@ __device__ void fixed_forward(const Layer<float>& p) {
 
     BPPSA_DYNAMIC_SHARED(smem);
     float* state = reinterpret_cast<float*>(smem);  // two buffers of P values (16-byte aligned)
-    float* ring = state + 2 * P;                    // kRing slots of one step's gi row (G H values)
+    float* ring = state + 2 * P;                    // kRing slots of one step's gi row (H values)
 
-    const float* src = p.gi + b * steps * GH;  // row b's gi, step 0
-    bppsa_rec::RowCopy<GH> copy;
+    const float* src = p.gi + b * steps * H;  // row b's gi, step 0
+    bppsa_rec::RowCopy<H> copy;
     // prologue: steps 0 .. R-2 in flight together, waited for before the first step
-    for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start(ring + s * GH, src + s * GH);
+    for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start(ring + s * H, src + s * H);
     copy.commit();
-    src += (kRing - 1) * GH;  // the row iteration 0 requests
+    src += (kRing - 1) * H;  // the row iteration 0 requests
 
-    float w[G][H], u_bias[G], v_bias[G];
+    float w[H];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int k = 0; k < H; ++k) w[g][k] = p.w_hh[(g * H + j) * H + k];
-        const float bias = p.b_hh ? p.b_hh[g * H + j] : 0.0f;
-        u_bias[g] = bias_inside<C>(g) ? 0.0f : bias;
-        v_bias[g] = bias_inside<C>(g) ? bias : 0.0f;
-    }
+    for (int k = 0; k < H; ++k) w[k] = p.w_hh[j * H + k];
+    const float u_bias = p.b_hh ? p.b_hh[j] : 0.0f;  // the RNN's b_hh adds to gi
     for (int e = lane; e < P; e += 32) {
         state[e] = e < H ? p.h0[b * H + e] : 0.0f;
         state[P + e] = 0.0f;  // padding of the other buffer (units < H are written before being read)
@@ -249,32 +244,24 @@ __device__ void fixed_forward(const Layer<float>& p) {
 
     const float* h_in = state;
     float* h_out = state + P;
-    int read = 0, write = (kRing - 1) * GH;  // slot offsets of step t and of step t + R - 1
+    int read = 0, write = (kRing - 1) * H;  // slot offsets of step t and of step t + R - 1
     for (i64 t = 0; t < steps; ++t) {
-        const float* x = ring + read;
-        float u[G], acc[G][A];
-#pragma unroll
-        for (int g = 0; g < G; ++g) u[g] = x[g * H + j] + u_bias[g];
+        const float u[1] = {ring[read + j] + u_bias};
+        float acc[A];
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
             const Pack<float> hv = reinterpret_cast<const Pack<float>*>(h_in)[kc];  // one broadcast LDS.128
-            const float* hk = hv.v;
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 if (4 * kc + v >= H) break;
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-                    acc[g][v] = kc == 0 ? w[g][v] * hk[v] : fmaf(w[g][4 * kc + v], hk[v], acc[g][v]);
+                acc[v] = kc == 0 ? w[v] * hv.v[v] : fmaf(w[4 * kc + v], hv.v[v], acc[v]);
             }
         }
-        float v[G], f[kFactors<C> ? kFactors<C> : 1];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float sum = A == 4 ? (acc[g][0] + acc[g][1]) + (acc[g][2] + acc[g][3]) : acc[g][0];
-            if constexpr (A == 2 || A == 3) sum += acc[g][1];
-            if constexpr (A == 3) sum += acc[g][2];
-            v[g] = bias_inside<C>(g) ? sum + v_bias[g] : sum;  // x + 0.0f is not folded (-0)
-        }
+        float sum = A == 4 ? (acc[0] + acc[1]) + (acc[2] + acc[3]) : acc[0];
+        if constexpr (A == 2 || A == 3) sum += acc[1];
+        if constexpr (A == 3) sum += acc[2];
+        const float v[1] = {sum};
+        float f[1];  // the RNN cells have no factors
         const float h_new = cell_update<float, C>(u, v, h_own, c_own, f);
         if (active) {
             h_out[lane] = h_new;
@@ -286,9 +273,9 @@ __device__ void fixed_forward(const Layer<float>& p) {
         copy.commit();  // one group per iteration, empty near the end: wait<R - 2> counts steps
         h_own = h_new;
         outputs.advance(H);
-        src += GH;
-        read = read == (kRing - 1) * GH ? 0 : read + GH;
-        write = write == (kRing - 1) * GH ? 0 : write + GH;
+        src += H;
+        read = read == (kRing - 1) * H ? 0 : read + H;
+        write = write == (kRing - 1) * H ? 0 : write + H;
         copy.template wait<kRing - 2>();  // step t + 1's row has landed (in this lane's view) ...
         bppsa_rec::warp_barrier();  // ... and in every lane's, with h_t; nobody reads slot t or h_in any more
         const float* swap = h_out;

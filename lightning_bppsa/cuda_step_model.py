@@ -29,8 +29,9 @@ batch ``B`` and ``n`` steps (seconds):
 A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``: the linear recursion and its
 gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
 kernel: a launch plus the form of the forward kernel's steps (:func:`_row_kernel_seconds`) with constants of
-its own. Both directions' kernels come in three families: float32 ``H <= 32`` compiled per ``H`` (one warp,
-``W_hh`` in registers: a constant a step); float32 ``32 < H <= 256`` compiled per cell and ``H``
+its own. Both directions' kernels come in three families: float32 ``H <= 32`` compiled per ``H`` (``W_hh``
+in registers, the RNN cells in one warp, the gated cells' forward a warp a gate: a constant a step, measured
+on the RNN only); float32 ``32 < H <= 256`` compiled per cell and ``H``
 (``recurrent_cuda.wide_layout``: a unit's share of ``W_hh`` split over its lanes, in registers or partly in
 shared memory: a step plus a lane's multiply-adds from each, in waves of the blocks the SMs hold by
 registers); float64, generic (``W_hh`` in shared memory; its constants fitted on the float32 shared-memory
@@ -50,9 +51,10 @@ error): the kernels on 192 launches alone (median error 7%, all within 1.4x but 
 shape, d = 20 B = 1 T = 100), cuDNN's step on 72 shapes (median 11%, worst 1.56x at T = 100, where cuDNN
 measured 0.57-1.33 ms), the scan step on its 87 measured steps at d <= 32 (forced linear / chunked and
 ``auto``'s; median 6%, worst 1.41x; above, the forward kernels since replaced ran) of the RNN grid
-d in {8..256} x B in {1..256} x T in {100, 1000, 10000}. At 58 of the 59 shapes where both were measured, the path it picks costs within 10% of the faster; at d = 20 B = 64 T = 1000
-1.13x, within the spread of repeated measurements there (``tests/test_cuda_step_model.py``). Only RNN cells
-(``G = 1``) were measured: the ``G`` terms are a form, not a fit.
+d in {8..256} x B in {1..256} x T in {100, 1000, 10000}. At 58 of the 59 shapes where both were measured,
+the path it picks costs within 10% of the faster; at d = 20 B = 64 T = 1000 1.13x, within the spread of
+repeated measurements there (``tests/test_cuda_step_model.py``). Only RNN cells (``G = 1``) were measured:
+the ``G`` terms are a form, not a fit.
 """
 
 from __future__ import annotations
@@ -268,11 +270,12 @@ def _row_kernel_seconds(
     register: tuple[float, float, float],
 ) -> float:
     """``n`` dependent steps of the ``direction`` kernel with one block per batch row: float32 with ``H <= 32``
-    compiled per ``H`` (``W_hh`` in registers, one warp: measured the same a step for every ``H`` of the grid,
-    ``per_h``); float32 above that compiled per ``H`` with a unit's share of ``W_hh`` split over its lanes, in
-    registers or partly in shared memory (``recurrent_cuda.wide_layout``: ``register`` = a step, a lane's
-    multiply-add from registers, from shared memory), in waves of the blocks the SMs hold by registers; else
-    generic (``W_hh`` in shared memory, a step growing with ``G H``: float64)."""
+    compiled per ``H`` (``W_hh`` in registers: the RNN's measured the same a step for every ``H`` of the grid,
+    ``per_h``, which prices the gated cells' too); float32 above that compiled per ``H`` with a unit's share of
+    ``W_hh`` split over its lanes, in registers or partly in shared memory (``recurrent_cuda.wide_layout``:
+    ``register`` = a step, a lane's multiply-add from registers, from shared memory), in waves of the blocks
+    the SMs hold by registers; else generic (``W_hh`` in shared memory, a step growing with ``G H``:
+    float64)."""
     if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
         return n * per_h
     cell = _CELL_OF_GATES.get(gates)

@@ -154,7 +154,7 @@ def test_a_chunked_launch_that_does_not_fit_is_predicted_and_planned_as_the_swee
 
 
 def test_the_forward_kernel_family_follows_the_kernels_compiled_per_hidden_size():
-    # float32 H <= 32: one warp, W_hh in registers: the same a step for every H; float32 above: per H, a lane's
+    # float32 H <= 32: W_hh in registers, the same a step for every H; float32 above: per H, a lane's
     # share of W_hh in registers (and the rest in shared memory); float64: the generic kernel
     s = model.STEPS
     per_h = [model.forward_seconds(gates=1, hidden=h, n=1000, batch=16) for h in (8, 32)]
