@@ -180,11 +180,12 @@ struct Block {
         Barrier barrier{32};
         uint64_t exchange[32];
     };
-    static constexpr size_t kStaticBytes = 4096;  // BPPSA_SHARED arrays live after the dynamic part
+    // BPPSA_SHARED arrays live before the dynamic part, which ends the allocation: under AddressSanitizer an
+    // access past the dynamic shared memory a launch asked for is a heap overflow, not a silent slack
+    static constexpr size_t kStaticBytes = 4096;
     Barrier barrier;
     std::vector<std::unique_ptr<Warp>> warps;
     std::vector<unsigned char> shared;
-    size_t dynamic_bytes = 0;
     dim3 index;
 };
 
@@ -336,7 +337,8 @@ inline void end_block_thread() {
 }
 }  // namespace bppsa_emu
 
-#define BPPSA_DYNAMIC_SHARED(name) unsigned char* name = bppsa_emu::self.block->shared.data()
+#define BPPSA_DYNAMIC_SHARED(name) \
+    unsigned char* name = bppsa_emu::self.block->shared.data() + bppsa_emu::Block::kStaticBytes
 
 namespace bppsa_emu {
 template <class T>
@@ -345,7 +347,7 @@ T* static_shared(size_t count) {
     size_t offset = (self.static_offset + alignof(T) - 1) / alignof(T) * alignof(T);
     self.static_offset = offset + count * sizeof(T);
     if (self.static_offset > Block::kStaticBytes) throw std::length_error("BPPSA_SHARED: static shared memory exhausted");
-    return reinterpret_cast<T*>(block.shared.data() + block.dynamic_bytes + offset);
+    return reinterpret_cast<T*>(block.shared.data() + offset);
 }
 }  // namespace bppsa_emu
 #define BPPSA_SHARED(T, name, count) T* name = bppsa_emu::static_shared<T>(count)
@@ -377,7 +379,6 @@ extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* 
     std::vector<unsigned> slot_block(resident);
     for (unsigned s = 0; s < resident; ++s) {
         slots.emplace_back(std::make_unique<Block>(block_x, shared_bytes));
-        slots.back()->dynamic_bytes = shared_bytes;
     }
     unsigned running = resident * block_x;  // threads still running (guarded by `mutex`)
     std::latch start(resident * block_x);    // the resident blocks start together, not as their threads appear

@@ -112,11 +112,17 @@ def _wheel_tool(name: str) -> str | None:
 
 
 def sass_loops(
-    arch: str = "sm_90", cuobjdump: str | None = None, warp_shape: tuple[int, int] | None = None
+    arch: str = "sm_90",
+    cuobjdump: str | None = None,
+    warp_shape: tuple[int, int] | None = None,
+    *,
+    source: str = "scan.cu",
+    options: tuple[str, ...] | None = None,
 ) -> dict[str, list[SassLoop]]:
     """The innermost loops of every kernel's SASS (nvcc -cubin, then ``cuobjdump -sass``; no GPU needed) of the
     module of ``warp_shape`` (see :func:`ptxas_usage`), in code order: what the cost model's per-step
-    instruction counts come from.
+    instruction counts come from. ``source`` another kernel file (e.g. ``"recurrent.cu"``), compiled with
+    ``options`` (its -D options; ``None``: the scan module's of ``warp_shape``).
 
     Needs ``cuobjdump`` and ``nvdisasm`` (the ``[dev]`` extra installs NVIDIA's wheels of them; found on
     ``PATH``, else in those wheels; ``nvdisasm`` beside ``cuobjdump``); raises ``FileNotFoundError``
@@ -128,11 +134,12 @@ def sass_loops(
         raise FileNotFoundError("sass_loops needs nvcc and cuobjdump on PATH")
     env = {**os.environ, "NVDISASM_PATH": os.environ.get("NVDISASM_PATH", str(Path(cuobjdump).parent))}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", *module_options(warp_shape), "-o", f"{tmp}/scan.cubin",
-               str(source_path("scan.cu"))]  # fmt: skip
+        flags = module_options(warp_shape) if options is None else options
+        cmd = [nvcc, "-cubin", "-std=c++17", f"-arch={arch}", *flags, "-o", f"{tmp}/module.cubin",
+               str(source_path(source))]  # fmt: skip
         subprocess.run(cmd, capture_output=True, text=True, check=True)
         sass = subprocess.run(
-            [cuobjdump, "-sass", f"{tmp}/scan.cubin"], capture_output=True, text=True, env=env
+            [cuobjdump, "-sass", f"{tmp}/module.cubin"], capture_output=True, text=True, env=env
         )
     if sass.returncode != 0 or "Function :" not in sass.stdout:
         raise FileNotFoundError(f"cuobjdump -sass failed (nvdisasm missing?): {sass.stderr.strip()[-300:]}")

@@ -26,7 +26,8 @@
 //    barrier; the stores shared out). A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from
 //    shared memory), the dot products (fully unrolled, W_hh in registers: G H floats per lane, or H a warp
 //    of a gated cell), the cell's functions, store h_t to shared memory, a barrier (__syncwarp for one
-//    warp). Everything else is kept off that path:
+//    warp). Everything else is kept off that path (the RNN's time loop in groups of kFixedUnroll steps: ring
+//    slots, state buffers and output offsets are immediates; its SASS pinned by the tests):
 //    - gi is staged through a ring of R = BPPSA_REC_RING step rows in shared memory, filled R - 1 steps
 //      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). The previous kernel loaded a
 //      step's gi one step ahead, so a step could not be shorter than a global-load round trip: on an H100
@@ -61,8 +62,9 @@
 // other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
 // h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
 // Shared memory (computed by kernels/recurrent_cuda.py:shared_bytes, which with prepare picks the kernel
-// and returns None where the caller runs torch's forward): family 1 (2 KC 4 + R G H) floats (GRU / LSTM:
-// and their warps' gates, (G + 1) 32 / G 32), family 2 (G H + 2) KC V elements.
+// and returns None where the caller runs torch's forward): family 1 (2 KC 4 + R G H) floats (the RNN's state
+// buffers a value a lane: 2 32 + R H; GRU / LSTM: and their warps' gates, (G + 1) 32 / G 32), family 2
+// (G H + 2) KC V elements.
 #include "cuda_host_emulation.h"
 #include "recurrent_emulation.h"
 
@@ -77,7 +79,11 @@ using i64 = long long;
 constexpr int kRing = BPPSA_REC_RING;
 static_assert(kRing >= 2, "the gi ring needs two slots: one being read, one being filled");
 [[maybe_unused]] constexpr int kBackwardAhead = 4;  // steps of operands a backward thread has in flight (cell_backward)
+static_assert(kBackwardAhead % 2 == 0, "cell_backward's groups: a step's row buffer from its parity in the group");
 [[maybe_unused]] constexpr int kForwardAhead = 4;   // steps of gi a forward thread has in flight (shared_forward)
+// steps of a group of fixed_forward's time loop (unrolled: ring slots and state buffers at compile-time
+// offsets), dividing the ring (a group never wraps it); 4 where the ring allows
+[[maybe_unused]] constexpr int kFixedUnroll = kRing % 4 == 0 ? 4 : kRing % 2 == 0 ? 2 : 1;
 
 enum Cell { kRnnTanh, kRnnRelu, kGru, kLstm };
 // the cells by their names in kernel names (BPPSA_REC_CELL)
@@ -212,41 +218,46 @@ template <int C, int H>
 __device__ void fixed_forward(const Layer<float>& p) {
     static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
     static_assert(kGates<C> == 1, "the RNN cells (the gated cells: gate_split_forward, a warp a gate)");
-    constexpr int KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
+    constexpr int KC = (H + 3) / 4, A = H < 4 ? H : 4, U = kFixedUnroll;
     const int lane = threadIdx.x % 32;
     const bool active = lane < H;
-    const int j = active ? lane : H - 1;  // lanes >= H shadow unit H - 1 and store nothing
+    const int j = active ? lane : H - 1;  // lanes >= H shadow unit H - 1, store h into padding, nothing else
     const i64 b = blockIdx.x, steps = p.steps;
 
     BPPSA_DYNAMIC_SHARED(smem);
-    float* state = reinterpret_cast<float*>(smem);  // two buffers of P values (16-byte aligned)
-    float* ring = state + 2 * P;                    // kRing slots of one step's gi row (H values)
+    // two buffers of a value per lane (16-byte aligned): every lane stores its h_t, those >= H into padding that
+    // no product reads (a store no lane skips: the step needs no branch around it)
+    float* state = reinterpret_cast<float*>(smem);
+    float* ring = state + 2 * 32;  // kRing slots of one step's gi row (H values)
 
     const float* src = p.gi + b * steps * H;  // row b's gi, step 0
     bppsa_rec::RowCopy<H> copy;
     // prologue: steps 0 .. R-2 in flight together, waited for before the first step
     for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start(ring + s * H, src + s * H);
     copy.commit();
-    src += (kRing - 1) * H;  // the row iteration 0 requests
+    src += (kRing - 1) * H;  // the row step 0 requests
 
     float w[H];
 #pragma unroll
     for (int k = 0; k < H; ++k) w[k] = p.w_hh[j * H + k];
     const float u_bias = p.b_hh ? p.b_hh[j] : 0.0f;  // the RNN's b_hh adds to gi
-    for (int e = lane; e < P; e += 32) {
-        state[e] = e < H ? p.h0[b * H + e] : 0.0f;
-        state[P + e] = 0.0f;  // padding of the other buffer (units < H are written before being read)
-    }
-    float h_own = p.h0[b * H + j], c_own = C == kLstm ? p.c0[b * H + j] : 0.0f;
-    Outputs<float, C> outputs(p, b, H, j);
+    state[lane] = active ? p.h0[b * H + lane] : 0.0f;
+    state[32 + lane] = 0.0f;
+    float h_own = p.h0[b * H + j], c_own = 0.0f;
+    float* out = p.out + b * steps * H + j;  // unit j of row b's h_1
     copy.template wait<0>();
     bppsa_rec::warp_barrier();
 
-    const float* h_in = state;
-    float* h_out = state + P;
-    int read = 0, write = (kRing - 1) * H;  // slot offsets of step t and of step t + R - 1
-    for (i64 t = 0; t < steps; ++t) {
-        const float u[1] = {ring[read + j] + u_bias};
+    // Step t = t0 + k of a group of U (t0 a multiple of U, held in slots base .. base + U - 1 of the ring): k is a
+    // compile-time constant where the group's loop unrolls, so the state buffer (k's parity), the ring slots
+    // and the offsets of out and src are immediates, the loop's bookkeeping once a group. `guarded`: the copy
+    // may lie beyond T (the last groups).
+    int base = 0;
+    const auto step = [&](const int k, const i64 t, const bool guarded) {
+        const int parity = U % 2 ? int(t & 1) : k & 1;  // the buffer h_{t-1} is in (t0 even where U is)
+        const float* h_in = state + parity * 32;
+        float* h_out = state + (parity ^ 1) * 32;
+        const float u[1] = {ring[(base + k) * H + j] + u_bias};
         float acc[A];
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
@@ -262,25 +273,34 @@ __device__ void fixed_forward(const Layer<float>& p) {
         if constexpr (A == 3) sum += acc[2];
         const float v[1] = {sum};
         float f[1];  // the RNN cells have no factors
-        const float h_new = cell_update<float, C>(u, v, h_own, c_own, f);
-        if (active) {
-            h_out[lane] = h_new;
-            outputs.store(h_new, f, H);
-        }
-        // The copy of step t + R - 1 into the slot step t - 1 read (free since the last barrier), issued
-        // after this step's loads: its instructions overlap the store of h_t instead of delaying the loads.
-        if (t + kRing - 1 < steps) copy.start(ring + write, src);
-        copy.commit();  // one group per iteration, empty near the end: wait<R - 2> counts steps
-        h_own = h_new;
-        outputs.advance(H);
-        src += H;
-        read = read == (kRing - 1) * H ? 0 : read + H;
-        write = write == (kRing - 1) * H ? 0 : write + H;
+        h_own = cell_update<float, C>(u, v, h_own, c_own, f);
+        h_out[lane] = h_own;
+        if (active) out[k * H] = h_own;
+        // The copy of step t + R - 1 into slot (t - 1) mod R, the one step t - 1 read (free since the last
+        // barrier), issued after this step's loads: its instructions overlap the store of h_t instead of
+        // delaying the loads.
+        const int slot = k > 0 ? base + k - 1 : (base == 0 ? kRing - 1 : base - 1);
+        if (!guarded || t + kRing - 1 < steps) copy.start(ring + slot * H, src + k * H);
+        copy.commit();  // one group per step, empty near the end: wait<R - 2> counts steps
         copy.template wait<kRing - 2>();  // step t + 1's row has landed (in this lane's view) ...
         bppsa_rec::warp_barrier();  // ... and in every lane's, with h_t; nobody reads slot t or h_in any more
-        const float* swap = h_out;
-        h_out = const_cast<float*>(h_in);
-        h_in = swap;
+    };
+    const auto next_group = [&] {
+        out += U * H;
+        src += U * H;
+        base = base + U == kRing ? 0 : base + U;
+    };
+    i64 t0 = 0;
+    for (; t0 + U - 1 + kRing - 1 < steps; t0 += U) {  // every copy of the group within T
+#pragma unroll
+        for (int k = 0; k < U; ++k) step(k, t0 + k, false);
+        next_group();
+    }
+    for (; t0 < steps; t0 += U) {
+#pragma unroll
+        for (int k = 0; k < U; ++k)
+            if (t0 + k < steps) step(k, t0 + k, true);  // the same t in every lane: the barriers stay uniform
+        next_group();
     }
     copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
 }
@@ -692,75 +712,91 @@ __device__ void cell_backward(const CellBackward<T>& p) {
     // t = base - k of the current group and is refilled, right after its step used it, with those of
     // t - K. The time loop is unrolled by K so that k is a compile-time index: no register moves, which
     // would wait for the loads (a lead of one step, ~0.2-0.3 us, would not cover a global load's latency).
-    UnitOperands<T, C> ring[kBackwardAhead];
-    T direct[kBackwardAhead];
+    // Lanes beyond the units load unit H - 1's (in bounds; they store nothing).
+    constexpr int K = kBackwardAhead;
+    UnitOperands<T, C> ring[K];
+    T direct[K];
     const auto load = [&](UnitOperands<T, C>& unit, T& gradient, i64 t) {
-        if (!active || t < 0) return;
-        unit.load(p, b, t, H, j);
-        gradient = p.grad_out ? p.grad_out[(b * steps + t) * H + j] : T(0);
-        if (t == steps - 1 && p.grad_h) gradient += p.grad_h[b * H + j];
+        unit.load(p, b, t, H, column);
+        gradient = p.grad_out ? p.grad_out[(b * steps + t) * H + column] : T(0);
     };
 #pragma unroll
-    for (int k = 0; k < kBackwardAhead; ++k) load(ring[k], direct[k], steps - 1 - k);
+    for (int k = 0; k < K; ++k)
+        if (steps - 1 - k >= 0) load(ring[k], direct[k], steps - 1 - k);
+    if (steps > 0 && p.grad_h) direct[0] += p.grad_h[b * H + column];  // h_T's own gradient
     T gc = C == kLstm && active && p.grad_cn ? p.grad_cn[b * H + j] : T(0), carried = T(0);
     __syncthreads();  // W_hh and the padding staged
 
     const T* w_own = w + j;
-    for (i64 base = steps - 1; base >= 0; base -= kBackwardAhead) {
+    // Step t = base - k writes row buffer t & 1: k's parity against base's, which every group shares (K even).
+    T* const rows_even_k = rows + ((steps - 1) & 1) * P;
+    T* const rows_odd_k = rows + (steps & 1) * P;
+    // `guarded`: step t - K, whose operands this step loads, may be before step 0 (the last groups)
+    const auto step = [&](const int k, const i64 t, const bool guarded) {
+        T* r_shared = k & 1 ? rows_odd_k : rows_even_k;
+        if (active) {
+            const T g = carried + direct[k];
+            T r[G];
+            const i64 at = (b * steps + t) * GH + j;
+            const T diagonal = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at,
+                                                   C == kGru ? p.d_gh + at : nullptr, H, part == 0);
+            carried = diagonal;
+            if (part == 0)
 #pragma unroll
-        for (int k = 0; k < kBackwardAhead; ++k) {
-            const i64 t = base - k;
-            if (t < 0) break;  // the same t in every thread: the barriers stay uniform
-            T* r_shared = rows + (t & 1) * P;
-            if (active) {
-                const T g = carried + direct[k];
-                T r[G];
-                const i64 at = (b * steps + t) * GH + j;
-                carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H,
-                                              part == 0);
-                if (part == 0)
-#pragma unroll
-                    for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
-            }
-            load(ring[k], direct[k], t - kBackwardAhead);  // in flight while the block meets and multiplies
-            // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
-            if (one_warp)
-                bppsa_rec::warp_barrier();
-            else
-                __syncthreads();
-            if (HF > 0 || active) {  // HF > 0: every lane (the shuffles take the whole warp; j >= H shadow)
-                T acc[V];
-#pragma unroll
-                for (int v = 0; v < V; ++v) acc[v] = T(0);
-                const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
-                if constexpr (HF > 0) {
-#pragma unroll
-                    for (int rc = 0; rc < RG; ++rc) {
-                        const Pack<T> rv = r_packs[rc * S + part];  // a broadcast 16-byte read per unit part
-#pragma unroll
-                        for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own_reg[rc * V + v];
-                    }
-                    const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + column * S + part;
-#pragma unroll
-                    for (int rs = 0; rs < RSH; ++rs) {
-                        const Pack<T> rv = r_packs[(RG + rs) * S + part], wv = w_packs[rs * H * S];
-#pragma unroll
-                        for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * wv.v[v];
-                    }
-                } else {
-                    for (int rc = 0; rc < P / V; ++rc) {
-                        const Pack<T> rv = r_packs[rc];
-#pragma unroll
-                        for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
-                    }
-                }
-                T sum = acc[0];
-#pragma unroll
-                for (int v = 1; v < V; ++v) sum += acc[v];
-                sum = unit_sum<S>(sum);
-                if (active) carried += sum;  // the GRU's diagonal part plus r W_hh
-            }
+                for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
         }
+        if (!guarded || t - K >= 0) load(ring[k], direct[k], t - K);  // in flight while the block meets and multiplies
+        // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
+        if (one_warp)
+            bppsa_rec::warp_barrier();
+        else
+            __syncthreads();
+        if (HF > 0 || active) {  // HF > 0: every lane (the shuffles take the whole warp; j >= H shadow)
+            T acc[V];
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[v] = T(0);
+            const Pack<T>* r_packs = reinterpret_cast<const Pack<T>*>(r_shared);
+            if constexpr (HF > 0) {
+#pragma unroll
+                for (int rc = 0; rc < RG; ++rc) {
+                    const Pack<T> rv = r_packs[rc * S + part];  // a broadcast 16-byte read per unit part
+#pragma unroll
+                    for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own_reg[rc * V + v];
+                }
+                const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + column * S + part;
+#pragma unroll
+                for (int rs = 0; rs < RSH; ++rs) {
+                    const Pack<T> rv = r_packs[(RG + rs) * S + part], wv = w_packs[rs * H * S];
+#pragma unroll
+                    for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * wv.v[v];
+                }
+            } else {
+                for (int rc = 0; rc < P / V; ++rc) {
+                    const Pack<T> rv = r_packs[rc];
+#pragma unroll
+                    for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own[(rc * V + v) * H];
+                }
+            }
+            T sum = acc[0];
+#pragma unroll
+            for (int v = 1; v < V; ++v) sum += acc[v];
+            sum = unit_sum<S>(sum);
+            // the GRU's diagonal part plus r W_hh; the other cells have none (no addition of a zero on the path)
+            if (active) carried = C == kGru ? carried + sum : sum;
+        }
+    };
+    i64 base = steps - 1;
+    // The groups whose steps, and the steps they load, all lie within T: no check a step. Not the GRU's: its
+    // registers with a second copy of the loop spilled in ptxas (sm_80 at H = 128, sm_90 at H = 32).
+    if constexpr (C != kGru)
+        for (; base - (K - 1) - K >= 0; base -= K) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) step(k, base - k, false);
+        }
+    for (; base >= 0; base -= K) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (base - k >= 0) step(k, base - k, true);  // the same t in every thread: the barriers stay uniform
     }
     if (active && part == 0) {
         p.gh0[b * H + j] = carried;

@@ -241,7 +241,8 @@ def module_options(hidden: int) -> tuple[str, ...]:
 
 
 def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
-    """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors), plus ``W_hh`` packed
+    """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors; the RNN's per-``H``
+    kernels: a value a lane), plus ``W_hh`` packed
     in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
     the ring of :data:`RING_DEPTH` steps of ``gi`` (GRU / LSTM: and their warps' gates, a warp a gate); in the
     float32 kernels compiled per ``H`` above that (:func:`wide_layout`) the state buffers, padded to whole
@@ -256,9 +257,11 @@ def _shared_bytes(
 ) -> int:
     width = 16 // element_bytes
     vectors = math.ceil(hidden / width)
-    if fixed:  # the gated cells' forward also exchanges its warps' gates: [G (+ 1 for GRU's n)][32]
+    if fixed:  # the RNN's state buffers hold a value a lane; the gated cells' forward also exchanges its
+        # warps' gates: [G (+ 1 for GRU's n)][32]
         exchange = (CELLS[cell] + (cell == "gru")) * 32 if CELLS[cell] > 1 else 0
-        return (2 * vectors * width + RING_DEPTH * CELLS[cell] * hidden + exchange) * element_bytes
+        buffers = 2 * (32 if CELLS[cell] == 1 else vectors * width)
+        return (buffers + RING_DEPTH * CELLS[cell] * hidden + exchange) * element_bytes
     if layout is not None:
         return _wide_bytes(layout, hidden, CELLS[cell])
     return (CELLS[cell] * hidden + 2) * vectors * width * element_bytes

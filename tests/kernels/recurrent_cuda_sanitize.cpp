@@ -36,8 +36,13 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
         (uint64_t)(bias ? filled<T>(owned, gh) : nullptr), (uint64_t)filled<T>(owned, batch * hidden),
         (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, batch * steps * hidden),
         (uint64_t)factors[0], (uint64_t)factors[1], (uint64_t)factors[2], (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
-    const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;  // as recurrent_cuda.py
-    const size_t shared = (per_hidden ? 2 * padded + BPPSA_REC_RING * gh : (gh + 2) * padded) * sizeof(T);
+    // as recurrent_cuda.py's shared_bytes: the per-H RNN's state buffers a value a lane, the gated cells' the
+    // padded state and their warps' exchange ([G (+ 1 for GRU's n)][32])
+    const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;
+    const long exchange = gates > 1 ? (gates + (gates == 3)) * 32 : 0;
+    const long buffers = 2 * (gates == 1 ? 32 : padded);
+    const size_t shared =
+        (per_hidden ? buffers + BPPSA_REC_RING * gh + exchange : (gh + 2) * padded) * sizeof(T);
     const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_bppsa.kernels import _nvcc, recurrent_cuda
+from lightning_bppsa.kernels import _nvcc, cuda_inspect, recurrent_cuda
 from lightning_bppsa.kernels import recurrent_emulated as emulated
 from lightning_bppsa.kernels._build import kernel_path
 
@@ -262,8 +262,8 @@ def test_launch_config():
     odd = launch("lstm", 5, torch.float32)  # state buffers padded to whole float4 vectors, the ring is not
     assert (odd.kernel, odd.block) == ("bppsa_lstm_forward_f32_h5", 128)
     assert odd.shared_bytes == (2 * 8 + depth * 4 * 5 + 4 * 32) * 4
-    one = launch("rnn_tanh", 20, torch.float32)  # one warp
-    assert (one.block, one.shared_bytes) == (32, (2 * 20 + depth * 20) * 4)
+    one = launch("rnn_tanh", 20, torch.float32)  # one warp, its state buffers a value a lane
+    assert (one.block, one.shared_bytes) == (32, (2 * 32 + depth * 20) * 4)
     shared = launch("gru", 20, torch.float64)
     assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
     assert shared.options == () and shared.kernel in recurrent_cuda.KERNELS
@@ -451,6 +451,40 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~10 s of nvcc
             )
             assert 0 < use.registers <= 255 and use.static_shared_bytes == 0, f"{arch} {name}: {use}"
         print(f"\n{arch} registers: " + ", ".join(f"{k}={v.registers}" for k, v in sorted(kernels.items())))
+
+
+#: the most instructions one step of the per-H RNN kernels' time loops may issue (sm_90 SASS, per warp), by
+#: direction and H: a step's own work (the forward: ceil(H / 4) broadcast LDS.128 of h_{t-1}, H multiply-adds
+#: and their sum, gi's load, tanh, two stores, the asynchronous copy of a later step; the backward: the same
+#: product with r_t, the slope, two stores, two loads of a later step) and a little bookkeeping. Steps checking
+#: their ring offsets, operands and bounds one by one, and branching around the lanes beyond H, issued forward
+#: 67 / 78 / 98 / 107 and backward 39.5 / 44 / 61.25 / 79.5 at H = 1 / 5 / 20 / 32; the groups of 4 with
+#: compile-time offsets, forward 37 / 47 / 65 / 78 and backward 23 / 28 / 43 / 58.
+RNN_STEP_CAP = {"forward": {1: 40, 5: 50, 20: 68, 32: 80}, "backward": {1: 26, 5: 31, 20: 46, 32: 61}}
+
+
+@pytest.mark.slow  # ~2 s of nvcc + cuobjdump per H
+@pytest.mark.parametrize("hidden", sorted(RNN_STEP_CAP["forward"]))
+def test_rnn_time_loops_are_branch_free_groups(hidden):
+    """The per-H RNN kernels' main loops (sm_90 SASS): a group of 4 steps (forward: a copy group committed a
+    step; backward: a row stored a step) with no branch but the loop's own (ring slots, state or row buffers and
+    output offsets at compile-time offsets; every lane computes, the lanes beyond H store into padding or
+    nothing), within :data:`RNN_STEP_CAP` a step. (The groups near the sequence's ends run a guarded copy.)"""
+    try:
+        loops = cuda_inspect.sass_loops("sm_90", source="recurrent.cu", options=recurrent_cuda.module_options(hidden))
+    except FileNotFoundError as err:
+        pytest.skip(f"needs nvcc, cuobjdump and nvdisasm (the [dev] extra's NVIDIA wheels): {err}")
+    for direction, step_op in (("forward", "LDGDEPBAR"), ("backward", "STS")):
+        for cell in ("rnn_tanh", "rnn_relu"):
+            name = f"bppsa_{cell}_{direction}_f32_h{hidden}"
+            groups = [loop for loop in loops[name] if loop.kinds.get("BRA") == 1 and loop.kinds.get(step_op, 0) >= 4]
+            assert len(groups) == 1, f"{name}: {[loop.kinds for loop in loops[name]]}"
+            main = groups[0]
+            steps = main.kinds[step_op]
+            assert steps == 4 and "BSSY" not in main.kinds, f"{name}: {main.kinds}"
+            assert main.instructions / steps <= RNN_STEP_CAP[direction][hidden], (
+                f"{name}: {main.instructions / steps} instructions a step: {main.kinds}"
+            )
 
 
 def test_nvrtc_compiles_what_cupy_loads():
