@@ -346,11 +346,17 @@ __device__ void gate_split_forward(const Layer<float>& p) {
     copy.template wait<0>();
     __syncthreads();
 
-    const float* h_in = state;
-    float* h_out = state + P;
-    int read = g * H, write = (kRing - 1) * GH + g * H;
-    for (i64 t = 0; t < steps; ++t) {
-        const float u = ring[read + j] + u_bias;
+    // Step t = t0 + k of a group of U, as fixed_forward's: ring slots, state buffers and gi's offsets at
+    // compile-time offsets, the bookkeeping once a group, `guarded` where the copy may lie beyond T. Groups of
+    // 2: of 4, ptxas spilled around the call of the division's slow path in sigmoid_of (GRU, H = 20, sm_90).
+    constexpr int U = kRing % 2 == 0 ? 2 : 1;
+    const int mine = g * H + j;  // this lane's entry of a ring slot
+    int base = 0;
+    const auto step = [&](const int k, const i64 t, const bool guarded) {
+        const int parity = U % 2 ? int(t & 1) : k & 1;  // the buffer h_{t-1} is in
+        const float* h_in = state + parity * P;
+        float* h_out = state + (parity ^ 1) * P;
+        const float u = ring[(base + k) * GH + mine] + u_bias;
         float acc[A];
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
@@ -367,13 +373,15 @@ __device__ void gate_split_forward(const Layer<float>& p) {
         const float v = inside ? sum + v_bias : sum;  // x + 0.0f is not folded (-0): only where the bias is
         gates[g * 32 + lane] = gate_stage<float, C>(g, u, v);
         if (inside) gates[G * 32 + lane] = u;
-        if (t + kRing - 1 < steps) copy.start(ring + write, src);
+        // the copy of step t + R - 1 into slot (t - 1) mod R, the one step t - 1 read
+        const int slot = k > 0 ? base + k - 1 : (base == 0 ? kRing - 1 : base - 1);
+        if (!guarded || t + kRing - 1 < steps) copy.start(ring + slot * GH + g * H, src + k * GH);
         copy.commit();
         __syncthreads();  // every gate of step t staged
 
         float a[G], f[kFactors<C>];
 #pragma unroll
-        for (int k = 0; k < G; ++k) a[k] = gates[k * 32 + lane];
+        for (int q = 0; q < G; ++q) a[q] = gates[q * 32 + lane];
         const float h_new = cell_combine<float, C>(a, C == kGru ? gates[G * 32 + lane] : 0.0f, h_own, c_own, f);
         if (active) {
             if (g == 0) {
@@ -385,14 +393,24 @@ __device__ void gate_split_forward(const Layer<float>& p) {
         }
         h_own = h_new;
         outputs.advance(H);
-        src += GH;
-        read = read >= (kRing - 1) * GH ? g * H : read + GH;
-        write = write >= (kRing - 1) * GH ? g * H : write + GH;
         copy.template wait<kRing - 2>();  // step t + 1's slice has landed (in this lane's view) ...
         __syncthreads();  // ... and in every lane's, with h_t; the gates of step t read by every warp
-        const float* swap = h_out;
-        h_out = const_cast<float*>(h_in);
-        h_in = swap;
+    };
+    const auto next_group = [&] {
+        src += U * GH;
+        base = base + U == kRing ? 0 : base + U;
+    };
+    i64 t0 = 0;
+    for (; t0 + U - 1 + kRing - 1 < steps; t0 += U) {  // every copy of the group within T
+#pragma unroll
+        for (int k = 0; k < U; ++k) step(k, t0 + k, false);
+        next_group();
+    }
+    for (; t0 < steps; t0 += U) {
+#pragma unroll
+        for (int k = 0; k < U; ++k)
+            if (t0 + k < steps) step(k, t0 + k, true);  // the same t in every thread: the barriers stay uniform
+        next_group();
     }
     copy.template wait<0>();
 }
