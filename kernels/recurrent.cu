@@ -347,9 +347,10 @@ __device__ void gate_split_forward(const Layer<float>& p) {
     __syncthreads();
 
     // Step t = t0 + k of a group of U, as fixed_forward's: ring slots, state buffers and gi's offsets at
-    // compile-time offsets, the bookkeeping once a group, `guarded` where the copy may lie beyond T. Groups of
-    // 2: of 4, ptxas spilled around the call of the division's slow path in sigmoid_of (GRU, H = 20, sm_90).
-    constexpr int U = kRing % 2 == 0 ? 2 : 1;
+    // compile-time offsets, the bookkeeping once a group, `guarded` where the copy may lie beyond T. The LSTM's
+    // groups of 2; the GRU's of 1: ptxas spilled the loop's invariants around the call of the division's slow
+    // path in sigmoid_of (GRU groups of 4 at H = 20, of 2 at H = 7, sm_90).
+    constexpr int U = C == kLstm && kRing % 2 == 0 ? 2 : 1;
     const int mine = g * H + j;  // this lane's entry of a ring slot
     int base = 0;
     const auto step = [&](const int k, const i64 t, const bool guarded) {
