@@ -214,6 +214,26 @@ struct Outputs {
 
 // ---- family 1: float32, H <= 32 known at compile time, W_hh in registers, gi through the ring -----------
 
+// The time loop of the forward kernels that stage gi through the ring: step(k, t, guarded) for t = 0 .. T - 1
+// in groups of U (k = t - t0 a compile-time index where the group's loop unrolls), next_group() after each;
+// `guarded` where the copy a step issues, of step t + R - 1, may lie beyond T (the groups near the end).
+template <int U, class Step, class Next>
+__device__ __forceinline__ void ring_groups(const i64 steps, Step& step, Next& next_group) {
+    i64 t0 = 0;
+    for (; t0 + U - 1 + kRing - 1 < steps; t0 += U) {  // every copy of the group within T
+#pragma unroll
+        for (int k = 0; k < U; ++k) step(k, t0 + k, false);
+        next_group();
+    }
+    for (; t0 < steps; t0 += U) {
+#pragma unroll
+        for (int k = 0; k < U; ++k)
+            if (t0 + k < steps) step(k, t0 + k, true);  // the same t in every thread: the barriers stay uniform
+        next_group();
+    }
+}
+
+
 template <int C, int H>
 __device__ void fixed_forward(const Layer<float>& p) {
     static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
@@ -290,18 +310,7 @@ __device__ void fixed_forward(const Layer<float>& p) {
         src += U * H;
         base = base + U == kRing ? 0 : base + U;
     };
-    i64 t0 = 0;
-    for (; t0 + U - 1 + kRing - 1 < steps; t0 += U) {  // every copy of the group within T
-#pragma unroll
-        for (int k = 0; k < U; ++k) step(k, t0 + k, false);
-        next_group();
-    }
-    for (; t0 < steps; t0 += U) {
-#pragma unroll
-        for (int k = 0; k < U; ++k)
-            if (t0 + k < steps) step(k, t0 + k, true);  // the same t in every lane: the barriers stay uniform
-        next_group();
-    }
+    ring_groups<U>(steps, step, next_group);
     copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
 }
 
@@ -401,18 +410,7 @@ __device__ void gate_split_forward(const Layer<float>& p) {
         src += U * GH;
         base = base + U == kRing ? 0 : base + U;
     };
-    i64 t0 = 0;
-    for (; t0 + U - 1 + kRing - 1 < steps; t0 += U) {  // every copy of the group within T
-#pragma unroll
-        for (int k = 0; k < U; ++k) step(k, t0 + k, false);
-        next_group();
-    }
-    for (; t0 < steps; t0 += U) {
-#pragma unroll
-        for (int k = 0; k < U; ++k)
-            if (t0 + k < steps) step(k, t0 + k, true);  // the same t in every thread: the barriers stay uniform
-        next_group();
-    }
+    ring_groups<U>(steps, step, next_group);
     copy.template wait<0>();
 }
 
