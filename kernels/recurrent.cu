@@ -755,9 +755,8 @@ __device__ void cell_backward(const CellBackward<T>& p) {
             const T g = carried + direct[k];
             T r[G];
             const i64 at = (b * steps + t) * GH + j;
-            const T diagonal = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at,
-                                                   C == kGru ? p.d_gh + at : nullptr, H, part == 0);
-            carried = diagonal;
+            carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H,
+                                          part == 0);  // the GRU's diagonal part (the others: 0)
             if (part == 0)
 #pragma unroll
                 for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
