@@ -56,7 +56,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -370,10 +370,7 @@ def prepare(
     if (c0 is not None) != (cell == "lstm"):
         raise ValueError(f"c0 is {'required' if cell == 'lstm' else 'only for an LSTM'} ({cell} cell)")
     _check_shapes(cell, gi, w_hh, b_hh, h0, c0)
-    tensors = [t for t in (gi, w_hh, b_hh, h0, c0) if t is not None]
-    if gi.dtype not in _SUFFIX or any(t.dtype != gi.dtype for t in tensors):
-        return None
-    if any(t.device.type != device_type or t.device != gi.device for t in tensors):
+    if not _one_kind(gi, (w_hh, b_hh, h0, c0), device_type):
         return None
     batch, steps, hidden = gi.shape[0], gi.shape[1], w_hh.shape[1]
     if refusal(cell, hidden, gi.dtype, shared_limit) is not None:
@@ -473,15 +470,11 @@ def prepare_backward(
     if first.dim() != 3 or first.shape[2] % gates:
         raise ValueError(f"{first_name} must be (B, T, {gates} H); got {tuple(first.shape)}")
     batch, steps, hidden = first.shape[0], first.shape[1], first.shape[2] // gates
-    expected = {name: (batch, steps, k * hidden) if k else (batch, hidden) for name, k in _BACKWARD_FACTORS[cell]}
-    expected.update(w_hh=(gates * hidden, hidden), grad_out=(batch, steps, hidden), grad_h=(batch, hidden),
-                    grad_cn=(batch, hidden))  # fmt: skip
-    given = dict(zip(expected, (*factors, w_hh, grad_out, grad_h, grad_cn), strict=True))
-    for name, tensor in given.items():
-        if tensor is not None and tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{name} must be {expected[name]}; got {tuple(tensor.shape)}")
-    tensors = [t for t in given.values() if t is not None]
-    if any(t.dtype != first.dtype or t.device.type != device_type or t.device != first.device for t in tensors):
+    given = (*factors, w_hh, grad_out, grad_h, grad_cn)
+    for (name, shape), tensor in zip(_backward_shapes(cell, batch, steps, hidden), given, strict=True):
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} must be {tuple(shape)}; got {tuple(tensor.shape)}")
+    if not _one_kind(first, given, device_type):
         return None
     if backward_refusal(cell, hidden, first.dtype, shared_limit) is not None:
         return None
@@ -512,6 +505,28 @@ def prepare_backward(
         options=options,
     )
     return launch, outputs
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_shapes(cell: str, batch: int, steps: int, hidden: int) -> tuple[tuple[str, torch.Size], ...]:
+    """``(name, shape)`` of each tensor :func:`prepare_backward` takes, in its order (once per shape: a training
+    loop asks every step)."""
+    factors = [(name, (batch, steps, k * hidden) if k else (batch, hidden)) for name, k in _BACKWARD_FACTORS[cell]]
+    rest = [("w_hh", (CELLS[cell] * hidden, hidden)), ("grad_out", (batch, steps, hidden)),
+            ("grad_h", (batch, hidden)), ("grad_cn", (batch, hidden))]  # fmt: skip
+    return tuple((name, torch.Size(shape)) for name, shape in factors + rest)
+
+
+def _one_kind(first: Tensor, others: Sequence[Tensor | None], device_type: str) -> bool:
+    """Whether ``first`` (float32 / float64, on a ``device_type`` device) and ``others`` (``None`` skipped) share
+    its dtype and device: what the kernels take."""
+    dtype, device = first.dtype, first.device
+    if dtype not in _SUFFIX or device.type != device_type:
+        return False
+    for t in others:  # a plain loop: asked twice a training step
+        if t is not None and (t.dtype != dtype or t.device != device):
+            return False
+    return True
 
 
 def backward(

@@ -6,12 +6,18 @@ as ``factor`` times the plain baseline (autograd, or the linear scan) in the sam
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from unittest import mock
+
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_bppsa.algorithms import compute_dtype
 
-__all__ = ["assert_derived_close", "relative_error"]
+__all__ = ["OpCounter", "assert_derived_close", "clear_plans", "cuda_path_on_cpu", "cuda_path_patches", "relative_error"]
 
 
 def relative_error(actual: Tensor, reference: Tensor) -> float:
@@ -66,3 +72,87 @@ def assert_derived_close(
         not error <= allowed and not (actual.double() - reference.double()).norm().item() <= flushed
     ):  # NaN fails
         raise AssertionError(f"{name}: relative error {error:.3e} exceeds allowed {allowed:.3e}")
+
+
+def cuda_path_patches(run_kernels: bool = True) -> tuple[object, list[tuple[object, str, object]]]:
+    """What :func:`cuda_path_on_cpu` replaces: ``(backend, [(target, name, value), ...])``, the CUDA backend it
+    registers for ``"cpu"`` and the attributes it sets (a dict target's name is a key), for callers that patch
+    with tools of their own (pytest's ``monkeypatch``, whose undo order must stay its own)."""
+    from lightning_bppsa import backends, plan
+    from lightning_bppsa.kernels import cuda, emulated, recurrent_emulated
+    from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
+
+    emulated_cuda = backends.CudaBackend(
+        recurrent_emulated, "cpu", lambda device: SM80_OPTIN_SHARED_BYTES, lambda: (True, "")
+    )
+    real_choose = plan.choose
+    scan_launch = emulated._launcher(None, 600.0, 1, 0.0) if run_kernels else lambda *launch: None
+    patches = [
+        (backends.DEVICE_BACKENDS, "cpu", emulated_cuda),
+        (plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)),
+        (cuda, "available", lambda: (True, "")),
+        (cuda, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES),
+        (cuda, "_launch_cuda", scan_launch),
+        (cuda, "_device_limit", lambda t: SM80_OPTIN_SHARED_BYTES),
+    ]  # fmt: skip
+    if not run_kernels:
+        patches.append((recurrent_emulated, "_launcher", lambda *config: lambda *launch: None))
+    return emulated_cuda, patches
+
+
+def clear_plans() -> None:
+    """Forget the scan plans cached per shape and device type (where :func:`cuda_path_on_cpu` changes what
+    ``"cpu"`` plans as)."""
+    from lightning_bppsa import plan
+
+    plan._choose.cache_clear()
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu(run_kernels: bool = True) -> Iterator[object]:
+    """The recurrent layers' and the scans' CUDA path on CPU tensors (for machines without a GPU).
+
+    Inside, the CUDA backend over the host emulation of the recurrent kernels (``kernels.recurrent_emulated``,
+    needs g++) is the backend of ``"cpu"`` tensors (yielded), ``plan.choose`` answers as for a CUDA tensor, the
+    scan kernels launch through their host emulation, on a device with an SM 8.0 block's shared memory; the
+    plan caches are cleared on entry and exit. ``run_kernels=False``: every launch is prepared as on a GPU and
+    then dropped (outputs left unwritten): the host's share of a step alone (``benchmarks/host_proxy.py``).
+    """
+    backend, patches = cuda_path_patches(run_kernels)
+    with contextlib.ExitStack() as stack:
+        for target, name, value in patches:
+            dict_item = isinstance(target, dict)
+            stack.enter_context(
+                mock.patch.dict(target, {name: value}) if dict_item else mock.patch.object(target, name, value)
+            )
+        clear_plans()  # plans cached for "cpu" must not answer, nor these leak
+        try:
+            yield backend
+        finally:
+            clear_plans()
+
+
+#: ops that queue no kernel on a GPU: views and allocations (of the caching allocator: no launch either)
+_NO_LAUNCH = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "detach"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher's Python key, by name (``with OpCounter() as c: ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def launching(self) -> int:
+        """The ops that queue at least one kernel on a GPU (not views, not allocations)."""
+        views = {name for name in self.ops if _is_view(name)}
+        return sum(count for name, count in self.ops.items() if name not in _NO_LAUNCH and name not in views)
+
+
+def _is_view(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name)
+    return any(getattr(packet, overload).is_view for overload in packet.overloads())

@@ -1,9 +1,7 @@
 import pytest
 import torch
-from lightning_bppsa.kernels import cuda, emulated, recurrent_emulated
-from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
 
-from lightning_bppsa import backends, layer_plan, plan
+from lightning_bppsa import backends, layer_plan, testing
 
 
 @pytest.fixture(autouse=True)
@@ -35,22 +33,15 @@ def _model_decisions(monkeypatch):
 
 @pytest.fixture
 def cuda_on_cpu(monkeypatch) -> backends.CudaBackend:
-    """The recurrent layers' CUDA path on CPU tensors, every kernel run by its host emulation (needs g++): the
-    CUDA backend over the emulated recurrent kernels registered for ``"cpu"`` (returned), ``plan.choose``
-    answering as for a CUDA tensor, the scan's kernels launched through their emulation, on a device with an
-    SM 8.0 block's shared memory; the plan caches cleared before and after."""
-    emulated_cuda = backends.CudaBackend(
-        recurrent_emulated, "cpu", lambda device: SM80_OPTIN_SHARED_BYTES, lambda: (True, "")
-    )
-    monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", emulated_cuda)
-    real_choose = plan.choose
-    monkeypatch.setattr(
-        plan, "choose", lambda algorithm, *, device, **shape: real_choose(algorithm, device="cuda", **shape)
-    )
-    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
-    monkeypatch.setattr(cuda, "current_shared_limit", lambda: SM80_OPTIN_SHARED_BYTES)
-    monkeypatch.setattr(cuda, "_launch_cuda", emulated._launcher(None, 600.0, 1, 0.0))
-    monkeypatch.setattr(cuda, "_device_limit", lambda t: SM80_OPTIN_SHARED_BYTES)
-    plan._choose.cache_clear()  # plans cached for "cpu" must not answer, nor these leak
+    """The recurrent layers' CUDA path on CPU tensors, every kernel run by its host emulation (needs g++), as
+    :func:`lightning_bppsa.testing.cuda_path_on_cpu` sets it up, through ``monkeypatch`` (so that a test's own
+    patches of the same attributes undo in order); yields the CUDA backend registered for ``"cpu"``."""
+    emulated_cuda, patches = testing.cuda_path_patches()
+    for target, name, value in patches:
+        if isinstance(target, dict):
+            monkeypatch.setitem(target, name, value)
+        else:
+            monkeypatch.setattr(target, name, value)
+    testing.clear_plans()  # plans cached for "cpu" must not answer, nor these leak
     yield emulated_cuda
-    plan._choose.cache_clear()
+    testing.clear_plans()

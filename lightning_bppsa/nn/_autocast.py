@@ -33,14 +33,21 @@ def autocast_state(device_type: str) -> AutocastState | None:
     return AutocastState(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
 
+#: the context that changes nothing: what the two below return where autocast is already as asked (off then
+#: and off now, the common case: a training step without autocast enters ~4 of them, ~4 µs each otherwise)
+_UNCHANGED = contextlib.nullcontext()
+
+
 def replay_autocast(state: AutocastState | None) -> contextlib.AbstractContextManager:
-    """A context with autocast as in ``state`` (on or off); a no-op for ``None``."""
-    if state is None:
-        return contextlib.nullcontext()
+    """A context with autocast as in ``state`` (on or off); a no-op for ``None`` and where autocast is off
+    both in ``state`` and now."""
+    if state is None or not (state.enabled or torch.is_autocast_enabled(state.device_type)):
+        return _UNCHANGED
     return torch.autocast(state.device_type, dtype=state.dtype, enabled=state.enabled)
 
 
 def without_autocast(device_type: str) -> contextlib.AbstractContextManager:
-    """A context with autocast off on ``device_type`` (a no-op where the device type has none)."""
-    state = autocast_state(device_type)
-    return replay_autocast(None if state is None else state._replace(enabled=False))
+    """A context with autocast off on ``device_type`` (a no-op where it is off, or the device type has none)."""
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return _UNCHANGED
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), enabled=False)

@@ -114,7 +114,10 @@ class _ScanRecurrent:
         if type(input) is not Tensor or hx is not None:
             return None
         # the parameters themselves (not ``_flat_weights``): functional_call swaps the ones in _parameters
-        weights = [self._parameters[name] for name in self._flat_weights_names]
+        try:
+            weights = [self._parameters[name] for name in self._flat_weights_names]
+        except KeyError:  # a parametrized weight (torch.nn.utils.parametrize): a new tensor at every access
+            return None
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or any(w.requires_grad for w in weights)
         )

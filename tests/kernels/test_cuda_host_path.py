@@ -20,17 +20,13 @@ from collections import Counter
 import pytest
 import torch
 from lightning_bppsa.kernels import cuda, recurrent_cuda, recurrent_emulated
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_bppsa.nn as bnn
 from lightning_bppsa import cells
 from lightning_bppsa.nn import _scan_layer
-from lightning_bppsa.testing import assert_derived_close
+from lightning_bppsa.testing import OpCounter, assert_derived_close
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
-
-#: ops that queue no kernel on a GPU: views and allocations (of the caching allocator: no launch either)
-_NO_LAUNCH = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "detach"}
 
 #: the most aten ops / kernel-launching aten ops one steady-state step may make, by (cell, algorithm); kernel
 #: launches are always 2 (forward kernel, scan). Before the host-path work of issue 29 the same steps made RNN
@@ -51,28 +47,6 @@ MAX_OPS = {
     ("RNN", "fused"): (35, 11),
     ("GRU", "fused"): (39, 11),
 }
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that reach the dispatcher's Python key, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    def launching(self) -> int:
-        """The ops that queue at least one kernel on a GPU (not views, not allocations)."""
-        views = {name for name in self.ops if _is_view(name)}
-        return sum(count for name, count in self.ops.items() if name not in _NO_LAUNCH and name not in views)
-
-
-def _is_view(name: str) -> bool:
-    packet = getattr(torch.ops.aten, name)
-    return any(getattr(packet, overload).is_view for overload in packet.overloads())
 
 
 @pytest.fixture

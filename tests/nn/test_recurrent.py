@@ -512,6 +512,34 @@ def test_torch_func_grad_of_functional_call_equals_torchs(cell):
         assert_derived_close(actual[name], expected[name], floor=1e-9, name=name)
 
 
+class _Scaled(nn.Module):
+    """A parametrization: the weight used is half the one stored."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 0.5 * weight
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+def test_parametrized_weights_get_torchs_gradients(cell):
+    """``torch.nn.utils.parametrize`` (an orthogonal ``W_hh``, a common RNN recipe, and a custom one) replaces
+    weights by properties computed at each access: the layer scans with them, every step, and the stored
+    parameters get torch's gradients (it raised a KeyError where it memoised its plan)."""
+    ours = PAIRS[cell][0](3, 4, num_layers=2, algorithm="linear", dtype=torch.float64)
+    ref = PAIRS[cell][1](3, 4, num_layers=2, dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    for module in (ours, ref):
+        torch.nn.utils.parametrizations.orthogonal(module, "weight_hh_l0")
+        torch.nn.utils.parametrize.register_parametrization(module, "weight_ih_l1", _Scaled())
+    ref.load_state_dict(ours.state_dict())
+    for _ in range(2):  # the second call: where a plan memoised on the first would answer
+        x = torch.randn(5, 2, 3, dtype=torch.float64)
+        for module in (ours, ref):
+            module.zero_grad()
+            (module(x)[0] ** 2).sum().backward()
+        assert ours.last_stats["path"] == "scan"
+        for (name, actual), expected in zip(ours.named_parameters(), ref.parameters(), strict=True):
+            assert_derived_close(actual.grad, expected.grad, name=name)
+
 class _Model(nn.Module):
     """A user's model around a recurrent layer (torch 2.13 scripts torch's own RNN modules only as
     submodules: a scripted top-level ``nn.RNN`` has no ``forward``, only its overloads)."""
