@@ -357,9 +357,9 @@ __device__ void gate_split_forward(const Layer<float>& p) {
 
     // Step t = t0 + k of a group of U, as fixed_forward's: ring slots, state buffers and gi's offsets at
     // compile-time offsets, the bookkeeping once a group, `guarded` where the copy may lie beyond T. The LSTM's
-    // groups of 2; the GRU's of 1: ptxas spilled the loop's invariants around the call of the division's slow
-    // path in sigmoid_of (GRU groups of 4 at H = 20, of 2 at H = 7, sm_90).
-    constexpr int U = C == kLstm && kRing % 2 == 0 ? 2 : 1;
+    // groups of 4, the GRU's of 2: by 4 ptxas spilled the GRU's registers at H = 8, 23 and 32 (sm_90); both
+    // spilled sooner while sigmoid_of's IEEE division called its slow path (its registers saved around the call).
+    constexpr int U = C == kLstm && kRing % 4 == 0 ? 4 : kRing % 2 == 0 ? 2 : 1;
     const int mine = g * H + j;  // this lane's entry of a ring slot
     int base = 0;
     const auto step = [&](const int k, const i64 t, const bool guarded) {

@@ -29,7 +29,19 @@ namespace bppsa_rec {
 // Accurate (libm / CUDA's non-intrinsic) functions: float64 must match torch to ~1e-12.
 __device__ __forceinline__ float tanh_of(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_of(double x) { return tanh(x); }
-__device__ __forceinline__ float sigmoid_of(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_of(float x) {
+#ifdef __CUDA_ARCH__
+    // 1 / d (d = 1 + e^-x >= 1) without the IEEE division, whose slow path is a called subroutine: ptxas saved
+    // the grouped time loops' registers around that call, and spilled. Instead the approximate reciprocal
+    // (__fdividef: 2 ulp, 0 where d > 2^126) and one Newton step: within 1 ulp of 1.0f / d, no branch. x below
+    // -88 counts as -88 (e^88 is finite, the sigmoid < 2^-126 flushed to 0 either way); a NaN stays NaN.
+    const float d = 1.0f + expf(x < -88.0f ? 88.0f : -x);
+    const float r = __fdividef(1.0f, d);
+    return fmaf(r, fmaf(-d, r, 1.0f), r);
+#else
+    return 1.0f / (1.0f + expf(-x));
+#endif
+}
 __device__ __forceinline__ double sigmoid_of(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 // One lane's share of copying rows of N floats from global to shared memory: the 32 lanes of a warp copy a

@@ -464,9 +464,11 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~80 s of nvcc
 #: 67 / 78 / 98 / 107 and backward 39.5 / 44 / 61.25 / 79.5 at H = 1 / 5 / 20 / 32; the groups of 4 with
 #: compile-time offsets, forward 37 / 47 / 65 / 78 and backward 23 / 28 / 43 / 58.
 RNN_STEP_CAP = {"forward": {1: 40, 5: 50, 20: 68, 32: 80}, "backward": {1: 26, 5: 31, 20: 46, 32: 61}}
-#: the same for a step of the LSTM's forward (a warp a gate; its branches by warp stay) in groups of 2: 145 / 155 /
-#: 179 / 181 a step before, 127 / 133 / 160 / 171 (the GRU's stay single steps: see gate_split_forward)
-LSTM_FORWARD_STEP_CAP = {1: 130, 5: 136, 20: 163, 32: 174}
+#: the same for a step of the gated cells' forward (a warp a gate; its branches by warp stay), by cell and H:
+#: single steps issued LSTM 145 / 155 / 179 / 181 and GRU 150 / 161 / 184 / 191 (a CALL of the division's slow
+#: path in each sigmoid); the LSTM's groups of 2 127 / 133 / 160 / 171; without the call, the LSTM's groups of 4
+#: 102 / 115 / 135 / 143 and the GRU's of 2 121 / 129 / 144 / 156.
+GATED_FORWARD = {"lstm": (4, {1: 105, 5: 118, 20: 138, 32: 146}), "gru": (2, {1: 124, 5: 132, 20: 147, 32: 159})}
 
 
 @pytest.mark.slow  # ~2 s of nvcc + cuobjdump per H
@@ -476,7 +478,8 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
     step; backward: a row stored a step) with no branch but the loop's own (ring slots, state or row buffers and
     output offsets at compile-time offsets; every lane computes, the lanes beyond H store into padding or
     nothing), within :data:`RNN_STEP_CAP` a step (the groups near the sequence's ends run a guarded copy); the
-    LSTM's forward in groups of 2 steps, within :data:`LSTM_FORWARD_STEP_CAP` a step."""
+    gated cells' forward in groups (:data:`GATED_FORWARD`: LSTM 4 steps, GRU 2) within its caps a step, no call
+    in them (sigmoid_of's reciprocal inline)."""
     try:
         loops = cuda_inspect.sass_loops("sm_90", source="recurrent.cu", options=recurrent_cuda.module_options(hidden))
     except FileNotFoundError as err:
@@ -492,11 +495,13 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
             assert main.instructions / steps <= RNN_STEP_CAP[direction][hidden], (
                 f"{name}: {main.instructions / steps} instructions a step: {main.kinds}"
             )
-    name = f"bppsa_lstm_forward_f32_h{hidden}"
-    groups = [loop for loop in loops[name] if loop.kinds.get("LDGDEPBAR") == 2]  # the main loop, the tail's
-    assert groups, f"{name}: {[loop.kinds for loop in loops[name]]}"
-    step = min(loop.instructions for loop in groups) / 2
-    assert step <= LSTM_FORWARD_STEP_CAP[hidden], f"{name}: {step} instructions a step"
+    for cell, (unroll, caps) in GATED_FORWARD.items():
+        name = f"bppsa_{cell}_forward_f32_h{hidden}"
+        groups = [loop for loop in loops[name] if loop.kinds.get("LDGDEPBAR") == unroll]  # the main loop, the tail's
+        assert groups, f"{name}: {[loop.kinds for loop in loops[name]]}"
+        assert not any("CALL" in kind for loop in groups for kind in loop.kinds), f"{name}: {groups[0].kinds}"
+        step = min(loop.instructions for loop in groups) / unroll
+        assert step <= caps[hidden], f"{name}: {step} instructions a step"
 
 
 def test_nvrtc_compiles_what_cupy_loads():
