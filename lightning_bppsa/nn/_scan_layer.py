@@ -55,8 +55,8 @@ def layer_autocast_dtype(device_type: str, autocast: torch.dtype) -> torch.dtype
     return autocast
 
 
-#: the tensor types an op implementation may be called on directly (a subclass may handle the op itself)
-_PLAIN = (Tensor, torch.nn.Parameter)
+#: the argument types an op implementation may be called on directly (a tensor subclass may handle the op itself)
+_PLAIN = frozenset((Tensor, torch.nn.Parameter, type(None)))
 
 
 def _dispatched(tensors) -> bool:
@@ -70,7 +70,7 @@ def _dispatched(tensors) -> bool:
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._autograd._profiler_enabled()
         or torch._C._get_tracing_state() is not None
-        or any(type(t) not in _PLAIN for t in tensors if t is not None)
+        or not _PLAIN.issuperset(map(type, tensors))
     )
 
 
