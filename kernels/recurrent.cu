@@ -802,9 +802,11 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         }
     };
     i64 base = steps - 1;
-    // The groups whose steps, and the steps they load, all lie within T: no check a step. Not the GRU's: its
-    // registers with a second copy of the loop spilled in ptxas (sm_80 at H = 128, sm_90 at H = 32).
-    if constexpr (C != kGru)
+    // The groups whose steps, and the steps they load, all lie within T: no check a step. Not the GRU's above
+    // H = 32: its registers with a second copy of the loop spilled in ptxas (sm_80, H = 128: 512 threads leave a
+    // lane 128); at H <= 32 they did at H = 18 (sm_90) until the kernel asked for one block an SM (its launch
+    // bounds), so that ptxas may use more registers rather than spill.
+    if constexpr (C != kGru || HF <= 32)
         for (; base - (K - 1) - K >= 0; base -= K) {
 #pragma unroll
             for (int k = 0; k < K; ++k) step(k, base - k, false);
@@ -846,7 +848,7 @@ __device__ void cell_backward(const CellBackward<T>& p) {
 // the backward compiled for H, W_hh's column split over S lanes a unit (H S threads, whole warps), RR packs
 // of a lane's share in registers (-1: all)
 #define BPPSA_BWD_SPLIT_KERNEL(NAME, CELL, H, S, RR)                                                          \
-    extern "C" __global__ void __launch_bounds__((H * S + 31) / 32 * 32) NAME BPPSA_BWD_PARAMS(float) {       \
+    extern "C" __global__ void __launch_bounds__((H * S + 31) / 32 * 32, 1) NAME BPPSA_BWD_PARAMS(float) {    \
         cell_backward<float, CELL, H, S, RR>(CellBackward<float>{f0, f1, f2, w_hh, grad_out, grad_h, grad_cn, \
                                                                  d_gi, d_gh, gh0, gc0, batch, steps,          \
                                                                  (int)hidden});                               \

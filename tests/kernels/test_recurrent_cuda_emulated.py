@@ -469,6 +469,12 @@ RNN_STEP_CAP = {"forward": {1: 40, 5: 50, 20: 68, 32: 80}, "backward": {1: 26, 5
 #: path in each sigmoid); the LSTM's groups of 2 127 / 133 / 160 / 171; without the call, the LSTM's groups of 4
 #: 102 / 115 / 135 / 143 and the GRU's of 2 121 / 129 / 144 / 156.
 GATED_FORWARD = {"lstm": (4, {1: 105, 5: 118, 20: 138, 32: 146}), "gru": (2, {1: 124, 5: 132, 20: 147, 32: 159})}
+#: the same for a step of the gated cells' backward, whose loop runs groups of kBackwardAhead = 4 steps: the GRU's
+#: checked its bounds every step (its registers spilled with the unchecked copy of the loop: ptxas kept 96 and
+#: spilled at H = 18 until the kernels asked for one block an SM), 61.5 / 75.5 / 110.5 / 123.25 instructions a
+#: step; unchecked 48.75 / 50.5 / 80 / 102.25. The LSTM's 78.25 / 88 / 116.5 / 133.25, with the launch bounds
+#: 78.25 / 88 / 113.75 / 128.25.
+GATED_BACKWARD = {"gru": {1: 51, 5: 53, 20: 83, 32: 105}, "lstm": {1: 80, 5: 90, 20: 116, 32: 131}}
 
 
 @pytest.mark.slow  # ~2 s of nvcc + cuobjdump per H
@@ -479,7 +485,8 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
     output offsets at compile-time offsets; every lane computes, the lanes beyond H store into padding or
     nothing), within :data:`RNN_STEP_CAP` a step (the groups near the sequence's ends run a guarded copy); the
     gated cells' forward in groups (:data:`GATED_FORWARD`: LSTM 4 steps, GRU 2) within its caps a step, no call
-    in them (sigmoid_of's reciprocal inline)."""
+    in them (sigmoid_of's reciprocal inline), and their backward's unchecked groups within
+    :data:`GATED_BACKWARD`."""
     try:
         loops = cuda_inspect.sass_loops("sm_90", source="recurrent.cu", options=recurrent_cuda.module_options(hidden))
     except FileNotFoundError as err:
@@ -502,6 +509,11 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
         assert not any("CALL" in kind for loop in groups for kind in loop.kinds), f"{name}: {groups[0].kinds}"
         step = min(loop.instructions for loop in groups) / unroll
         assert step <= caps[hidden], f"{name}: {step} instructions a step"
+    for cell, caps in GATED_BACKWARD.items():
+        name = f"bppsa_{cell}_backward_f32_h{hidden}"
+        groups = [loop for loop in loops[name] if loop.kinds.get("STS", 0) >= 4]  # the main loop, the tail's
+        step = min(loop.instructions for loop in groups) / 4  # kBackwardAhead steps a group
+        assert step <= caps[hidden], f"{name}: {step} instructions a step: {[loop.kinds for loop in groups]}"
 
 
 def test_nvrtc_compiles_what_cupy_loads():
