@@ -241,6 +241,18 @@ def test_convert_leaves_proj_size_on_autograd_with_a_reason():
     assert not report[0].scanned and "proj_size" in report[0].reason
 
 
+def test_convert_leaves_a_parametrized_layer_on_autograd_with_a_reason():
+    from lightning_bppsa.nn import ConversionRecord
+
+    report: list[ConversionRecord] = []
+    model = nn.Sequential(nn.GRU(3, 4))
+    torch.nn.utils.parametrizations.orthogonal(model[0], "weight_hh_l0")
+    layer = model[0]
+    assert convert(model, report=report)[0] is layer
+    (record,) = [r for r in report if r.path == "0"]
+    assert not record.scanned and "parametrize" in record.reason and "lightning_bppsa.nn.GRU" in record.reason
+
+
 def test_unsupported_inputs_raise_clear_errors():
     with pytest.raises(NotImplementedError, match="proj_size"):
         bnn.LSTM(3, 4, proj_size=2)
