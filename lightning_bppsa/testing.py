@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_bppsa.algorithms import compute_dtype
 
-__all__ = ["OpCounter", "assert_derived_close", "clear_plans", "cuda_path_on_cpu", "cuda_path_patches", "relative_error"]
+__all__ = ["OpCounter", "assert_derived_close", "cuda_path_on_cpu", "relative_error"]
 
 
 def relative_error(actual: Tensor, reference: Tensor) -> float:
@@ -74,7 +74,7 @@ def assert_derived_close(
         raise AssertionError(f"{name}: relative error {error:.3e} exceeds allowed {allowed:.3e}")
 
 
-def cuda_path_patches(run_kernels: bool = True) -> tuple[object, list[tuple[object, str, object]]]:
+def _cuda_path_patches(run_kernels: bool = True) -> tuple[object, list[tuple[object, str, object]]]:
     """What :func:`cuda_path_on_cpu` replaces: ``(backend, [(target, name, value), ...])``, the CUDA backend it
     registers for ``"cpu"`` and the attributes it sets (a dict target's name is a key), for callers that patch
     with tools of their own (pytest's ``monkeypatch``, whose undo order must stay its own)."""
@@ -100,7 +100,7 @@ def cuda_path_patches(run_kernels: bool = True) -> tuple[object, list[tuple[obje
     return emulated_cuda, patches
 
 
-def clear_plans() -> None:
+def _clear_plans() -> None:
     """Forget the scan plans cached per shape and device type (where :func:`cuda_path_on_cpu` changes what
     ``"cpu"`` plans as)."""
     from lightning_bppsa import plan
@@ -118,18 +118,18 @@ def cuda_path_on_cpu(run_kernels: bool = True) -> Iterator[object]:
     plan caches are cleared on entry and exit. ``run_kernels=False``: every launch is prepared as on a GPU and
     then dropped (outputs left unwritten): the host's share of a step alone (``benchmarks/host_proxy.py``).
     """
-    backend, patches = cuda_path_patches(run_kernels)
+    backend, patches = _cuda_path_patches(run_kernels)
     with contextlib.ExitStack() as stack:
         for target, name, value in patches:
             dict_item = isinstance(target, dict)
             stack.enter_context(
                 mock.patch.dict(target, {name: value}) if dict_item else mock.patch.object(target, name, value)
             )
-        clear_plans()  # plans cached for "cpu" must not answer, nor these leak
+        _clear_plans()  # plans cached for "cpu" must not answer, nor these leak
         try:
             yield backend
         finally:
-            clear_plans()
+            _clear_plans()
 
 
 #: ops that queue no kernel on a GPU: views and allocations (of the caching allocator: no launch either)

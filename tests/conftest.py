@@ -36,12 +36,12 @@ def cuda_on_cpu(monkeypatch) -> backends.CudaBackend:
     """The recurrent layers' CUDA path on CPU tensors, every kernel run by its host emulation (needs g++), as
     :func:`lightning_bppsa.testing.cuda_path_on_cpu` sets it up, through ``monkeypatch`` (so that a test's own
     patches of the same attributes undo in order); yields the CUDA backend registered for ``"cpu"``."""
-    emulated_cuda, patches = testing.cuda_path_patches()
+    emulated_cuda, patches = testing._cuda_path_patches()
     for target, name, value in patches:
         if isinstance(target, dict):
             monkeypatch.setitem(target, name, value)
         else:
             monkeypatch.setattr(target, name, value)
-    testing.clear_plans()  # plans cached for "cpu" must not answer, nor these leak
+    testing._clear_plans()  # plans cached for "cpu" must not answer, nor these leak
     yield emulated_cuda
-    testing.clear_plans()
+    testing._clear_plans()
