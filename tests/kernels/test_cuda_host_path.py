@@ -185,3 +185,34 @@ def test_scan_launcher_enters_another_device_only(fake_device):
     assert (
         len(fake.kernels[(0, launch.kernel)].calls) == 2 and len(fake.kernels[(1, launch.kernel)].calls) == 1
     )
+
+
+@needs_gxx
+def test_cuda_path_on_cpu_runs_or_drops_the_kernels_and_restores_the_cpu_path():
+    """``testing.cuda_path_on_cpu``: the layer plans as on CUDA inside (its gradients torch's where the kernels
+    run; with ``run_kernels=False`` nothing is launched: the host proxy's setting), and as on the CPU again after."""
+    from lightning_bppsa.testing import cuda_path_on_cpu
+
+    torch.manual_seed(0)
+    layer = bnn.GRU(3, 5, batch_first=True, algorithm="linear").double()
+    reference = torch.nn.GRU(3, 5, batch_first=True).double()
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 9, 3, dtype=torch.float64)
+    with cuda_path_on_cpu(run_kernels=False):
+        launched = []
+        real = recurrent_emulated.library
+        recurrent_emulated.library = lambda *options: launched.append(options) or real(*options)
+        try:
+            layer(x)[0].sum().backward()
+        finally:
+            recurrent_emulated.library = real
+        assert "[cuda]" in layer.last_stats["plan"] and launched == []
+    layer.zero_grad()
+    with cuda_path_on_cpu():
+        layer(x)[0].sum().backward()
+        assert "[cuda]" in layer.last_stats["plan"]
+    reference(x)[0].sum().backward()
+    for name, param in layer.named_parameters():
+        assert_derived_close(param.grad, getattr(reference, name).grad, name=name)
+    layer(x)[0].sum().backward()
+    assert layer.last_stats["plan"].endswith("[c]")
