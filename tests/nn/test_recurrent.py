@@ -552,6 +552,7 @@ def test_parametrized_weights_get_torchs_gradients(cell):
         for (name, actual), expected in zip(ours.named_parameters(), ref.parameters(), strict=True):
             assert_derived_close(actual.grad, expected.grad, name=name)
 
+
 class _Model(nn.Module):
     """A user's model around a recurrent layer (torch 2.13 scripts torch's own RNN modules only as
     submodules: a scripted top-level ``nn.RNN`` has no ``forward``, only its overloads)."""
