@@ -802,11 +802,11 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         }
     };
     i64 base = steps - 1;
-    // The groups whose steps, and the steps they load, all lie within T: no check a step. Not the GRU's above
-    // H = 32: its registers with a second copy of the loop spilled in ptxas (sm_80, H = 128: 512 threads leave a
-    // lane 128); at H <= 32 they did at H = 18 (sm_90) until the kernel asked for one block an SM (its launch
-    // bounds), so that ptxas may use more registers rather than spill.
-    if constexpr (C != kGru || HF <= 32)
+    // The groups whose steps, and the steps they load, all lie within T: no check a step. Not the GRU's where
+    // part of W_hh is read from shared memory (H > 104): its registers with a second copy of the loop spilled in
+    // ptxas (sm_80, H = 128); at H <= 32 they did at H = 18 (sm_90) until the kernel asked for one block an SM
+    // (its launch bounds), so that ptxas may use more registers rather than spill.
+    if constexpr (C != kGru || RSH == 0)
         for (; base - (K - 1) - K >= 0; base -= K) {
 #pragma unroll
             for (int k = 0; k < K; ++k) step(k, base - k, false);

@@ -516,6 +516,32 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
         assert step <= caps[hidden], f"{name}: {step} instructions a step: {[loop.kinds for loop in groups]}"
 
 
+#: the most instructions a step of the GRU's backward compiled for an H > 32 with W_hh in registers alone may
+#: issue in its unchecked groups (sm_90 SASS, per warp): checking its bounds every step it issued 193 / 286.5 at
+#: H = 64 / 104, unchecked 176.75 / 254.75
+WIDE_GRU_BACKWARD_STEP_CAP = {64: 180, 104: 258}
+
+
+@pytest.mark.slow  # ~10 s of nvcc + cuobjdump per H
+@pytest.mark.parametrize("hidden", sorted(WIDE_GRU_BACKWARD_STEP_CAP))
+def test_wide_gru_backward_runs_unchecked_groups(hidden):
+    """The GRU's backward above H = 32, where its layout holds W_hh in registers alone: a main loop of
+    kBackwardAhead = 4 steps without a check a step, beside the checked tail (the layouts reading part of W_hh
+    from shared memory keep the checked loop alone: ptxas spilled)."""
+    layout = recurrent_cuda.wide_layout("gru", hidden)
+    assert layout.register_packs == layout.lane_packs
+    try:
+        loops = cuda_inspect.sass_loops("sm_90", source="recurrent.cu",
+                                        options=recurrent_cuda.wide_options("gru", hidden, layout))  # fmt: skip
+    except FileNotFoundError as err:
+        pytest.skip(f"needs nvcc, cuobjdump and nvdisasm (the [dev] extra's NVIDIA wheels): {err}")
+    name = f"bppsa_gru_backward_f32_h{hidden}"
+    groups = [loop for loop in loops[name] if loop.kinds.get("STS", 0) >= 4]
+    assert len(groups) == 2, f"{name}: {[loop.kinds for loop in loops[name]]}"
+    step = min(loop.instructions for loop in groups) / 4
+    assert step <= WIDE_GRU_BACKWARD_STEP_CAP[hidden], f"{name}: {step} instructions a step"
+
+
 def test_nvrtc_compiles_what_cupy_loads():
     """The exact source CuPy compiles (headers inlined) through NVRTC, which needs no GPU either: the generic
     module and each per-H module."""
