@@ -126,6 +126,7 @@ __device__ __forceinline__ void load_shared_vector(const double* p, double (&v)[
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)

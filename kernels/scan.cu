@@ -326,19 +326,19 @@ constexpr int kWarpSharedBytes = 47 * 1024;  // ring + shared W: every device's 
 constexpr int kRegisterWords = 160;  // W in registers where it and two columns take this many 32-bit words a lane (no spill: the compile gate)
 
 template <class T>
-constexpr int vector_elements() {  // elements of one 16-byte shared-memory load
+__host__ __device__ constexpr int vector_elements() {  // elements of one 16-byte shared-memory load
     return 16 / (int)sizeof(T);
 }
 template <class T>
-constexpr int whole_vectors(int n) {  // n rounded up to whole vectors
+__host__ __device__ constexpr int whole_vectors(int n) {  // n rounded up to whole vectors
     return (n + vector_elements<T>() - 1) / vector_elements<T>() * vector_elements<T>();
 }
 template <class T>
-constexpr int lane_stride(int n) {  // an odd number of whole vectors >= n: one vector per lane, no bank conflict
+__host__ __device__ constexpr int lane_stride(int n) {  // an odd number of whole vectors >= n: one vector per lane, no bank conflict
     const int vectors = (n + vector_elements<T>() - 1) / vector_elements<T>();
     return (vectors | 1) * vector_elements<T>();
 }
-constexpr int ring_depth(int slot_bytes, int budget) {
+__host__ __device__ constexpr int ring_depth(int slot_bytes, int budget) {
     int depth = kMaxDepth;
     while (depth > 2 && depth * slot_bytes > budget) depth /= 2;
     return depth;
