@@ -28,11 +28,11 @@ import argparse
 import cProfile
 import pstats
 import statistics
-import time
 from pathlib import Path
+from unittest import mock
 
 import torch
-from device_runner import RESULTS, Runner, header, markdown_table, uncommitted
+from device_runner import RESULTS, Runner, header, markdown_table, train_step, uncommitted
 
 from lightning_bppsa import nn as bnn
 from lightning_bppsa.bench.measure import load_average, machine_description
@@ -45,24 +45,12 @@ WORKLOADS = (("RNN", "linear"), ("RNN", "chunked"), ("GRU", "linear"), ("GRU", "
 BATCH, STEPS, INPUTS, HIDDEN = 1, 3, 1, 20
 
 
-def _step(module: torch.nn.Module, x: torch.Tensor):
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        output, _ = module(x)
-        output[:, -1].sum().backward()
-
-    return step
-
-
-def _medians(steps: dict[str, object], rounds: int, calls: int) -> dict[str, float]:
+def _medians(runner: Runner, steps: dict[str, object], rounds: int, calls: int) -> dict[str, float]:
     """Median seconds per call of each step, ``rounds`` interleaved rounds of ``calls`` calls each."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            for _ in range(calls):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
+            times[name] += runner.call_seconds(step, calls)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -76,19 +64,14 @@ def _python_calls(step, steps: int) -> float:
 
 
 def _aten_ops(step) -> str:
-    """``"total (launching)"`` aten ops of one step (:class:`~lightning_bppsa.testing.OpCounter`)."""
-    counter = OpCounter()
-    direct = _scan_layer._dispatched
-    _scan_layer._dispatched = lambda tensors: False  # as eagerly on a GPU: the mode would route the ops
-    try:
-        with counter:
-            step()
-    finally:
-        _scan_layer._dispatched = direct
+    """``"total (launching)"`` aten ops of one step (:class:`~lightning_bppsa.testing.OpCounter`), the layers'
+    ops called directly as eagerly on a GPU (under the counting mode they would go through the dispatcher)."""
+    with mock.patch.object(_scan_layer, "_dispatched", lambda tensors: False), OpCounter() as counter:
+        step()
     return f"{sum(counter.ops.values())} ({counter.launching()})"
 
 
-def measure(rounds: int, calls: int) -> list[list[str]]:
+def measure(runner: Runner, rounds: int, calls: int) -> list[list[str]]:
     """One row per workload: our module's CUDA path (kernels dropped) and torch's CPU module, interleaved."""
     rows = []
     for cell, algorithm in WORKLOADS:
@@ -98,11 +81,11 @@ def measure(rounds: int, calls: int) -> list[list[str]]:
         ours.load_state_dict(ref.state_dict())
         x = torch.randn(BATCH, STEPS, INPUTS)
         with cuda_path_on_cpu(run_kernels=False):
-            steps = {"ours": _step(ours, x), "torch": _step(ref, x)}
+            steps = {"ours": train_step(ours, x), "torch": train_step(ref, x)}
             for step in steps.values():
                 for _ in range(5):
                     step()  # plans made (a linear scan's first backward measures its two kernels)
-            seconds = _medians(steps, rounds, calls)
+            seconds = _medians(runner, steps, rounds, calls)
             plan = ours.last_stats["plan"]
             rows.append([
                 cell, algorithm, plan, f"{seconds['ours'] * 1e6:.0f}", f"{_python_calls(steps['ours'], 50):.0f}",
@@ -122,7 +105,7 @@ def main() -> None:
     command = f"python benchmarks/host_proxy.py --rounds {args.rounds} --calls {args.calls}"
     runner = Runner("cpu", None, float("inf"), results=args.results, command=command)
     load_before, changed = load_average(), uncommitted()
-    rows = measure(args.rounds, args.calls)
+    rows = measure(runner, args.rounds, args.calls)
     text = header(runner, "The host's share of a CUDA training step, on the CPU (kernels not run)") + (
         f"Machine: {machine_description()}; torch threads {torch.get_num_threads()}. Load average (1, 5, 15 min) "
         f"{tuple(round(v, 2) for v in load_before)} before, {tuple(round(v, 2) for v in load_average())} after. "

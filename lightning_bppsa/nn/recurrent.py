@@ -432,14 +432,15 @@ def _convert_recurrent(module: nn.Module) -> Conversion | None:
     """Swap an exact ``torch.nn.RNN/GRU/LSTM`` for its BPPSA class, keeping the same ``Parameter`` objects."""
     target = _TYPES.get(type(module))
     if target is None:
-        if parametrize.is_parametrized(module) and type(module).__bases__[0] in _TYPES:
-            # parametrize derived a class of its own, whose properties compute the weights: rebuilding it would
-            # lose the parametrizations (the BPPSA classes take them: parametrize one of those instead)
-            return Conversion(
-                None, f"parametrized weights (torch.nn.utils.parametrize): stays on torch autograd; build "
-                f"lightning_bppsa.nn.{type(module).__bases__[0].__name__} and parametrize it to scan",
-            )  # fmt: skip
-        return None
+        # parametrize derived a class of its own, whose properties compute the weights: rebuilding the module
+        # would lose the parametrizations (the BPPSA classes take them: parametrize one of those instead)
+        base = type(module).__bases__[0]
+        if base not in _TYPES or not parametrize.is_parametrized(module):
+            return None
+        return Conversion(
+            None, f"parametrized weights (torch.nn.utils.parametrize): stays on torch autograd; build "
+            f"lightning_bppsa.nn.{base.__name__} and parametrize it to scan",
+        )  # fmt: skip
     if getattr(module, "proj_size", 0) > 0:
         return Conversion(None, "proj_size > 0 is not supported by the scan; stays on torch autograd")
     new = _rebuild(module, target)

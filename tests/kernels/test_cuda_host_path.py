@@ -24,7 +24,7 @@ from lightning_bppsa.kernels import cuda, recurrent_cuda, recurrent_emulated
 import lightning_bppsa.nn as bnn
 from lightning_bppsa import cells
 from lightning_bppsa.nn import _scan_layer
-from lightning_bppsa.testing import OpCounter, assert_derived_close
+from lightning_bppsa.testing import OpCounter, assert_derived_close, cuda_path_on_cpu
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
 
@@ -188,25 +188,21 @@ def test_scan_launcher_enters_another_device_only(fake_device):
 
 
 @needs_gxx
-def test_cuda_path_on_cpu_runs_or_drops_the_kernels_and_restores_the_cpu_path():
+def test_cuda_path_on_cpu_runs_or_drops_the_kernels_and_restores_the_cpu_path(monkeypatch):
     """``testing.cuda_path_on_cpu``: the layer plans as on CUDA inside (its gradients torch's where the kernels
     run; with ``run_kernels=False`` nothing is launched: the host proxy's setting), and as on the CPU again after."""
-    from lightning_bppsa.testing import cuda_path_on_cpu
-
     torch.manual_seed(0)
     layer = bnn.GRU(3, 5, batch_first=True, algorithm="linear").double()
     reference = torch.nn.GRU(3, 5, batch_first=True).double()
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(2, 9, 3, dtype=torch.float64)
     with cuda_path_on_cpu(run_kernels=False):
-        launched = []
+        loaded = []
         real = recurrent_emulated.library
-        recurrent_emulated.library = lambda *options: launched.append(options) or real(*options)
-        try:
+        with monkeypatch.context() as patch:
+            patch.setattr(recurrent_emulated, "library", lambda *options: loaded.append(options) or real(*options))
             layer(x)[0].sum().backward()
-        finally:
-            recurrent_emulated.library = real
-        assert "[cuda]" in layer.last_stats["plan"] and launched == []
+        assert "[cuda]" in layer.last_stats["plan"] and loaded == []
     layer.zero_grad()
     with cuda_path_on_cpu():
         layer(x)[0].sum().backward()
