@@ -185,6 +185,8 @@ TESTS_COMMAND = (
     "tests/gpu",
     "-p",
     "no:cacheprovider",
+    "-p",
+    "no:benchmark",  # pytest-benchmark's warning under xdist, once per test, buried the output's tail
     *TEST_WORKERS,
 )  # -q: pyproject's addopts (-qq hides the count)
 
@@ -395,15 +397,38 @@ def _text(output: str | bytes | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
+def test_log_summary(path: Path, slowest: int = 15) -> str:
+    """What the tests' log (``tests/gpu/conftest.py``'s ``BPPSA_TEST_LOG``: phase, outcome, seconds, test a line)
+    says in markdown: the outcomes so far and the slowest tests; ``""`` where nothing was logged."""
+    if not path.exists():
+        return ""
+    reports = {}
+    for line in path.read_text().splitlines():
+        when, outcome, seconds, nodeid = line.split("\t", 3)
+        reports[(nodeid, when)] = (outcome, float(seconds))  # a test logged twice (xdist): one entry
+    counts: dict[str, int] = {}
+    for outcome, _ in reports.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    tally = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    ranked = sorted(((seconds, nodeid, when) for (nodeid, when), (_, seconds) in reports.items()), reverse=True)
+    lines = [f"- {seconds:.1f} s `{nodeid}` ({when})" for seconds, nodeid, when in ranked[:slowest]]
+    return f"\n## Logged as they finished\n\n{tally} (test phases)\n\nSlowest:\n\n" + "\n".join(lines) + "\n"
+
+
 def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: float = TESTS_SECONDS) -> str:
     """``pytest tests/gpu -q`` in a subprocess, stopped after ``limit`` seconds or at the deadline; writes
-    ``cuda-tests.md`` (summary line, failures, the output's tail) and returns the summary line."""
+    ``cuda-tests.md`` (summary line, failures, the output's tail, and from the tests' own log the outcomes and
+    the slowest tests, also of a stopped run) and returns the summary line."""
     timeout, output = min(limit, runner.left()), ""
+    runner.results.mkdir(parents=True, exist_ok=True)
+    log = runner.results / "cuda-tests-log.txt"
+    log.unlink(missing_ok=True)
     if timeout <= 0:
         summary = SKIPPED
     else:
         try:
-            wide = {**os.environ, "COLUMNS": "240"}  # pytest cuts its FAILED lines at the terminal's width
+            # pytest cuts its FAILED lines at the terminal's width; the log: tests/gpu/conftest.py
+            wide = {**os.environ, "COLUMNS": "240", "BPPSA_TEST_LOG": str(log)}
             done = subprocess.run(
                 list(command), capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=wide
             )
@@ -418,6 +443,7 @@ def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: f
     text = header(runner, "tests/gpu") + f"`{shlex.join(command)}`\n\n**{summary}**\n"
     if failures:
         text += "\n## Failures\n\n" + "\n".join(f"- `{line}`" for line in failures) + "\n"
+    text += test_log_summary(log)
     if output and not summary.startswith("exit 0"):
         text += "\n## Output (last 3000 characters)\n\n```\n" + output[-3000:] + "\n```\n"
     write(runner, "cuda-tests.md", text)
@@ -780,7 +806,7 @@ def calib_shape(
     ref, ours, x = _pair("RNN", 1, d, batch, length, runner.device)
     # cuDNN again: a second copy of torch's module in the same rounds, how far one host-bound step of the same
     # code drifts (at T = 100 the H200's cuDNN steps read 0.74-1.27 ms across shapes of the same work)
-    step = interleaved(runner, {"cudnn": train_step(ref, x), "again": train_step(copy.deepcopy(ref), x),
+    step = interleaved(runner, {"cudnn": train_step(ref, x), "again": train_step(_copy_of(ref), x),
                                 "bppsa": train_step(ours, x)}, share,
                        estimate("step_cudnn", "step_cudnn", "step_bppsa"))  # fmt: skip
     add("step_cudnn", step["cudnn"])

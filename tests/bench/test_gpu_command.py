@@ -236,6 +236,32 @@ def test_tests_that_run_too_long_are_stopped(tmp_path: Path) -> None:
     assert "## Output" in _read(tmp_path, "cuda-tests.md")
 
 
+def test_a_stopped_test_run_still_reports_what_its_log_holds(tmp_path: Path) -> None:
+    """The tests log each finished test (tests/gpu/conftest.py): a run stopped at its limit keeps them."""
+    code = (
+        "import os, time; log = open(os.environ['BPPSA_TEST_LOG'], 'a')\n"
+        "log.write('call\\tpassed\\t0.500\\ttests/gpu/test_a.py::test_quick\\n')\n"
+        "log.write('call\\tfailed\\t9.250\\ttests/gpu/test_a.py::test_slow\\n')\n"
+        "log.write('call\\tpassed\\t0.500\\ttests/gpu/test_a.py::test_quick\\n')\n"  # logged twice (xdist)
+        "log.close(); time.sleep(60)"
+    )
+    summary = bench.tests_stage(_runner(tmp_path, FakeClock()), command=(sys.executable, "-c", code), limit=2.0)
+    assert summary == "stopped: did not finish in 2.0 s"
+    text = _read(tmp_path, "cuda-tests.md")
+    assert "1 failed, 1 passed (test phases)" in text
+    assert text.index("9.2 s `tests/gpu/test_a.py::test_slow` (call)") < text.index("0.5 s `tests/gpu/test_a.py::test_quick`")
+
+
+def test_the_gpu_tests_log_each_test_as_it_finishes(tmp_path: Path) -> None:
+    """tests/gpu's own hook writes the log the tests stage reads (a real pytest run of a few quick tests)."""
+    command = (sys.executable, "-m", "pytest", "tests/gpu/test_gpu_fixture.py", "-p", "no:cacheprovider")
+    summary = bench.tests_stage(_runner(tmp_path, FakeClock()), command=command, limit=300.0)
+    assert summary.startswith("exit 0"), summary
+    logged = (tmp_path / "cuda-tests-log.txt").read_text().splitlines()
+    assert len(logged) == 7 and all("tests/gpu/test_gpu_fixture.py::" in line for line in logged)
+    assert "7 passed (test phases)" in _read(tmp_path, "cuda-tests.md")
+
+
 def test_measurements_the_h100_found_slow_are_skipped(tmp_path: Path) -> None:
     committed = io.StringIO(
         ",".join(_committed_columns()) + "\n"

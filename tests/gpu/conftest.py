@@ -11,6 +11,7 @@ a test shows on CPU, not first on a GPU. What only a GPU has (a side stream, a C
 there that runs the body eagerly on the current thread.
 """
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -129,3 +130,15 @@ BACKEND = "cuda" if torch.cuda.is_available() else "emulated"
 @pytest.fixture(params=[BACKEND])
 def backend(request: pytest.FixtureRequest) -> Backend:
     return make_backend(request.param)
+
+
+#: where each finished test's phase, outcome and seconds are appended (``benchmarks/gpu.py``'s tests stage sets
+#: it): a run stopped at its time limit still says what passed, what failed and what took the time
+TEST_LOG = "BPPSA_TEST_LOG"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get(TEST_LOG)
+    if path and (report.when == "call" or report.outcome != "passed"):
+        with open(path, "a") as log:  # one short append per line: xdist's workers write beside each other
+            log.write(f"{report.when}\t{report.outcome}\t{report.duration:.3f}\t{report.nodeid}\n")
