@@ -155,6 +155,15 @@ def rows(quick: bool) -> list[tuple[str, int, int, int]]:
 # Where, on what and until when the stages measure
 # --------------------------------------------------------------------------------------------------
 
+#: the calibration grid's whole steps (cuDNN, its copy, ours) run this many times the shapes' rounds: host-bound
+#: steps at T = 100 drift between rounds; the budget is the same, the interleaving finer
+STEP_ROUNDS = 3
+
+
+def calib_step_rounds(runner: Runner) -> int:
+    """The interleaved rounds of the calibration grid's whole steps."""
+    return STEP_ROUNDS * runner.shapes.rounds
+
 #: a forced-scan or kernel-alone measurement whose one call took longer than this on the H100 is skipped
 SLOW_MS = 50.0
 COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
@@ -178,6 +187,8 @@ TESTS_SECONDS = 240.0
 #: pytest-xdist's workers where it is installed (the lent GPU machines have it, and 16 cores): the tests spend
 #: their time compiling kernel modules with NVRTC on the CPU, so all cores but two
 TEST_WORKERS = ("-n", str(max(1, min(14, (os.cpu_count() or 1) - 2)))) if importlib.util.find_spec("xdist") else ()
+#: the CPU threads each test process may use (OpenMP's, MKL's, torch's intra-op pool reads OMP_NUM_THREADS)
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TESTS_COMMAND = (
     sys.executable,
     "-m",
@@ -427,8 +438,10 @@ def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: f
         summary = SKIPPED
     else:
         try:
-            # pytest cuts its FAILED lines at the terminal's width; the log: tests/gpu/conftest.py
-            wide = {**os.environ, "COLUMNS": "240", "BPPSA_TEST_LOG": str(log)}
+            # pytest cuts its FAILED lines at the terminal's width; the log: tests/gpu/conftest.py; one CPU
+            # thread a worker: 14 xdist workers of 16 threads each made the tests' float64 CPU references
+            # crawl (an H200 at 20dff7a: a T=1000 H=100 test 184 s, most scan tests ~28 s each)
+            wide = {**os.environ, "COLUMNS": "240", "BPPSA_TEST_LOG": str(log), **ONE_THREAD}
             done = subprocess.run(
                 list(command), capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=wide
             )
@@ -805,9 +818,11 @@ def calib_shape(
     share = budget / 6
     ref, ours, x = _pair("RNN", 1, d, batch, length, runner.device)
     # cuDNN again: a second copy of torch's module in the same rounds, how far one host-bound step of the same
-    # code drifts (at T = 100 the H200's cuDNN steps read 0.74-1.27 ms across shapes of the same work)
-    step = interleaved(runner, {"cudnn": train_step(ref, x), "again": train_step(_copy_of(ref), x),
-                                "bppsa": train_step(ours, x)}, share,
+    # code drifts (at T = 100 the H200's cuDNN steps read 0.74-1.27 ms across shapes of the same work, and two
+    # copies' medians of 3 rounds 0.85-1.13x apart at 20dff7a): three times the rounds
+    finer = dataclasses.replace(runner, shapes=dataclasses.replace(runner.shapes, rounds=calib_step_rounds(runner)))
+    step = interleaved(finer, {"cudnn": train_step(ref, x), "again": train_step(_copy_of(ref), x),
+                               "bppsa": train_step(ours, x)}, share,
                        estimate("step_cudnn", "step_cudnn", "step_bppsa"))  # fmt: skip
     add("step_cudnn", step["cudnn"])
     add("step_cudnn_again", step["again"])
@@ -935,7 +950,8 @@ def write_calibration(runner: Runner, rows_: list[dict[str, str]], shapes_done: 
     text = header(runner, 'Calibration grid: torch (cuDNN) vs lightning_bppsa (algorithm="auto"), RNN tanh, input 1') + (
         "Every measurement is in `cuda-calib.csv` (columns of the committed `calib-h100-2026-11-26.csv`, plus `plan`: "
         "`last_stats[\"plan\"]` after a step, and `note`: why a row has no ms). Whole training step, loss = sum of the "
-        f"last output step; median of {runner.shapes.rounds} interleaved rounds after {WARMUP} warm-up steps, "
+        f"last output step; median of {calib_step_rounds(runner)} interleaved rounds (cuDNN, again, BPPSA; the "
+        f"forced scans and the forward {runner.shapes.rounds}) after {WARMUP} warm-up steps, "
         f"{runner.timer}. Ratio = cuDNN / BPPSA; cuDNN again = a second copy of torch's module in the same rounds (its "
         "ratio cuDNN / again: how far the same code drifts); forced = `algorithm=\"linear\"` / `\"chunked\"` (the chunk the plan chose). "
         f"Forced scans and kernels whose one call took > {SLOW_MS:.0f} ms on the H100 are skipped. Fused kernel = the "

@@ -36,15 +36,16 @@ on the RNN only); float32 ``32 < H <= 256`` compiled per cell and ``H``
 shared memory: a step plus a lane's multiply-adds from each, in waves of the blocks the SMs hold by
 registers); float64, generic (``W_hh`` in shared memory; its constants fitted on the float32 shared-memory
 kernels they replaced, at eeeac3a and be3c8e9). The fused kernel's constants and the float32 forward's above
-a warp are fitted by ``benchmarks/fit_cuda_model.py --fused-data`` on an H200's grid at a4e83a3
-(``results/cuda-calib-h200-a4e83a3.csv``): the 72 ``fused_kernel`` launches (median error 16%, worst 1.47x:
-a step takes up to ~1.5x longer at B >= 16 than at B = 1, which the form does not carry) and the 45 scan
-steps at ``d > 32`` with their backward as measured alone (median 10%, worst 1.39x). The forward's constant
-for multiply-adds from shared memory is its start value, a guess: only RNN ``H = 256`` reads part of ``W_hh``
-from there, measured at T = 100 alone, where the host hides it (so no step above
-:data:`FUSED_MEASURED_HIDDEN` is priced). With them the model's pick is within 10% of the faster measured
-path at 63 of the 64 shapes of that grid with a scan step measured, 1.18x at d = 64 B = 16 T = 1000, where
-repeated measurements of both paths differ by more (``tests/test_cuda_step_model.py``).
+a warp are fitted by ``benchmarks/fit_cuda_model.py --fused-data`` on an H200's grid at 20dff7a
+(``results/cuda-calib-h200-20dff7a.csv``, the RNN kernels' steps in groups of 4): the 72 ``fused_kernel``
+launches (median error 20%, worst 1.61x: a step takes up to ~1.5x longer at B >= 16 than at B = 1, which the
+form does not carry) and the 53 scan steps at ``d > 32`` with their backward as measured alone (median 6%,
+worst 1.45x), RNN ``H = 256`` (part of ``W_hh`` in shared memory) at T = 1000 and 10000 among them, so the
+fused step is priced up to :data:`FUSED_MEASURED_HIDDEN`. With them the model's pick is within 10% of the
+faster measured path at 68 of that grid's 72 shapes: 1.21x and 1.32x at two host-bound T = 100 shapes (two
+copies of cuDNN's module read up to 15% apart there), 1.18x at d = 64 B = 16 T = 1000 and 1.14x at d = 128
+B = 1 T = 1000; at d = 256 T >= 1000 it picks the fused kernel's step, measured 1.5-1.7x faster than cuDNN's
+(``tests/test_cuda_step_model.py``; on the grid at a4e83a3, whose kernels were replaced since, 63 of 64).
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -69,10 +70,9 @@ __all__ = ["FUSED_MEASURED_HIDDEN", "KERNELS", "STEPS", "KernelConstants", "Step
            "forward_seconds", "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
 
 #: the widest hidden size at which a whole step with the fused backward was measured at T >= 1000, where the
-#: forward kernel's time shows (the H200's grid at a4e83a3: 128; at d = 256 the fused kernel alone, and steps
-#: at T = 100 only): the model does not extrapolate the scan's step beyond it (fitted at d <= 128 it would pick
-#: the scan at d = 256 T = 1000 by 25-35% for a forward kernel never timed there)
-FUSED_MEASURED_HIDDEN = 128
+#: forward kernel's time shows (the H200's grid at 20dff7a: 256, the widest the kernels take; 128 at a4e83a3):
+#: the model does not extrapolate the scan's step beyond it
+FUSED_MEASURED_HIDDEN = 256
 
 H100_SMS = 132
 H100_SHARED = 232448  # the per-block shared memory opt-in the kernels launch with on an H100
@@ -117,18 +117,18 @@ class StepConstants:
     generic_unit: float = 5e-09
     elementwise: float = 3.48e-11
     #: the fused backward kernel's launch and step, per kernel family as the forward's
-    fused_launch: float = 5.06e-05
-    fused_step: float = 1.46e-07
+    fused_launch: float = 4.13e-05
+    fused_step: float = 1.08e-07
     fused_generic_step: float = 4.08e-07
     fused_generic_unit: float = 5.41e-09
     #: the float32 kernels compiled per H > 32 (W_hh in registers, or partly): a step, per multiply-add of a
     #: lane's share in registers, per multiply-add of it in shared memory; the forward's and the backward's
-    forward_register_step: float = 3.25e-07
-    forward_register_unit: float = 1.39e-10
-    forward_register_shared: float = 6e-09
-    fused_register_step: float = 3.06e-15
-    fused_register_unit: float = 3.26e-09
-    fused_register_shared: float = 9.99e-09
+    forward_register_step: float = 2.88e-07
+    forward_register_unit: float = 4.33e-10
+    forward_register_shared: float = 6.3e-09
+    fused_register_step: float = 8.68e-08
+    fused_register_unit: float = 1.44e-09
+    fused_register_shared: float = 8.92e-09
 
 
 KERNELS = KernelConstants()

@@ -237,9 +237,11 @@ def test_tests_that_run_too_long_are_stopped(tmp_path: Path) -> None:
 
 
 def test_a_stopped_test_run_still_reports_what_its_log_holds(tmp_path: Path) -> None:
-    """The tests log each finished test (tests/gpu/conftest.py): a run stopped at its limit keeps them."""
+    """The tests log each finished test (tests/gpu/conftest.py): a run stopped at its limit keeps them. The
+    tests run on one CPU thread a process (xdist's workers side by side)."""
     code = (
-        "import os, time; log = open(os.environ['BPPSA_TEST_LOG'], 'a')\n"
+        "import os, time; assert os.environ['OMP_NUM_THREADS'] == '1'\n"
+        "log = open(os.environ['BPPSA_TEST_LOG'], 'a')\n"
         "log.write('call\\tpassed\\t0.500\\ttests/gpu/test_a.py::test_quick\\n')\n"
         "log.write('call\\tfailed\\t9.250\\ttests/gpu/test_a.py::test_slow\\n')\n"
         "log.write('call\\tpassed\\t0.500\\ttests/gpu/test_a.py::test_quick\\n')\n"  # logged twice (xdist)
@@ -280,6 +282,26 @@ def test_measurements_the_h100_found_slow_are_skipped(tmp_path: Path) -> None:
         == "skipped: its kernel alone took ~68 ms on the H100 (committed data; over 50 ms)"
     )
     assert float(scans["chunked"]["ms"]) > 0, "the fastest committed chunk (10 ms) is fast enough"
+
+
+def test_the_calibration_steps_interleave_three_times_the_rounds_against_a_flat_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grid's whole steps (cuDNN, its copy, ours) drift between rounds at T = 100: 3x the rounds; the copy's
+    weights in one flat buffer as the original's (a deep copy's are compacted every call on cuDNN)."""
+    seen, copies = {}, []
+    real_interleaved, real_copy = bench.interleaved, bench._copy_of
+
+    def spy(runner, fns, *args, **kwargs):
+        seen[tuple(fns)] = runner.shapes.rounds
+        return real_interleaved(runner, fns, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "interleaved", spy)
+    monkeypatch.setattr(bench, "_copy_of", lambda ref: copies.append(ref) or real_copy(ref))
+    bench.calib_shape(_runner(tmp_path, FakeClock()), bench.CommittedTimes([]), 2, 1, 9, budget=1.0)
+    rounds = bench.TINY_SHAPES.rounds
+    assert seen[("cudnn", "again", "bppsa")] == 3 * rounds and seen[("cudnn", "bppsa")] == rounds
+    assert len(copies) == 1
 
 
 def test_an_estimate_that_does_not_fit_skips_before_the_warm_up(tmp_path: Path) -> None:
