@@ -3,7 +3,7 @@
     python benchmarks/fit_cuda_model.py           # the fitted constants, each row's error, the path each shape gets
     python benchmarks/fit_cuda_model.py --write   # the same, and the constants written into cuda_step_model.py
     python benchmarks/fit_cuda_model.py --data results/cuda-calib.csv   # another grid (e.g. a new GPU run's)
-    python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-a4e83a3.csv --write  # fused: an H200's
+    python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-20dff7a.csv --write  # fused: an H200's
 
 No GPU needed. Data: ``results/calib-h100-2026-11-26-eeeac3a.csv`` (the calibration grid of ``benchmarks/gpu.py``
 on an H100, package commit eeeac3a; its ``#`` lines say where it comes from): kernel launches alone, whole
@@ -13,7 +13,7 @@ step on cuDNN's rows; the scan step on the rows that ran the scan with the CUDA 
 kernel time of the launch that ran taken from the measurements (:func:`measured_kernel`), so that
 kernel-model error does not leak into the step constants; the fused backward kernel's constants on its
 launches alone (``fused_kernel`` rows, from the RNN grid: ``G = 1``), where the data has them (the H100 file
-does not: ``--fused-data`` names a file that does, e.g. ``results/cuda-calib-h200-a4e83a3.csv``, an H200's, the
+does not: ``--fused-data`` names a file that does, e.g. ``results/cuda-calib-h200-20dff7a.csv``, an H200's, the
 same GH100 chip). Least squares on log(predicted / measured). Where the fused kernel ran at a shape's ``d``,
 the path picked compares cuDNN with the faster the model predicts of the factored scan and the fused kernel.
 """
