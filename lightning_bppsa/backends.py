@@ -279,7 +279,10 @@ class CudaBackend(TorchBackend):
     ) -> tuple[Backend, str]:  # fmt: skip
         """The backend of a call's backward planned ``scan`` on these kernels, and why where measured. A linear
         scan that :meth:`can_fuse` has two kernels, the factored scan (this backend) and :attr:`fused`: the
-        faster as measured for this shape (:func:`lightning_bppsa.layer_plan.fastest`), a
+        faster as measured for this shape (:func:`lightning_bppsa.layer_plan.fastest`); where the CUDA step
+        model is sure which is faster (its two times :data:`SURE_BACKWARD` apart: the fused kernel above a warp,
+        e.g. 0.3 vs 25 ms at d = 128 B = 16 T = 1000, measured 0.4 vs 26 on an H200), that one, unmeasured (the
+        slower one's runs cost up to seconds on the first call); else a
         :class:`MeasuredBackward` where its first backward may measure (both modelled to take at most
         :data:`~lightning_bppsa.layer_plan.MEASURE_BUDGET_SECONDS` three times), else :meth:`fuses`' rule.
         Any other scan: this backend."""
@@ -289,12 +292,13 @@ class CudaBackend(TorchBackend):
         known = layer_plan.known_fastest(key)
         if known is not None:
             return (self.fused if known[0] == MeasuredBackward.FUSED else self), known[1]
+        fused, factored = _kernel_seconds(cell.gates, hidden, cell.state_factor * hidden, cell.jacobian_width(hidden),
+                                          batch, steps, compute_dtype(dtype), scan)  # fmt: skip
+        if max(fused, factored) >= SURE_BACKWARD * min(fused, factored):
+            return (self.fused if fused < factored else self), ""
         default = self if _warp_sweep(cell, hidden) else self.fused  # fuses(), can_fuse already asked
-        if layer_plan.may_measure():
-            modelled = _kernel_seconds(cell.gates, hidden, cell.state_factor * hidden, cell.jacobian_width(hidden),
-                                       batch, steps, compute_dtype(dtype), scan)  # fmt: skip
-            if 3 * sum(modelled) <= layer_plan.MEASURE_BUDGET_SECONDS:
-                return MeasuredBackward(self, key, default), ""
+        if layer_plan.may_measure() and 3 * (fused + factored) <= layer_plan.MEASURE_BUDGET_SECONDS:
+            return MeasuredBackward(self, key, default), ""
         return default, ""
 
     def forward(
@@ -302,6 +306,14 @@ class CudaBackend(TorchBackend):
     ) -> list[Tensor]:
         gi = cell.input_projection(x, weights, in_kernel=False)
         return list(_ran(cell.kernel_forward(self.kernels, gi, h0, c0, weights), self.name, cell))
+
+
+#: the model's two backward kernels of a linear CUDA scan this far apart: the faster runs, unmeasured. Wider
+#: than the layer plan's :data:`~lightning_bppsa.layer_plan.UNSURE`: the fused kernel's constants are fitted on
+#: the RNN's launches alone, and the GRU at H <= 32, modelled 2.3-4x apart, measured 1.1-1.4x (H200, 20dff7a;
+#: at 54c70a0 the factored scan was the faster at B = 64), so those are measured; above a warp both cells are
+#: modelled and measured 20-250x apart
+SURE_BACKWARD = 5.0
 
 
 def _warp_sweep(cell: RecurrentCell, hidden: int) -> bool:

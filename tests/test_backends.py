@@ -485,3 +485,28 @@ def test_a_linear_cuda_backward_modelled_too_long_to_time_is_not_measured(monkey
     with layer_plan.measurements(True):
         call = backends.plan_call(cell, "linear", x, h0, c0, weights)
     assert call.backward is cuda_on_cpu and str(call) == "scan linear [cuda]", call
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    ("modelled", "planned"),
+    [((1e-3, 5e-3), "fused"), ((5e-3, 1e-3), "factored"), ((1e-3, 4e-3), "measured"), ((4e-3, 1e-3), "measured")],
+)
+def test_a_linear_cuda_backward_the_model_is_sure_of_runs_unmeasured(monkeypatch, cuda_on_cpu, modelled, planned):
+    """Where the model's two backward kernels (``(fused, factored)`` seconds, scripted) are SURE_BACKWARD (5x)
+    apart the faster is planned without a measurement (the slower one's runs cost up to seconds on a first
+    call), also against the unmeasured rule (an RNN at H <= 32 keeps the factored warp sweep unmeasured);
+    nearer, the first backward measures both."""
+    monkeypatch.setattr(backends, "_kernel_seconds", lambda *args: modelled)
+    timed = []
+    monkeypatch.setattr(layer_plan, "device_timer", lambda device: lambda fn: timed.append(fn) or 1e-3)
+    cell = CELLS["rnn_tanh"]
+    x, h0, c0, weights = layer_inputs(cell, hidden=20)
+    with layer_plan.measurements(True):
+        call = backends.plan_call(cell, "linear", x, h0, c0, weights)
+    expected = {"fused": cuda_on_cpu.fused, "factored": cuda_on_cpu}.get(planned)
+    if expected is None:
+        assert isinstance(call.backward, backends.MeasuredBackward), call
+    else:
+        assert call.backward is expected, call
+    assert timed == [], "planning measures nothing: a measured backward times its first call"
