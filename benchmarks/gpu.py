@@ -164,6 +164,7 @@ def calib_step_rounds(runner: Runner) -> int:
     """The interleaved rounds of the calibration grid's whole steps."""
     return STEP_ROUNDS * runner.shapes.rounds
 
+
 #: a forced-scan or kernel-alone measurement whose one call took longer than this on the H100 is skipped
 SLOW_MS = 50.0
 COMMITTED_CALIB = RESULTS / "calib-h100-2026-11-26.csv"
@@ -408,7 +409,7 @@ def _text(output: str | bytes | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
-def test_log_summary(path: Path, slowest: int = 15) -> str:
+def logged_tests_summary(path: Path, slowest: int = 15) -> str:
     """What the tests' log (``tests/gpu/conftest.py``'s ``BPPSA_TEST_LOG``: phase, outcome, seconds, test a line)
     says in markdown: the outcomes so far and the slowest tests; ``""`` where nothing was logged."""
     if not path.exists():
@@ -456,7 +457,7 @@ def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: f
     text = header(runner, "tests/gpu") + f"`{shlex.join(command)}`\n\n**{summary}**\n"
     if failures:
         text += "\n## Failures\n\n" + "\n".join(f"- `{line}`" for line in failures) + "\n"
-    text += test_log_summary(log)
+    text += logged_tests_summary(log)
     if output and not summary.startswith("exit 0"):
         text += "\n## Output (last 3000 characters)\n\n```\n" + output[-3000:] + "\n```\n"
     write(runner, "cuda-tests.md", text)
