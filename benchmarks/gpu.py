@@ -181,12 +181,13 @@ STAGE_SHARES = {
 STAGES = tuple(STAGE_SHARES)
 #: the share of ``--within`` kept back for starting up, writing the files and a measurement that overruns
 MARGIN = 0.05
-#: tests/gpu took 83 s with a cold kernel cache on an H200 once (353 tests), > 150 s at a4e83a3 (~400 tests, a
-#: kernel module compiled per cell and H by NVRTC on the CPU) in one process and at 54c70a0 under 8 xdist
-#: workers (~345 passed when stopped, none failed)
+#: tests/gpu took 83 s with a cold kernel cache on an H200 once (353 tests), > 150 s at a4e83a3 (~400 tests) in
+#: one process, and > 240 s at 20dff7a under 14 xdist workers of 16 torch threads each (374 of 398 passed, none
+#: failed, when stopped: float64 CPU references crawling on oversubscribed cores)
 TESTS_SECONDS = 240.0
-#: pytest-xdist's workers where it is installed (the lent GPU machines have it, and 16 cores): the tests spend
-#: their time compiling kernel modules with NVRTC on the CPU, so all cores but two
+#: pytest-xdist's workers where it is installed (the lent GPU machines have it, and 16 cores), one CPU thread each
+#: (:data:`ONE_THREAD`): all cores but two. The tests' time goes to float64 CPU references and per-shape
+#: kernels; their NVRTC compiles take 0.1-5 s each (sm_90, this repository's CPU)
 TEST_WORKERS = ("-n", str(max(1, min(14, (os.cpu_count() or 1) - 2)))) if importlib.util.find_spec("xdist") else ()
 #: the CPU threads each test process may use (OpenMP's, MKL's, torch's intra-op pool reads OMP_NUM_THREADS)
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
