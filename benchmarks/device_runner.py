@@ -52,6 +52,10 @@ class Runner:
         """This runner with the deadline brought forward to ``seconds`` from now (never later than it was)."""
         return dataclasses.replace(self, deadline=min(self.deadline, self.clock() + seconds))
 
+    def with_rounds(self, rounds: int) -> Runner:
+        """This runner with its shapes' interleaved rounds (:func:`interleaved`) set to ``rounds``."""
+        return dataclasses.replace(self, shapes=dataclasses.replace(self.shapes, rounds=rounds))
+
     @property
     def timer(self) -> str:
         """What times the calls, in words."""

@@ -103,6 +103,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -419,9 +420,7 @@ def logged_tests_summary(path: Path, slowest: int = 15) -> str:
     for line in path.read_text().splitlines():
         when, outcome, seconds, nodeid = line.split("\t", 3)
         reports[(nodeid, when)] = (outcome, float(seconds))  # a test logged twice (xdist): one entry
-    counts: dict[str, int] = {}
-    for outcome, _ in reports.values():
-        counts[outcome] = counts.get(outcome, 0) + 1
+    counts = Counter(outcome for outcome, _ in reports.values())
     tally = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
     ranked = sorted(((seconds, nodeid, when) for (nodeid, when), (_, seconds) in reports.items()), reverse=True)
     lines = [f"- {seconds:.1f} s `{nodeid}` ({when})" for seconds, nodeid, when in ranked[:slowest]]
@@ -637,7 +636,7 @@ def overhead_row(runner: Runner, workload: Workload, budget: float) -> list[str]
     code differ here) and ours (``"auto"``), interleaved, within ``budget`` seconds."""
     cell, batch, length, inputs, hidden = workload
     ref, ours, x = _pair(cell, inputs, hidden, batch, length, runner.device)
-    rounds = dataclasses.replace(runner, shapes=dataclasses.replace(runner.shapes, rounds=OVERHEAD_ROUNDS))
+    rounds = runner.with_rounds(OVERHEAD_ROUNDS)
     calls = {
         "torch": train_step(ref, x),
         "again": train_step(_copy_of(ref), x),
@@ -822,7 +821,7 @@ def calib_shape(
     # cuDNN again: a second copy of torch's module in the same rounds, how far one host-bound step of the same
     # code drifts (at T = 100 the H200's cuDNN steps read 0.74-1.27 ms across shapes of the same work, and two
     # copies' medians of 3 rounds 0.85-1.13x apart at 20dff7a): three times the rounds
-    finer = dataclasses.replace(runner, shapes=dataclasses.replace(runner.shapes, rounds=calib_step_rounds(runner)))
+    finer = runner.with_rounds(calib_step_rounds(runner))
     step = interleaved(finer, {"cudnn": train_step(ref, x), "again": train_step(_copy_of(ref), x),
                                "bppsa": train_step(ours, x)}, share,
                        estimate("step_cudnn", "step_cudnn", "step_bppsa"))  # fmt: skip
