@@ -161,6 +161,18 @@ def warp_shape(*, factored: bool, d: int, m: int) -> tuple[int, int] | None:
     return d, m // d if factored else 1
 
 
+#: kWarpAggregateWidth in scan.cu: the widest k d whose chunk aggregates one warp forms (float32)
+WARP_AGGREGATE_WIDTH = 104
+
+
+def warp_aggregates(warp: tuple[int, int] | None, element_bytes: int) -> bool:
+    """Whether the chunked kernel of a chain of warp shape ``warp`` (:func:`warp_shape`; ``None``: the generic
+    module) forms its chunk aggregates in one warp, its block (``aggregates_in_warp`` in scan.cu): float32
+    chains of ``k d <= WARP_AGGREGATE_WIDTH``. Wider or float64 chains spilled at 255 registers there: the
+    block's matrix product forms them."""
+    return warp is not None and element_bytes == 4 and warp[0] * warp[1] <= WARP_AGGREGATE_WIDTH
+
+
 @dataclass(frozen=True)
 class WarpLayout:
     """The warp sweep's shared memory (``WarpLayout`` in scan.cu, which this mirrors; a test compares them)."""
@@ -193,7 +205,8 @@ def warp_layout(*, factored: bool, d: int, k: int, element_bytes: int, lean: boo
     of ``J_t^T``, padded so that each lane reads its own row without bank conflicts, and ``delta_t``). ``W``
     stays in registers (not lean) where it and two register columns take at most ``REGISTER_WORDS`` 32-bit
     words per lane (the compile gate checks that no shape spills). The depth is the largest power of two
-    ``<= MAX_DEPTH`` whose ring fits ``WARP_SHARED_BYTES`` with a shared ``W``.
+    ``<= MAX_DEPTH`` whose ring fits ``WARP_SHARED_BYTES`` with a shared ``W`` and, lean where
+    :func:`warp_aggregates`, the chunk aggregate's ``J'`` and rows.
     """
     vector = 16 // element_bytes
     part = _whole_vectors(d, vector)
@@ -201,10 +214,12 @@ def warp_layout(*, factored: bool, d: int, k: int, element_bytes: int, lean: boo
     slot = operand + part
     in_registers = factored and not lean and (k + 2) * d * element_bytes // 4 <= REGISTER_WORDS
     weight = WARP * _lane_stride(k * part, vector) if factored and not in_registers else 0
-    depth, budget = MAX_DEPTH, WARP_SHARED_BYTES - weight * element_bytes
+    # the chunked kernel's aggregate after W (warp_aggregates): one step's J' and each lane's row of C
+    aggregate = d * part + WARP * _lane_stride(d, vector) if lean and warp_aggregates((d, k), element_bytes) else 0
+    depth, budget = MAX_DEPTH, WARP_SHARED_BYTES - (weight + aggregate) * element_bytes
     while depth > 2 and depth * slot * element_bytes > budget:
         depth //= 2
-    return WarpLayout(depth, slot, in_registers, lean, (depth * slot + weight) * element_bytes)
+    return WarpLayout(depth, slot, in_registers, lean, (depth * slot + weight + aggregate) * element_bytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -248,6 +263,12 @@ def current_shared_limit() -> int:
 
 def _threads(work_items: int) -> int:
     return min(MAX_THREADS, 32 * max(1, math.ceil(work_items / 32)))
+
+
+def product_threads(rows: int, d: int) -> int:
+    """The chunked kernel's block where the block's shared-memory product forms the chunk aggregates (``rows x d``
+    outputs, ``MATRIX_BLOCK``² a thread; where :func:`warp_aggregates`, one warp forms them instead)."""
+    return _threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK))
 
 
 @functools.lru_cache(maxsize=256)
@@ -301,12 +322,17 @@ def launch_config(
     )
     warp_bytes = layout.shared_bytes if layout else 0
     if chunked:
+        # the aggregates in one warp's registers (warp_aggregates: no matrices in shared memory; the warp layout
+        # holds its steps' J'), or the block's product; the chunk's sweep reuses the memory (max, not sum)
+        matrices, block = (
+            (0, WARP) if warp_aggregates(warp, element_bytes)
+            else (matrices, product_threads(rows, d))
+        )  # fmt: skip
         tile_rows = min(operand_rows, (chunked_budget - matrices - vectors) // row_bytes)
         return Launch(
             kernel=f"bppsa_chunked_{chain}_{suffix}",
             grid=batch * chunks,
-            block=_threads(math.ceil(rows / MATRIX_BLOCK) * math.ceil(d / MATRIX_BLOCK)),
-            # the chunk sweeps' ring and W reuse the same memory (max, not sum)
+            block=block,
             shared_bytes=max(matrices + vectors + tile_rows * row_bytes, warp_bytes),
             static_bytes=STATIC_SHARED_BYTES["chunked"],
             tile_rows=tile_rows,

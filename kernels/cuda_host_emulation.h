@@ -96,6 +96,13 @@ __device__ __forceinline__ void load_shared_vector(const double* p, double (&v)[
     const double2 x = *reinterpret_cast<const double2*>(p);
     v[0] = x.x, v[1] = x.y;
 }
+// ... and its store.
+__device__ __forceinline__ void store_shared_vector(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_shared_vector(double* p, const double (&v)[2]) {
+    *reinterpret_cast<double2*>(p) = make_double2(v[0], v[1]);
+}
 }  // namespace bppsa
 
 #define BPPSA_ENTRY(name, params, call_args)
@@ -324,6 +331,12 @@ inline void load_shared_vector(const T* p, T (&v)[N]) {
     static_assert(N * sizeof(T) == 16, "load_shared_vector: 16 bytes");
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw std::logic_error("load_shared_vector: address not 16-byte aligned");
     for (int i = 0; i < N; ++i) v[i] = p[i];
+}
+template <class T, int N>
+inline void store_shared_vector(T* p, const T (&v)[N]) {
+    static_assert(N * sizeof(T) == 16, "store_shared_vector: 16 bytes");
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw std::logic_error("store_shared_vector: address not 16-byte aligned");
+    for (int i = 0; i < N; ++i) p[i] = v[i];
 }
 }  // namespace bppsa
 

@@ -10,7 +10,9 @@
 //                    which names its (chunk q, row b); chunk q = 0 holds the LAST c steps (the block
 //                    taking the last ticket sets the counter back to 0 for the next launch). It
 //                    1. reduces its c steps to an aggregate X = [C; b] (g_lo = g_{hi+1} C + b),
-//                       publishes it and sets its flag to AGGREGATE (release);
+//                       publishes it and sets its flag to AGGREGATE (release); float32 chains with
+//                       k d <= 104 in a module compiled for their (d, k): by the block, one warp, a row
+//                       of C per lane (WarpAggregate), else by the block's shared-memory product;
 //                    2. looks back (decoupled look-back) over up to 32 earlier chunks of its row for
 //                       the nearest one whose flag is INCLUSIVE, and pushes that chunk's left-boundary
 //                       gradient through the aggregates in between: its carry g_{hi+1};
@@ -56,8 +58,6 @@ namespace {
 
 constexpr int kMatrixBlock = 2;  // a thread computes kMatrixBlock x kMatrixBlock outputs of a matrix step
 constexpr int kMaxThreads = 256;
-template <class T>  // __launch_bounds__ of the chunked kernels: <= 65536 / (256 x this) registers a thread
-constexpr int kChunkedBlocksPerSm = sizeof(T) == 4 ? 2 : 1;
 constexpr unsigned kAggregate = 1, kInclusive = 2;  // a chunk flag's state: its low 2 bits, the epoch above
 constexpr int kLookBack = 32;                       // predecessors inspected at once (one warp)
 
@@ -344,6 +344,16 @@ __host__ __device__ constexpr int ring_depth(int slot_bytes, int budget) {
     return depth;
 }
 
+// Whether the chunked kernel of a chain forms its chunk aggregates in one warp (WarpAggregate; the block is that
+// warp) where its module is specialised: float32 chains of k d <= kWarpAggregateWidth (k = 1 dense). Wider or
+// float64 ones spilled at 255 registers (the sweep's lean form with k tiles and a row of C together; not
+// monotonic in k d: 27 x 4 spilled, 28 x 4 did not): they keep the block's product.
+// kernels/cuda.py:warp_aggregates states the same rule.
+constexpr int kWarpAggregateWidth = 104;
+__host__ __device__ constexpr bool aggregates_in_warp(int element_bytes, int k, int d) {
+    return element_bytes == 4 && k * d <= kWarpAggregateWidth;
+}
+
 // Shared memory of a warp sweep (elements of T, from the block's dynamic base): S slots, then (if W is
 // not in registers) W transposed, lane c's column at c * kWeightStride, tile i at i * kPart.
 // Slot: factored [s_t tile 0 .. k - 1 | u_t | delta_t], each kPart long; dense [J_t^T rows, kRow apart | delta_t].
@@ -359,8 +369,15 @@ struct WarpLayout {
     static constexpr bool kWeightInRegisters = Factored && !Lean && (K + 2) * D * (int)sizeof(T) / 4 <= kRegisterWords;
     static constexpr int kWeightStride = lane_stride<T>(K * kPart);
     static constexpr int kWeight = Factored && !kWeightInRegisters ? kWarp * kWeightStride : 0;
-    static constexpr int kDepth = ring_depth(kSlot * (int)sizeof(T), kWarpSharedBytes - kWeight * (int)sizeof(T));
-    static constexpr int kBytes = (kDepth * kSlot + kWeight) * (int)sizeof(T);
+    // the chunked kernel's aggregate (lean, aggregates_in_warp) after W: one step's J' (row l at l * kJRow) and
+    // each lane's row of C (at r * kRow: no bank conflict)
+    static constexpr bool kAggregates = Lean && aggregates_in_warp((int)sizeof(T), K, D);
+    static constexpr int kJRow = kPart;
+    static constexpr int kAggregate = kAggregates ? D * kJRow + kWarp * kRow : 0;
+    static constexpr int kDepth =
+        ring_depth(kSlot * (int)sizeof(T), kWarpSharedBytes - (kWeight + kAggregate) * (int)sizeof(T));
+    static constexpr int kAggregateAt = kDepth * kSlot + kWeight;
+    static constexpr int kBytes = (kAggregateAt + kAggregate) * (int)sizeof(T);
     static_assert(kBytes <= kWarpSharedBytes, "a warp sweep's shared memory exceeds its budget");
     static_assert((kDepth & (kDepth - 1)) == 0 && kDepth >= 2, "the ring's depth is a power of two >= 2");
 };
@@ -475,7 +492,10 @@ struct WarpSweep {
         return own + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
 
-    __device__ void run(T g, i64 lo, i64 hi) {
+    // Steps hi .. lo in order, each operand staged through the ring: on_step(col, t) with lane c's column of
+    // step t (formed a step ahead where not Lean).
+    template <class OnStep>
+    __device__ void each_step(i64 lo, i64 hi, OnStep&& on_step) {
         constexpr int ahead = Lean ? 0 : 1;  // step t forms step t - ahead
         for (int i = 0; i < S - 1 + ahead; ++i) {  // prologue: steps hi, hi - 1, .., one group each
             if (hi - i >= lo) stage(hi - i, slot(hi - i));
@@ -495,14 +515,25 @@ struct WarpSweep {
             bppsa::copy_async_commit();
             // 4. (linear at t = lo: a slot's old contents, never used)
             form(Lean ? current : next, slot(formed));
-            g = apply(g, current);
-            if (live) p.out_row(b, t)[lane] = g;
+            on_step(current, t);
         };
-        for (i64 t = hi; t >= lo; t -= 2) {
-            step(even, odd, t);
-            if (t > lo) step(odd, even, t - 1);
+        if constexpr (Lean) {  // one operand: formed and used in the same step
+            for (i64 t = hi; t >= lo; --t) step(even, even, t);
+        } else {
+            for (i64 t = hi; t >= lo; t -= 2) {
+                step(even, odd, t);
+                if (t > lo) step(odd, even, t - 1);
+            }
         }
         bppsa::copy_async_wait<0>();  // nothing in flight when the block ends (the groups left are empty)
+    }
+
+    // The sweep: g_t for t = hi .. lo from g_{hi+1} (lane c holds g[c]), written to out[b, t].
+    __device__ void run(T g, i64 lo, i64 hi) {
+        each_step(lo, hi, [&](const Column& col, i64 t) {
+            g = apply(g, col);
+            if (live) p.out_row(b, t)[lane] = g;
+        });
     }
 };
 
@@ -520,6 +551,75 @@ __device__ void check_warp_shape(const Problem<T>& p) {
     if (p.d != kWarpD || (Factored && p.m != kWarpK * kWarpD)) bppsa::fail();
 }
 
+// Whether this module's chunked kernel of a chain forms its aggregates in one warp (aggregates_in_warp).
+template <class T, bool Factored>
+constexpr bool kWarpAggregate = WarpSweepOf<T, Factored, true>::L::kAggregates;
+
+// The chunked kernel's aggregate [C; b] of steps hi .. lo of row b (g_lo = g_{hi+1} C + b) by the block's one
+// warp, stored to `store` (R x d, row-major, through L2). Lane r < d owns row r of C; a step is
+// C_r <- C_r J'_t with J'_t = J_t + diag(u_t), which every lane writes a column of into shared memory and
+// every lane reads whole, by broadcast vector loads: d^2 FMAs a lane, no shuffle. The new row is built one
+// vector of columns at a time into the lane's own row buffer in shared memory (read back at the step's end),
+// so that a lane holds one row, not two (two rows and the loads in flight spilled at d = 16 float32). The
+// affine row b is a vector: lane c holds b[c], stepped as the sweep's state (b <- b J_t + u_t b + delta_t,
+// WarpSweep::apply). Operands come through the sweep's ring, as the chunk's sweep later reads them.
+template <class T, bool Factored>
+struct WarpAggregate {
+    using A = typename WarpSweepOf<T, Factored, true>::L;
+    using Column = typename WarpSweepOf<T, Factored, true>::Column;
+    static constexpr int D = kWarpD, V = vector_elements<T>();
+    T* jbuf;  // J'_t
+    T* own;   // this lane's row buffer
+    int lane;
+    T row[D];  // row `lane` of C (lanes >= d: an identity row nobody stores)
+
+    // `shared`: the block's dynamic shared memory (WarpLayout)
+    __device__ explicit WarpAggregate(T* shared)
+        : jbuf(shared + A::kAggregateAt), own(jbuf + D * A::kJRow + (int)threadIdx.x * A::kRow), lane((int)threadIdx.x) {
+#pragma unroll
+        for (int c = 0; c < D; ++c) row[c] = lane == c ? T(1) : T(0);
+    }
+
+    // C_r <- C_r J'_t (the affine row: the caller's sweep state)
+    __device__ void step(const Column& col) {
+        if (lane < D)
+#pragma unroll
+            for (int l = 0; l < D; ++l) jbuf[l * A::kJRow + lane] = Factored && l == lane ? col.j[l] + col.u : col.j[l];
+        __syncwarp(kFullMask);  // J'_t whole in every lane's view
+#pragma unroll
+        for (int c0 = 0; c0 < D; c0 += V) {
+            T y[V];
+#pragma unroll
+            for (int v = 0; v < V; ++v) y[v] = T(0);
+#pragma unroll
+            for (int l = 0; l < D; ++l) {
+                T jv[V];
+                bppsa::load_shared_vector(jbuf + l * A::kJRow + c0, jv);  // the same address in every lane
+#pragma unroll
+                for (int v = 0; v < V; ++v) y[v] += row[l] * jv[v];
+            }
+            bppsa::store_shared_vector(own + c0, y);
+        }
+        __syncwarp(kFullMask);  // every lane has read J'_t before the next step writes it
+#pragma unroll
+        for (int c0 = 0; c0 < D; c0 += V) {
+            T y[V];
+            bppsa::load_shared_vector(own + c0, y);
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                if (c0 + v < D) row[c0 + v] = y[v];
+        }
+    }
+
+    // [C; b] to `store` (R x d, row-major, through L2); `b_lane`: b[lane] (affine)
+    __device__ void store_to(T* store, bool affine, T b_lane) const {
+        if (lane >= D) return;
+#pragma unroll
+        for (int c = 0; c < D; ++c) bppsa::store_shared_global(store + lane * D + c, row[c]);
+        if (affine) bppsa::store_shared_global(store + D * D + lane, b_lane);
+    }
+};
+
 template <class T, bool Factored>
 __device__ void warp_sweep_kernel(const Problem<T>& p) {
     BPPSA_DYNAMIC_SHARED(smem);
@@ -531,6 +631,16 @@ __device__ void warp_sweep_kernel(const Problem<T>& p) {
     WarpSweepOf<T, Factored, false>(p, b, reinterpret_cast<T*>(smem)).run(g, 0, p.n - 1);
 }
 #endif
+
+#ifndef BPPSA_WARP_D
+template <class T, bool Factored>
+constexpr bool kWarpAggregate = false;
+#endif
+// The chunked kernels' block and __launch_bounds__ (<= 65536 / (threads x blocks) registers a thread).
+template <class T, bool Factored>
+constexpr int kChunkedThreads = kWarpAggregate<T, Factored> ? kWarp : kMaxThreads;
+template <class T, bool Factored>
+constexpr int kChunkedBlocksPerSm = kWarpAggregate<T, Factored> ? 8 : sizeof(T) == 4 ? 2 : 1;
 
 // Raise a chunk's flag to `value` (epoch * 4 + state). Called right after the product that stored what it
 // announces (st.cg): that product's closing barrier orders every thread's stores before thread 0's
@@ -550,7 +660,8 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
     const int d = p.d, R = d + p.affine;
     T* mat_x = reinterpret_cast<T*>(smem);
     T* mat_y = mat_x + R * d;
-    T* x = mat_y + R * d;
+    // the carries after the aggregate's matrices, or from the base where it is formed in registers
+    T* x = kWarpAggregate<T, Factored> ? mat_x : mat_y + R * d;
     T* y = x + d;
     T* tile = y + d;
 
@@ -574,6 +685,86 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
     auto aggregate_of = [&](i64 k) { return aggregates + (k * p.batch + b) * R * d; };
     auto inclusive_of = [&](i64 k) { return inclusives + (k * p.batch + b) * d; };
 
+    // Steps 2 and 3, after the aggregate is published: x = the carry g_{hi+1} (shared), this chunk's inclusive
+    // published.
+    const auto carry_in = [&] {
+        // 2. The carry g_{hi+1}: the last-state gradient for chunk 0, else decoupled look-back.
+        if (q == 0) {
+            copy_row(p.last(b), x, p.out_row(b, p.n), d);
+        } else {
+            if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
+                const int lane = threadIdx.x;
+                const i64 k = q - 1 - lane;
+                bppsa::u64 flag = 0;
+                if (k >= 0)
+                    while (((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) >> 2) != (bppsa::u64)epoch)
+                        bppsa::spin_pause();
+                const unsigned inclusive = __ballot_sync(0xffffffffu, flag == inclusive_flag);
+                int hops;
+                if (inclusive) {
+                    hops = __ffs(inclusive) - 1;
+                } else {  // only aggregates in the window: wait for the farthest one's inclusive
+                    hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
+                    if (lane == 0)
+                        while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != inclusive_flag)
+                            bppsa::spin_pause();
+                }
+                bppsa::fence_acq_rel();  // what the polls saw published is visible to this lane's later reads ...
+                if (lane == 0) shared_hops[0] = hops;
+            }
+            __syncthreads();  // ... and, through the barrier, to the whole block's
+            copy_row(inclusive_of(q - 1 - shared_hops[0]), x, (T*)nullptr, d);
+        }
+
+        // 3. Push the carry through the aggregates of chunks q - hops .. q - 1 (farthest first), then, if a
+        //    later chunk needs it, through this chunk's own: its inclusive g_lo = carry C + b, published so
+        //    that later chunks need not wait for step 4. ONE call site for both: a carry recomputed here is
+        //    bit-identical to the inclusive its chunk published, so the result does not depend on how far
+        //    the look-back went (run-to-run identical bits whatever the schedule: deterministic).
+        const int hops = q == 0 ? 0 : shared_hops[0];
+        for (int l = hops - 1; l >= (q + 1 < chunks ? -1 : 0); --l) {
+            const bool own = l < 0;
+            product<1, 1>(AggregateStep<T>{aggregate_of(q - 1 - l), p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0,
+                          own ? inclusive_of(q) : (T*)nullptr);
+            if (!own) {  // the carry moves one chunk closer; the own product leaves x = the carry for step 4
+                T* swap = x;
+                x = y;
+                y = swap;
+            }
+        }
+        if (q + 1 < chunks) publish(&flags[q * p.batch + b], inclusive_flag);
+    };
+
+#ifdef BPPSA_WARP_D
+    if constexpr (kWarpAggregate<T, Factored>) {
+        // 1. and 4. by the block's one warp, in ONE instantiation of the sweep's step loop run twice (two inlined
+        //    copies spilled at d = 32): pass 0 the aggregate (WarpAggregate; its affine row b is the sweep's
+        //    state g, from 0), pass 1 the sweep from the carry, writing out[b, t]. Between them the ring and W
+        //    give their memory to steps 2 and 3, and are staged again.
+        using Aggregate = WarpAggregate<T, Factored>;
+        Aggregate aggregate(reinterpret_cast<T*>(smem));
+        T g = T(0);
+#pragma unroll 1
+        for (int pass = 0; pass < 2; ++pass) {
+            WarpSweepOf<T, Factored, true> sweep(p, b, reinterpret_cast<T*>(smem));
+            sweep.each_step(lo, hi, [&](const typename Aggregate::Column& col, i64 t) {
+                g = sweep.apply(g, col);
+                if (pass == 0)
+                    aggregate.step(col);
+                else if (sweep.live)
+                    p.out_row(b, t)[sweep.lane] = g;
+            });
+            if (pass == 1) break;
+            aggregate.store_to(aggregate_of(q), p.affine != 0, g);
+            __syncthreads();  // the block is the warp: every lane's stores before thread 0's release
+            publish(&flags[q * p.batch + b], aggregate_flag);
+            carry_in();  // ends with a barrier: x complete
+            g = sweep.live ? x[threadIdx.x] : T(0);
+            __syncwarp(kFullMask);  // every lane has its carry before the ring overwrites it
+        }
+        return;  // (the block's product below: the other chains' kernels)
+    }
+#endif
     // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
     for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
     for (i64 t = hi; t >= lo; --t) {
@@ -585,53 +776,7 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
         mat_y = swap;
     }
     publish(&flags[q * p.batch + b], aggregate_flag);
-
-    // 2. The carry g_{hi+1}: the last-state gradient for chunk 0, else decoupled look-back.
-    if (q == 0) {
-        copy_row(p.last(b), x, p.out_row(b, p.n), d);
-    } else {
-        if (threadIdx.x < 32) {  // warp 0: lane l inspects chunk q - 1 - l
-            const int lane = threadIdx.x;
-            const i64 k = q - 1 - lane;
-            bppsa::u64 flag = 0;
-            if (k >= 0)
-                while (((flag = bppsa::load_relaxed(&flags[k * p.batch + b])) >> 2) != (bppsa::u64)epoch)
-                    bppsa::spin_pause();
-            const unsigned inclusive = __ballot_sync(0xffffffffu, flag == inclusive_flag);
-            int hops;
-            if (inclusive) {
-                hops = __ffs(inclusive) - 1;
-            } else {  // only aggregates in the window: wait for the farthest one's inclusive
-                hops = q - 1 < kLookBack - 1 ? (int)(q - 1) : kLookBack - 1;
-                if (lane == 0)
-                    while (bppsa::load_relaxed(&flags[(q - 1 - hops) * p.batch + b]) != inclusive_flag)
-                        bppsa::spin_pause();
-            }
-            bppsa::fence_acq_rel();  // what the polls saw published is visible to this lane's later reads ...
-            if (lane == 0) shared_hops[0] = hops;
-        }
-        __syncthreads();  // ... and, through the barrier, to the whole block's
-        copy_row(inclusive_of(q - 1 - shared_hops[0]), x, (T*)nullptr, d);
-    }
-
-    // 3. Push the carry through the aggregates of chunks q - hops .. q - 1 (farthest first), then, if a
-    //    later chunk needs it, through this chunk's own: its inclusive g_lo = carry C + b, published so
-    //    that later chunks need not wait for step 4. ONE call site for both: a carry recomputed here is
-    //    bit-identical to the inclusive its chunk published, so the result does not depend on how far
-    //    the look-back went (run-to-run identical bits whatever the schedule: deterministic).
-    const int hops = q == 0 ? 0 : shared_hops[0];
-    for (int l = hops - 1; l >= (q + 1 < chunks ? -1 : 0); --l) {
-        const bool own = l < 0;
-        product<1, 1>(AggregateStep<T>{aggregate_of(q - 1 - l), p.affine != 0, d}, x, y, 1, d, tile, tile_rows, 0,
-                      own ? inclusive_of(q) : (T*)nullptr);
-        if (!own) {  // the carry moves one chunk closer; the own product leaves x = the carry for step 4
-            T* swap = x;
-            x = y;
-            y = swap;
-        }
-    }
-    if (q + 1 < chunks) publish(&flags[q * p.batch + b], inclusive_flag);
-
+    carry_in();
     // 4. The per-step gradients of the chunk: in a module specialised for d <= 32, by warp 0 alone with the
     //    warp-resident step (the carry x is complete: the last product or copy above ended with a barrier;
     //    then the warp's ring and W, over the matrices, are all the shared memory still in use), else by
@@ -662,11 +807,11 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
 // A module holds the chunked kernels and either (specialised, -DBPPSA_WARP_D) the warp sweeps or (generic)
 // the block sweeps; kernels/cuda.py picks the module per launch (Launch.warp_shape).
 #define BPPSA_CHUNKED_KERNELS(T, SUFFIX)                                                                 \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads, kChunkedBlocksPerSm<T>)                                           \
+    extern "C" __global__ void __launch_bounds__(kChunkedThreads<T, false>, kChunkedBlocksPerSm<T, false>)                       \
         bppsa_chunked_dense_##SUFFIX BPPSA_PARAMS(T) {                                                   \
         chunked_kernel<T, false>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                  \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kMaxThreads, kChunkedBlocksPerSm<T>)                                           \
+    extern "C" __global__ void __launch_bounds__(kChunkedThreads<T, true>, kChunkedBlocksPerSm<T, true>)                         \
         bppsa_chunked_factored_##SUFFIX BPPSA_PARAMS(T) {                                                \
         chunked_kernel<T, true>(BPPSA_PROBLEM(T), chunk, work, sync, epoch, (int)tile_rows);                   \
     }                                                                                                   \

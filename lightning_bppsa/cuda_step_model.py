@@ -203,15 +203,18 @@ def kernel_seconds(
     if algorithm == "linear" or not launch.kernel.startswith("bppsa_chunked"):
         return k.launch + sweep
     # a matrix step: each thread computes MATRIX_BLOCK² outputs over the m operand rows, in passes over the
-    # (d + affine) x d outputs (d = 32: one pass, two with the affine row)
+    # (d + affine) x d outputs (d = 32: one pass, two with the affine row). Where one warp forms the aggregates
+    # instead (cuda_kernel.warp_aggregates: float32, d <= 32; not yet timed on a GPU) the block product's
+    # price, fitted on its measurements, stands for it until a GPU measures it: so "auto" picks as measured
     block = cuda_kernel.MATRIX_BLOCK
+    threads = cuda_kernel.product_threads(d + int(affine), d)
     cells = math.ceil((d + int(affine)) / block) * math.ceil(d / block)
-    passes = math.ceil(cells / launch.block)
+    passes = math.ceil(cells / threads)
     matrix = k.matrix_step + k.matrix_pass * passes * m
     # every block's c matrix steps, in waves of resident blocks, or the SMs' throughput over all B n steps
     # (every lane of every pass issues, idle ones included)
-    waves = _waves(launch.grid, launch.block, launch.shared_bytes + launch.static_bytes)
-    issued = passes * launch.block * block * block * m
+    waves = _waves(launch.grid, threads, launch.shared_bytes + launch.static_bytes)
+    issued = passes * threads * block * block * m
     aggregates = max(waves * chunk * matrix, batch * n * (k.throughput + k.throughput_slot * issued))
     return (
         k.chunk_fixed + aggregates + math.ceil(n / chunk) * (k.carry + k.carry_element * d * d)

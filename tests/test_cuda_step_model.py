@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from lightning_bppsa.kernels import cuda
 
 from lightning_bppsa import cuda_cost_model
 from lightning_bppsa import cuda_step_model as model
@@ -323,3 +324,26 @@ def test_the_fused_kernels_launches_are_read_from_a_calibration_file(tmp_path):
     data = fit.load(path)
     assert data.fused == [fit.Launch("fused", 20, 16, 1000, 1000, 0.25e-3)]
     assert data.launches == [fit.Launch("linear", 20, 16, 1000, 1000, 0.4e-3)]
+
+
+@pytest.mark.parametrize("predict", [model.kernel_seconds, cuda_cost_model.cuda_kernel_seconds], ids=["fit", "sass"])
+def test_a_chunked_launch_one_warp_aggregates_is_priced_as_the_block_product_until_measured(monkeypatch, predict):
+    """Where one warp forms the chunk aggregates (float32, d <= 32: its launch takes a 32-thread block) neither
+    model has been fitted on its times yet: both price the block product the launch took before (measured),
+    not the block it takes now, so "auto" picks as measured until a GPU times the new kernel."""
+    shape = dict(n=10000, d=20, batch=16)
+    args = {**shape, "m": 60, "chunk": 256} if predict is model.kernel_seconds else {**shape, "width": 60, "chunk_size": 256}
+    launch = cuda.launch_config(factored=True, element_bytes=4, m=60, affine=True, algorithm="chunked", chunk_size=256, **shape)
+    assert launch.block == cuda.WARP
+    one_warp = predict("chunked", affine=True, **args)
+    try:
+        monkeypatch.setattr(cuda, "warp_aggregates", lambda warp, element_bytes: False)
+        cuda.launch_config.cache_clear()
+        cuda.warp_layout.cache_clear()
+        assert cuda.launch_config(factored=True, element_bytes=4, m=60, affine=True, algorithm="chunked", chunk_size=256,
+                                  **shape).block == cuda.product_threads(21, 20) > cuda.WARP  # fmt: skip
+        assert predict("chunked", affine=True, **args) == pytest.approx(one_warp, rel=1e-12)
+    finally:
+        monkeypatch.undo()
+        cuda.launch_config.cache_clear()
+        cuda.warp_layout.cache_clear()

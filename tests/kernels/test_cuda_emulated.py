@@ -257,6 +257,27 @@ def test_chunked_warp_sweeps_with_five_tiles(dtype):
     check(out, FactoredJacobians(weight, scales, diag).dense(), grad, dtype)
 
 
+WARP_AGGREGATE_CASES = [  # (batch, n, d, tiles, chunk, resident, per_step): float32, k d <= 104
+    (2, 61, 20, 3, 12, None, True),  # a GRU's chain, per-step gradients
+    (2, 45, 32, 3, 5, 3, True),  # d = 32: the affine row is a 33rd, beyond the warp's lanes
+    (3, 40, 26, 4, 7, None, False),  # the widest k d whose aggregates one warp forms
+    (2, 23, 1, 1, 4, 1, True),  # d = 1, one block at a time
+]
+
+
+@pytest.mark.slow  # the emulated grid: CI runs it, the quick loop does not
+@pytest.mark.parametrize(("batch", "n", "d", "tiles", "chunk", "resident", "per_step"), WARP_AGGREGATE_CASES)
+def test_chunked_float32_aggregates_formed_in_one_warp(batch, n, d, tiles, chunk, resident, per_step):
+    """The specialised module's float32 chunked kernel: each chunk's aggregate [C; b] formed by the block's one
+    warp (a row of C per lane, b as a sweep's state), then the look-back and the chunk's sweep."""
+    assert cuda.warp_aggregates(cuda.warp_shape(factored=True, d=d, m=tiles * d), 4)
+    gen = torch.Generator().manual_seed(n + d + tiles)
+    weight, scales, diag, grad = make_factored(batch, n, d, tiles, d > 1, per_step, gen)
+    args = [None if t is None else t.float() for t in (weight, scales, diag, grad)]
+    out = emulated.scan_factored(*args, "chunked", chunk, resident=resident)
+    check(out, FactoredJacobians(weight, scales, diag).dense(), grad, torch.float32)
+
+
 @pytest.mark.parametrize(
     ("batch", "n", "d", "chunk", "resident", "per_step"), CHUNKED_CASES[:2] + CHUNKED_CASES[3:]
 )
