@@ -504,7 +504,7 @@ def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
 def _graphed(runner: Runner, ref: nn.RNNBase, x: torch.Tensor, plan: str, hidden: int) -> dict[str, float | str]:
     """Seconds per replay of the whole step captured in one CUDA graph (the host's Python gone: the GPU's work)
     of cuDNN's module and of ours with the scan named (the plan's algorithm where "auto" ran the scan, else
-    linear: "auto" decides on eager steps), or why not measured."""
+    linear: "auto" decides on eager steps; linear where its backward is the fused kernel), or why not measured."""
     if runner.device != "cuda":
         return dict.fromkeys(("cudnn", "scan"), NO_CUDA)
     if runner.left() <= 0:
@@ -512,8 +512,9 @@ def _graphed(runner: Runner, ref: nn.RNNBase, x: torch.Tensor, plan: str, hidden
     if hidden > GRAPHED_MAX_HIDDEN:
         why = f"not captured: H > {GRAPHED_MAX_HIDDEN} (a forced scan's step takes tens of ms)"
         return {"cudnn": graphed_seconds(ref, x), "scan": why}
-    algorithm = "chunked" if plan.startswith("scan chunked") else "linear"
-    return {"cudnn": graphed_seconds(ref, x), "scan": graphed_seconds(_bppsa(ref, algorithm), x)}
+    # a chunked plan whose first backward measured the fused kernel faster runs that kernel: linear's
+    chunked = plan.startswith("scan chunked") and "fused backward kernel" not in plan
+    return {"cudnn": graphed_seconds(ref, x), "scan": graphed_seconds(_bppsa(ref, "chunked" if chunked else "linear"), x)}
 
 
 def step_stage(runner: Runner) -> list[list[str]]:

@@ -15,9 +15,10 @@ forward and backward (:class:`Backend`):
   launches for its scales, or a state wider than a warp) and the kernel's block fits: there the fused
   backward kernel (:class:`FusedBackward`: the linear recursion and the gate gradients in one launch), which
   ``"auto"`` also plans where the model prices it below the chunked scan (:func:`scan_plan`). Where both
-  kernels of a linear backward can run, the first backward of each shape times both on its own data and
-  the faster runs from then on (:class:`MeasuredBackward`, :func:`lightning_bppsa.layer_plan.fastest`); the
-  rule above decides where nothing may measure (tracing, a CUDA graph capture, measurements off) or a
+  kernels of a linear backward can run, or of a chunked one ``"auto"`` planned (the fused kernel runs the same
+  recursion), the first backward of each shape times both on its own data and the faster runs from then on
+  (:class:`MeasuredBackward`, :func:`lightning_bppsa.layer_plan.fastest`); the rule above (chunked: the scan
+  planned) decides where nothing may measure (tracing, a CUDA graph capture, measurements off) or a
   measurement would take too long.
 
 :func:`plan_call` decides, once per layer call and before anything runs, which backend runs the forward
@@ -275,20 +276,22 @@ class CudaBackend(TorchBackend):
 
     def backward_for(
         self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype, device: torch.device,
-        batch: int, steps: int,
+        batch: int, steps: int, asked: str = "auto",
     ) -> tuple[Backend, str]:  # fmt: skip
-        """The backend of a call's backward planned ``scan`` on these kernels, and why where measured. A linear
-        scan that :meth:`can_fuse` has two kernels, the factored scan (this backend) and :attr:`fused`: the
-        faster as measured for this shape (:func:`lightning_bppsa.layer_plan.fastest`); where the CUDA step
-        model is sure which is faster (its two times :data:`SURE_BACKWARD` apart: the fused kernel above a warp,
-        e.g. 0.3 vs 25 ms at d = 128 B = 16 T = 1000, measured 0.4 vs 26 on an H200), that one, unmeasured (the
-        slower one's runs cost up to seconds on the first call); else a
-        :class:`MeasuredBackward` where its first backward may measure (both modelled to take at most
-        :data:`~lightning_bppsa.layer_plan.MEASURE_BUDGET_SECONDS` three times), else :meth:`fuses`' rule.
-        Any other scan: this backend."""
-        if scan.algorithm != "linear" or not self.can_fuse(cell, hidden, dtype, device):
+        """The backend of a call's backward planned ``scan`` (for ``asked``, the layer's algorithm) on these
+        kernels, and why where measured. A linear scan that :meth:`can_fuse` has two kernels, the factored scan
+        (this backend) and :attr:`fused`, and so has the chunked scan ``"auto"`` planned (the fused kernel runs
+        the same recursion, linearly): the faster as measured for this shape
+        (:func:`lightning_bppsa.layer_plan.fastest`); where the CUDA step model is sure which is faster (its two
+        times :data:`SURE_BACKWARD` apart: the fused kernel above a warp, e.g. 0.3 vs 25 ms at d = 128 B = 16
+        T = 1000, measured 0.4 vs 26 on an H200), that one, unmeasured (the slower one's runs cost up to seconds
+        on the first call); else a :class:`MeasuredBackward` where its first backward may measure (both
+        modelled to take at most :data:`~lightning_bppsa.layer_plan.MEASURE_BUDGET_SECONDS` three times), else
+        :meth:`fuses`' rule (chunked: the scan planned). A chunked scan asked for, or any other: this backend."""
+        chunked = scan.algorithm == "chunked" and asked == "auto"
+        if not (scan.algorithm == "linear" or chunked) or not self.can_fuse(cell, hidden, dtype, device):
             return self, ""
-        key = ("linear backward", cell.name, hidden, batch, steps, dtype, str(device))
+        key = (f"{scan.text} backward", cell.name, hidden, batch, steps, dtype, str(device))
         known = layer_plan.known_fastest(key)
         if known is not None:
             return (self.fused if known[0] == MeasuredBackward.FUSED else self), known[1]
@@ -296,7 +299,7 @@ class CudaBackend(TorchBackend):
                                           batch, steps, compute_dtype(dtype), scan)  # fmt: skip
         if max(fused, factored) >= SURE_BACKWARD * min(fused, factored):
             return (self.fused if fused < factored else self), ""
-        default = self if _warp_sweep(cell, hidden) else self.fused  # fuses(), can_fuse already asked
+        default = self if chunked or _warp_sweep(cell, hidden) else self.fused  # fuses(), can_fuse asked
         if layer_plan.may_measure() and 3 * (fused + factored) <= layer_plan.MEASURE_BUDGET_SECONDS:
             return MeasuredBackward(self, key, default), ""
         return default, ""
@@ -481,7 +484,7 @@ def plan_call(
     backward, measured = (forward if forward.takes(scan) else TORCH), ""
     if isinstance(backward, CudaBackend):
         backward, measured = backward.backward_for(
-            cell, scan, hidden, weights[0].dtype, x.device, x.shape[0], x.shape[1]
+            cell, scan, hidden, weights[0].dtype, x.device, x.shape[0], x.shape[1], algorithm
         )
     return LayerCall(forward, backward, scan, why, measured)
 

@@ -510,3 +510,46 @@ def test_a_linear_cuda_backward_the_model_is_sure_of_runs_unmeasured(monkeypatch
     else:
         assert call.backward is expected, call
     assert timed == [], "planning measures nothing: a measured backward times its first call"
+
+
+@needs_gxx
+@pytest.mark.parametrize(("kind", "faster"), [("rnn_tanh", "fused kernel"), ("gru", "factored scan")])
+def test_a_chunked_scan_auto_planned_is_measured_against_the_fused_kernel(monkeypatch, cuda_on_cpu, kind, faster):
+    """Where ``"auto"`` plans a chunked scan and the fused backward kernel can run the same recursion (here a
+    layer whose linear scan is the warp sweep, which ``auto`` never priced against the fused kernel), the model
+    unsure which is faster: the first backward times both on its own inputs (injected clock), returns the
+    faster one's gradients (equal to autograd's), and later calls plan it, saying the measurement. A chunked
+    scan asked for runs as asked, measured nothing; so does one the model is sure of."""
+    chunked = plan.Plan("cuda", "chunked", 2, "stand-in: the scan model's chunked plan")
+    monkeypatch.setattr(backends, "scan_plan", lambda *args, **kwargs: chunked)
+    monkeypatch.setattr(backends, "_kernel_seconds", lambda *args: (1e-3, 2e-3))  # within SURE_BACKWARD
+    ran = []
+    for name, backend in (("factored scan", cuda_on_cpu), ("fused kernel", cuda_on_cpu.fused)):
+        real = backend.backward
+        monkeypatch.setattr(backend, "backward", lambda *a, real=real, name=name: ran.append((name, a[1])) or real(*a))
+    monkeypatch.setattr(
+        layer_plan, "device_timer", lambda device: lambda fn: 1e-3 if (fn(), ran[-1][0])[1] == faster else 3e-3
+    )
+    cell = CELLS[kind]
+    x, h0, c0, weights = layer_inputs(cell, hidden=20)
+    assert backends.plan_call(cell, "chunked", x, h0, c0, weights).backward is cuda_on_cpu  # asked: as asked
+    lstm = CELLS["lstm"]  # nothing may measure: the chunked scan planned (an LSTM's linear default is fused)
+    assert backends.plan_call(lstm, "auto", *layer_inputs(lstm, hidden=4)).backward is cuda_on_cpu
+    with layer_plan.measurements(True):
+        assert backends.plan_call(cell, "chunked", x, h0, c0, weights).backward is cuda_on_cpu
+        call = backends.plan_call(cell, "auto", x, h0, c0, weights)
+        assert isinstance(call.backward, backends.MeasuredBackward), call
+        assert str(call) == "scan chunked(c=2) [cuda], backward kernel measured on its first call", call
+        out, factors = split(cell, call.forward.forward(cell, x, h0, c0, weights))
+        grad_out, grad_hn = torch.randn_like(out), torch.randn_like(h0)
+        grads = backends.backward(cell, "auto", call, x, h0, c0, weights, out, factors, grad_out, grad_hn, None)
+        assert ran[-1][0] == faster and {scan for name, scan in ran if name == "factored scan"} == {chunked}
+        assert_all_close(grads, autograd_reference(cell, x, h0, c0, weights, grad_out, grad_hn, None))
+        measured = backends.plan_call(cell, "auto", x, h0, c0, weights)
+    assert measured.backward is (cuda_on_cpu.fused if faster == "fused kernel" else cuda_on_cpu), measured
+    kernel = "fused backward kernel" if faster == "fused kernel" else "factored scan"
+    assert str(measured).startswith(f"scan chunked(c=2) [cuda], {kernel} (measured: "), measured
+    monkeypatch.setattr(backends, "_kernel_seconds", lambda *args: (5e-3, 1e-3))  # sure: the chunked scan
+    layer_plan.forget()
+    with layer_plan.measurements(True):
+        assert backends.plan_call(cell, "auto", x, h0, c0, weights).backward is cuda_on_cpu
