@@ -762,33 +762,34 @@ __device__ void chunked_kernel(const Problem<T>& p, i64 chunk, T* work, bppsa::u
             g = sweep.live ? x[threadIdx.x] : T(0);
             __syncwarp(kFullMask);  // every lane has its carry before the ring overwrites it
         }
-        return;  // (the block's product below: the other chains' kernels)
-    }
+    } else
 #endif
-    // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
-    for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
-    for (i64 t = hi; t >= lo; --t) {
-        if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
-        T* store = t == lo ? aggregate_of(q) : nullptr;
-        product<kMatrixBlock, kMatrixBlock>(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
-        T* swap = mat_x;
-        mat_x = mat_y;
-        mat_y = swap;
-    }
-    publish(&flags[q * p.batch + b], aggregate_flag);
-    carry_in();
-    // 4. The per-step gradients of the chunk: in a module specialised for d <= 32, by warp 0 alone with the
-    //    warp-resident step (the carry x is complete: the last product or copy above ended with a barrier;
-    //    then the warp's ring and W, over the matrices, are all the shared memory still in use), else by
-    //    the whole block.
+    {  // the block's shared-memory product (the generic module; wider or float64 chains)
+        // 1. The aggregate [C; b] of steps hi .. lo: start from [I; 0], multiply by J_t, add δ_t to row d.
+        for (int e = threadIdx.x; e < R * d; e += blockDim.x) mat_x[e] = e / d == e % d ? T(1) : T(0);
+        for (i64 t = hi; t >= lo; --t) {
+            if (t > lo) StepOf<T, Factored>::at(p, b, t - 1).prefetch();
+            T* store = t == lo ? aggregate_of(q) : nullptr;
+            product<kMatrixBlock, kMatrixBlock>(StepOf<T, Factored>::at(p, b, t), mat_x, mat_y, R, d, tile, tile_rows, d, store);
+            T* swap = mat_x;
+            mat_x = mat_y;
+            mat_y = swap;
+        }
+        publish(&flags[q * p.batch + b], aggregate_flag);
+        carry_in();
+        // 4. The per-step gradients of the chunk: in a module specialised for d <= 32, by warp 0 alone with the
+        //    warp-resident step (the carry x is complete: the last product or copy above ended with a barrier;
+        //    then the warp's ring and W, over the matrices, are all the shared memory still in use), else by
+        //    the whole block.
 #ifdef BPPSA_WARP_D
-    if (threadIdx.x >= kWarp) return;
-    const T carry = (int)threadIdx.x < d ? x[threadIdx.x] : T(0);
-    __syncwarp(kFullMask);  // every lane has its carry before the ring overwrites it
-    WarpSweepOf<T, Factored, true>(p, b, reinterpret_cast<T*>(smem)).run(carry, lo, hi);
+        if (threadIdx.x >= kWarp) return;
+        const T carry = (int)threadIdx.x < d ? x[threadIdx.x] : T(0);
+        __syncwarp(kFullMask);  // every lane has its carry before the ring overwrites it
+        WarpSweepOf<T, Factored, true>(p, b, reinterpret_cast<T*>(smem)).run(carry, lo, hi);
 #else
-    sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
+        sweep<T, Factored>(p, b, lo, hi, x, y, tile, tile_rows);
 #endif
+    }
 }
 
 }  // namespace
