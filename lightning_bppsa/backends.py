@@ -276,7 +276,7 @@ class CudaBackend(TorchBackend):
 
     def backward_for(
         self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype, device: torch.device,
-        batch: int, steps: int, asked: str = "auto",
+        batch: int, steps: int, asked: str,
     ) -> tuple[Backend, str]:  # fmt: skip
         """The backend of a call's backward planned ``scan`` (for ``asked``, the layer's algorithm) on these
         kernels, and why where measured. A linear scan that :meth:`can_fuse` has two kernels, the factored scan

@@ -26,8 +26,8 @@ WARP_SHAPES = [
 def chunked_register_cap(shape: tuple[int, int] | None, suffix: str, factored: bool) -> int:
     """A chunked kernel's register cap (__launch_bounds__(kChunkedThreads, kChunkedBlocksPerSm)): a warp's block,
     8 resident, where one warp forms the aggregates; else 256 threads, 2 blocks float32, 1 float64."""
-    warp = cuda.warp_shape(factored=factored, d=shape[0], m=shape[0] * shape[1]) if shape else None
-    if cuda.warp_aggregates(warp if factored or warp is None else (warp[0], 1), 4 if suffix == "f32" else 8):
+    warp = cuda.warp_shape(factored=factored, d=shape[0], m=shape[0] * shape[1]) if shape else None  # dense: k = 1
+    if cuda.warp_aggregates(warp, 4 if suffix == "f32" else 8):
         return 255
     return 128 if suffix == "f32" else 255
 
