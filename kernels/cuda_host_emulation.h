@@ -14,6 +14,9 @@
 // shared-memory vector loads (bppsa::load_shared_vector: a misaligned address is an error), the ticket atomic and the flags (bppsa::take_ticket / reset_ticket /
 // load_relaxed / fence_acq_rel / store_release, 64-bit words) through std::atomic_ref, and a bound on the blocks
 // resident at once, which is what a kernel with inter-block waits needs for forward progress.
+// Thread-block clusters (sm_90+; bppsa_emu_launch_clusters): the blocks of a cluster are resident together,
+// bppsa::cluster_sync is a barrier over all their threads and bppsa::store_cluster writes into a peer
+// block's shared memory at the writer's own offset (a store into a block that has ended is an error).
 // Blocks are dispatched in a seeded random order (a GPU promises no order: a kernel that assumes
 // blockIdx order deadlocks or goes wrong here), and the thread of every release store can stall for a
 // seeded random time after it (jitter), which opens the windows between a block's announcements.
@@ -103,6 +106,40 @@ __device__ __forceinline__ void store_shared_vector(float* p, const float (&v)[4
 __device__ __forceinline__ void store_shared_vector(double* p, const double (&v)[2]) {
     *reinterpret_cast<double2*>(p) = make_double2(v[0], v[1]);
 }
+// Thread-block clusters (sm_90+; a kernel declares its size with BPPSA_CLUSTER_DIMS): the block's rank in its
+// cluster, a barrier over the cluster's threads whose arrival releases and whose wait acquires (what a peer
+// stored into this block's shared memory is visible after it), and a float stored at `local`'s offset in the
+// shared memory of the cluster's block `rank` (distributed shared memory). Before sm_90 no cluster launches
+// (recurrent_cuda refuses them): one block, its own shared memory, __syncthreads.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define BPPSA_CLUSTER_DIMS(Q) __cluster_dims__(Q, 1, 1)
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+// The arrival releases (ptxas: a GPU-scope MEMBAR, which waits for the thread's stores, global ones included:
+// a kernel issues the stores no peer reads after its arrival), the wait acquires.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
+__device__ __forceinline__ void store_cluster(float* local, unsigned rank, float v) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+#else
+#define BPPSA_CLUSTER_DIMS(Q)
+__device__ __forceinline__ unsigned cluster_rank() { return 0; }
+__device__ __forceinline__ void cluster_arrive() {}
+__device__ __forceinline__ void cluster_wait() { __syncthreads(); }
+__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+__device__ __forceinline__ void store_cluster(float* local, unsigned, float v) { *local = v; }
+#endif
 }  // namespace bppsa
 
 #define BPPSA_ENTRY(name, params, call_args)
@@ -137,6 +174,7 @@ __device__ __forceinline__ void store_shared_vector(double* p, const double (&v)
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+#define BPPSA_CLUSTER_DIMS(Q)
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -152,18 +190,23 @@ inline void check_abort() {
 }
 
 // A reusable barrier for `count` threads: the last to arrive bumps a generation word that the others
-// sleep on (futex), waking every 50 ms to check for an abort.
+// sleep on (futex), waking every 50 ms to check for an abort. arrive() and wait_for() split it (a thread may
+// work between its arrival and its wait, as with barrier.cluster.arrive / wait).
 class Barrier {
   public:
     explicit Barrier(unsigned count) : count_(count) {}
-    void wait() {
+    void wait() { wait_for(arrive()); }
+    // The generation this arrival belongs to.
+    uint32_t arrive() {
         const uint32_t generation = generation_.load(std::memory_order_acquire);
         if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
             arrived_.store(0, std::memory_order_relaxed);
             generation_.fetch_add(1, std::memory_order_release);
             syscall(SYS_futex, word(), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-            return;
         }
+        return generation;
+    }
+    void wait_for(uint32_t generation) {
         const timespec tick{0, 50'000'000};
         while (generation_.load(std::memory_order_acquire) == generation) {
             check_abort();
@@ -195,10 +238,23 @@ struct Block {
     std::vector<std::unique_ptr<Warp>> warps;
     std::vector<unsigned char> shared;
     dim3 index;
+    std::atomic<unsigned> ended{0};  // threads of the current block that have returned from the kernel
+};
+
+// The blocks of one resident cluster (a lone block: a cluster of one) and the barrier over their threads.
+struct Cluster {
+    Cluster(unsigned size, unsigned threads, size_t shared_bytes) : barrier(size * threads) {
+        for (unsigned q = 0; q < size; ++q) blocks.emplace_back(std::make_unique<Block>(threads, shared_bytes));
+    }
+    Barrier barrier;
+    std::vector<std::unique_ptr<Block>> blocks;
 };
 
 struct ThreadState {
     Block* block = nullptr;
+    Cluster* cluster = nullptr;
+    unsigned rank = 0;  // of the block in its cluster
+    int64_t arrival = -1;  // the cluster barrier's generation this thread arrived at and has not waited for
     size_t static_offset = 0;  // bump allocator for BPPSA_SHARED, reset when a block starts
     std::minstd_rand random;   // jitter of this thread's release stores, seeded per (launch, block, thread)
     double jitter_us = 0;
@@ -338,6 +394,33 @@ inline void store_shared_vector(T* p, const T (&v)[N]) {
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw std::logic_error("store_shared_vector: address not 16-byte aligned");
     for (int i = 0; i < N; ++i) p[i] = v[i];
 }
+inline unsigned cluster_rank() { return bppsa_emu::self.rank; }
+inline void cluster_arrive() {
+    auto& self = bppsa_emu::self;
+    if (self.arrival >= 0) throw std::logic_error("cluster_arrive: arrived twice without a wait");
+    self.arrival = self.cluster->barrier.arrive();
+}
+inline void cluster_wait() {
+    auto& self = bppsa_emu::self;
+    if (self.arrival < 0) throw std::logic_error("cluster_wait: no arrival to wait for");
+    self.cluster->barrier.wait_for(static_cast<uint32_t>(self.arrival));
+    self.arrival = -1;
+}
+inline void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
+inline void store_cluster(float* local, unsigned rank, float v) {
+    auto& self = bppsa_emu::self;
+    auto& blocks = self.cluster->blocks;
+    const auto offset = reinterpret_cast<unsigned char*>(local) - self.block->shared.data();
+    if (rank >= blocks.size()) throw std::logic_error("store_cluster: a rank beyond the cluster");
+    if (offset < 0 || static_cast<size_t>(offset) + sizeof(float) > self.block->shared.size())
+        throw std::logic_error("store_cluster: not an address of this block's shared memory");
+    if (blocks[rank]->ended.load(std::memory_order_acquire) != 0)
+        throw std::logic_error("store_cluster: the peer block has ended (no cluster barrier before its exit)");
+    std::memcpy(blocks[rank]->shared.data() + offset, &v, sizeof(float));
+}
 }  // namespace bppsa
 
 namespace bppsa_emu {
@@ -348,6 +431,10 @@ inline void end_block_thread() {
     self.open.clear();
     self.committed.clear();
     if (pending) throw std::logic_error("bppsa: asynchronous copies still pending when the block ended");
+    if (self.arrival >= 0) {
+        self.arrival = -1;
+        throw std::logic_error("bppsa: a cluster barrier arrival without its wait when the block ended");
+    }
 }
 }  // namespace bppsa_emu
 
@@ -373,66 +460,75 @@ T* static_shared(size_t count) {
 
 enum { BPPSA_EMU_OK = 0, BPPSA_EMU_TIMEOUT = 1, BPPSA_EMU_ERROR = 2 };
 
-// Run a grid: `resident` slots of blockDim threads each take blocks in a seeded random order (index
-// order for seed 0); a release store's thread then stalls up to `jitter_us` (seeded).
-extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* args, unsigned grid_x,
-                                unsigned block_x, size_t shared_bytes, unsigned resident, double timeout_s,
-                                unsigned long long seed, double jitter_us) {
+// Run a grid of clusters of `cluster` blocks (1: plain blocks): `resident` slots of one cluster each take
+// clusters in a seeded random order (index order for seed 0); a cluster's blocks are blockIdx.x = c cluster
+// + rank. A release store's thread then stalls up to `jitter_us` (seeded).
+extern "C" int bppsa_emu_launch_clusters(void (*entry)(const uint64_t*), const uint64_t* args, unsigned grid_x,
+                                         unsigned block_x, size_t shared_bytes, unsigned resident,
+                                         double timeout_s, unsigned long long seed, double jitter_us,
+                                         unsigned cluster) {
     using namespace bppsa_emu;
+    if (cluster == 0 || grid_x % cluster != 0) return BPPSA_EMU_ERROR;  // as a GPU refuses the launch
     aborted.store(false);
-    std::vector<unsigned> order(grid_x);
-    for (unsigned b = 0; b < grid_x; ++b) order[b] = b;
+    const unsigned clusters = grid_x / cluster;
+    std::vector<unsigned> order(clusters);
+    for (unsigned c = 0; c < clusters; ++c) order[c] = c;
     if (seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
-    std::atomic<unsigned> next_block{0};
+    std::atomic<unsigned> next_cluster{0};
     std::atomic<int> status{BPPSA_EMU_OK};
     std::mutex mutex;
     std::condition_variable finished;
-    resident = resident == 0 ? 1 : (resident > grid_x ? grid_x : resident);
-    std::vector<std::unique_ptr<Block>> slots;
+    resident = resident == 0 ? 1 : (resident > clusters ? clusters : resident);
+    std::vector<std::unique_ptr<Cluster>> slots;
     std::vector<std::thread> threads;
-    std::vector<unsigned> slot_block(resident);
+    std::vector<unsigned> slot_cluster(resident);
+    for (unsigned s = 0; s < resident; ++s) slots.emplace_back(std::make_unique<Cluster>(cluster, block_x, shared_bytes));
+    unsigned running = resident * cluster * block_x;  // threads still running (guarded by `mutex`)
+    std::latch start(running);  // the resident blocks start together, not as their threads appear
     for (unsigned s = 0; s < resident; ++s) {
-        slots.emplace_back(std::make_unique<Block>(block_x, shared_bytes));
-    }
-    unsigned running = resident * block_x;  // threads still running (guarded by `mutex`)
-    std::latch start(resident * block_x);    // the resident blocks start together, not as their threads appear
-    for (unsigned s = 0; s < resident; ++s) {
-        for (unsigned t = 0; t < block_x; ++t) {
-            threads.emplace_back([&, s, t] {
-                Block& block = *slots[s];
-                self.block = &block;
-                self.jitter_us = jitter_us;
-                threadIdx = {t, 0, 0};
-                blockDim = {block_x, 1, 1};
-                gridDim = {grid_x, 1, 1};
-                start.arrive_and_wait();
-                try {
-                    for (;;) {
-                        if (t == 0) {  // the next block of the dispatch order
-                            const unsigned i = next_block.fetch_add(1);
-                            slot_block[s] = i < grid_x ? order[i] : grid_x;
+        for (unsigned q = 0; q < cluster; ++q) {
+            for (unsigned t = 0; t < block_x; ++t) {
+                threads.emplace_back([&, s, q, t] {
+                    Cluster& slot = *slots[s];
+                    Block& block = *slot.blocks[q];
+                    self.block = &block;
+                    self.cluster = &slot;
+                    self.rank = q;
+                    self.jitter_us = jitter_us;
+                    threadIdx = {t, 0, 0};
+                    blockDim = {block_x, 1, 1};
+                    gridDim = {grid_x, 1, 1};
+                    start.arrive_and_wait();
+                    try {
+                        for (;;) {
+                            if (q == 0 && t == 0) {  // the next cluster of the dispatch order
+                                const unsigned i = next_cluster.fetch_add(1);
+                                slot_cluster[s] = i < clusters ? order[i] : clusters;
+                            }
+                            slot.barrier.wait();
+                            const unsigned c = slot_cluster[s];
+                            if (t == 0) block.ended.store(0, std::memory_order_release);
+                            slot.barrier.wait();  // everyone has read it before thread 0 takes the next
+                            if (c >= clusters) break;
+                            blockIdx = {c * cluster + q, 0, 0};
+                            self.static_offset = 0;
+                            self.random.seed(static_cast<unsigned>(seed * 1000003u + (c * cluster + q) * 1024u + t));
+                            entry(args);
+                            block.ended.fetch_add(1, std::memory_order_acq_rel);
+                            end_block_thread();
+                            slot.barrier.wait();  // the cluster ends before its shared memory is reused
                         }
-                        block.barrier.wait();
-                        const unsigned b = slot_block[s];
-                        block.barrier.wait();  // everyone has read it before thread 0 takes the next
-                        if (b >= grid_x) break;
-                        blockIdx = {b, 0, 0};
-                        self.static_offset = 0;
-                        self.random.seed(static_cast<unsigned>(seed * 1000003u + b * 1024u + t));
-                        entry(args);
-                        end_block_thread();
-                        block.barrier.wait();  // the block ends before its shared memory is reused
+                    } catch (const Aborted&) {
+                        int ok = BPPSA_EMU_OK;
+                        status.compare_exchange_strong(ok, BPPSA_EMU_TIMEOUT);
+                    } catch (...) {
+                        status.store(BPPSA_EMU_ERROR);
+                        aborted.store(true);
                     }
-                } catch (const Aborted&) {
-                    int ok = BPPSA_EMU_OK;
-                    status.compare_exchange_strong(ok, BPPSA_EMU_TIMEOUT);
-                } catch (...) {
-                    status.store(BPPSA_EMU_ERROR);
-                    aborted.store(true);
-                }
-                std::lock_guard<std::mutex> lock(mutex);
-                if (--running == 0) finished.notify_all();
-            });
+                    std::lock_guard<std::mutex> lock(mutex);
+                    if (--running == 0) finished.notify_all();
+                });
+            }
         }
     }
     {
@@ -443,6 +539,14 @@ extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* 
     }
     for (auto& thread : threads) thread.join();
     return status.load();
+}
+
+// Run a grid of plain blocks (clusters of one), as bppsa_emu_launch_clusters.
+extern "C" int bppsa_emu_launch(void (*entry)(const uint64_t*), const uint64_t* args, unsigned grid_x,
+                                unsigned block_x, size_t shared_bytes, unsigned resident, double timeout_s,
+                                unsigned long long seed, double jitter_us) {
+    return bppsa_emu_launch_clusters(entry, args, grid_x, block_x, shared_bytes, resident, timeout_s, seed,
+                                     jitter_us, 1);
 }
 
 #endif  // __CUDACC__

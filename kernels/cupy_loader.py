@@ -70,6 +70,7 @@ _RESERVED: dict[int, int] = {}
 #: (device index, torch stream handle) -> CuPy's wrapper of that stream
 _STREAMS: dict[tuple[int, int], object] = {}
 _LIMITS: dict[int, int] = {}  # device index -> shared_limit
+_CLUSTERS: dict[int, int] = {}  # device index -> cluster_limit
 
 
 def available() -> tuple[bool, str]:
@@ -166,6 +167,15 @@ def shared_limit(device_index: int) -> int:
         limit = _LIMITS[device_index] = max(
             PORTABLE_SHARED_BYTES, getattr(props, "shared_memory_per_block_optin", PORTABLE_SHARED_BYTES)
         )
+    return limit
+
+
+def cluster_limit(device_index: int) -> int:
+    """The largest thread-block cluster a kernel of this package may declare on the device: 8 blocks (the
+    portable size) from compute capability 9.0 on, else 1 (no clusters) (cached)."""
+    limit = _CLUSTERS.get(device_index)
+    if limit is None:
+        limit = _CLUSTERS[device_index] = 8 if torch.cuda.get_device_capability(device_index)[0] >= 9 else 1
     return limit
 
 

@@ -423,6 +423,32 @@ __device__ __forceinline__ T unit_sum(T v) {
     return v;
 }
 
+// The units a block owns: all H of them, or in a cluster of Q blocks (float32, compiled per H) the
+// per_block = ceil(H / Q) units from first = rank per_block (the last block may own fewer). A lane's unit:
+// its `local` one, or, beyond the block's units, the block's last (shadowed: read, never stored).
+struct ClusterUnits {
+    __device__ ClusterUnits(int hidden, int per_block_, unsigned rank, int local)
+        : per_block(per_block_), first(static_cast<int>(rank) * per_block_) {
+        const int owned = hidden - first < per_block ? hidden - first : per_block;
+        active = local < owned;
+        unit = first + (active ? local : owned - 1);
+    }
+    int per_block, first, unit;
+    bool active;
+};
+
+// A value of the state or row a step shares: into this block's shared memory, or in a cluster of Q blocks
+// into every block's at the same offset (each block reads the whole vector from its own copy).
+template <int Q, class T>
+__device__ __forceinline__ void share(T* at, T v) {
+    if constexpr (Q == 1) {
+        *at = v;
+    } else {
+#pragma unroll
+        for (int q = 0; q < Q; ++q) bppsa::store_cluster(at, static_cast<unsigned>(q), v);
+    }
+}
+
 // ---- family 2: any H, W_hh in shared memory; or float32 H > 32 compiled per H, W_hh in registers ----------
 //
 // HF > 0 (a module compiled per cell and H, float32): unit j's rows of W_hh (G rows of H) split over S lanes a
@@ -434,19 +460,21 @@ __device__ __forceinline__ T unit_sum(T v) {
 // that many, as the backward's operands: a lead of one step would not cover a load's latency once the step
 // is short).
 
-template <class T, int C, int HF = 0, int S = 1, int RR = -1>
+template <class T, int C, int HF = 0, int S = 1, int RR = -1, int Q = 1>
 __device__ void shared_forward(const Layer<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
     constexpr int RC = HF ? ((HF + V - 1) / V + S - 1) / S : 1;  // HF > 0: the packs of a row a lane has
     constexpr int RG = HF ? (RR < 0 || RR > RC ? RC : RR) : 1, RSH = HF ? RC - RG : 0;  // in registers / shared
     static_assert(HF == 0 || sizeof(T) == 4, "the per-H kernels: float32");
     static_assert(S >= 1 && S <= 32 && (S & (S - 1)) == 0, "a unit's lanes: a power of two within a warp");
+    static_assert(Q == 1 || HF > 0, "a cluster's kernels are compiled per H");
     const int H = HF ? HF : p.hidden, KC = HF ? RC * S : (H + V - 1) / V, P = KC * V;
-    const int part = threadIdx.x % S, j = threadIdx.x / S;
-    const bool active = j < H, first = active && part == 0;
-    const int unit = active ? j : H - 1;  // HF > 0: lanes beyond the units shadow the last one, store nothing
-    const i64 b = blockIdx.x, steps = p.steps;
-    const bool one_warp = HF ? HF * S <= 32 : blockDim.x <= 32;
+    const ClusterUnits units(H, (H + Q - 1) / Q, Q > 1 ? bppsa::cluster_rank() : 0u, threadIdx.x / S);
+    const int part = threadIdx.x % S, j = units.unit;
+    const bool active = units.active, first = active && part == 0;
+    const int unit = j;  // HF > 0: lanes beyond the block's units shadow its last one, store nothing
+    const i64 b = blockIdx.x / Q, steps = p.steps;
+    const bool one_warp = Q == 1 && (HF ? HF * S <= 32 : blockDim.x <= 32);
 
     BPPSA_DYNAMIC_SHARED(smem);
     // HF = 0: W_hh packed, then the state buffers; HF > 0: the state buffers, then the packs beyond a lane's
@@ -464,10 +492,12 @@ __device__ void shared_forward(const Layer<T>& p) {
                     const int k = (rc * S + part) * V + v;
                     w_reg[g][rc * V + v] = k < H ? p.w_hh[(i64)(g * H + unit) * H + k] : T(0);
                 }
-        for (int e = threadIdx.x; e < G * RSH * H * S * V; e += blockDim.x) {  // once per launch
-            const int v = e % V, lane = e / V % S, u = e / (V * S) % H, rs = e / (V * S * H) % (RSH ? RSH : 1);
-            const int g = e / (V * S * H * (RSH ? RSH : 1)), k = ((RG + rs) * S + lane) * V + v;
-            w[e] = k < H ? p.w_hh[(i64)(g * H + u) * H + k] : T(0);
+        const int NU = units.per_block;
+        for (int e = threadIdx.x; e < G * RSH * NU * S * V; e += blockDim.x) {  // once per launch
+            const int v = e % V, lane = e / V % S, u = e / (V * S) % NU, rs = e / (V * S * NU) % (RSH ? RSH : 1);
+            const int g = e / (V * S * NU * (RSH ? RSH : 1)), k = ((RG + rs) * S + lane) * V + v;
+            const int owned = units.first + u;  // units beyond H (a last block's padding): zeros, never read
+            w[e] = k < H && owned < H ? p.w_hh[(i64)(g * H + owned) * H + k] : T(0);
         }
     } else {
         for (int e = threadIdx.x; e < G * P * H; e += blockDim.x) {  // once per launch: off the critical path
@@ -497,7 +527,11 @@ __device__ void shared_forward(const Layer<T>& p) {
     };
 #pragma unroll
     for (int k = 0; k < kForwardAhead; ++k) load(ahead[k], k);
-    __syncthreads();
+    // a cluster: every block's state buffers are written before a peer's first store into them
+    if constexpr (Q > 1)
+        bppsa::cluster_sync();
+    else
+        __syncthreads();
 
     const Pack<T>* w_own = reinterpret_cast<const Pack<T>*>(w) + unit;
     for (i64 base = 0; base < steps; base += kForwardAhead) {
@@ -526,13 +560,13 @@ __device__ void shared_forward(const Layer<T>& p) {
 #pragma unroll
                         for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * w_reg[g][rc * V + v];
                 }
-                const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + unit * S + part;
+                const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + (unit - units.first) * S + part;
 #pragma unroll
                 for (int rs = 0; rs < RSH; ++rs) {
                     const Pack<T> hv = h[(RG + rs) * S + part];
 #pragma unroll
                     for (int g = 0; g < G; ++g) {
-                        const Pack<T> wv = w_packs[(g * RSH + rs) * H * S];
+                        const Pack<T> wv = w_packs[(g * RSH + rs) * units.per_block * S];
 #pragma unroll
                         for (int v = 0; v < V; ++v) acc[g][v] += hv.v[v] * wv.v[v];
                     }
@@ -560,15 +594,18 @@ __device__ void shared_forward(const Layer<T>& p) {
             if (HF > 0 || active) {
                 const T h_new = cell_update<T, C>(u, v, h_own, c_own, f);
                 h_own = h_new;
-                if (first) {
-                    h_next[j] = h_new;
-                    outputs.store(h_new, f, H);
-                }
+                if (first) share<Q>(h_next + j, h_new);
+                // a cluster: the peers' copies released, the outputs stored after it (its release waits for
+                // every store before it, global ones too)
+                if constexpr (Q > 1) bppsa::cluster_arrive();
+                if (first) outputs.store(h_new, f, H);
             }
             outputs.advance(H);
             // h_next is complete before anyone reads it; nobody reads h (the buffer step t+1 writes) any more
             if (one_warp)
                 bppsa_rec::warp_barrier();
+            else if constexpr (Q > 1)
+                bppsa::cluster_wait();
             else
                 __syncthreads();
         }
@@ -643,8 +680,23 @@ struct UnitOperands {
     }
 };
 
+// The gate gradients of unit j's step t from its row entries r (and, for the GRU's n, g and dn) at d_gi / d_gh.
+template <class T, int C>
+__device__ __forceinline__ void store_gate_gradients(const UnitOperands<T, C>& u, T g, const T (&r)[kGates<C>],
+                                                     T* d_gi, T* d_gh, int H) {
+    if constexpr (C == kGru) {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) d_gh[q * H] = r[q];
+        d_gi[0] = r[0], d_gi[H] = r[1], d_gi[2 * H] = g * u.v[4];
+    } else {
+#pragma unroll
+        for (int q = 0; q < kGates<C>; ++q) d_gi[q * H] = r[q];
+    }
+}
+
 // Step t of unit j: the row entries r[g] (gate g's, into shared memory by the caller), the gate gradients
-// stored at d_gi / d_gh (unit j of step t), the LSTM's gc carried; returns g's diagonal part for t - 1.
+// stored at d_gi / d_gh (unit j of step t) where `store`, the LSTM's gc carried; returns g's diagonal part for
+// t - 1.
 template <class T, int C>
 __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& gc, T (&r)[kGates<C>],
                                            T* d_gi, T* d_gh, int H, bool store) {
@@ -655,11 +707,7 @@ __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& 
     } else if constexpr (C == kGru) {
 #pragma unroll
         for (int q = 0; q < 3; ++q) r[q] = g * u.v[q];
-        if (store) {
-#pragma unroll
-            for (int q = 0; q < 3; ++q) d_gh[q * H] = r[q];
-            d_gi[0] = r[0], d_gi[H] = r[1], d_gi[2 * H] = g * u.v[4];
-        }
+        if (store) store_gate_gradients<T, C>(u, g, r, d_gi, d_gh, H);
         return g * u.v[3];
     } else {
         const T in = u.v[0], forget = u.v[1], cand = u.v[2], og = u.v[3];
@@ -672,9 +720,7 @@ __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& 
         gc = gc_tot * forget;
     }
     if constexpr (C != kGru) {
-        if (store)
-#pragma unroll
-            for (int q = 0; q < kGates<C>; ++q) d_gi[q * H] = r[q];
+        if (store) store_gate_gradients<T, C>(u, g, r, d_gi, d_gh, H);
     }
     return T(0);
 }
@@ -687,19 +733,21 @@ __device__ __forceinline__ T unit_backward(const UnitOperands<T, C>& u, T g, T& 
 // meet in a butterfly of shuffles that hands every lane the same sum (each addition commutes); the S lanes of
 // a unit run its pointwise step alike, the first one storing. The product's loops unroll fully. HF <= 32 (one
 // warp): S = 1, lane j = unit j. HF = 0: any H, W_hh in shared memory, one thread per unit.
-template <class T, int C, int HF = 0, int S = 1, int RR = -1>
+template <class T, int C, int HF = 0, int S = 1, int RR = -1, int Q = 1>
 __device__ void cell_backward(const CellBackward<T>& p) {
     constexpr int G = kGates<C>, V = Pack<T>::kWidth;
     constexpr int RC = HF ? ((G * HF + V - 1) / V + S - 1) / S : 1;  // HF > 0: the packs of the column a lane has
     constexpr int RG = HF ? (RR < 0 || RR > RC ? RC : RR) : 1, RSH = HF ? RC - RG : 0;  // in registers / shared
     static_assert(HF == 0 || sizeof(T) == 4, "the per-H kernels: float32");
     static_assert(S >= 1 && S <= 32 && (S & (S - 1)) == 0, "a unit's lanes: a power of two within a warp");
+    static_assert(Q == 1 || HF > 0, "a cluster's kernels are compiled per H");
     const int H = HF ? HF : p.hidden, GH = G * H, P = HF ? RC * S * V : (GH + V - 1) / V * V;
-    const int part = threadIdx.x % S, j = threadIdx.x / S;
-    const bool active = j < H;
-    const int column = active ? j : H - 1;  // HF > 0: lanes beyond the units shadow the last one
-    const i64 b = blockIdx.x, steps = p.steps;
-    const bool one_warp = HF ? HF * S <= 32 : blockDim.x <= 32;
+    const ClusterUnits units(H, (H + Q - 1) / Q, Q > 1 ? bppsa::cluster_rank() : 0u, threadIdx.x / S);
+    const int part = threadIdx.x % S, j = units.unit;
+    const bool active = units.active;
+    const int column = j;  // HF > 0: lanes beyond the block's units shadow its last one
+    const i64 b = blockIdx.x / Q, steps = p.steps;
+    const bool one_warp = Q == 1 && (HF ? HF * S <= 32 : blockDim.x <= 32);
 
     BPPSA_DYNAMIC_SHARED(smem);
     T* rows = reinterpret_cast<T*>(smem);  // two buffers of P row entries
@@ -715,10 +763,11 @@ __device__ void cell_backward(const CellBackward<T>& p) {
                 const int row = (rc * S + part) * V + v;
                 w_own_reg[rc * V + v] = row < GH ? p.w_hh[row * H + column] : T(0);
             }
-        for (int e = threadIdx.x; e < RSH * H * S * V; e += blockDim.x) {  // once per launch
-            const int v = e % V, lane = e / V % S, unit = e / (V * S) % H, rs = e / (V * S * H);
-            const int row = ((RG + rs) * S + lane) * V + v;
-            w[e] = row < GH ? p.w_hh[row * H + unit] : T(0);
+        const int NU = units.per_block;
+        for (int e = threadIdx.x; e < RSH * NU * S * V; e += blockDim.x) {  // once per launch
+            const int v = e % V, lane = e / V % S, u = e / (V * S) % NU, rs = e / (V * S * NU);
+            const int row = ((RG + rs) * S + lane) * V + v, owned = units.first + u;
+            w[e] = row < GH && owned < H ? p.w_hh[row * H + owned] : T(0);
         }
     } else {
         for (int e = threadIdx.x; e < P * H; e += blockDim.x) w[e] = e < GH * H ? p.w_hh[e] : T(0);  // once
@@ -742,7 +791,11 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         if (steps - 1 - k >= 0) load(ring[k], direct[k], steps - 1 - k);
     if (steps > 0 && p.grad_h) direct[0] += p.grad_h[b * H + column];  // h_T's own gradient
     T gc = C == kLstm && active && p.grad_cn ? p.grad_cn[b * H + j] : T(0), carried = T(0);
-    __syncthreads();  // W_hh and the padding staged
+    // W_hh and the padding staged; a cluster: every block has started before a peer stores into its rows
+    if constexpr (Q > 1)
+        bppsa::cluster_sync();
+    else
+        __syncthreads();
 
     const T* w_own = w + j;
     // Step t = base - k writes row buffer t & 1: k's parity against base's, which every group shares (K even).
@@ -751,20 +804,27 @@ __device__ void cell_backward(const CellBackward<T>& p) {
     // `guarded`: step t - K, whose operands this step loads, may be before step 0 (the last groups)
     const auto step = [&](const int k, const i64 t, const bool guarded) {
         T* r_shared = k & 1 ? rows_odd_k : rows_even_k;
+        T g = T(0), r[G];
+        const i64 at = (b * steps + t) * GH + j;
+        T* const d_gh = C == kGru ? p.d_gh + at : nullptr;
         if (active) {
-            const T g = carried + direct[k];
-            T r[G];
-            const i64 at = (b * steps + t) * GH + j;
-            carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, C == kGru ? p.d_gh + at : nullptr, H,
-                                          part == 0);  // the GRU's diagonal part (the others: 0)
+            g = carried + direct[k];
+            // the GRU's diagonal part (the others: 0); a cluster stores the gate gradients after its arrival
+            carried = unit_backward<T, C>(ring[k], g, gc, r, p.d_gi + at, d_gh, H, Q == 1 && part == 0);
             if (part == 0)
 #pragma unroll
-                for (int q = 0; q < G; ++q) r_shared[q * H + j] = r[q];
+                for (int q = 0; q < G; ++q) share<Q>(r_shared + q * H + j, r[q]);
+        }
+        if constexpr (Q > 1) {  // the peers' rows released (the release waits for every store before it)
+            bppsa::cluster_arrive();
+            if (active && part == 0) store_gate_gradients<T, C>(ring[k], g, r, p.d_gi + at, d_gh, H);
         }
         if (!guarded || t - K >= 0) load(ring[k], direct[k], t - K);  // in flight while the block meets and multiplies
         // r_shared is complete; nobody reads the other buffer (step t + 1's) any more
         if (one_warp)
             bppsa_rec::warp_barrier();
+        else if constexpr (Q > 1)
+            bppsa::cluster_wait();
         else
             __syncthreads();
         if (HF > 0 || active) {  // HF > 0: every lane (the shuffles take the whole warp; j >= H shadow)
@@ -779,10 +839,10 @@ __device__ void cell_backward(const CellBackward<T>& p) {
 #pragma unroll
                     for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * w_own_reg[rc * V + v];
                 }
-                const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + column * S + part;
+                const Pack<T>* w_packs = reinterpret_cast<const Pack<T>*>(w) + (column - units.first) * S + part;
 #pragma unroll
                 for (int rs = 0; rs < RSH; ++rs) {
-                    const Pack<T> rv = r_packs[(RG + rs) * S + part], wv = w_packs[rs * H * S];
+                    const Pack<T> rv = r_packs[(RG + rs) * S + part], wv = w_packs[rs * units.per_block * S];
 #pragma unroll
                     for (int v = 0; v < V; ++v) acc[v] += rv.v[v] * wv.v[v];
                 }
@@ -883,6 +943,25 @@ constexpr int kFixedSplit = C == kGru ? 2 : C == kLstm ? 4 : 1;
     }                                                                                                      \
     BPPSA_ENTRY(bppsa_##NAME##_forward_f32_h##H, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
 #define BPPSA_REC_WIDE_KERNEL(NAME, H, S, RR) BPPSA_REC_WIDE_KERNEL_(NAME, H, S, RR)
+// ... and for an H whose W_hh no block's registers and shared memory hold: a cluster of Q blocks (sm_90+), each
+// owning ceil(H / Q) units (their rows / columns of W_hh), sharing the state / row through distributed shared
+// memory (recurrent_cuda.cluster_layout picks Q, S and RR); a kernel a row of Q blocks, grid = B Q
+#define BPPSA_REC_CLUSTER_THREADS(H, S, Q) (((H) + (Q) - 1) / (Q) * (S) + 31) / 32 * 32
+#define BPPSA_REC_CLUSTER_KERNEL_(NAME, H, S, RR, Q)                                                       \
+    extern "C" __global__ void __launch_bounds__(BPPSA_REC_CLUSTER_THREADS(H, S, Q), 1) BPPSA_CLUSTER_DIMS(Q) \
+        bppsa_##NAME##_forward_f32_h##H##_c##Q BPPSA_REC_PARAMS(float) {                                  \
+        shared_forward<float, kCell_##NAME, H, S, RR, Q>(BPPSA_REC_LAYER(float));                         \
+    }                                                                                                      \
+    BPPSA_ENTRY(bppsa_##NAME##_forward_f32_h##H##_c##Q, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
+#define BPPSA_REC_CLUSTER_KERNEL(NAME, H, S, RR, Q) BPPSA_REC_CLUSTER_KERNEL_(NAME, H, S, RR, Q)
+#define BPPSA_BWD_CLUSTER_KERNEL_(NAME, H, S, RR, Q)                                                       \
+    extern "C" __global__ void __launch_bounds__(BPPSA_REC_CLUSTER_THREADS(H, S, Q), 1) BPPSA_CLUSTER_DIMS(Q) \
+        bppsa_##NAME##_backward_f32_h##H##_c##Q BPPSA_BWD_PARAMS(float) {                                 \
+        cell_backward<float, kCell_##NAME, H, S, RR, Q>(CellBackward<float>{                              \
+            f0, f1, f2, w_hh, grad_out, grad_h, grad_cn, d_gi, d_gh, gh0, gc0, batch, steps, (int)hidden}); \
+    }                                                                                                      \
+    BPPSA_ENTRY(bppsa_##NAME##_backward_f32_h##H##_c##Q, BPPSA_BWD_PARAMS(float), BPPSA_BWD_HOST_ARGS(float))
+#define BPPSA_BWD_CLUSTER_KERNEL(NAME, H, S, RR, Q) BPPSA_BWD_CLUSTER_KERNEL_(NAME, H, S, RR, Q)
 
 // family 2
 #define BPPSA_REC_KERNEL(NAME, CELL, T, SUFFIX)                                                              \
@@ -917,7 +996,13 @@ constexpr int kFixedSplit = C == kGru ? 2 : C == kLstm ? 4 : 1;
 
 // The module of one H holds only its four family-1 kernels (kernels/recurrent_cuda.py compiles it on
 // demand); the default module holds family 2; a list (compile gates, sanitizer driver) adds to the default.
-#if defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL) && defined(BPPSA_REC_FORWARD)
+#if defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL) && defined(BPPSA_REC_CLUSTER) && defined(BPPSA_REC_FORWARD)
+BPPSA_REC_CLUSTER_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT, BPPSA_REC_REGISTER_PACKS,
+                         BPPSA_REC_CLUSTER)
+#elif defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL) && defined(BPPSA_REC_CLUSTER)
+BPPSA_BWD_CLUSTER_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT, BPPSA_REC_REGISTER_PACKS,
+                         BPPSA_REC_CLUSTER)
+#elif defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL) && defined(BPPSA_REC_FORWARD)
 BPPSA_REC_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT, BPPSA_REC_REGISTER_PACKS)
 #elif defined(BPPSA_REC_HIDDEN) && defined(BPPSA_REC_CELL)
 BPPSA_BWD_WIDE_KERNEL(BPPSA_REC_CELL, BPPSA_REC_HIDDEN, BPPSA_REC_SPLIT, BPPSA_REC_REGISTER_PACKS)
@@ -936,5 +1021,11 @@ BPPSA_REC_WIDE_LIST(BPPSA_BWD_WIDE_KERNEL)
 #endif
 #ifdef BPPSA_REC_WIDE_FORWARD_LIST
 BPPSA_REC_WIDE_FORWARD_LIST(BPPSA_REC_WIDE_KERNEL)
+#endif
+#ifdef BPPSA_REC_CLUSTER_LIST  // X(cell, H, S, register packs, Q) ...: the compile gates (sm_90)
+BPPSA_REC_CLUSTER_LIST(BPPSA_BWD_CLUSTER_KERNEL)
+#endif
+#ifdef BPPSA_REC_CLUSTER_FORWARD_LIST
+BPPSA_REC_CLUSTER_FORWARD_LIST(BPPSA_REC_CLUSTER_KERNEL)
 #endif
 #endif

@@ -121,7 +121,7 @@ class Launch:
     """One kernel launch, as :func:`prepare` computed it."""
 
     kernel: str  # entry point in recurrent.cu
-    grid: int  # blocks: one per batch row
+    grid: int  # blocks: one per batch row (a cluster of blocks per row: ``cluster`` per row)
     block: int  # threads: H rounded up to a whole warp
     shared_bytes: int  # dynamic shared memory per block
     args: tuple[int, ...]  # the kernel's argument words (pointers as addresses)
@@ -129,6 +129,7 @@ class Launch:
     buffers: tuple[Tensor, ...] = field(default=(), repr=False, compare=False)
     #: the -D options of the kernel's module (NVRTC's and the host emulation's g++'s): () for :data:`KERNELS`
     options: tuple[str, ...] = ()
+    cluster: int = 1  # blocks of a cluster (the kernel's own __cluster_dims__; :func:`cluster_layout`)
 
 
 def _fixed(hidden: int, element_bytes: int) -> bool:
@@ -151,21 +152,24 @@ class WideLayout(NamedTuple):
     """How a float32 kernel compiled per ``H > 32`` holds ``W_hh`` (``recurrent.cu``'s ``cell_backward`` /
     ``shared_forward``): ``split`` lanes a unit, each with ``lane_packs`` 16-byte packs of the unit's share (the
     backward's: of its column; the forward's: of each of its ``G`` rows), the first ``register_packs`` in
-    registers, the others in shared memory."""
+    registers, the others in shared memory; a row's units over a ``cluster`` of blocks (sm_90+), each owning
+    ``ceil(H / cluster)`` of them (:func:`cluster_layout`)."""
 
     split: int
     register_packs: int
     lane_packs: int
+    cluster: int = 1
 
 
 @functools.lru_cache(maxsize=512)
-def wide_layout(cell: str, hidden: int, direction: str = "backward") -> WideLayout | None:
-    """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``:
-    the fewest lanes a unit (a power of two) whose share fits in registers beside a lane's other registers, the
-    block within ptxas's bound (a quarter of the register file for the warps of each scheduler); where none
-    does, the split holding the most of it in registers, the rest in shared memory (RNN ``H > 192``, GRU
-    ``H > 104``, LSTM ``H > 72`` forward, ``H > 70`` backward). ``None`` outside that range. The compile gate
-    (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the widest ``H`` of each layout without a spill."""
+def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: int = 1) -> WideLayout | None:
+    """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``
+    (its units over ``cluster`` blocks): the fewest lanes a unit (a power of two) whose share fits in registers
+    beside a lane's other registers, the block within ptxas's bound (a quarter of the register file for the
+    warps of each scheduler); where none does, the split holding the most of it in registers, the rest in
+    shared memory (one block: RNN ``H > 192``, GRU ``H > 104``, LSTM ``H > 72`` forward, ``H > 70`` backward).
+    ``None`` outside that range. The compile gate (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the
+    widest ``H`` of each layout without a spill."""
     if not FIXED_HIDDEN < hidden <= MAX_THREADS:
         return None
     gates, backward = CELLS[cell], direction == "backward"
@@ -173,17 +177,40 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward") -> WideLayo
     registers_a_pack = 4 if backward else 4 * gates  # a forward lane holds a pack of each gate's row
     best = None
     for split in (1, 2, 4, 8):
-        threads = wide_threads(hidden, split)
+        threads = wide_threads(math.ceil(hidden / cluster), split)
         if threads > _MAX_THREADS_PER_BLOCK:
             break
         limit = _register_limit(threads)
         lane, other = math.ceil(packs / split), _OTHER_REGISTERS[direction][cell]
         if lane * registers_a_pack + other <= limit:
-            return WideLayout(split, lane, lane)
+            return WideLayout(split, lane, lane, cluster)
         fit = max(0, (limit - other - _SHARED_PART_REGISTERS) // registers_a_pack)
         if best is None or split * fit > best.split * best.register_packs:
-            best = WideLayout(split, fit, lane)
+            best = WideLayout(split, fit, lane, cluster)
     return best
+
+
+#: the cluster sizes a layout may take (portable on every sm_90 device: at most 8 blocks)
+CLUSTER_SIZES = (2, 4, 8)
+
+
+@functools.lru_cache(maxsize=512)
+def cluster_layout(cell: str, hidden: int, direction: str, shared_limit: int, cluster_limit: int) -> WideLayout | None:
+    """The layout of a float32 ``direction`` kernel whose ``W_hh`` no single block holds within ``shared_limit``
+    bytes (:func:`wide_layout`): the smallest cluster of :data:`CLUSTER_SIZES`, up to ``cluster_limit`` (the
+    device's: 1 before sm_90), whose blocks each hold their units' share; ``None`` where the single block fits,
+    or where no cluster does."""
+    single = wide_layout(cell, hidden, direction)
+    rows = CELLS[cell] if direction == "forward" else 1
+    if single is None or _wide_bytes(single, hidden, rows) <= shared_limit:
+        return None
+    for cluster in CLUSTER_SIZES:
+        if cluster > cluster_limit or (cluster - 1) * math.ceil(hidden / cluster) >= hidden:
+            break  # beyond the device's clusters, or a block of the cluster would own no unit
+        layout = wide_layout(cell, hidden, direction, cluster)
+        if _wide_bytes(layout, hidden, rows) <= shared_limit:
+            return layout
+    return None
 
 
 def wide_threads(hidden: int, split: int) -> int:
@@ -269,31 +296,37 @@ def _shared_bytes(
 
 def _wide_bytes(layout: WideLayout, hidden: int, rows: int) -> int:
     """A :class:`WideLayout` block's shared memory (float32): two row or state buffers of a unit's lanes' packs,
-    and the packs not in registers of ``rows`` rows (the forward's gates; the backward's column: 1) per unit."""
-    lanes = layout.split * layout.lane_packs
-    return 2 * lanes * 16 + rows * (layout.lane_packs - layout.register_packs) * hidden * layout.split * 16
+    and the packs not in registers of ``rows`` rows (the forward's gates; the backward's column: 1) per unit of
+    the block."""
+    lanes, units = layout.split * layout.lane_packs, math.ceil(hidden / layout.cluster)
+    return 2 * lanes * 16 + rows * (layout.lane_packs - layout.register_packs) * units * layout.split * 16
 
 
 @functools.lru_cache(maxsize=256)
-def refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+def refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int, cluster_limit: int = 1) -> str | None:
     """Why the forward kernel of a ``cell`` layer of hidden size ``hidden`` in ``dtype`` cannot launch on a
-    device giving a block ``shared_limit`` bytes of shared memory (one line), ``None`` where it can.
+    device giving a block ``shared_limit`` bytes of shared memory and running clusters of up to
+    ``cluster_limit`` blocks (:func:`cluster_layout`) (one line), ``None`` where it can.
 
     The ONE statement of the kernels' limits: :func:`prepare` declines exactly where this refuses, and the
     layer's plan (:meth:`lightning_bppsa.backends.CudaBackend.refuses`) asks it before anything runs.
     Cached: a training loop asks with one shape every step.
     """
-    return _limits("forward", cell, hidden, dtype, shared_limit)
+    return _limits("forward", cell, hidden, dtype, shared_limit, cluster_limit)
 
 
 @functools.lru_cache(maxsize=256)
-def backward_refusal(cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+def backward_refusal(
+    cell: str, hidden: int, dtype: torch.dtype, shared_limit: int, cluster_limit: int = 1
+) -> str | None:
     """As :func:`refusal`, for the backward kernel of ``cell`` (its block stages two rows of gate gradients and,
     but where compiled per ``H``, ``W_hh``: :func:`backward_shared_bytes`)."""
-    return _limits("backward", cell, hidden, dtype, shared_limit)
+    return _limits("backward", cell, hidden, dtype, shared_limit, cluster_limit)
 
 
-def _limits(direction: str, cell: str, hidden: int, dtype: torch.dtype, shared_limit: int) -> str | None:
+def _limits(
+    direction: str, cell: str, hidden: int, dtype: torch.dtype, shared_limit: int, cluster_limit: int
+) -> str | None:
     """Why the CUDA ``direction`` kernel of a ``cell`` layer (one thread per hidden unit, the shared memory of
     :func:`shared_bytes` / :func:`backward_shared_bytes`) cannot launch; ``None`` where it can."""
     if cell not in CELLS:
@@ -304,10 +337,13 @@ def _limits(direction: str, cell: str, hidden: int, dtype: torch.dtype, shared_l
         return f"the CUDA {direction} kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
     size = shared_bytes if direction == "forward" else backward_shared_bytes
     needed = size(cell, hidden, torch.finfo(dtype).bits // 8)
-    if needed > shared_limit:
+    if needed > shared_limit and (
+        dtype != torch.float32 or cluster_layout(cell, hidden, direction, shared_limit, cluster_limit) is None
+    ):
+        clusters = f", nor in a cluster of up to {cluster_limit} blocks" if cluster_limit > 1 else ""
         return (
             f"the CUDA {direction} kernel of H={hidden} needs {needed} B of shared memory per block, "
-            f"the device has {shared_limit} B"
+            f"the device has {shared_limit} B{clusters}"
         )
     return None
 
@@ -357,8 +393,10 @@ def prepare(
     *,
     device_type: str,
     shared_limit: int,
+    cluster_limit: int = 1,
 ) -> tuple[Launch | None, tuple[Tensor, ...]] | None:
-    """Check the inputs, allocate the outputs and compute the launch of one layer forward.
+    """Check the inputs, allocate the outputs and compute the launch of one layer forward (``cluster_limit``: the
+    largest cluster of blocks the device runs, 1 before sm_90).
 
     Returns ``None`` where the kernel cannot run (tensors of mixed dtypes or not all on one ``device_type``
     device, or what :func:`refusal` refuses); else ``(launch, outputs)``
@@ -373,7 +411,7 @@ def prepare(
     if not _one_kind(gi, (w_hh, b_hh, h0, c0), device_type):
         return None
     batch, steps, hidden = gi.shape[0], gi.shape[1], w_hh.shape[1]
-    if refusal(cell, hidden, gi.dtype, shared_limit) is not None:
+    if refusal(cell, hidden, gi.dtype, shared_limit, cluster_limit) is not None:
         return None
     outputs = tuple(gi.new_empty(batch, steps, k * hidden) for k in (1, *_FACTORS[cell]))
     if batch == 0 or steps == 0 or hidden == 0:
@@ -383,15 +421,18 @@ def prepare(
     inputs = [None if t is None else t.contiguous() for t in (gi, w_hh, b_hh, h0, c0)]
     pointers = [0 if t is None else t.data_ptr() for t in inputs]
     factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
-    kernel, block, nbytes, options = _kernel_and_block(cell, gi.dtype, hidden)
+    kernel, block, nbytes, options, cluster = _kernel_and_block(
+        cell, gi.dtype, hidden, "forward", shared_limit, cluster_limit
+    )
     launch = Launch(
         kernel=kernel,
-        grid=batch,
+        grid=batch * cluster,
         block=block,
         shared_bytes=nbytes,
         args=(*pointers, outputs[0].data_ptr(), *factors, batch, steps, hidden),
         buffers=(*(t for t in inputs if t is not None), *outputs),
         options=options,
+        cluster=cluster,
     )
     # After the launch is queued the copies may be freed: torch's caching allocator hands a freed block
     # only to work queued later on the same stream, so the kernel still reads valid memory.
@@ -400,10 +441,11 @@ def prepare(
 
 @functools.lru_cache(maxsize=64)
 def _kernel_and_block(
-    cell: str, dtype: torch.dtype, hidden: int, direction: str = "forward"
-) -> tuple[str, int, int, tuple[str, ...]]:
-    """The entry point, threads per block, dynamic shared memory and module options of a layer's ``direction``
-    kernel (once per shape: a training loop asks every step)."""
+    cell: str, dtype: torch.dtype, hidden: int, direction: str, shared_limit: int, cluster_limit: int
+) -> tuple[str, int, int, tuple[str, ...], int]:
+    """The entry point, threads per block, dynamic shared memory, module options and blocks a cluster of a
+    layer's ``direction`` kernel on a device of ``shared_limit`` / ``cluster_limit`` (:func:`refusal`'s) (once
+    per shape: a training loop asks every step)."""
     element_bytes = torch.finfo(dtype).bits // 8
     size = shared_bytes if direction == "forward" else backward_shared_bytes
     nbytes = size(cell, hidden, element_bytes)
@@ -412,13 +454,21 @@ def _kernel_and_block(
             threads = 32 * CELLS[cell]
         else:
             threads = wide_threads(hidden, _register_layout(cell, hidden, 4, direction).split)
-        return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, module_options(hidden)
+        return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, module_options(hidden), 1
     layout = _register_layout(cell, hidden, element_bytes, direction)
     if layout is not None:
+        clustered = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit)
+        if clustered is not None:
+            q, rows = clustered.cluster, CELLS[cell] if direction == "forward" else 1
+            return (
+                f"bppsa_{cell}_{direction}_f32_h{hidden}_c{q}", wide_threads(math.ceil(hidden / q), clustered.split),
+                _wide_bytes(clustered, hidden, rows),
+                (*wide_options(cell, hidden, clustered, direction), f"-DBPPSA_REC_CLUSTER={q}"), q,
+            )  # fmt: skip
         threads = wide_threads(hidden, layout.split)
         options = wide_options(cell, hidden, layout, direction)
-        return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, options
-    return f"bppsa_{cell}_{direction}_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, ()
+        return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, options, 1
+    return f"bppsa_{cell}_{direction}_{_SUFFIX[dtype]}", 32 * math.ceil(hidden / 32), nbytes, (), 1
 
 
 Launcher = Callable[[Launch, torch.device], None]
@@ -435,9 +485,11 @@ def forward(
     launcher: Launcher,
     device_type: str,
     shared_limit: int,
+    cluster_limit: int = 1,
 ) -> tuple[Tensor, ...] | None:
     """:func:`prepare`, then ``launcher(launch, device)``; shared by the CUDA path and the host emulation."""
-    prepared = prepare(cell, gi, w_hh, b_hh, h0, c0, device_type=device_type, shared_limit=shared_limit)
+    prepared = prepare(cell, gi, w_hh, b_hh, h0, c0, device_type=device_type, shared_limit=shared_limit,
+                       cluster_limit=cluster_limit)  # fmt: skip
     if prepared is None:
         return None
     launch, outputs = prepared
@@ -457,7 +509,7 @@ _BACKWARD_FACTORS = {
 
 def prepare_backward(
     cell: str, factors: tuple[Tensor, ...], w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
-    grad_cn: Tensor | None, *, device_type: str, shared_limit: int,
+    grad_cn: Tensor | None, *, device_type: str, shared_limit: int, cluster_limit: int = 1,
 ) -> tuple[Launch | None, tuple[Tensor, ...]] | None:  # fmt: skip
     """As :func:`prepare`, for the backward of ``cell`` over its ``factors`` (:data:`_BACKWARD_FACTORS`: the RNN's
     ``out``; the GRU's ``scales, z, dn``; the LSTM's ``gates, cells, c0``): ``(launch, outputs)`` with the
@@ -476,7 +528,7 @@ def prepare_backward(
             raise ValueError(f"{name} must be {tuple(shape)}; got {tuple(tensor.shape)}")
     if not _one_kind(first, given, device_type):
         return None
-    if backward_refusal(cell, hidden, first.dtype, shared_limit) is not None:
+    if backward_refusal(cell, hidden, first.dtype, shared_limit, cluster_limit) is not None:
         return None
     grads = [first.new_empty(batch, steps, gates * hidden) for _ in range(2 if cell == "gru" else 1)]
     states = [first.new_empty(batch, hidden) for _ in range(2 if cell == "lstm" else 1)]
@@ -494,15 +546,18 @@ def prepare_backward(
     padded = (*factors, *(None,) * (3 - len(factors)), w_hh, grad_out, grad_h, grad_cn)
     inputs = [None if t is None else t.contiguous() for t in padded]
     outs = [grads[0], grads[1] if cell == "gru" else None, states[0], states[1] if cell == "lstm" else None]
-    kernel, block, nbytes, options = _kernel_and_block(cell, first.dtype, hidden, "backward")
+    kernel, block, nbytes, options, cluster = _kernel_and_block(
+        cell, first.dtype, hidden, "backward", shared_limit, cluster_limit
+    )
     launch = Launch(
         kernel=kernel,
-        grid=batch,
+        grid=batch * cluster,
         block=block,
         shared_bytes=nbytes,
         args=(*(0 if t is None else t.data_ptr() for t in (*inputs, *outs)), batch, steps, hidden),
         buffers=(*(t for t in inputs if t is not None), *outputs),
         options=options,
+        cluster=cluster,
     )
     return launch, outputs
 
@@ -532,6 +587,7 @@ def _one_kind(first: Tensor, others: Sequence[Tensor | None], device_type: str) 
 def backward(
     cell: str, factors: tuple[Tensor, ...], w_hh: Tensor, grad_out: Tensor | None, grad_h: Tensor | None,
     grad_cn: Tensor | None, *, launcher: Launcher, device_type: str, shared_limit: int, sums: object = None,
+    cluster_limit: int = 1,
 ) -> tuple[Tensor, ...] | None:  # fmt: skip
     """:func:`prepare_backward`, then ``launcher(launch, device)``; shared by the CUDA path and the host
     emulation. ``sums`` (the CPU kernels' parameter sums) must be ``None``: the parameter gradients are the
@@ -539,7 +595,7 @@ def backward(
     if sums is not None:
         raise ValueError("the CUDA backward kernels do not sum the parameter gradients: pass sums=None")
     prepared = prepare_backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, device_type=device_type,
-                                shared_limit=shared_limit)  # fmt: skip
+                                shared_limit=shared_limit, cluster_limit=cluster_limit)  # fmt: skip
     if prepared is None:
         return None
     launch, outputs = prepared
@@ -616,7 +672,8 @@ def _load(device_index: int, launch: Launch) -> tuple[object, Launch]:
                 f"{limit} B): run the layer once before capturing"
             ) from None
         fallback = dataclasses.replace(
-            launch, kernel=generic, block=32 * math.ceil(hidden / 32), shared_bytes=nbytes, options=()
+            launch, kernel=generic, grid=launch.grid // launch.cluster, block=32 * math.ceil(hidden / 32),
+            shared_bytes=nbytes, options=(), cluster=1,
         )
         warnings.warn(
             f"{launch.kernel} is first launched inside a CUDA graph capture, where it cannot be compiled: "
@@ -643,10 +700,8 @@ def _forward_cuda(cell: str, gi: Tensor, w_hh: Tensor, b_hh: Tensor | None, h0: 
     if gi.device.type != "cuda" or not available()[0]:
         return None
     index = gi.device.index if gi.device.index is not None else torch.cuda.current_device()
-    limit = cupy_loader.shared_limit(index)
-    return forward(
-        cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda", shared_limit=limit
-    )
+    return forward(cell, gi, w_hh, b_hh, h0, c0, launcher=_launch_cuda, device_type="cuda",
+                   shared_limit=cupy_loader.shared_limit(index), cluster_limit=cupy_loader.cluster_limit(index))  # fmt: skip
 
 
 def rnn_forward(
@@ -675,7 +730,8 @@ def _backward_cuda(cell: str, factors: tuple, w_hh, grad_out, grad_h, grad_cn, s
         return None
     index = first.device.index if first.device.index is not None else torch.cuda.current_device()
     return backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, launcher=_launch_cuda, device_type="cuda",
-                    shared_limit=cupy_loader.shared_limit(index), sums=sums)  # fmt: skip
+                    shared_limit=cupy_loader.shared_limit(index), sums=sums,
+                    cluster_limit=cupy_loader.cluster_limit(index))  # fmt: skip
 
 
 def rnn_backward(

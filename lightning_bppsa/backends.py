@@ -45,8 +45,8 @@ from lightning_bppsa import cuda_step_model, layer_plan, ops, plan
 from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import RecurrentCell
 from lightning_bppsa.kernels import cuda as cuda_scan
+from lightning_bppsa.kernels import cupy_loader, recurrent_cuda
 from lightning_bppsa.kernels import recurrent as native
-from lightning_bppsa.kernels import recurrent_cuda
 
 __all__ = [
     "CUDA", "DEVICE_BACKENDS", "NATIVE", "TORCH", "Backend", "CudaBackend", "FusedBackward", "LayerCall",
@@ -192,6 +192,14 @@ def _device_limit(device: torch.device) -> int:
     )
 
 
+def _device_clusters(device: torch.device) -> int:
+    """The largest cluster of blocks the recurrent kernels launch on ``device`` (1 off CUDA: the host emulation
+    of an SM 8.0 device)."""
+    if device.type != "cuda":
+        return 1
+    return cupy_loader.cluster_limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
 class FusedBackward(TorchBackend):
     """A layer's backward as one CUDA kernel (``kernels.<cell>_backward``: the linear recursion with the gate
     gradients), then Eq. 2's GEMMs: the backward of the ``linear [cuda]`` calls :meth:`CudaBackend.fuses`
@@ -222,6 +230,7 @@ class CudaBackend(TorchBackend):
         device_type: where ``kernels`` take their tensors.
         shared_limit: the shared memory a block may use on a device (what ``kernels`` launch with).
         available: ``(True, "")`` where ``kernels`` load, else ``(False, why)``.
+        cluster_limit: the largest cluster of blocks ``kernels`` launch on a device (1: none).
     """
 
     name = "cuda"
@@ -230,12 +239,14 @@ class CudaBackend(TorchBackend):
         self, kernels=recurrent_cuda, device_type: str = "cuda",
         shared_limit: Callable[[torch.device], int] = _device_limit,
         available: Callable[[], tuple[bool, str]] = recurrent_cuda.available,
+        cluster_limit: Callable[[torch.device], int] = _device_clusters,
     ) -> None:  # fmt: skip
-        self.kernels, self.device_type, self.shared_limit, self.available = (
+        self.kernels, self.device_type, self.shared_limit, self.available, self.cluster_limit = (
             kernels,
             device_type,
             shared_limit,
             available,
+            cluster_limit,
         )
         self.fused = FusedBackward(kernels)
 
@@ -249,8 +260,9 @@ class CudaBackend(TorchBackend):
         ok, why = self.available()
         if not ok:
             return why
-        first = tensors[0]
-        return recurrent_cuda.refusal(cell.name, hidden, first.dtype, self.shared_limit(first.device)) or ""
+        device = tensors[0].device
+        limit, clusters = self.shared_limit(device), self.cluster_limit(device)
+        return recurrent_cuda.refusal(cell.name, hidden, tensors[0].dtype, limit, clusters) or ""
 
     def takes(self, scan: plan.Plan) -> bool:
         return scan.kernel == "cuda"
@@ -262,8 +274,20 @@ class CudaBackend(TorchBackend):
         the kernels load and its block fits the device (``recurrent_cuda.backward_refusal``)."""
         if not self.available()[0]:
             return False
-        limit = self.shared_limit(torch.device(device))
-        return recurrent_cuda.backward_refusal(cell.name, hidden, dtype, limit) is None
+        device = torch.device(device)
+        limit, clusters = self.shared_limit(device), self.cluster_limit(device)
+        return recurrent_cuda.backward_refusal(cell.name, hidden, dtype, limit, clusters) is None
+
+    def clustered(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Whether a ``cell`` layer's forward or fused backward kernel runs as a cluster of blocks on ``device``
+        (:func:`~lightning_bppsa.kernels.recurrent_cuda.cluster_layout`: ``W_hh`` beyond one block's registers
+        and shared memory): kernels never yet timed on a GPU, which no model prices."""
+        device = torch.device(device)
+        limit, clusters = self.shared_limit(device), self.cluster_limit(device)
+        return dtype == torch.float32 and any(
+            recurrent_cuda.cluster_layout(cell.name, hidden, direction, limit, clusters) is not None
+            for direction in ("forward", "backward")
+        )
 
     def fuses(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
         """Whether, unmeasured, a linear scan of a ``cell`` layer of ``hidden`` in ``dtype`` on ``device`` runs as

@@ -82,8 +82,8 @@ def _cuda_path_patches(run_kernels: bool = True) -> tuple[object, list[tuple[obj
     from lightning_bppsa.kernels import cuda, emulated, recurrent_emulated
     from lightning_bppsa.kernels.recurrent_cuda import SM80_OPTIN_SHARED_BYTES
 
-    emulated_cuda = backends.CudaBackend(
-        recurrent_emulated, "cpu", lambda device: SM80_OPTIN_SHARED_BYTES, lambda: (True, "")
+    emulated_cuda = backends.CudaBackend(  # an SM 8.0 device: no thread-block clusters
+        recurrent_emulated, "cpu", lambda device: SM80_OPTIN_SHARED_BYTES, lambda: (True, ""), lambda device: 1
     )
     real_choose = plan.choose
     scan_launch = emulated._launcher(None, 600.0, 1, 0.0) if run_kernels else lambda *launch: None

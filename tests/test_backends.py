@@ -5,7 +5,9 @@ the host emulation of its kernels (kernels/recurrent_emulated.py)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
+import types
 
 import pytest
 import torch
@@ -18,16 +20,20 @@ from lightning_bppsa import backends, layer_plan, plan
 from lightning_bppsa.backends import NATIVE, TORCH, CudaBackend, LayerCall
 from lightning_bppsa.cells import CELLS
 from lightning_bppsa.nn import _scan_layer, recurrent
+from lightning_bppsa.testing import assert_derived_close
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
 needs_native = pytest.mark.skipif(not native.available(), reason="needs the compiled CPU cell kernels")
 F64 = torch.float64
 
 
-def emulated_cuda(shared_limit: int = SM80_OPTIN_SHARED_BYTES, device_type: str = "cpu") -> CudaBackend:
+def emulated_cuda(
+    shared_limit: int = SM80_OPTIN_SHARED_BYTES, device_type: str = "cpu", cluster_limit: int = 1
+) -> CudaBackend:
     """The CUDA backend over the host emulation of its kernels (CPU tensors), as if on a device with
-    ``shared_limit`` bytes of shared memory per block."""
-    return CudaBackend(recurrent_emulated, device_type, lambda device: shared_limit, lambda: (True, ""))
+    ``shared_limit`` bytes of shared memory per block and clusters of up to ``cluster_limit`` blocks."""
+    return CudaBackend(recurrent_emulated, device_type, lambda device: shared_limit, lambda: (True, ""),
+                       lambda device: cluster_limit)  # fmt: skip
 
 
 def layer_inputs(cell, *, batch=2, steps=5, inputs=3, hidden=4, bias=True, dtype=F64, seed=0):
@@ -165,8 +171,8 @@ def test_the_forward_kernels_limits_are_stated_once_by_refusal(monkeypatch):
     cell = CELLS["gru"]
     asked = []
 
-    def stand_in(name, hidden, dtype, shared_limit):
-        asked.append((name, hidden, dtype, shared_limit))
+    def stand_in(name, hidden, dtype, shared_limit, cluster_limit):
+        asked.append((name, hidden, dtype, shared_limit, cluster_limit))
         return "a stand-in limit: H=7" if hidden == 7 else None
 
     monkeypatch.setattr(recurrent_cuda, "refusal", stand_in)
@@ -182,7 +188,7 @@ def test_the_forward_kernels_limits_are_stated_once_by_refusal(monkeypatch):
         )
         why = backend.refuses(cell, hidden, (gi, w_hh, h0))
         assert (prepared is None, why) == ((True, "a stand-in limit: H=7") if hidden == 7 else (False, ""))
-    assert asked == [("gru", h, F64, 1024) for h in (7, 7, 8, 8)]
+    assert asked == [("gru", h, F64, 1024, 1) for h in (7, 7, 8, 8)]
 
 
 @pytest.fixture
@@ -282,6 +288,72 @@ def test_auto_on_cuda_keeps_torchs_layer_where_the_forward_kernel_cannot_launch(
     assert reason.startswith(
         "auto on CUDA without the scan's kernels (forward: the CUDA forward kernel of H=120"
     )
+
+
+def test_auto_on_an_sm90_device_measures_a_layer_whose_kernels_run_as_clusters(monkeypatch):
+    """A GRU of H = 256 on an H100 / H200 (its block budget, clusters of up to 8 blocks): its kernels run as
+    clusters of blocks, never timed on a GPU, so no model prices them and ``auto`` measures both paths on the
+    first call (off here: torch's path, saying why); on a device without clusters it keeps torch's layer
+    because the forward kernel cannot launch."""
+    rnn = bnn.GRU(2, 256, batch_first=True)
+    x = torch.randn(3, 5, 2, requires_grad=True)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(plan, "choose", lambda algorithm, **shape: plan.Plan("cuda", "linear", 1, "stand-in"))
+    sm90 = emulated_cuda(232448, device_type="cuda", cluster_limit=8)
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cuda": sm90})
+    assert sm90.clustered(CELLS["gru"], 256, torch.float32, "cuda:0")
+    assert not sm90.clustered(CELLS["gru"], 160, torch.float32, "cuda:0")  # one block holds it
+    path, reason, _ = rnn._path(x, None)
+    assert path == "autograd" and reason == (
+        "no model: the CUDA kernels of H=256 run as clusters of blocks, not yet timed on a GPU; "
+        "not measured (measurements off): torch's path"
+    )
+    layer_plan.forget()
+    monkeypatch.setattr(backends, "DEVICE_BACKENDS", {"cuda": emulated_cuda(232448, device_type="cuda")})
+    path, reason, _ = rnn._path(x, None)
+    assert path == "autograd" and reason.startswith(
+        "auto on CUDA without the scan's kernels (forward: the CUDA forward kernel of H=256 needs"
+    )
+
+
+@needs_gxx
+@pytest.mark.parametrize(("kind", "hidden"), [("GRU", 130), ("LSTM", 150)])
+def test_a_layer_on_an_sm90_device_runs_its_cluster_kernels_both_ways(cuda_on_cpu, monkeypatch, kind, hidden):
+    """The whole layer path on an emulated sm_90 stand-in whose 48 KiB block cannot hold these layers' W_hh:
+    ``algorithm="linear"`` runs the forward kernel and the fused backward as clusters of blocks (launched with
+    their cluster), and every gradient equals float64 autograd's as closely as torch's float32 one."""
+    launched = []
+    real_launcher = recurrent_emulated._launcher
+    monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: _counting(real_launcher(*a), launched))
+    on_sm90 = {
+        name: functools.partial(getattr(recurrent_emulated, name), shared_limit=48 * 1024, cluster_limit=8)
+        for name in ("gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
+    }
+    sm90 = CudaBackend(types.SimpleNamespace(**on_sm90), "cpu", lambda device: 48 * 1024, lambda: (True, ""),
+                       lambda device: 8)  # fmt: skip
+    monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", sm90)
+    torch.manual_seed(0)
+    ours = getattr(bnn, kind)(3, hidden, batch_first=True, algorithm="linear")
+    exact = getattr(torch.nn, kind)(3, hidden, batch_first=True).double()
+    exact.load_state_dict(ours.state_dict())
+    reference = getattr(torch.nn, kind)(3, hidden, batch_first=True)
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 6, 3)
+    grads = []
+    for module, inputs in ((ours, x), (reference, x), (exact, x.double())):
+        inputs = inputs.clone().requires_grad_()
+        out, _ = module(inputs)
+        (out.square().mean() + out[:, -1].sum()).backward()
+        grads.append([inputs.grad, *(p.grad for p in module.parameters())])
+    for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
+        assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
+    assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
+    cell = kind.lower()
+    assert [(c.kernel, c.cluster) for c in launched] == [
+        (f"bppsa_{cell}_{d}_f32_h{hidden}_c{recurrent_cuda.cluster_layout(cell, hidden, d, 48 * 1024, 8).cluster}",
+         recurrent_cuda.cluster_layout(cell, hidden, d, 48 * 1024, 8).cluster)
+        for d in ("forward", "backward")
+    ]  # fmt: skip
 
 
 @needs_gxx

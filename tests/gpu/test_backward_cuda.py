@@ -10,8 +10,10 @@ there).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +72,37 @@ def test_float32_wide_layers_register_kernels(backend, cell, hidden, split, hybr
     module per cell, direction and H is compiled on its first launch: a forward-only twin would compile more."""
     p = CASES.make_inputs(cell, backend.size(16, 2), backend.size(1000, 9), hidden, seed=hidden, given=True)
     check(cell, p, torch.float32, backend)
+
+
+#: layers an H100 / H200 runs as clusters of blocks (GRU H > 160, LSTM H > 133: two and four blocks a row)
+SM90_CLUSTER_LAYERS = (("GRU", 256), ("LSTM", 200))
+
+
+@pytest.mark.parametrize("index", range(len(SM90_CLUSTER_LAYERS)))
+def test_float32_cluster_kernels(backend, index):
+    """Layers whose W_hh no block holds run as a cluster of blocks a row (sm_90): on a GPU a GRU of H = 256 and
+    an LSTM of H = 200, kernels and then the whole ``algorithm="linear"`` layer (B = 16, T = 1000; gradients
+    as exact as cuDNN's; the plan names the fused backward); emulated, the small stand-ins of
+    ``tests/kernels`` (a small block budget forces the clusters). Needs compute capability 9.0 on a GPU."""
+    if backend.is_cuda:
+        if torch.cuda.get_device_capability(backend.device)[0] < 9:
+            pytest.skip("thread-block clusters need compute capability 9.0 (this device refuses these layers)")
+        kind, hidden = SM90_CLUSTER_LAYERS[index]
+        kernels = backend.recurrent
+    else:
+        cell, hidden, limit, _, _ = CASES.CLUSTER_CASES[2 * index]
+        kind = cell.upper()
+        kernels = types.SimpleNamespace(**{
+            name: functools.partial(getattr(backend.recurrent, name), shared_limit=limit, cluster_limit=8)
+            for name in ("gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
+        })  # fmt: skip
+    cell = kind.lower()
+    p = CASES.make_inputs(cell, backend.size(16, 2), backend.size(1000, 9), hidden, seed=hidden, given=True)
+    CASES.check(cell, p, torch.float32, kernels=kernels, to=lambda t: t.to(backend.device))
+    if backend.is_cuda:
+        layers = _layers(kind, hidden, backend, seed=1)
+        _check_step(kind, layers, backend, _with_states)
+        assert layers[0].last_stats["plan"].endswith(", fused backward kernel"), layers[0].last_stats
 
 
 @pytest.fixture

@@ -12,7 +12,10 @@ in ``recurrent_cuda_sanitize.cpp``; the compile gates in ``test_recurrent_cuda_e
 
 from __future__ import annotations
 
+import functools
+import math
 import shutil
+import types
 
 import pytest
 import torch
@@ -156,6 +159,41 @@ def test_float32_register_kernels_split_over_lanes(monkeypatch, cell, hidden, sp
     assert launch.options == recurrent_cuda.wide_options(cell, hidden, layout)
 
 
+#: ``(cell, H, shared memory a block, blocks a cluster, part of W_hh in shared memory)``: backward kernels run as a
+#: cluster of blocks a row (sm_90) at small H (a small block budget forces them): two blocks holding part of
+#: each unit's column in shared memory, four with uneven shares (130 units = 3 x 33 + 31; 150 = 3 x 38 + 36)
+#: in registers alone and in part in shared memory, and eight
+CLUSTER_CASES = [("gru", 130, 48 * 1024, 2, True), ("gru", 130, 8 * 1024, 4, False),
+                 ("lstm", 150, 48 * 1024, 4, True), ("lstm", 150, 8 * 1024, 8, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cell", "hidden", "limit", "cluster", "hybrid"), CLUSTER_CASES)
+def test_float32_cluster_kernels(monkeypatch, cell, hidden, limit, cluster, hybrid):
+    """Each block of a row's cluster owns ceil(H / cluster) units' columns of W_hh and writes its units' entries
+    of the row r_t into every block's row buffer (distributed shared memory) before the cluster barrier, the
+    gate gradients after its arrival; the forward's factors come from its cluster kernel too."""
+    launched = []
+    real = recurrent_cuda.prepare_backward
+
+    def prepare_backward(*args, **kwargs):
+        prepared = real(*args, **kwargs)
+        launched.append(prepared[0])
+        return prepared
+
+    monkeypatch.setattr(recurrent_cuda, "prepare_backward", prepare_backward)
+    layout = recurrent_cuda.cluster_layout(cell, hidden, "backward", limit, 8)
+    assert (layout.cluster, layout.register_packs < layout.lane_packs) == (cluster, hybrid)
+    on_sm90 = {name: functools.partial(getattr(emulated, name), shared_limit=limit, cluster_limit=8)
+               for name in ("gru_forward", "gru_backward", "lstm_forward", "lstm_backward")}  # fmt: skip
+    check(cell, make_inputs(cell, 2, 9, hidden, seed=hidden, given=True), torch.float32,
+          kernels=types.SimpleNamespace(**on_sm90))  # fmt: skip
+    (launch,) = launched
+    assert (launch.kernel, launch.grid, launch.cluster) == (f"bppsa_{cell}_backward_f32_h{hidden}_c{cluster}", 2 * cluster,
+                                                            cluster)  # fmt: skip
+    assert launch.block == 32 * math.ceil(math.ceil(hidden / cluster) * layout.split / 32)
+    assert launch.shared_bytes <= limit and launch.options[-1] == f"-DBPPSA_REC_CLUSTER={cluster}"
+
+
 def test_relu_passes_the_gradient_through_a_nan_state_as_torch():
     """Torch's ReLU backward selects (``threshold_backward``): where ``h`` is NaN the gradient passes, where
     ``h <= 0`` it is 0 even for a NaN gradient; a product with a mask would give NaN both times."""
@@ -254,14 +292,14 @@ def test_launch_config():
     rnn20 = launch("rnn_tanh", 20, torch.float32)  # one warp, a lane a unit
     assert (rnn20.block, rnn20.shared_bytes) == (32, 2 * 20 * 4)
     wide = launch("rnn_tanh", 33, torch.float32)  # 33 rows padded to 36 (9 packs), W_hh in registers
-    assert recurrent_cuda.wide_layout("rnn_tanh", 33) == (1, 9, 9)
+    assert recurrent_cuda.wide_layout("rnn_tanh", 33) == (1, 9, 9, 1)
     assert (wide.kernel, wide.block, wide.shared_bytes) == ("bppsa_rnn_tanh_backward_f32_h33", 64, 2 * 36 * 4)
     split = launch("gru", 60, torch.float32)  # 180 rows: 45 packs, two lanes a unit: 23 packs each
-    assert recurrent_cuda.wide_layout("gru", 60) == (2, 23, 23)
+    assert recurrent_cuda.wide_layout("gru", 60) == (2, 23, 23, 1)
     assert (split.kernel, split.block, split.shared_bytes) == ("bppsa_gru_backward_f32_h60", 128, 2 * 46 * 16)
     # 360 rows: 90 packs, 45 a lane of which 31 in registers; the other 14 of each of 240 lanes in shared memory
     hybrid = launch("gru", 120, torch.float32)
-    assert recurrent_cuda.wide_layout("gru", 120) == (2, 31, 45)
+    assert recurrent_cuda.wide_layout("gru", 120) == (2, 31, 45, 1)
     assert (hybrid.kernel, hybrid.block, hybrid.shared_bytes) == (
         "bppsa_gru_backward_f32_h120", 256, 2 * 90 * 16 + 14 * 240 * 16)
     assert hybrid.options[-1] == "-DBPPSA_REC_REGISTER_PACKS=31"

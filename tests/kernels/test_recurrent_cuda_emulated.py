@@ -13,6 +13,7 @@ per-H modules through the CuPy loader (a stand-in CuPy).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
@@ -174,6 +175,69 @@ def test_float32_register_kernels_split_over_lanes(cell, hidden, split, hybrid):
     check_layer(cell, 2, 9, hidden, torch.float32, fold_bias=hidden % 2 == 0, seed=hidden)
 
 
+#: an H100's / H200's shared memory a block (the opt-in maximum), where the widest layers need clusters
+SM90_SHARED_BYTES = 232448
+#: float32 layers run as clusters of blocks on an sm_90 device, at small H (a small block budget forces them):
+#: ``(cell, H, shared memory a block, blocks a cluster, part of W_hh in shared memory)``: two blocks holding part
+#: of each unit's rows in shared memory, four with uneven shares (130 units = 3 x 33 + 31; 150 = 3 x 38 + 36)
+#: in registers alone and in part in shared memory, and eight
+CLUSTER_CASES = [("gru", 130, 48 * 1024, 2, True), ("gru", 130, 8 * 1024, 4, False),
+                 ("lstm", 150, 48 * 1024, 4, True), ("lstm", 150, 8 * 1024, 8, False)]  # fmt: skip
+
+
+@needs_gxx
+@pytest.mark.parametrize(("cell", "hidden", "limit", "cluster", "hybrid"), CLUSTER_CASES)
+def test_float32_cluster_kernels(cell, hidden, limit, cluster, hybrid):
+    """A layer whose W_hh no block holds runs as a cluster of blocks a row (sm_90): each block owns
+    ceil(H / cluster) units' rows and writes its units' h_t into every block's state buffer (distributed
+    shared memory) before the cluster barrier; without clusters the launch is refused."""
+    layout = recurrent_cuda.cluster_layout(cell, hidden, "forward", limit, 8)
+    assert (layout.cluster, layout.register_packs < layout.lane_packs) == (cluster, hybrid)
+    inputs = {"b_hh": None, "c0": None, **kernel_inputs(cell, make_layer(cell, 2, 9, hidden, 0), torch.float32, False)}
+    launch = recurrent_cuda.prepare(cell, **inputs, device_type="cpu", shared_limit=limit, cluster_limit=8)[0]
+    name = f"bppsa_{cell}_forward_f32_h{hidden}_c{cluster}"
+    assert (launch.kernel, launch.grid, launch.cluster) == (name, 2 * cluster, cluster)
+    assert launch.block == 32 * math.ceil(math.ceil(hidden / cluster) * layout.split / 32)
+    assert launch.shared_bytes <= limit and launch.options[-1] == f"-DBPPSA_REC_CLUSTER={cluster}"
+    assert recurrent_cuda.prepare(cell, **inputs, device_type="cpu", shared_limit=limit) is None
+    # a cluster at a time (resident=1) once: the blocks of a cluster are resident together
+    check_layer(cell, 2, 9, hidden, torch.float32, fold_bias=cell == "lstm", seed=hidden, shared_limit=limit,
+                cluster_limit=8, resident=1 if cluster == 8 else None)  # fmt: skip
+
+
+def test_cluster_layouts_on_sm90():
+    """On an H100 / H200 every float32 width up to 256 runs both kernels: one block where its layout fits the
+    block's shared memory, else (GRU H > 160, LSTM H > 133) the smallest cluster whose blocks each fit; a device
+    without clusters (an A100) refuses those as before, saying why."""
+    clustered = {}
+    for cell in CELLS:
+        for direction in DIRECTIONS:
+            refuse = recurrent_cuda.refusal if direction == "forward" else recurrent_cuda.backward_refusal
+            rows = recurrent_cuda.CELLS[cell] if direction == "forward" else 1
+            for hidden in range(33, recurrent_cuda.MAX_THREADS + 1):
+                assert refuse(cell, hidden, torch.float32, SM90_SHARED_BYTES, 8) is None, (cell, direction, hidden)
+                single = recurrent_cuda.wide_layout(cell, hidden, direction)
+                layout = recurrent_cuda.cluster_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8)
+                if recurrent_cuda._wide_bytes(single, hidden, rows) <= SM90_SHARED_BYTES:
+                    assert layout is None
+                    continue
+                clustered.setdefault((cell, direction), hidden)
+                assert recurrent_cuda._wide_bytes(layout, hidden, rows) <= SM90_SHARED_BYTES
+                for smaller in (q for q in recurrent_cuda.CLUSTER_SIZES if q < layout.cluster):
+                    narrower = recurrent_cuda.wide_layout(cell, hidden, direction, smaller)
+                    assert recurrent_cuda._wide_bytes(narrower, hidden, rows) > SM90_SHARED_BYTES
+                assert "shared memory per block" in (refuse(cell, hidden, torch.float32, SM90_SHARED_BYTES, 1) or ""), (
+                    cell, direction, hidden)
+    assert clustered == {("gru", "forward"): 161, ("gru", "backward"): 161, ("lstm", "forward"): 134,
+                         ("lstm", "backward"): 134}  # fmt: skip
+    # GRU H = 256 forward: 4 blocks of 64 units, 4 lanes a unit, 16 packs of each of a unit's 3 rows a lane, 10 in
+    # registers: the two state buffers (64 packs each) and 6 packs x 3 rows x 256 lanes in shared memory
+    gru = recurrent_cuda.cluster_layout("gru", 256, "forward", SM90_SHARED_BYTES, 8)
+    assert gru == (4, 10, 16, 4) and recurrent_cuda._wide_bytes(gru, 256, 3) == (2 * 64 + 6 * 3 * 256) * 16
+    # where no cluster of 8 holds it (1 KiB a block: not even the state buffers), the refusal says so
+    assert "nor in a cluster of up to 8 blocks" in recurrent_cuda.refusal("lstm", 256, torch.float32, 1024, 8)
+
+
 @needs_gxx
 @pytest.mark.parametrize("cell", CELLS)
 def test_blocks_one_at_a_time_and_multi_warp(cell):
@@ -268,14 +332,14 @@ def test_launch_config():
     assert (shared.kernel, shared.shared_bytes) == ("bppsa_gru_forward_f64", (3 * 20 + 2) * 20 * 8)
     assert shared.options == () and shared.kernel in recurrent_cuda.KERNELS
     wide = launch("lstm", 33, torch.float32)  # W_hh in registers, a lane a unit: the state buffers alone
-    assert recurrent_cuda.wide_layout("lstm", 33, "forward") == (1, 9, 9)
+    assert recurrent_cuda.wide_layout("lstm", 33, "forward") == (1, 9, 9, 1)
     assert (wide.kernel, wide.block, wide.shared_bytes) == ("bppsa_lstm_forward_f32_h33", 64, 2 * 36 * 4)
     assert wide.options == recurrent_cuda.wide_options("lstm", 33, recurrent_cuda.WideLayout(1, 9, 9), "forward")
     split = launch("gru", 60, torch.float32)  # two lanes a unit: 15 packs a row, 8 each
     assert (split.kernel, split.block, split.shared_bytes) == ("bppsa_gru_forward_f32_h60", 128, 2 * 16 * 4 * 4)
     # 23 packs a row, 12 a lane of which 7 in registers: 5 of each of the 4 rows of 180 lanes in shared memory
     hybrid = launch("lstm", 90, torch.float32)
-    assert recurrent_cuda.wide_layout("lstm", 90, "forward") == (2, 7, 12)
+    assert recurrent_cuda.wide_layout("lstm", 90, "forward") == (2, 7, 12, 1)
     assert (hybrid.kernel, hybrid.block) == ("bppsa_lstm_forward_f32_h90", 192)
     assert hybrid.shared_bytes == 2 * 24 * 16 + 4 * 5 * 180 * 16
     wide = launch("lstm", 33, torch.float64)
@@ -456,6 +520,71 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~80 s of nvcc
         print(f"\n{arch} registers: " + ", ".join(f"{k}={v.registers}" for k, v in sorted(kernels.items())))
 
 
+def cluster_gate(direction: str) -> list[tuple[str, int, int, int, int]]:
+    """``(cell, H, lanes a unit, register packs, blocks a cluster)`` of the ``direction`` kernels an sm_90 device
+    runs as clusters (:func:`recurrent_cuda.cluster_layout` at its block budget): per cell the first and the
+    widest ``H`` of each layout."""
+    chosen = []
+    for cell in CELLS:
+        kinds: dict[tuple, list[int]] = {}
+        for hidden in range(33, recurrent_cuda.MAX_THREADS + 1):
+            layout = recurrent_cuda.cluster_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8)
+            if layout is not None:
+                kinds.setdefault((layout.split, layout.register_packs, layout.cluster), []).append(hidden)
+        chosen += [(cell, h, *kind) for kind, widths in kinds.items() for h in sorted({widths[0], widths[-1]})]
+    return chosen
+
+
+@pytest.mark.slow  # ~30 s of nvcc
+def test_cluster_compile_gate_sm90_no_spill(tmp_path):
+    """Every cluster layout an H100 / H200 runs compiles for sm_90 (clusters need it) without a spill or a stack
+    frame, within 255 registers."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: the CUDA compile gate needs the CUDA toolkit (no GPU needed)")
+    lists = {d: " ".join(f"X({cell}, {h}, {split}, {packs}, {q})" for cell, h, split, packs, q in cluster_gate(d))
+             for d in DIRECTIONS}  # fmt: skip
+    wrapper = tmp_path / "recurrent_cluster_gate.cu"
+    wrapper.write_text(
+        f"#define BPPSA_REC_CLUSTER_LIST(X) {lists['backward']}\n"
+        f"#define BPPSA_REC_CLUSTER_FORWARD_LIST(X) {lists['forward']}\n#include \"{kernel_path('recurrent.cu')}\"\n"
+    )
+    usage = _nvcc.ptxas_report(str(wrapper), ("sm_90",))["sm_90"]
+    clustered = [f"bppsa_{cell}_{d}_f32_h{h}_c{q}" for d in DIRECTIONS for cell, h, _, _, q in cluster_gate(d)]
+    assert len(clustered) >= 16 and sorted(usage) == sorted([*recurrent_cuda.KERNELS, *clustered])
+    for name in clustered:
+        use = usage[name]
+        assert (use.stack_bytes, use.spill_store_bytes, use.spill_load_bytes) == (0, 0, 0), f"{name}: {use}"
+        assert 0 < use.registers <= 255 and use.static_shared_bytes == 0, f"{name}: {use}"
+
+
+@pytest.mark.slow  # ~5 s of nvcc + cuobjdump per kernel
+@pytest.mark.parametrize(("cell", "direction"), [("gru", "forward"), ("gru", "backward"), ("lstm", "backward")])
+def test_cluster_step_stores_after_its_arrival(cell, direction):
+    """A step of a cluster kernel (sm_90 SASS, H = 256, four blocks): its share of the state / row stored into
+    each block of the cluster (distributed shared memory: generic STs), the barrier's arrival (ptxas's release
+    is a GPU-scope MEMBAR, which waits for the thread's stores), then the step's outputs (STG) before the wait,
+    so that the MEMBAR does not wait for them; one arrival and one wait a step (in each copy of the time loop: the
+    LSTM's backward has an unchecked one and the checked tail)."""
+    kernel, _, _, options, cluster = recurrent_cuda._kernel_and_block(
+        cell, torch.float32, 256, direction, SM90_SHARED_BYTES, 8
+    )
+    assert cluster == 4
+    try:
+        loops = cuda_inspect.sass_loops("sm_90", source="recurrent.cu", options=options)
+    except FileNotFoundError as err:
+        pytest.skip(f"needs nvcc, cuobjdump and nvdisasm (the [dev] extra's NVIDIA wheels): {err}")
+    mains = [loop for loop in loops[kernel] if loop.kinds.get("UCGABAR_ARV", 0) >= 2]
+    assert mains, [loop.kinds for loop in loops[kernel]]
+    shares = cluster * (1 if direction == "forward" else recurrent_cuda.CELLS[cell])  # a unit's values, to every block
+    for main in mains:
+        steps = main.kinds["UCGABAR_ARV"]
+        assert main.kinds["UCGABAR_WAIT"] == main.kinds["MEMBAR"] == steps and "BAR" not in main.kinds
+        assert main.kinds["ST"] == shares * steps, main.kinds
+        order = [op for op in main.opcodes if op in ("ST", "STG", "MEMBAR", "UCGABAR_ARV", "UCGABAR_WAIT")]
+        step = ["ST"] * shares + ["MEMBAR", "UCGABAR_ARV"] + ["STG"] * (main.kinds["STG"] // steps) + ["UCGABAR_WAIT"]
+        assert order == step * steps, order
+
+
 #: the most instructions one step of the per-H RNN kernels' time loops may issue (sm_90 SASS, per warp), by
 #: direction and H: a step's own work (the forward: ceil(H / 4) broadcast LDS.128 of h_{t-1}, H multiply-adds
 #: and their sum, gi's load, tanh, two stores, the asynchronous copy of a later step; the backward: the same
@@ -550,6 +679,7 @@ def test_nvrtc_compiles_what_cupy_loads():
         *(recurrent_cuda.module_options(h) for h in NVRTC_HIDDEN),
         *(recurrent_cuda.wide_options(cell, h, recurrent_cuda.wide_layout(cell, h, d), d)
           for d in DIRECTIONS for cell, h, _, _ in wide_gate(d)[:2]),
+        *(recurrent_cuda._kernel_and_block("gru", torch.float32, 256, d, SM90_SHARED_BYTES, 8)[3] for d in DIRECTIONS),
     )
     COMPILE_TESTS.assert_nvrtc_compiles(recurrent_cuda.source(), "recurrent.cu", option_sets)
 
