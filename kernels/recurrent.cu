@@ -57,7 +57,13 @@
 //    is __syncwarp when the block is one warp, else __syncthreads. Float32 with 32 < H compiles the same
 //    kernel per cell and H (shared_forward's HF) with unit j's G rows of W_hh split over 1-2 lanes, in
 //    registers where they fit (recurrent_cuda.wide_layout: RNN H <= 192, GRU H <= 104, LSTM H <= 72), else
-//    partly in registers and the rest packed in shared memory.
+//    partly in registers and the rest packed in shared memory. Where that shared memory exceeds a block's
+//    (sm_90 at 227 KiB: GRU H > 160, LSTM H > 133), a row runs as a thread-block cluster of Q blocks
+//    (recurrent_cuda.cluster_layout; BPPSA_REC_CLUSTER): block q owns units [q U, q U + U), U = ceil(H / Q),
+//    their rows in its registers and shared memory, and stores its units' h_t into the state buffer of every
+//    block of the cluster (distributed shared memory); the step's barrier is the cluster's, split: arrive
+//    (release) after those stores, then the step's global stores, then wait (acquire). The backward alike
+//    (its units' columns; its row r_t shared so).
 // Both keep the state h_{t-1} in shared memory (two buffers of KC V values: step t reads one and writes the
 // other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
 // h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
