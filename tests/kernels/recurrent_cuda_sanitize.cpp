@@ -4,9 +4,14 @@
 // between the state buffers' writes and reads is a data race; so is a gi-ring copy landing in a slot another
 // lane still reads; so is a backward kernel reading a gate-gradient buffer the next step writes). Exit
 // status: 0 when every launch finished. The per-H float32 kernels are compiled for a few H beside the
-// shared-memory ones, with a ring of 3 slots so that 7 steps wrap it twice.
+// shared-memory ones, with a ring of 3 slots so that 7 steps wrap it twice; and two layouts of clusters of 4
+// blocks (recurrent_cuda.cluster_layout at 8 / 48 KiB a block: GRU H = 130 in registers, LSTM H = 150 in part
+// in shared memory), where a block's stores into its peers' state or row buffers race with the peers' reads
+// unless the cluster barrier orders them.
 #define BPPSA_REC_RING 3
 #define BPPSA_REC_HIDDEN_LIST(X) X(1) X(7) X(32)
+#define BPPSA_REC_CLUSTER_FORWARD_LIST(X) X(gru, 130, 4, 9, 4) X(lstm, 150, 4, 7, 4)
+#define BPPSA_REC_CLUSTER_LIST(X) X(gru, 130, 4, 25, 4) X(lstm, 150, 4, 27, 4)
 #include "recurrent.cu"
 
 #include <cstdio>
@@ -23,10 +28,18 @@ T* filled(std::vector<void*>& owned, long count) {  // random values in [-0.5, 0
     return p;
 }
 
+// A launch of a cluster kernel: threads a block, dynamic shared memory a block (recurrent_cuda's), blocks a
+// cluster (0: not a cluster kernel).
+struct ClusterLaunch {
+    unsigned threads;
+    size_t shared;
+    unsigned size;
+};
+
 // One launch of `entry` for a cell with `gates` gates and factor outputs of widths factor_widths[i] * H.
 template <class T>
 int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_widths, bool lstm, bool bias,
-           long batch, long steps, long hidden, bool per_hidden = false) {
+           long batch, long steps, long hidden, bool per_hidden = false, ClusterLaunch cluster = {0, 0, 0}) {
     std::vector<void*> owned;
     const long gh = gates * hidden;
     T* factors[3] = {nullptr, nullptr, nullptr};
@@ -43,7 +56,10 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
     const long buffers = 2 * (gates == 1 ? 32 : padded);
     const size_t shared =
         (per_hidden ? buffers + BPPSA_REC_RING * gh + exchange : (gh + 2) * padded) * sizeof(T);
-    const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
+    const int status = cluster.size
+        ? bppsa_emu_launch_clusters(entry, args, batch * cluster.size, cluster.threads, cluster.shared, batch, 60.0, 1,
+                                    0.0, cluster.size)
+        : bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
 }
@@ -51,7 +67,7 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
 // One launch of a backward kernel for a cell of `gates` gates; `given`: grad_out, grad_h (and grad_cn) given.
 template <class T>
 int launch_backward(void (*entry)(const uint64_t*), int gates, bool given, long batch, long steps, long hidden,
-                    bool per_hidden = false) {
+                    bool per_hidden = false, ClusterLaunch cluster = {0, 0, 0}) {
     std::vector<void*> owned;
     const long bt = batch * steps, gh = gates * hidden;
     const bool gru = gates == 3, lstm = gates == 4;
@@ -68,7 +84,10 @@ int launch_backward(void (*entry)(const uint64_t*), int gates, bool given, long 
         (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
     const long width = 16 / sizeof(T), padded = (gh + width - 1) / width * width;  // as recurrent_cuda.py
     const size_t shared = (2 + (per_hidden ? 0 : hidden)) * padded * sizeof(T);
-    const int status = bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
+    const int status = cluster.size
+        ? bppsa_emu_launch_clusters(entry, args, batch * cluster.size, cluster.threads, cluster.shared, batch, 60.0, 1,
+                                    0.0, cluster.size)
+        : bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
 }
@@ -102,6 +121,18 @@ int main() {
         status |= launch_backward<float>(bppsa_rnn_relu_backward_f32_h1_host, 1, true, 2, steps, 1, true);
         status |= launch_backward<float>(bppsa_gru_backward_f32_h7_host, 3, false, 2, steps, 7, true);
         status |= launch_backward<float>(bppsa_lstm_backward_f32_h32_host, 4, true, 1, steps, 32, true);
+    }
+    // the cluster kernels (threads and shared memory a block as recurrent_cuda's for these layouts: 33 / 38 units
+    // a block, 4 lanes a unit; the state buffers, and the LSTM's packs beyond 7 / 27 a lane in shared memory)
+    for (long steps : {2L, 9L}) {
+        status |= launch<float>(bppsa_gru_forward_f32_h130_c4_host, 3, {3, 1, 1}, false, true, 2, steps, 130, false,
+                                {160, 2 * 36 * 16, 4});
+        status |= launch<float>(bppsa_lstm_forward_f32_h150_c4_host, 4, {1, 4}, true, false, 1, steps, 150, false,
+                                {160, 2 * 40 * 16 + 4 * 3 * 38 * 4 * 16, 4});
+        status |= launch_backward<float>(bppsa_gru_backward_f32_h130_c4_host, 3, true, 2, steps, 130, false,
+                                         {160, 2 * 100 * 16, 4});
+        status |= launch_backward<float>(bppsa_lstm_backward_f32_h150_c4_host, 4, false, 1, steps, 150, false,
+                                         {160, 2 * 152 * 16 + 11 * 38 * 4 * 16, 4});
     }
     std::printf("launch status %d\n", status);
     return status;

@@ -687,8 +687,16 @@ def test_nvrtc_compiles_what_cupy_loads():
 @pytest.mark.slow  # ~5 s per sanitizer build
 @pytest.mark.parametrize("sanitizers", ["address,undefined", "thread"])
 def test_sanitized_launches(tmp_path, sanitizers):
-    """Every cell and dtype, one warp and several, under ASan + UBSan (exact-size global buffers) and TSan
-    (the one barrier per step orders the state buffers' writes before the next step's reads)."""
+    """Every cell and dtype, one warp and several, and clusters of blocks, under ASan + UBSan (exact-size global
+    buffers) and TSan (the one barrier per step orders the state buffers' writes, a peer block's included, before
+    the next step's reads). The driver's cluster launches state their threads and shared memory: checked here
+    against recurrent_cuda's."""
+    for cell, hidden, limit, threads, shared in (("gru", 130, 8 * 1024, 160, 2 * 36 * 16),
+                                                 ("lstm", 150, 48 * 1024, 160, 2 * 40 * 16 + 4 * 3 * 38 * 4 * 16)):
+        assert recurrent_cuda._kernel_and_block(cell, torch.float32, hidden, "forward", limit, 8)[1:3] == (threads, shared)
+    for cell, hidden, limit, threads, shared in (("gru", 130, 8 * 1024, 160, 2 * 100 * 16),
+                                                 ("lstm", 150, 48 * 1024, 160, 2 * 152 * 16 + 11 * 38 * 4 * 16)):
+        assert recurrent_cuda._kernel_and_block(cell, torch.float32, hidden, "backward", limit, 8)[1:3] == (threads, shared)
     if shutil.which("g++") is None:
         pytest.skip("needs g++ to build the emulated kernels")
     for name in (
