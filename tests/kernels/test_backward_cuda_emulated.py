@@ -140,17 +140,23 @@ LAYOUTS = [("rnn_tanh", 33, 1, False), ("rnn_relu", 100, 1, False), ("rnn_tanh",
            ("lstm", 40, 2, False), ("lstm", 96, 2, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("cell", "hidden", "split", "hybrid"), LAYOUTS)
-def test_float32_register_kernels_split_over_lanes(monkeypatch, cell, hidden, split, hybrid):
-    launched = []
+@pytest.fixture
+def launched(monkeypatch) -> list:
+    """The launches ``recurrent_cuda.prepare_backward`` computes in the test, in order."""
+    launches = []
     real = recurrent_cuda.prepare_backward
 
     def prepare_backward(*args, **kwargs):
         prepared = real(*args, **kwargs)
-        launched.append(prepared[0])
+        launches.append(prepared[0])
         return prepared
 
     monkeypatch.setattr(recurrent_cuda, "prepare_backward", prepare_backward)
+    return launches
+
+
+@pytest.mark.parametrize(("cell", "hidden", "split", "hybrid"), LAYOUTS)
+def test_float32_register_kernels_split_over_lanes(launched, cell, hidden, split, hybrid):
     layout = recurrent_cuda.wide_layout(cell, hidden)
     assert (layout.split, layout.register_packs < layout.lane_packs) == (split, hybrid)
     check(cell, make_inputs(cell, 2, 9, hidden, seed=hidden, given=True), torch.float32)
@@ -168,19 +174,10 @@ CLUSTER_CASES = [("gru", 130, 48 * 1024, 2, True), ("gru", 130, 8 * 1024, 4, Fal
 
 
 @pytest.mark.parametrize(("cell", "hidden", "limit", "cluster", "hybrid"), CLUSTER_CASES)
-def test_float32_cluster_kernels(monkeypatch, cell, hidden, limit, cluster, hybrid):
+def test_float32_cluster_kernels(launched, cell, hidden, limit, cluster, hybrid):
     """Each block of a row's cluster owns ceil(H / cluster) units' columns of W_hh and writes its units' entries
     of the row r_t into every block's row buffer (distributed shared memory) before the cluster barrier, the
     gate gradients after its arrival; the forward's factors come from its cluster kernel too."""
-    launched = []
-    real = recurrent_cuda.prepare_backward
-
-    def prepare_backward(*args, **kwargs):
-        prepared = real(*args, **kwargs)
-        launched.append(prepared[0])
-        return prepared
-
-    monkeypatch.setattr(recurrent_cuda, "prepare_backward", prepare_backward)
     layout = recurrent_cuda.cluster_layout(cell, hidden, "backward", limit, 8)
     assert (layout.cluster, layout.register_packs < layout.lane_packs) == (cluster, hybrid)
     on_sm90 = {name: functools.partial(getattr(emulated, name), shared_limit=limit, cluster_limit=8)
