@@ -28,9 +28,9 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
 1. ``cuda-tests.md``: ``pytest tests/gpu -q`` in a subprocess (at most 240 s, under pytest-xdist where installed): its summary line and failures.
 2. ``cuda-step.md``: the whole training step (zero grads, forward, loss = sum of the last output step,
    backward) of torch.nn.RNN/GRU/LSTM (cuDNN) against lightning_bppsa.nn's with ``algorithm="auto"`` and
-   the same weights, fourteen workloads incl. H = 128 / 256 for each cell (issue 28's targets) and an LSTM of
-   H = 160 and a GRU of 192 (on sm_90 those four gated layers' kernels run as clusters of blocks); the no-grad
-   forward of both; the step captured in one CUDA graph, cuDNN's and the scan's (issue 29: the GPU's work
+   the same weights, fifteen workloads incl. H = 128 / 256 for each cell (issue 28's targets), an LSTM of
+   H = 160 and GRUs of 192 and 384 (on sm_90 those five gated layers' kernels run as clusters of blocks); the
+   no-grad forward of both; the step captured in one CUDA graph, cuDNN's and the scan's (issue 29: the GPU's work
    without the host's); each one's gradient error against torch's module in float64; what "auto" chose
    (``last_stats["plan"]``).
 3. ``cuda-calib.csv`` / ``cuda-calib.md``: the calibration grid, RNN tanh input 1, d {8 .. 256} x B {1 .. 256}
@@ -238,6 +238,7 @@ GPU_SHAPES = Shapes(
         ("RNN", 16, 1000, 32, 128), ("GRU", 16, 1000, 32, 128), ("LSTM", 16, 1000, 32, 128),
         ("GRU", 16, 1000, 32, 256), ("LSTM", 32, 1000, 64, 256),
         ("GRU", 16, 1000, 32, 192), ("LSTM", 16, 1000, 32, 160),  # clusters of 2 blocks on sm_90 (of 4 above)
+        ("GRU", 16, 1000, 32, 384),  # 8 blocks, beyond one block's 256 threads
     ),
     calib_d=(8, 20, 32, 64, 128, 256),
     calib_batch=(1, 16, 64, 256),

@@ -58,7 +58,8 @@
 //    kernel per cell and H (shared_forward's HF) with unit j's G rows of W_hh split over 1-2 lanes, in
 //    registers where they fit (recurrent_cuda.wide_layout: RNN H <= 192, GRU H <= 104, LSTM H <= 72), else
 //    partly in registers and the rest packed in shared memory. Where that shared memory exceeds a block's
-//    (sm_90 at 227 KiB: GRU H > 160, LSTM H > 133), a row runs as a thread-block cluster of Q blocks
+//    (sm_90 at 227 KiB: GRU H > 160, LSTM H > 133), or H a block's 256 units (up to 512), a row runs as a
+//    thread-block cluster of Q blocks
 //    (recurrent_cuda.cluster_layout; BPPSA_REC_CLUSTER): block q owns units [q U, q U + U), U = ceil(H / Q),
 //    their rows in its registers and shared memory, and stores its units' h_t into the state buffer of every
 //    block of the cluster (distributed shared memory); the step's barrier is the cluster's, split: arrive

@@ -103,6 +103,8 @@ KERNELS = tuple(
     for suffix in ("f32", "f64")
 )
 MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
+#: the widest float32 layer the kernels compiled per H take as a cluster of blocks (cluster_layout; sm_90)
+MAX_CLUSTER_HIDDEN = 512
 FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp; GRU /
 # LSTM forward: a warp a gate)
 #: lanes a unit of the gated cells' backward compiled for H <= 32 (recurrent.cu's kFixedSplit): a half / a
@@ -144,6 +146,10 @@ _OTHER_REGISTERS = {
 }
 #: and beside a share read partly from shared memory (its loads in flight: ptxas spilled 8-24 bytes with 16)
 _SHARED_PART_REGISTERS = 32
+#: and more in a cluster's kernel, by direction and cell: the RNN's backward keeps its gate gradients past the
+#: barrier's arrival (ptxas spilled 36-80 bytes with 39 packs in registers at H = 257 / 424 in 2 blocks, none
+#: with 36); the others' fit as counted
+_CLUSTER_REGISTERS = {"backward": {"rnn_tanh": 12, "rnn_relu": 12}}
 _REGISTERS_PER_SM = 65536  # every sm_80 / sm_90 multiprocessor: a block's threads share them
 _MAX_THREADS_PER_BLOCK = 1024
 
@@ -164,13 +170,13 @@ class WideLayout(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: int = 1) -> WideLayout | None:
     """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``
-    (its units over ``cluster`` blocks): the fewest lanes a unit (a power of two) whose share fits in registers
+    (its units over ``cluster`` blocks: up to :data:`MAX_CLUSTER_HIDDEN`): the fewest lanes a unit (a power of two) whose share fits in registers
     beside a lane's other registers, the block within ptxas's bound (a quarter of the register file for the
     warps of each scheduler); where none does, the split holding the most of it in registers, the rest in
     shared memory (one block: RNN ``H > 192``, GRU ``H > 104``, LSTM ``H > 72`` forward, ``H > 70`` backward).
     ``None`` outside that range. The compile gate (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the
     widest ``H`` of each layout without a spill."""
-    if not FIXED_HIDDEN < hidden <= MAX_THREADS:
+    if not FIXED_HIDDEN < hidden <= (MAX_THREADS if cluster == 1 else MAX_CLUSTER_HIDDEN):
         return None
     gates, backward = CELLS[cell], direction == "backward"
     packs = math.ceil((gates if backward else 1) * hidden / 4)  # of the column / of each row, in 16-byte packs
@@ -181,7 +187,8 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: in
         if threads > _MAX_THREADS_PER_BLOCK:
             break
         limit = _register_limit(threads)
-        lane, other = math.ceil(packs / split), _OTHER_REGISTERS[direction][cell]
+        lane = math.ceil(packs / split)
+        other = _OTHER_REGISTERS[direction][cell] + (_CLUSTER_REGISTERS.get(direction, {}).get(cell, 0) if cluster > 1 else 0)
         if lane * registers_a_pack + other <= limit:
             return WideLayout(split, lane, lane, cluster)
         fit = max(0, (limit - other - _SHARED_PART_REGISTERS) // registers_a_pack)
@@ -197,12 +204,14 @@ CLUSTER_SIZES = (2, 4, 8)
 @functools.lru_cache(maxsize=512)
 def cluster_layout(cell: str, hidden: int, direction: str, shared_limit: int, cluster_limit: int) -> WideLayout | None:
     """The layout of a float32 ``direction`` kernel whose ``W_hh`` no single block holds within ``shared_limit``
-    bytes (:func:`wide_layout`): the smallest cluster of :data:`CLUSTER_SIZES`, up to ``cluster_limit`` (the
-    device's: 1 before sm_90), whose blocks each hold their units' share; ``None`` where the single block fits,
-    or where no cluster does."""
+    bytes (:func:`wide_layout`; none above :data:`MAX_THREADS`): the smallest cluster of :data:`CLUSTER_SIZES`,
+    up to ``cluster_limit`` (the device's: 1 before sm_90), whose blocks each hold their units' share; ``None``
+    where the single block fits, or where no cluster does (RNN H > 512, GRU H > 448, LSTM H > 384 on an H100)."""
     single = wide_layout(cell, hidden, direction)
     rows = CELLS[cell] if direction == "forward" else 1
-    if single is None or _wide_bytes(single, hidden, rows) <= shared_limit:
+    if not FIXED_HIDDEN < hidden <= MAX_CLUSTER_HIDDEN or (
+        single is not None and _wide_bytes(single, hidden, rows) <= shared_limit
+    ):
         return None
     for cluster in CLUSTER_SIZES:
         if cluster > cluster_limit or (cluster - 1) * math.ceil(hidden / cluster) >= hidden:
@@ -333,13 +342,13 @@ def _limits(
         raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
     if dtype not in _SUFFIX:
         return f"dtype {dtype} (the CUDA {direction} kernels take float32 / float64)"
-    if hidden > MAX_THREADS:
-        return f"the CUDA {direction} kernel runs one thread per hidden unit, at most {MAX_THREADS}: H={hidden}"
+    clustered = dtype == torch.float32 and cluster_layout(cell, hidden, direction, shared_limit, cluster_limit)
+    if hidden > MAX_THREADS and not clustered:
+        wider = f" (float32 up to {MAX_CLUSTER_HIDDEN} as a cluster of blocks where it fits)" if cluster_limit > 1 else ""
+        return f"the CUDA {direction} kernel runs one thread per hidden unit, at most {MAX_THREADS}{wider}: H={hidden}"
     size = shared_bytes if direction == "forward" else backward_shared_bytes
     needed = size(cell, hidden, torch.finfo(dtype).bits // 8)
-    if needed > shared_limit and (
-        dtype != torch.float32 or cluster_layout(cell, hidden, direction, shared_limit, cluster_limit) is None
-    ):
+    if needed > shared_limit and not clustered:
         clusters = f", nor in a cluster of up to {cluster_limit} blocks" if cluster_limit > 1 else ""
         return (
             f"the CUDA {direction} kernel of H={hidden} needs {needed} B of shared memory per block, "
@@ -455,16 +464,16 @@ def _kernel_and_block(
         else:
             threads = wide_threads(hidden, _register_layout(cell, hidden, 4, direction).split)
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, module_options(hidden), 1
+    clustered = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit) if element_bytes == 4 else None
+    if clustered is not None:
+        q, rows = clustered.cluster, CELLS[cell] if direction == "forward" else 1
+        return (
+            f"bppsa_{cell}_{direction}_f32_h{hidden}_c{q}", wide_threads(math.ceil(hidden / q), clustered.split),
+            _wide_bytes(clustered, hidden, rows),
+            (*wide_options(cell, hidden, clustered, direction), f"-DBPPSA_REC_CLUSTER={q}"), q,
+        )  # fmt: skip
     layout = _register_layout(cell, hidden, element_bytes, direction)
     if layout is not None:
-        clustered = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit)
-        if clustered is not None:
-            q, rows = clustered.cluster, CELLS[cell] if direction == "forward" else 1
-            return (
-                f"bppsa_{cell}_{direction}_f32_h{hidden}_c{q}", wide_threads(math.ceil(hidden / q), clustered.split),
-                _wide_bytes(clustered, hidden, rows),
-                (*wide_options(cell, hidden, clustered, direction), f"-DBPPSA_REC_CLUSTER={q}"), q,
-            )  # fmt: skip
         threads = wide_threads(hidden, layout.split)
         options = wide_options(cell, hidden, layout, direction)
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, options, 1

@@ -317,17 +317,19 @@ def test_auto_on_an_sm90_device_measures_a_layer_whose_kernels_run_as_clusters(m
 
 
 @needs_gxx
-@pytest.mark.parametrize(("kind", "hidden"), [("GRU", 130), ("LSTM", 150)])
+@pytest.mark.parametrize(("kind", "hidden"), [("GRU", 130), ("LSTM", 150), ("RNN", 300)])
 def test_a_layer_on_an_sm90_device_runs_its_cluster_kernels_both_ways(cuda_on_cpu, monkeypatch, kind, hidden):
-    """The whole layer path on an emulated sm_90 stand-in whose 48 KiB block cannot hold these layers' W_hh:
-    ``algorithm="linear"`` runs the forward kernel and the fused backward as clusters of blocks (launched with
-    their cluster), and every gradient equals float64 autograd's as closely as torch's float32 one."""
+    """The whole layer path on an emulated sm_90 stand-in whose 48 KiB block cannot hold these layers' W_hh (nor
+    its 256 threads the RNN's 300 units): ``algorithm="linear"`` runs the forward kernel and the fused backward
+    as clusters of blocks (launched with their cluster; the step model is sure the fused kernel beats the
+    factored scan's block sweep at these widths), and every gradient equals float64 autograd's as closely as
+    torch's float32 one."""
     launched = []
     real_launcher = recurrent_emulated._launcher
     monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: _counting(real_launcher(*a), launched))
     on_sm90 = {
         name: functools.partial(getattr(recurrent_emulated, name), shared_limit=48 * 1024, cluster_limit=8)
-        for name in ("gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
+        for name in ("rnn_forward", "rnn_backward", "gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
     }
     sm90 = CudaBackend(types.SimpleNamespace(**on_sm90), "cpu", lambda device: 48 * 1024, lambda: (True, ""),
                        lambda device: 8)  # fmt: skip
@@ -348,7 +350,7 @@ def test_a_layer_on_an_sm90_device_runs_its_cluster_kernels_both_ways(cuda_on_cp
     for i, (a, b, r) in enumerate(zip(*grads, strict=True)):
         assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
     assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
-    cell = kind.lower()
+    cell = {"RNN": "rnn_tanh"}.get(kind, kind.lower())
     assert [(c.kernel, c.cluster) for c in launched] == [
         (f"bppsa_{cell}_{d}_f32_h{hidden}_c{recurrent_cuda.cluster_layout(cell, hidden, d, 48 * 1024, 8).cluster}",
          recurrent_cuda.cluster_layout(cell, hidden, d, 48 * 1024, 8).cluster)

@@ -74,14 +74,15 @@ def test_float32_wide_layers_register_kernels(backend, cell, hidden, split, hybr
     check(cell, p, torch.float32, backend)
 
 
-#: layers an H100 / H200 runs as clusters of blocks (GRU H > 160, LSTM H > 133: two and four blocks a row)
-SM90_CLUSTER_LAYERS = (("GRU", 256), ("LSTM", 200))
+#: layers an H100 / H200 runs as clusters of blocks (GRU H > 160, LSTM H > 133, any H > 256: two and four blocks
+#: a row); emulated, the stand-ins of CASES.CLUSTER_CASES[0, 2, 4]
+SM90_CLUSTER_LAYERS = (("GRU", 256), ("LSTM", 200), ("RNN", 512))
 
 
 @pytest.mark.parametrize("index", range(len(SM90_CLUSTER_LAYERS)))
 def test_float32_cluster_kernels(backend, index):
-    """Layers whose W_hh no block holds run as a cluster of blocks a row (sm_90): on a GPU a GRU of H = 256 and
-    an LSTM of H = 200, kernels and then the whole ``algorithm="linear"`` layer (B = 16, T = 1000; gradients
+    """Layers whose W_hh no block holds run as a cluster of blocks a row (sm_90): on a GPU a GRU of H = 256, an
+    LSTM of H = 200 and an RNN of H = 512, kernels and then the whole ``algorithm="linear"`` layer (B = 16, T = 1000; gradients
     as exact as cuDNN's; the plan names the fused backward); emulated, the small stand-ins of
     ``tests/kernels`` (a small block budget forces the clusters). Needs compute capability 9.0 on a GPU."""
     if backend.is_cuda:
@@ -91,12 +92,12 @@ def test_float32_cluster_kernels(backend, index):
         kernels = backend.recurrent
     else:
         cell, hidden, limit, _, _ = CASES.CLUSTER_CASES[2 * index]
-        kind = cell.upper()
+        kind = "RNN" if cell == "rnn_tanh" else cell.upper()
         kernels = types.SimpleNamespace(**{
             name: functools.partial(getattr(backend.recurrent, name), shared_limit=limit, cluster_limit=8)
-            for name in ("gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
+            for name in ("rnn_forward", "rnn_backward", "gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
         })  # fmt: skip
-    cell = kind.lower()
+    cell = "rnn_tanh" if kind == "RNN" else kind.lower()
     p = CASES.make_inputs(cell, backend.size(16, 2), backend.size(1000, 9), hidden, seed=hidden, given=True)
     CASES.check(cell, p, torch.float32, kernels=kernels, to=lambda t: t.to(backend.device))
     if backend.is_cuda:

@@ -168,9 +168,11 @@ def test_float32_register_kernels_split_over_lanes(launched, cell, hidden, split
 #: ``(cell, H, shared memory a block, blocks a cluster, part of W_hh in shared memory)``: backward kernels run as a
 #: cluster of blocks a row (sm_90) at small H (a small block budget forces them): two blocks holding part of
 #: each unit's column in shared memory, four with uneven shares (130 units = 3 x 33 + 31; 150 = 3 x 38 + 36)
-#: in registers alone and in part in shared memory, and eight
+#: in registers alone and in part in shared memory, and eight; and an RNN wider than one block's 256 threads at
+#: an H100's budget (two blocks of 150 units, part of their columns in shared memory)
 CLUSTER_CASES = [("gru", 130, 48 * 1024, 2, True), ("gru", 130, 8 * 1024, 4, False),
-                 ("lstm", 150, 48 * 1024, 4, True), ("lstm", 150, 8 * 1024, 8, False)]  # fmt: skip
+                 ("lstm", 150, 48 * 1024, 4, True), ("lstm", 150, 8 * 1024, 8, False),
+                 ("rnn_tanh", 300, 232448, 2, True)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("cell", "hidden", "limit", "cluster", "hybrid"), CLUSTER_CASES)
@@ -181,7 +183,8 @@ def test_float32_cluster_kernels(launched, cell, hidden, limit, cluster, hybrid)
     layout = recurrent_cuda.cluster_layout(cell, hidden, "backward", limit, 8)
     assert (layout.cluster, layout.register_packs < layout.lane_packs) == (cluster, hybrid)
     on_sm90 = {name: functools.partial(getattr(emulated, name), shared_limit=limit, cluster_limit=8)
-               for name in ("gru_forward", "gru_backward", "lstm_forward", "lstm_backward")}  # fmt: skip
+               for name in ("rnn_forward", "rnn_backward", "gru_forward", "gru_backward", "lstm_forward",
+                            "lstm_backward")}  # fmt: skip
     check(cell, make_inputs(cell, 2, 9, hidden, seed=hidden, given=True), torch.float32,
           kernels=types.SimpleNamespace(**on_sm90))  # fmt: skip
     (launch,) = launched

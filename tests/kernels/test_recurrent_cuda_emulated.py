@@ -180,9 +180,11 @@ SM90_SHARED_BYTES = 232448
 #: float32 layers run as clusters of blocks on an sm_90 device, at small H (a small block budget forces them):
 #: ``(cell, H, shared memory a block, blocks a cluster, part of W_hh in shared memory)``: two blocks holding part
 #: of each unit's rows in shared memory, four with uneven shares (130 units = 3 x 33 + 31; 150 = 3 x 38 + 36)
-#: in registers alone and in part in shared memory, and eight
+#: in registers alone and in part in shared memory, and eight; and an RNN wider than one block's 256 threads
+#: at an H100's budget (two blocks of 150 units, part of their rows in shared memory)
 CLUSTER_CASES = [("gru", 130, 48 * 1024, 2, True), ("gru", 130, 8 * 1024, 4, False),
-                 ("lstm", 150, 48 * 1024, 4, True), ("lstm", 150, 8 * 1024, 8, False)]  # fmt: skip
+                 ("lstm", 150, 48 * 1024, 4, True), ("lstm", 150, 8 * 1024, 8, False),
+                 ("rnn_tanh", 300, 232448, 2, True)]  # fmt: skip
 
 
 @needs_gxx
@@ -205,20 +207,30 @@ def test_float32_cluster_kernels(cell, hidden, limit, cluster, hybrid):
                 cluster_limit=8, resident=1 if cluster == 8 else None)  # fmt: skip
 
 
+#: the widest float32 layer each cell runs on an sm_90 device (clusters of up to 8 blocks)
+SM90_WIDEST = {"rnn_tanh": 512, "rnn_relu": 512, "gru": 472, "lstm": 388}
+
+
 def test_cluster_layouts_on_sm90():
-    """On an H100 / H200 every float32 width up to 256 runs both kernels: one block where its layout fits the
-    block's shared memory, else (GRU H > 160, LSTM H > 133) the smallest cluster whose blocks each fit; a device
-    without clusters (an A100) refuses those as before, saying why."""
+    """On an H100 / H200 every float32 width up to 256 runs both kernels, and beyond it up to
+    :data:`SM90_WIDEST`: one block where its layout fits the block's shared memory (and H <= 256 threads), else
+    (GRU H > 160, LSTM H > 133, every H > 256) the smallest cluster whose blocks each fit; wider ones are
+    refused; a device without clusters (an A100) refuses those as before, saying why."""
+    refusals = {"forward": recurrent_cuda.refusal, "backward": recurrent_cuda.backward_refusal}
     clustered = {}
     for cell in CELLS:
-        for direction in DIRECTIONS:
-            refuse = recurrent_cuda.refusal if direction == "forward" else recurrent_cuda.backward_refusal
+        for hidden in range(33, recurrent_cuda.MAX_CLUSTER_HIDDEN + 2):
+            whys = [refuse(cell, hidden, torch.float32, SM90_SHARED_BYTES, 8) for refuse in refusals.values()]
+            if hidden > SM90_WIDEST[cell]:  # one direction at least refuses, saying how wide the clusters go
+                assert any(whys) and all(why is None or "(float32 up to 512 as a cluster" in why for why in whys)
+                continue
+            assert whys == [None, None], (cell, hidden, whys)
+        for direction, refuse in refusals.items():
             rows = recurrent_cuda.CELLS[cell] if direction == "forward" else 1
-            for hidden in range(33, recurrent_cuda.MAX_THREADS + 1):
-                assert refuse(cell, hidden, torch.float32, SM90_SHARED_BYTES, 8) is None, (cell, direction, hidden)
-                single = recurrent_cuda.wide_layout(cell, hidden, direction)
+            for hidden in range(33, SM90_WIDEST[cell] + 1):
                 layout = recurrent_cuda.cluster_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8)
-                if recurrent_cuda._wide_bytes(single, hidden, rows) <= SM90_SHARED_BYTES:
+                single = recurrent_cuda.wide_layout(cell, hidden, direction)  # None above 256
+                if single is not None and recurrent_cuda._wide_bytes(single, hidden, rows) <= SM90_SHARED_BYTES:
                     assert layout is None
                     continue
                 clustered.setdefault((cell, direction), hidden)
@@ -226,10 +238,11 @@ def test_cluster_layouts_on_sm90():
                 for smaller in (q for q in recurrent_cuda.CLUSTER_SIZES if q < layout.cluster):
                     narrower = recurrent_cuda.wide_layout(cell, hidden, direction, smaller)
                     assert recurrent_cuda._wide_bytes(narrower, hidden, rows) > SM90_SHARED_BYTES
-                assert "shared memory per block" in (refuse(cell, hidden, torch.float32, SM90_SHARED_BYTES, 1) or ""), (
-                    cell, direction, hidden)
+                without = refuse(cell, hidden, torch.float32, SM90_SHARED_BYTES, 1) or ""
+                assert ("shared memory per block" if hidden <= 256 else "at most 256: H=") in without, (cell, hidden)
     assert clustered == {("gru", "forward"): 161, ("gru", "backward"): 161, ("lstm", "forward"): 134,
-                         ("lstm", "backward"): 134}  # fmt: skip
+                         ("lstm", "backward"): 134, **{(rnn, d): 257 for rnn in ("rnn_tanh", "rnn_relu")
+                                                       for d in DIRECTIONS}}  # fmt: skip
     # GRU H = 256 forward: 4 blocks of 64 units, 4 lanes a unit, 16 packs of each of a unit's 3 rows a lane, 10 in
     # registers: the two state buffers (64 packs each) and 6 packs x 3 rows x 256 lanes in shared memory
     gru = recurrent_cuda.cluster_layout("gru", 256, "forward", SM90_SHARED_BYTES, 8)
@@ -527,7 +540,7 @@ def cluster_gate(direction: str) -> list[tuple[str, int, int, int, int]]:
     chosen = []
     for cell in CELLS:
         kinds: dict[tuple, list[int]] = {}
-        for hidden in range(33, recurrent_cuda.MAX_THREADS + 1):
+        for hidden in range(33, recurrent_cuda.MAX_CLUSTER_HIDDEN + 1):
             layout = recurrent_cuda.cluster_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8)
             if layout is not None:
                 kinds.setdefault((layout.split, layout.register_packs, layout.cluster), []).append(hidden)
