@@ -170,12 +170,12 @@ class WideLayout(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: int = 1) -> WideLayout | None:
     """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``
-    (its units over ``cluster`` blocks: up to :data:`MAX_CLUSTER_HIDDEN`): the fewest lanes a unit (a power of two) whose share fits in registers
-    beside a lane's other registers, the block within ptxas's bound (a quarter of the register file for the
-    warps of each scheduler); where none does, the split holding the most of it in registers, the rest in
-    shared memory (one block: RNN ``H > 192``, GRU ``H > 104``, LSTM ``H > 72`` forward, ``H > 70`` backward).
-    ``None`` outside that range. The compile gate (``tests/kernels/test_recurrent_cuda_emulated.py``) builds the
-    widest ``H`` of each layout without a spill."""
+    (its units over ``cluster`` blocks: up to :data:`MAX_CLUSTER_HIDDEN`): the fewest lanes a unit (a power of
+    two) whose share fits in registers beside a lane's other registers, the block within ptxas's bound (a
+    quarter of the register file for the warps of each scheduler); where none does, the split holding the most
+    of it in registers, the rest in shared memory (one block: RNN ``H > 192``, GRU ``H > 104``, LSTM ``H > 72``
+    forward, ``H > 70`` backward). ``None`` outside that range. The compile gates
+    (``tests/kernels/test_recurrent_cuda_emulated.py``) build the widest ``H`` of each layout without a spill."""
     if not FIXED_HIDDEN < hidden <= (MAX_THREADS if cluster == 1 else MAX_CLUSTER_HIDDEN):
         return None
     gates, backward = CELLS[cell], direction == "backward"
@@ -187,8 +187,9 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: in
         if threads > _MAX_THREADS_PER_BLOCK:
             break
         limit = _register_limit(threads)
-        lane = math.ceil(packs / split)
-        other = _OTHER_REGISTERS[direction][cell] + (_CLUSTER_REGISTERS.get(direction, {}).get(cell, 0) if cluster > 1 else 0)
+        lane, other = math.ceil(packs / split), _OTHER_REGISTERS[direction][cell]
+        if cluster > 1:
+            other += _CLUSTER_REGISTERS.get(direction, {}).get(cell, 0)
         if lane * registers_a_pack + other <= limit:
             return WideLayout(split, lane, lane, cluster)
         fit = max(0, (limit - other - _SHARED_PART_REGISTERS) // registers_a_pack)
@@ -206,7 +207,8 @@ def cluster_layout(cell: str, hidden: int, direction: str, shared_limit: int, cl
     """The layout of a float32 ``direction`` kernel whose ``W_hh`` no single block holds within ``shared_limit``
     bytes (:func:`wide_layout`; none above :data:`MAX_THREADS`): the smallest cluster of :data:`CLUSTER_SIZES`,
     up to ``cluster_limit`` (the device's: 1 before sm_90), whose blocks each hold their units' share; ``None``
-    where the single block fits, or where no cluster does (RNN H > 512, GRU H > 448, LSTM H > 384 on an H100)."""
+    where the single block fits, or where no cluster does (on an H100 above RNN H = 512, GRU H = 472, LSTM H =
+    392 forward / 388 backward)."""
     single = wide_layout(cell, hidden, direction)
     rows = CELLS[cell] if direction == "forward" else 1
     if not FIXED_HIDDEN < hidden <= MAX_CLUSTER_HIDDEN or (

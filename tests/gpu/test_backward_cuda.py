@@ -82,8 +82,8 @@ SM90_CLUSTER_LAYERS = (("GRU", 256), ("LSTM", 200), ("RNN", 512))
 @pytest.mark.parametrize("index", range(len(SM90_CLUSTER_LAYERS)))
 def test_float32_cluster_kernels(backend, index):
     """Layers whose W_hh no block holds run as a cluster of blocks a row (sm_90): on a GPU a GRU of H = 256, an
-    LSTM of H = 200 and an RNN of H = 512, kernels and then the whole ``algorithm="linear"`` layer (B = 16, T = 1000; gradients
-    as exact as cuDNN's; the plan names the fused backward); emulated, the small stand-ins of
+    LSTM of H = 200 and an RNN of H = 512, kernels and then the whole ``algorithm="linear"`` layer (B = 16,
+    T = 1000; gradients as exact as cuDNN's; the plan names the fused backward); emulated, the small stand-ins of
     ``tests/kernels`` (a small block budget forces the clusters). Needs compute capability 9.0 on a GPU."""
     if backend.is_cuda:
         if torch.cuda.get_device_capability(backend.device)[0] < 9:
