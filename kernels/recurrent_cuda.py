@@ -339,7 +339,8 @@ def _limits(
     direction: str, cell: str, hidden: int, dtype: torch.dtype, shared_limit: int, cluster_limit: int
 ) -> str | None:
     """Why the CUDA ``direction`` kernel of a ``cell`` layer (one thread per hidden unit, the shared memory of
-    :func:`shared_bytes` / :func:`backward_shared_bytes`) cannot launch; ``None`` where it can."""
+    :func:`shared_bytes` / :func:`backward_shared_bytes`; or as a cluster of blocks, :func:`cluster_layout`)
+    cannot launch; ``None`` where it can."""
     if cell not in CELLS:
         raise ValueError(f"cell must be one of {sorted(CELLS)}; got {cell!r}")
     if dtype not in _SUFFIX:

@@ -142,10 +142,12 @@ def lstm_forward(
 
 
 
-def _backward(cell, factors, w_hh, grad_out, grad_h, grad_cn, sums, shared_limit, resident, timeout, clusters):
+def _backward(
+    cell, factors, w_hh, grad_out, grad_h, grad_cn, sums, shared_limit, resident, timeout, cluster_limit
+):
     return recurrent_cuda.backward(
         cell, factors, w_hh, grad_out, grad_h, grad_cn, launcher=_launcher(resident, timeout), device_type="cpu",
-        shared_limit=shared_limit, sums=sums, cluster_limit=clusters,
+        shared_limit=shared_limit, sums=sums, cluster_limit=cluster_limit,
     )  # fmt: skip
 
 

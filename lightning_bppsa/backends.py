@@ -260,9 +260,7 @@ class CudaBackend(TorchBackend):
         ok, why = self.available()
         if not ok:
             return why
-        device = tensors[0].device
-        limit, clusters = self.shared_limit(device), self.cluster_limit(device)
-        return recurrent_cuda.refusal(cell.name, hidden, tensors[0].dtype, limit, clusters) or ""
+        return recurrent_cuda.refusal(cell.name, hidden, tensors[0].dtype, *self._limits(tensors[0].device)) or ""
 
     def takes(self, scan: plan.Plan) -> bool:
         return scan.kernel == "cuda"
@@ -274,18 +272,19 @@ class CudaBackend(TorchBackend):
         the kernels load and its block fits the device (``recurrent_cuda.backward_refusal``)."""
         if not self.available()[0]:
             return False
-        device = torch.device(device)
-        limit, clusters = self.shared_limit(device), self.cluster_limit(device)
-        return recurrent_cuda.backward_refusal(cell.name, hidden, dtype, limit, clusters) is None
+        return recurrent_cuda.backward_refusal(cell.name, hidden, dtype, *self._limits(torch.device(device))) is None
+
+    def _limits(self, device: torch.device) -> tuple[int, int]:
+        """``(shared_limit, cluster_limit)`` of ``device``: what the kernels' refusals and layouts take."""
+        return self.shared_limit(device), self.cluster_limit(device)
 
     def clustered(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
         """Whether a ``cell`` layer's forward or fused backward kernel runs as a cluster of blocks on ``device``
         (:func:`~lightning_bppsa.kernels.recurrent_cuda.cluster_layout`: ``W_hh`` beyond one block's registers
         and shared memory): kernels never yet timed on a GPU, which no model prices."""
-        device = torch.device(device)
-        limit, clusters = self.shared_limit(device), self.cluster_limit(device)
+        limits = self._limits(torch.device(device))
         return dtype == torch.float32 and any(
-            recurrent_cuda.cluster_layout(cell.name, hidden, direction, limit, clusters) is not None
+            recurrent_cuda.cluster_layout(cell.name, hidden, direction, *limits) is not None
             for direction in ("forward", "backward")
         )
 
