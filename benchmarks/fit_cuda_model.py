@@ -31,6 +31,7 @@ import numpy as np
 from lightning_bppsa.kernels import recurrent_cuda
 
 from lightning_bppsa import cuda_step_model as model
+from lightning_bppsa.cells import CELLS
 
 RESULTS = Path(__file__).parent / "results"
 DATA = RESULTS / "calib-h100-2026-11-26-eeeac3a.csv"
@@ -340,6 +341,63 @@ def _scan_residuals(
     ]  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStep:
+    """One row of a whole-step table of ``benchmarks/gpu.py`` (``cuda-step*.md``): a layer of any cell."""
+
+    cell: str  # a name of lightning_bppsa.cells.CELLS ("rnn_tanh" for the table's "RNN")
+    batch: int
+    n: int
+    hidden: int
+    cudnn: float  # measured seconds of each path's step
+    bppsa: float
+    plan: str  # what "auto" ran (``last_stats["plan"]``)
+
+    def predicted(self, path: str, constants: model.StepConstants = model.STEPS) -> float:
+        """The model's seconds of this step on ``path``: ``"torch"``, or ``"scan"`` with the fused backward."""
+        cell = CELLS[self.cell]
+        return model.step_seconds(
+            path, gates=cell.gates, hidden=self.hidden, d=cell.state_factor * self.hidden,
+            m=cell.jacobian_width(self.hidden), batch=self.batch, n=self.n, fused=path == "scan", constants=constants,
+        )  # fmt: skip
+
+
+def load_steps(path: Path) -> list[LayerStep]:
+    """The rows of a whole-step table (markdown; the cells, B, T, ..., cuDNN and BPPSA step ms, and the plan last)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] in ("RNN", "GRU", "LSTM"):
+            name = "rnn_tanh" if cells[0] == "RNN" else cells[0].lower()
+            batch, n, hidden = int(cells[1]), int(cells[2]), int(cells[4])
+            rows.append(LayerStep(name, batch, n, hidden, float(cells[5]) * 1e-3, float(cells[6]) * 1e-3, cells[-1]))
+    return rows
+
+
+def cluster_steps(rows: list[LayerStep]) -> list[LayerStep]:
+    """The rows whose scan ran its kernels as clusters of blocks on an H100 / H200 (float32, the fused
+    backward: ``W_hh`` beyond one block, ``model._wide_layout``)."""
+    return [
+        x for x in rows
+        if "fused backward kernel" in x.plan
+        and any((model._wide_layout(x.cell, x.hidden, d) or _ONE).cluster > 1 for d in ("forward", "backward"))
+    ]  # fmt: skip
+
+
+_ONE = recurrent_cuda.WideLayout(1, 0, 0, 1)
+
+
+def cluster_residuals(rows: list[LayerStep], s: model.StepConstants) -> list[float]:
+    """log(predicted / measured) of each whole step of :func:`cluster_steps`."""
+    return [math.log(x.predicted("scan", s) / x.bppsa) for x in cluster_steps(rows)]
+
+
+def fit_cluster(rows: list[LayerStep], steps: model.StepConstants) -> model.StepConstants:
+    """``steps`` with :attr:`~lightning_bppsa.cuda_step_model.StepConstants.cluster_step` fitted on the whole steps
+    of :func:`cluster_steps` (a whole step, forward and backward: one constant serves both directions)."""
+    return _fit(["cluster_step"], lambda s: cluster_residuals(rows, s), steps)
+
+
 def write(constants: list) -> None:
     """Write the fitted constants into ``cuda_step_model.py`` (each field's default, 3 significant digits)."""
     path = Path(model.__file__)
@@ -369,10 +427,17 @@ def main() -> None:
     parser.add_argument(
         "--fused-data", type=Path, metavar="CSV", help="fit the fused kernel's constants on this CSV's launches"
     )
+    parser.add_argument(
+        "--step-data", type=Path, metavar="MD",
+        help="fit the cluster kernels' step on this whole-step table (e.g. results/cuda-step-h200-213b46c.md)",
+    )  # fmt: skip
     args = parser.parse_args()
     data = load(args.data)
     given = load(args.fused_data) if args.fused_data else None
     kernels, steps = fit(data, given)
+    layer_steps = load_steps(args.step_data) if args.step_data else []
+    if layer_steps:
+        steps = fit_cluster(layer_steps, steps)
     fused = given or data
     for name, fitted in (("KernelConstants", kernels), ("StepConstants", steps)):
         print(name)
@@ -385,6 +450,12 @@ def main() -> None:
         _errors("fused kernel launches", fused_residuals(fused, steps))
     if args.fused_data:
         _errors("scan steps above a warp (forward kernel)", register_forward_residuals(fused, steps, kernels))
+    if layer_steps:
+        _errors("whole steps of the cluster kernels", cluster_residuals(layer_steps, steps))
+        for x in cluster_steps(layer_steps):
+            print(f"  {x.cell:8s} B={x.batch:<4d} T={x.n:<6d} H={x.hidden:<4d} {x.bppsa * 1e3:8.3f}  "
+                  f"x{x.predicted('scan', steps) / x.bppsa:.2f}  (cuDNN {x.cudnn * 1e3:.3f}, "
+                  f"predicted {x.predicted('torch', steps) * 1e3:.3f})")  # fmt: skip
     print("\nkernel launches, worst 12 (measured ms, predicted / measured)")
     res = kernel_residuals(data, kernels)
     for r, x in sorted(zip(res, data.launches, strict=True), key=lambda p: -abs(p[0]))[:12]:

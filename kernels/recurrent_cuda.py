@@ -168,6 +168,12 @@ class WideLayout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=512)
+def _other_registers(cell: str, direction: str, cluster: int) -> int:
+    """A lane's registers beside its share of ``W_hh`` (a cluster's kernels keep a few more)."""
+    extra = _CLUSTER_REGISTERS.get(direction, {}).get(cell, 0) if cluster > 1 else 0
+    return _OTHER_REGISTERS[direction][cell] + extra
+
+
 def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: int = 1) -> WideLayout | None:
     """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``
     (its units over ``cluster`` blocks: up to :data:`MAX_CLUSTER_HIDDEN`): the fewest lanes a unit (a power of
@@ -187,9 +193,7 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: in
         if threads > _MAX_THREADS_PER_BLOCK:
             break
         limit = _register_limit(threads)
-        lane, other = math.ceil(packs / split), _OTHER_REGISTERS[direction][cell]
-        if cluster > 1:
-            other += _CLUSTER_REGISTERS.get(direction, {}).get(cell, 0)
+        lane, other = math.ceil(packs / split), _other_registers(cell, direction, cluster)
         if lane * registers_a_pack + other <= limit:
             return WideLayout(split, lane, lane, cluster)
         fit = max(0, (limit - other - _SHARED_PART_REGISTERS) // registers_a_pack)
@@ -236,17 +240,18 @@ def _register_limit(threads: int) -> int:
     return min(255, _REGISTERS_PER_SM // 4 // warps_a_quarter // 32 // 8 * 8)
 
 
-def wide_blocks_per_sm(cell: str, hidden: int, direction: str) -> int:
-    """Blocks of the float32 ``direction`` kernel of ``hidden`` (:func:`wide_layout`) one multiprocessor holds
-    at once by registers: a thread's estimated from its layout (the share in registers and the lane's others,
-    as :func:`wide_layout` reckons them, up to ptxas's bound); 1 where there is no such kernel."""
-    layout = wide_layout(cell, hidden, direction)
+def wide_blocks_per_sm(cell: str, hidden: int, direction: str, cluster: int = 1) -> int:
+    """Blocks of the float32 ``direction`` kernel of ``hidden`` (:func:`wide_layout`, its units over ``cluster``
+    blocks) one multiprocessor holds at once by registers: a thread's estimated from its layout (the share in
+    registers and the lane's others, as :func:`wide_layout` reckons them, up to ptxas's bound); 1 where there
+    is no such kernel."""
+    layout = wide_layout(cell, hidden, direction, cluster)
     if layout is None:
         return 1
-    threads = wide_threads(hidden, layout.split)
+    threads = wide_threads(math.ceil(hidden / cluster), layout.split)
     a_pack = 4 if direction == "backward" else 4 * CELLS[cell]
     hybrid = _SHARED_PART_REGISTERS if layout.register_packs < layout.lane_packs else 0
-    wanted = layout.register_packs * a_pack + _OTHER_REGISTERS[direction][cell] + hybrid
+    wanted = layout.register_packs * a_pack + _other_registers(cell, direction, cluster) + hybrid
     registers = min(_register_limit(threads), math.ceil(wanted / 8) * 8)
     return max(1, _REGISTERS_PER_SM // (threads * registers))
 

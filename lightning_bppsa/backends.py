@@ -278,16 +278,6 @@ class CudaBackend(TorchBackend):
         """``(shared_limit, cluster_limit)`` of ``device``: what the kernels' refusals and layouts take."""
         return self.shared_limit(device), self.cluster_limit(device)
 
-    def clustered(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-        """Whether a ``cell`` layer's forward or fused backward kernel runs as a cluster of blocks on ``device``
-        (:func:`~lightning_bppsa.kernels.recurrent_cuda.cluster_layout`: ``W_hh`` beyond one block's registers
-        and shared memory): kernels never yet timed on a GPU, which no model prices."""
-        limits = self._limits(torch.device(device))
-        return dtype == torch.float32 and any(
-            recurrent_cuda.cluster_layout(cell.name, hidden, direction, *limits) is not None
-            for direction in ("forward", "backward")
-        )
-
     def fuses(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
         """Whether, unmeasured, a linear scan of a ``cell`` layer of ``hidden`` in ``dtype`` on ``device`` runs as
         the fused backward kernel: where it :meth:`can_fuse` and the factored scan's linear kernel is not the

@@ -186,8 +186,8 @@ def cuda_kernel_band(
         waves = math.ceil(batch / (model.sms * model.blocks_per_sm))
         cycles = (waves * n * vector_low, waves * n * vector_high)
     else:
-        # where one warp forms the aggregates (cuda_kernel.warp_aggregates; not yet timed on a GPU), the block
-        # product's count stands for it, as in cuda_step_model
+        # where one warp forms the aggregates (cuda_kernel.warp_aggregates), the block product's count stands
+        # for it, as in cuda_step_model
         common["threads"] = cuda_kernel.product_threads(d + int(affine), d)
         c, chunks = launch.chunk, math.ceil(n / launch.chunk)
         matrix_low, matrix_high, matrix_issued = _step_cycles(

@@ -45,7 +45,15 @@ fused step is priced up to :data:`FUSED_MEASURED_HIDDEN`. With them the model's 
 faster measured path at 68 of that grid's 72 shapes: 1.21x and 1.32x at two host-bound T = 100 shapes (two
 copies of cuDNN's module read up to 15% apart there), 1.18x at d = 64 B = 16 T = 1000 and 1.14x at d = 128
 B = 1 T = 1000; at d = 256 T >= 1000 it picks the fused kernel's step, measured 1.5-1.7x faster than cuDNN's
-(``tests/test_cuda_step_model.py``; on the grid at a4e83a3, whose kernels were replaced since, 63 of 64).
+(``tests/test_cuda_step_model.py``; on the grid at a4e83a3, whose kernels were replaced since, 63 of 64; on
+the grid at 213b46c, its chunked kernel forming the aggregates in one warp at d <= 32, 70 of 72, the two
+others host-bound T = 1000 shapes within 15%). Layers whose ``W_hh`` no block holds run as clusters of
+blocks on sm_90 (``recurrent_cuda.cluster_layout``): a lane's share as in one block, plus ``cluster_step``
+per block of the cluster a step, fitted on the five such whole steps of the H200's table at 213b46c
+(``results/cuda-step-h200-213b46c.md``, ``fit_cuda_model.py --step-data``: GRU H = 192 / 256 / 384 and LSTM
+H = 160 / 256, within 1.18x but LSTM B = 32 H = 256, underpriced 0.71x). cuDNN's step is underpriced there
+(the form fitted on the RNN grid: 5.4-19.6 ms against 18.7-36.7 measured, where cuDNN's persistent kernels
+no longer hold the weights), so the model picks the scan only where it beats that underestimate.
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -70,9 +78,10 @@ __all__ = ["FUSED_MEASURED_HIDDEN", "KERNELS", "STEPS", "KernelConstants", "Step
            "forward_seconds", "fused_seconds", "kernel_seconds", "runs_chunked", "step_seconds"]  # fmt: skip
 
 #: the widest hidden size at which a whole step with the fused backward was measured at T >= 1000, where the
-#: forward kernel's time shows (the H200's grid at 20dff7a: 256, the widest the kernels take; 128 at a4e83a3):
-#: the model does not extrapolate the scan's step beyond it
-FUSED_MEASURED_HIDDEN = 256
+#: forward kernel's time shows (a GRU of H = 384, clusters of 8 blocks, in the H200's step table at 213b46c;
+#: the RNN grid's widest, 256, at 20dff7a; 128 at a4e83a3): the model does not extrapolate the scan's step
+#: beyond it
+FUSED_MEASURED_HIDDEN = 384
 
 H100_SMS = 132
 H100_SHARED = 232448  # the per-block shared memory opt-in the kernels launch with on an H100
@@ -80,6 +89,7 @@ H100_SM_SHARED = 233472  # shared memory per SM (228 KiB) ...
 H100_BLOCK_RESERVED = 1024  # ... of which the driver reserves 1 KiB per resident block
 H100_SM_THREADS = 2048
 H100_SM_BLOCKS = 32
+H100_CLUSTER_LIMIT = 8  # the most blocks of a cluster the kernels launch on sm_90 (the portable size)
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,9 @@ class StepConstants:
     fused_register_step: float = 8.68e-08
     fused_register_unit: float = 1.44e-09
     fused_register_shared: float = 8.92e-09
+    #: what a step of a kernel run as a cluster of blocks adds per block of the cluster, each direction (the
+    #: cluster barrier, the peer stores): fitted on the H200's whole steps at 213b46c (``--step-data``)
+    cluster_step: float = 3.18e-07
 
 
 KERNELS = KernelConstants()
@@ -204,8 +217,9 @@ def kernel_seconds(
         return k.launch + sweep
     # a matrix step: each thread computes MATRIX_BLOCK² outputs over the m operand rows, in passes over the
     # (d + affine) x d outputs (d = 32: one pass, two with the affine row). Where one warp forms the aggregates
-    # instead (cuda_kernel.warp_aggregates: float32, d <= 32; not yet timed on a GPU) the block product's
-    # price, fitted on its measurements, stands for it until a GPU measures it: so "auto" picks as measured
+    # instead (cuda_kernel.warp_aggregates: float32, d <= 32) the block product's price stands for it: on the
+    # H200 at 213b46c the warp was 2-3x faster at c = 256, slower at c = 16 (not refitted: the picks on that
+    # grid stay within 10% of the faster measured path at 70 of 72 shapes)
     block = cuda_kernel.MATRIX_BLOCK
     threads = cuda_kernel.product_threads(d + int(affine), d)
     cells = math.ceil((d + int(affine)) / block) * math.ceil(d / block)
@@ -271,24 +285,39 @@ def _row_kernel_seconds(
     per_h: float,
     generic: tuple[float, float],
     register: tuple[float, float, float],
+    cluster_step: float,
 ) -> float:
     """``n`` dependent steps of the ``direction`` kernel with one block per batch row: float32 with ``H <= 32``
     compiled per ``H`` (``W_hh`` in registers: the RNN's measured the same a step for every ``H`` of the grid,
     ``per_h``, which prices the gated cells' too); float32 above that compiled per ``H`` with a unit's share of
     ``W_hh`` split over its lanes, in registers or partly in shared memory (``recurrent_cuda.wide_layout``:
-    ``register`` = a step, a lane's multiply-add from registers, from shared memory), in waves of the blocks
-    the SMs hold by registers; else generic (``W_hh`` in shared memory, a step growing with ``G H``:
-    float64)."""
+    ``register`` = a step, a lane's multiply-add from registers, from shared memory: times the block's threads
+    over 256), in waves of the blocks the SMs hold by registers, a row's units over a cluster of ``Q`` blocks
+    where one block cannot hold ``W_hh`` (``recurrent_cuda.cluster_layout`` on an H100: a lane's share as in
+    one block, each step ``Q cluster_step`` more); else generic (``W_hh`` in shared memory, a step growing
+    with ``G H``: float64)."""
     if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
         return n * per_h
     cell = _CELL_OF_GATES.get(gates)
-    layout = recurrent_cuda.wide_layout(cell, hidden, direction) if element_bytes == 4 and cell else None
+    layout = _wide_layout(cell, hidden, direction) if element_bytes == 4 and cell else None
     if layout is None:
         return n * (generic[0] + generic[1] * gates * hidden)
     rows = gates if direction == "forward" else 1  # a forward lane holds a pack of each gate's row
     on_chip, in_shared = 4 * rows * layout.register_packs, 4 * rows * (layout.lane_packs - layout.register_packs)
-    waves = math.ceil(batch / (H100_SMS * recurrent_cuda.wide_blocks_per_sm(cell, hidden, direction)))
-    return n * waves * (register[0] + register[1] * on_chip + register[2] * in_shared)
+    held = recurrent_cuda.wide_blocks_per_sm(cell, hidden, direction, layout.cluster)
+    waves = math.ceil(batch * layout.cluster / (H100_SMS * held))
+    # a step's shared-memory reads are the whole block's (bandwidth, fitted on blocks of ~256 threads); a
+    # cluster's barrier and peer stores grow with its blocks
+    in_shared *= recurrent_cuda.wide_threads(math.ceil(hidden / layout.cluster), layout.split) / 256
+    barrier = cluster_step * layout.cluster if layout.cluster > 1 else 0.0
+    return n * waves * (register[0] + barrier + register[1] * on_chip + register[2] * in_shared)
+
+
+def _wide_layout(cell: str, hidden: int, direction: str) -> recurrent_cuda.WideLayout | None:
+    """The layout of the float32 ``direction`` kernel of ``hidden`` > 32 on an H100: one block, or a cluster of
+    blocks where one cannot hold ``W_hh``; ``None`` where neither runs."""
+    clustered = recurrent_cuda.cluster_layout(cell, hidden, direction, H100_SHARED, H100_CLUSTER_LIMIT)
+    return clustered or recurrent_cuda.wide_layout(cell, hidden, direction)
 
 
 def forward_seconds(
@@ -301,6 +330,7 @@ def forward_seconds(
         "forward", gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, per_h=s.forward_step,
         generic=(s.generic_step, s.generic_unit),
         register=(s.forward_register_step, s.forward_register_unit, s.forward_register_shared),
+        cluster_step=s.cluster_step,
     )  # fmt: skip
 
 
@@ -316,6 +346,7 @@ def fused_seconds(
         "backward", gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, per_h=s.fused_step,
         generic=(s.fused_generic_step, s.fused_generic_unit),
         register=(s.fused_register_step, s.fused_register_unit, s.fused_register_shared),
+        cluster_step=s.cluster_step,
     )  # fmt: skip
 
 

@@ -204,12 +204,18 @@ H200 = "cuda-calib-h200-a4e83a3.csv"  # the H200's grid at a4e83a3: the kernels 
 H200_20DFF7A = "cuda-calib-h200-20dff7a.csv"  # the H200's grid at 20dff7a: RNN steps in groups of 4, d = 256 timed
 
 
+H200_STEPS = "cuda-step-h200-213b46c.md"  # the H200's whole-step table at 213b46c: the cluster kernels timed
+
+
 def test_the_fused_backward_is_not_priced_beyond_the_widest_hidden_size_measured():
     """Above the widest H a whole step with the fused backward was measured at T >= 1000 (where the forward
-    kernel's time shows; 256 since the H200's grid at 20dff7a, 128 before), the scan's step is not
-    extrapolated: cuDNN's is the pick. At d = 256 it is priced, and picked where it was measured faster."""
+    kernel's time shows; 384 since the H200's step table at 213b46c, a GRU run as clusters of 8 blocks; 256
+    at 20dff7a, 128 before), the scan's step is not extrapolated: cuDNN's is the pick. At d = 256 it is
+    priced, and picked where it was measured faster."""
     widest = model.FUSED_MEASURED_HIDDEN
-    assert widest == max(d for (d, _, n) in fit.load(fit.RESULTS / H200_20DFF7A).fused_steps if n >= 1000)
+    grid = max(d for (d, _, n) in fit.load(fit.RESULTS / H200_20DFF7A).fused_steps if n >= 1000)
+    table = max(x.hidden for x in fit.load_steps(fit.RESULTS / H200_STEPS) if "fused backward kernel" in x.plan)
+    assert widest == max(grid, table) == 384
     shape = dict(gates=1, m=1, batch=16, n=1000)
     assert math.isfinite(model.step_seconds("scan", fused=True, hidden=widest, d=widest, **shape))
     assert model.step_seconds("scan", fused=True, hidden=widest + 1, d=widest + 1, **shape) == math.inf
@@ -234,6 +240,34 @@ def test_the_model_picks_within_10_percent_on_the_h200_grid_of_20dff7a():
     for x in rows:
         if x.d == 256 and x.n >= 1000:
             assert x.picked == "scan" and x.scan < x.cudnn / 1.4, x
+
+
+def test_the_model_picks_within_10_percent_on_the_h200_grid_of_213b46c():
+    """Issue 28, on the H200's grid at 213b46c (the chunked kernel's aggregates formed by one warp at d <= 32,
+    priced by the block product's constants, not refitted): at 70 of its 72 shapes the model's pick costs
+    within 10% of the faster measured path; the two others are host-bound T = 1000 shapes within 15% (the
+    layer plan measures there: the model is unsure)."""
+    rows = fit.decisions(fit.load(fit.RESULTS / "cuda-calib-h200-213b46c.csv"))
+    assert len(rows) == 72
+    misses = [(x.d, x.batch, x.n, round(x.cost, 2)) for x in rows if x.cost > fit.TOLERANCE]
+    assert misses == [(64, 16, 1000, 1.11), (128, 1, 1000, 1.15)]
+
+
+def test_the_cluster_kernels_steps_are_priced_from_the_h200_step_table():
+    """The five whole steps of the H200's table at 213b46c whose kernels ran as clusters of 2, 4 and 8 blocks
+    (GRU H = 192 / 256 / 384, LSTM H = 160 / 256; 3.6-9.3 ms against cuDNN's 18.7-36.7): the model prices each
+    within 1.45x (LSTM B = 32 H = 256, 128 blocks, it underprices most), picks the scan at each, and its
+    cluster constant is the one the fit finds on them (SciPy: the fit's)."""
+    steps = fit.cluster_steps(fit.load_steps(fit.RESULTS / H200_STEPS))
+    assert sorted((x.cell, x.hidden) for x in steps) == [
+        ("gru", 192), ("gru", 256), ("gru", 384), ("lstm", 160), ("lstm", 256)
+    ]  # fmt: skip
+    for x in steps:
+        assert abs(math.log(x.predicted("scan") / x.bppsa)) < math.log(1.45), x
+        assert x.bppsa < x.cudnn / 3 and x.predicted("scan") < x.predicted("torch"), x
+    pytest.importorskip("scipy")
+    fitted = fit.fit_cluster(fit.load_steps(fit.RESULTS / H200_STEPS), model.STEPS)
+    assert fitted.cluster_step == pytest.approx(model.STEPS.cluster_step, rel=0.01)
 
 
 def test_the_model_picks_within_10_percent_on_the_h200_grid_of_a4e83a3():

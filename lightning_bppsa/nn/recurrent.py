@@ -286,15 +286,11 @@ def _without_cuda_kernels(cell, batch: int, length: int, hidden: int, params: li
 
 def _predict(shape: LayerShape) -> tuple[float, float] | str:
     """The model's ``(scan, autograd)`` seconds of a training step of ``shape``: on CUDA the calibrated model of
-    cuDNN vs the CUDA kernels (asked only where those kernels load), or why it has none (kernels that run as
-    clusters of blocks: never timed, so the first call measures); elsewhere
+    cuDNN vs the CUDA kernels (asked only where those kernels load), elsewhere
     :func:`~lightning_bppsa.cost_model.recurrent_seconds`."""
     cell = cell_of(shape.cell)
     layers = shape.layers * shape.directions
     device = torch.device(shape.device).type
-    kernels = backends.DEVICE_BACKENDS.get(device)
-    if isinstance(kernels, backends.CudaBackend) and kernels.clustered(cell, shape.hidden, shape.dtype, shape.device):
-        return f"no model: the CUDA kernels of H={shape.hidden} run as clusters of blocks, not yet timed on a GPU"
     chosen = backends.scan_plan(cell, "auto", batch=shape.batch, n=shape.steps, hidden=shape.hidden, device=device,
                                 dtype=shape.dtype)  # fmt: skip
     if device == "cuda":
