@@ -63,6 +63,7 @@ from device_runner import (
     RESULTS,
     ROOT,
     SKIPPED,
+    Backward,
     Runner,
     cuda_peak_bytes,
     header,
@@ -253,22 +254,6 @@ def _path(stats: dict) -> str:
         return f"{form}, compiled loop ({stats['cell_kernel']})"
     reason = stats.get("cell_kernel_reason") or stats.get("dense_reason") or stats.get("reason")
     return f"{form}, torch path" + (f" ({reason})" if reason else "")
-
-
-class Backward:
-    """The backward alone: :meth:`prepare` (untimed, :meth:`device_runner.Runner.call_seconds`) runs ``forward``
-    and keeps what the backward needs; a call runs ``backward`` on it, once. A fresh graph per call: a graph
-    reused with ``retain_graph`` would leave out what a backward computes once per graph and keeps."""
-
-    def __init__(self, forward: Callable[[], Any], backward: Callable[[Any], object]) -> None:
-        self.forward, self.backward, self.recorded = forward, backward, None
-
-    def prepare(self) -> None:
-        self.recorded = self.forward()
-
-    def __call__(self) -> object:
-        recorded, self.recorded = self.recorded, None
-        return self.backward(recorded)
 
 
 def _jax_check(

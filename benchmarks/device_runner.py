@@ -121,6 +121,22 @@ def interleaved(
     return {name: statistic(seconds) for name, seconds in times.items()}
 
 
+class Backward:
+    """The backward alone: :meth:`prepare` (untimed, :meth:`device_runner.Runner.call_seconds`) runs ``forward``
+    and keeps what the backward needs; a call runs ``backward`` on it, once. A fresh graph per call: a graph
+    reused with ``retain_graph`` would leave out what a backward computes once per graph and keeps."""
+
+    def __init__(self, forward: Callable[[], Any], backward: Callable[[Any], object]) -> None:
+        self.forward, self.backward, self.recorded = forward, backward, None
+
+    def prepare(self) -> None:
+        self.recorded = self.forward()
+
+    def __call__(self) -> object:
+        recorded, self.recorded = self.recorded, None
+        return self.backward(recorded)
+
+
 def train_step(module: torch.nn.Module, x: torch.Tensor, set_to_none: bool = True) -> Callable[[], None]:
     """One whole training step of a recurrent module: zero the gradients (``set_to_none=False`` keeps their
     buffers, as a CUDA graph capture needs), forward, loss = sum of the last output step, backward."""

@@ -471,3 +471,25 @@ def test_the_fused_stage_compares_the_two_backwards_on_every_workload(full_run: 
     for row in rows:
         assert float(row[4]) > 0 and float(row[5]) > 0 and row[7].startswith("linear")
         assert float(row[8]) < 1e-5, row
+
+
+def test_the_backward_alone_is_timed_on_a_fresh_graph_without_a_recomputed_forward(monkeypatch) -> None:
+    """The paper grid's backward alone: each timed call consumes a graph its untimed ``prepare`` recorded, so
+    our layer's backward uses the states its forward kept; a graph reused with ``retain_graph`` made it
+    recompute its forward in every backward after the first (that forward was timed as ours)."""
+    from lightning_bppsa import nn as bnn
+    from lightning_bppsa.nn import _scan_layer
+
+    recomputed = []
+    real = _scan_layer._forward_op
+    monkeypatch.setattr(_scan_layer, "_forward_op", lambda *a: recomputed.append(1) or real(*a))
+    torch.manual_seed(0)
+    module = bnn.RNN(1, 4, batch_first=True, algorithm="linear")
+    call = bench._backward_of(module, torch.randn(2, 6, 1))
+    forwards = len(recomputed)
+    for _ in range(3):
+        call.prepare()
+        assert len(recomputed) == forwards + 1  # the forward, untimed
+        forwards = len(recomputed)
+        call()
+        assert len(recomputed) == forwards and module.weight_hh_l0.grad is not None
