@@ -174,13 +174,19 @@ def _other_registers(cell: str, direction: str, cluster: int) -> int:
     return _OTHER_REGISTERS[direction][cell] + extra
 
 
-def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: int = 1) -> WideLayout | None:
+#: the lanes a unit a :class:`WideLayout` may take
+SPLITS = (1, 2, 4, 8)
+
+
+def wide_layout(
+    cell: str, hidden: int, direction: str = "backward", cluster: int = 1, splits: Sequence[int] = SPLITS
+) -> WideLayout | None:
     """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``
     (its units over ``cluster`` blocks: up to :data:`MAX_CLUSTER_HIDDEN`): the fewest lanes a unit (a power of
-    two) whose share fits in registers beside a lane's other registers, the block within ptxas's bound (a
-    quarter of the register file for the warps of each scheduler); where none does, the split holding the most
-    of it in registers, the rest in shared memory (one block: RNN ``H > 192``, GRU ``H > 104``, LSTM ``H > 72``
-    forward, ``H > 70`` backward). ``None`` outside that range. The compile gates
+    two of ``splits``) whose share fits in registers beside a lane's other registers, the block within
+    ptxas's bound (a quarter of the register file for the warps of each scheduler); where none does, the split
+    holding the most of it in registers, the rest in shared memory (one block: RNN ``H > 192``, GRU ``H > 104``,
+    LSTM ``H > 72`` forward, ``H > 70`` backward). ``None`` outside that range. The compile gates
     (``tests/kernels/test_recurrent_cuda_emulated.py``) build the widest ``H`` of each layout without a spill."""
     if not FIXED_HIDDEN < hidden <= (MAX_THREADS if cluster == 1 else MAX_CLUSTER_HIDDEN):
         return None
@@ -188,7 +194,7 @@ def wide_layout(cell: str, hidden: int, direction: str = "backward", cluster: in
     packs = math.ceil((gates if backward else 1) * hidden / 4)  # of the column / of each row, in 16-byte packs
     registers_a_pack = 4 if backward else 4 * gates  # a forward lane holds a pack of each gate's row
     best = None
-    for split in (1, 2, 4, 8):
+    for split in splits:
         threads = wide_threads(math.ceil(hidden / cluster), split)
         if threads > _MAX_THREADS_PER_BLOCK:
             break
