@@ -171,6 +171,8 @@ def sweep(deadline: float) -> list[list[str]]:
                 with forced(cell, hidden, direction, layout):
                     try:
                         out = run()
+                        if out is None:
+                            raise RuntimeError("the kernel declined the layout")
                         seconds = timed({"this": run})["this"]
                         described = _describe(cell, hidden, direction, layout, shared)
                     except Exception as error:  # a layout the device refuses: say which, go on
