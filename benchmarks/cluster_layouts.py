@@ -2,8 +2,9 @@
 which lanes a unit a batch row should take.
 
 The float32 forward and fused backward kernels of H > 32 run a batch row on one block, or, on sm_90, on a
-cluster of Q blocks where one block cannot hold ``W_hh`` (``recurrent_cuda.cluster_layout``: the smallest Q
-that fits; in it ``wide_layout``'s fewest lanes a unit whose share of ``W_hh`` fits in registers). A larger
+cluster of Q blocks where one block cannot hold ``W_hh`` (``recurrent_cuda.launch_layout``: the smallest Q
+that fits, in it ``wide_layout``'s fewest lanes a unit whose share of ``W_hh`` fits in registers; a small
+batch's GRU / LSTM of 2 blocks on 4 blocks of 4 lanes). A larger
 cluster or more lanes a unit shortens a lane's dependent chain of multiply-adds a step, and adds cluster
 barrier, peer stores and lane reductions: which wins is a measurement. For each shape and direction this
 times the default launch and every feasible (Q, split) with Q >= 2 (the kernel alone, CUDA events, median of
@@ -74,12 +75,12 @@ def backward(
 @contextlib.contextmanager
 def forced(cell: str, hidden: int, direction: str, layout: recurrent_cuda.WideLayout | None) -> Iterator[None]:
     """The kernels launched with ``layout`` for ``direction`` (``None``: the default), recompiled for it."""
-    chosen = recurrent_cuda.cluster_layout
+    chosen = recurrent_cuda.launch_layout
 
-    def cluster_layout(c: str, h: int, d: str, shared_limit: int, cluster_limit: int):
+    def launch_layout(c: str, h: int, d: str, shared_limit: int, cluster_limit: int, spread: bool):
         if layout is not None and (c, h, d) == (cell, hidden, direction):
             return layout
-        return chosen(c, h, d, shared_limit, cluster_limit)
+        return chosen(c, h, d, shared_limit, cluster_limit, spread)
 
     def forget() -> None:
         for cached in (recurrent_cuda.refusal, recurrent_cuda.backward_refusal, recurrent_cuda._kernel_and_block):
@@ -89,12 +90,12 @@ def forced(cell: str, hidden: int, direction: str, layout: recurrent_cuda.WideLa
             for name in [n for n in functions if n.startswith(prefix)]:
                 del functions[name]
 
-    recurrent_cuda.cluster_layout = cluster_layout
+    recurrent_cuda.launch_layout = launch_layout
     forget()
     try:
         yield
     finally:
-        recurrent_cuda.cluster_layout = chosen
+        recurrent_cuda.launch_layout = chosen
         forget()
 
 
@@ -130,14 +131,17 @@ def timed(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _describe(cell: str, hidden: int, direction: str, layout: recurrent_cuda.WideLayout | None, shared: int) -> list:
+def _describe(
+    cell: str, hidden: int, batch: int, direction: str, layout: recurrent_cuda.WideLayout | None, shared: int
+) -> list:
     """The layout columns of a row; ``None``: the default launch (what ``_kernel_and_block`` gives)."""
+    spread, limit = batch <= recurrent_cuda.SPREAD_BATCH, cupy_loader.cluster_limit(torch.cuda.current_device())
     kernel, threads, nbytes, _, q = recurrent_cuda._kernel_and_block(
-        cell, torch.float32, hidden, direction, shared, cupy_loader.cluster_limit(torch.cuda.current_device())
+        cell, torch.float32, hidden, direction, shared, limit, spread
     )
     if layout is None:
         one = recurrent_cuda.wide_layout(cell, hidden, direction)
-        layout = recurrent_cuda.cluster_layout(cell, hidden, direction, shared, 8) or one
+        layout = recurrent_cuda.launch_layout(cell, hidden, direction, shared, limit, spread) or one
         name = f"default: Q={q} x {layout.split} lanes"
     else:
         name = f"Q={layout.cluster} x {layout.split} lanes"
@@ -160,7 +164,7 @@ def sweep(deadline: float) -> list[list[str]]:
             )
             default_out = run()
             default_ms = timed({"default": run})["default"]
-            rows.append([cell, str(hidden), str(batch), direction, *_describe(cell, hidden, direction, None, shared),
+            rows.append([cell, str(hidden), str(batch), direction, *_describe(cell, hidden, batch, direction, None, shared),
                          f"{default_ms * 1e3:.3f}", "1.00x", "0"])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
             for layout in candidates(cell, hidden, direction, shared):
@@ -174,7 +178,7 @@ def sweep(deadline: float) -> list[list[str]]:
                         if out is None:
                             raise RuntimeError("the kernel declined the layout")
                         seconds = timed({"this": run})["this"]
-                        described = _describe(cell, hidden, direction, layout, shared)
+                        described = _describe(cell, hidden, batch, direction, layout, shared)
                     except Exception as error:  # a layout the device refuses: say which, go on
                         rows.append([cell, str(hidden), str(batch), direction, f"Q={layout.cluster} x {layout.split}",
                                      "-", "-", "-", f"failed: {type(error).__name__}: {error}"[:120], "-", "-"])  # fmt: skip

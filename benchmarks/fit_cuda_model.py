@@ -376,26 +376,65 @@ def load_steps(path: Path) -> list[LayerStep]:
 
 def cluster_steps(rows: list[LayerStep]) -> list[LayerStep]:
     """The rows whose scan ran its kernels as clusters of blocks on an H100 / H200 (float32, the fused
-    backward: ``W_hh`` beyond one block, ``model._wide_layout``)."""
-    return [
-        x for x in rows
-        if "fused backward kernel" in x.plan
-        and any((model._wide_layout(x.cell, x.hidden, d) or _ONE).cluster > 1 for d in ("forward", "backward"))
-    ]  # fmt: skip
+    backward: ``W_hh`` beyond one block), where the launch's layout is still the smallest cluster's (at
+    213b46c every cluster was; since, a small batch's 2-block GRU / LSTM spreads over 4 blocks:
+    ``recurrent_cuda.launch_layout``)."""
+    out = []
+    for x in rows:
+        layouts = [model._wide_layout(x.cell, x.hidden, d, x.batch) for d in ("forward", "backward")]
+        unspread = [model._wide_layout(x.cell, x.hidden, d, recurrent_cuda.SPREAD_BATCH + 1) for d in ("forward", "backward")]
+        clustered = any(y is not None and y.cluster > 1 for y in layouts)
+        if "fused backward kernel" in x.plan and layouts == unspread and clustered:
+            out.append(x)
+    return out
 
 
-_ONE = recurrent_cuda.WideLayout(1, 0, 0, 1)
+@dataclasses.dataclass(frozen=True)
+class LayoutLaunch:
+    """One launch of ``benchmarks/cluster_layouts.py``'s table: a layer's forward or fused backward kernel alone,
+    its ``W_hh`` laid out as ``layout``."""
+
+    cell: str
+    hidden: int
+    batch: int
+    n: int
+    direction: str
+    layout: recurrent_cuda.WideLayout
+    seconds: float
+
+    def predicted(self, constants: model.StepConstants = model.STEPS) -> float:
+        price = model.forward_seconds if self.direction == "forward" else model.fused_seconds
+        return price(gates=CELLS[self.cell].gates, hidden=self.hidden, n=self.n, batch=self.batch,
+                     constants=constants, layout=self.layout)  # fmt: skip
 
 
-def cluster_residuals(rows: list[LayerStep], s: model.StepConstants) -> list[float]:
-    """log(predicted / measured) of each whole step of :func:`cluster_steps`."""
-    return [math.log(x.predicted("scan", s) / x.bppsa) for x in cluster_steps(rows)]
+def load_layouts(path: Path) -> list[LayoutLaunch]:
+    """The timed launches of a layout table (``cluster-layouts*.md``: ``T=<n>`` in its text, a row per layout
+    ``Q=<blocks> x <lanes> lanes``, its ms)."""
+    text = path.read_text()
+    n = int(re.search(r"T=(\d+)", text).group(1))
+    launches = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        found = re.search(r"Q=(\d+) x (\d+) lanes", cells[4]) if len(cells) > 8 else None
+        if found is None or not re.fullmatch(r"[\d.]+", cells[8]):
+            continue
+        cell, hidden, batch, direction = cells[0], int(cells[1]), int(cells[2]), cells[3]
+        q, split = int(found.group(1)), int(found.group(2))
+        layout = recurrent_cuda.wide_layout(cell, hidden, direction, q, splits=(split,))
+        launches.append(LayoutLaunch(cell, hidden, batch, n, direction, layout, float(cells[8]) * 1e-3))
+    return launches
 
 
-def fit_cluster(rows: list[LayerStep], steps: model.StepConstants) -> model.StepConstants:
-    """``steps`` with :attr:`~lightning_bppsa.cuda_step_model.StepConstants.cluster_step` fitted on the whole steps
-    of :func:`cluster_steps` (a whole step, forward and backward: one constant serves both directions)."""
-    return _fit(["cluster_step"], lambda s: cluster_residuals(rows, s), steps)
+def cluster_residuals(launches: list[LayoutLaunch], s: model.StepConstants) -> list[float]:
+    """log(predicted / measured) of each launch of ``launches`` run as a cluster of blocks."""
+    return [math.log(x.predicted(s) / x.seconds) for x in launches if x.layout.cluster > 1]
+
+
+def fit_cluster(launches: list[LayoutLaunch], steps: model.StepConstants) -> model.StepConstants:
+    """``steps`` with :attr:`~lightning_bppsa.cuda_step_model.StepConstants.cluster_step` fitted on the launches
+    of a layout table run as clusters (both directions: one constant serves both)."""
+    return _fit(["cluster_step"], lambda s: cluster_residuals(launches, s), steps)
 
 
 def write(constants: list) -> None:
@@ -428,16 +467,16 @@ def main() -> None:
         "--fused-data", type=Path, metavar="CSV", help="fit the fused kernel's constants on this CSV's launches"
     )
     parser.add_argument(
-        "--step-data", type=Path, metavar="MD",
-        help="fit the cluster kernels' step on this whole-step table (e.g. results/cuda-step-h200-213b46c.md)",
+        "--layout-data", type=Path, metavar="MD",
+        help="fit the cluster kernels' step on this layout table (e.g. results/cluster-layouts-h200-f9d52e5.md)",
     )  # fmt: skip
     args = parser.parse_args()
     data = load(args.data)
     given = load(args.fused_data) if args.fused_data else None
     kernels, steps = fit(data, given)
-    layer_steps = load_steps(args.step_data) if args.step_data else []
-    if layer_steps:
-        steps = fit_cluster(layer_steps, steps)
+    layouts = load_layouts(args.layout_data) if args.layout_data else []
+    if layouts:
+        steps = fit_cluster(layouts, steps)
     fused = given or data
     for name, fitted in (("KernelConstants", kernels), ("StepConstants", steps)):
         print(name)
@@ -450,12 +489,11 @@ def main() -> None:
         _errors("fused kernel launches", fused_residuals(fused, steps))
     if args.fused_data:
         _errors("scan steps above a warp (forward kernel)", register_forward_residuals(fused, steps, kernels))
-    if layer_steps:
-        _errors("whole steps of the cluster kernels", cluster_residuals(layer_steps, steps))
-        for x in cluster_steps(layer_steps):
-            print(f"  {x.cell:8s} B={x.batch:<4d} T={x.n:<6d} H={x.hidden:<4d} {x.bppsa * 1e3:8.3f}  "
-                  f"x{x.predicted('scan', steps) / x.bppsa:.2f}  (cuDNN {x.cudnn * 1e3:.3f}, "
-                  f"predicted {x.predicted('torch', steps) * 1e3:.3f})")  # fmt: skip
+    if layouts:
+        _errors("cluster kernels' launches", cluster_residuals(layouts, steps))
+        for x in layouts:
+            print(f"  {x.cell:5s} H={x.hidden:<4d} B={x.batch:<4d} {x.direction:9s} Q={x.layout.cluster} x "
+                  f"{x.layout.split:<2d} {x.seconds * 1e3:7.3f}  x{x.predicted(steps) / x.seconds:.2f}")  # fmt: skip
     print("\nkernel launches, worst 12 (measured ms, predicted / measured)")
     res = kernel_residuals(data, kernels)
     for r, x in sorted(zip(res, data.launches, strict=True), key=lambda p: -abs(p[0]))[:12]:

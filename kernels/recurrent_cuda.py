@@ -234,6 +234,35 @@ def cluster_layout(cell: str, hidden: int, direction: str, shared_limit: int, cl
     return None
 
 
+#: a batch of at most this many rows spreads a gated layer that takes 2 blocks a row over 4 blocks of 4 lanes a
+#: unit (at most 64 blocks: one wave on any sm_90 GPU, 78-132 SMs): more of a lane's share of ``W_hh`` in
+#: registers, half of it a lane; on an H200 at B = 16 T = 1000 the GRU H = 192 kernels 1.51x (forward) / 1.67x
+#: (backward) faster, LSTM H = 160 1.52x / 1.39x (``benchmarks/results/cluster-layouts-h200-f9d52e5.md``;
+#: layers already on 4 or 8 blocks gained nothing from other layouts there, the RNN's were not measured)
+SPREAD_BATCH = 16
+SPREAD_CLUSTER = SPREAD_SPLIT = 4
+
+
+@functools.lru_cache(maxsize=512)
+def launch_layout(
+    cell: str, hidden: int, direction: str, shared_limit: int, cluster_limit: int, spread: bool
+) -> WideLayout | None:
+    """The cluster layout a launch of the ``direction`` kernel takes: :func:`cluster_layout`'s, or, for a
+    ``spread`` batch (at most :data:`SPREAD_BATCH` rows) of a GRU / LSTM that takes 2 blocks a row,
+    :data:`SPREAD_CLUSTER` blocks of :data:`SPREAD_SPLIT` lanes a unit where those fit and hold at least as many
+    packs of a lane's share in registers; ``None`` where one block runs it, or nothing does."""
+    layout = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit)
+    if not spread or layout is None or layout.cluster != 2 or cell not in ("gru", "lstm"):
+        return layout
+    if cluster_limit < SPREAD_CLUSTER:
+        return layout
+    wider = wide_layout(cell, hidden, direction, SPREAD_CLUSTER, splits=(SPREAD_SPLIT,))
+    rows = CELLS[cell] if direction == "forward" else 1
+    if wider is None or wider.register_packs < layout.register_packs or _wide_bytes(wider, hidden, rows) > shared_limit:
+        return layout
+    return wider
+
+
 def wide_threads(hidden: int, split: int) -> int:
     """Threads of a block of a :class:`WideLayout` kernel: ``split`` lanes a unit, in whole warps."""
     return 32 * math.ceil(hidden * split / 32)
@@ -445,7 +474,7 @@ def prepare(
     pointers = [0 if t is None else t.data_ptr() for t in inputs]
     factors = [t.data_ptr() for t in outputs[1:]] + [0] * (4 - len(outputs))
     kernel, block, nbytes, options, cluster = _kernel_and_block(
-        cell, gi.dtype, hidden, "forward", shared_limit, cluster_limit
+        cell, gi.dtype, hidden, "forward", shared_limit, cluster_limit, batch <= SPREAD_BATCH
     )
     launch = Launch(
         kernel=kernel,
@@ -462,13 +491,14 @@ def prepare(
     return launch, outputs
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=128)
 def _kernel_and_block(
-    cell: str, dtype: torch.dtype, hidden: int, direction: str, shared_limit: int, cluster_limit: int
-) -> tuple[str, int, int, tuple[str, ...], int]:
+    cell: str, dtype: torch.dtype, hidden: int, direction: str, shared_limit: int, cluster_limit: int,
+    spread: bool = False,
+) -> tuple[str, int, int, tuple[str, ...], int]:  # fmt: skip
     """The entry point, threads per block, dynamic shared memory, module options and blocks a cluster of a
-    layer's ``direction`` kernel on a device of ``shared_limit`` / ``cluster_limit`` (:func:`refusal`'s) (once
-    per shape: a training loop asks every step)."""
+    layer's ``direction`` kernel on a device of ``shared_limit`` / ``cluster_limit`` (:func:`refusal`'s), for a
+    ``spread`` batch or not (:func:`launch_layout`) (once per shape: a training loop asks every step)."""
     element_bytes = torch.finfo(dtype).bits // 8
     size = shared_bytes if direction == "forward" else backward_shared_bytes
     nbytes = size(cell, hidden, element_bytes)
@@ -478,7 +508,9 @@ def _kernel_and_block(
         else:
             threads = wide_threads(hidden, _register_layout(cell, hidden, 4, direction).split)
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, module_options(hidden), 1
-    clustered = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit) if element_bytes == 4 else None
+    clustered = (
+        launch_layout(cell, hidden, direction, shared_limit, cluster_limit, spread) if element_bytes == 4 else None
+    )
     if clustered is not None:
         q, rows = clustered.cluster, CELLS[cell] if direction == "forward" else 1
         return (
@@ -570,7 +602,7 @@ def prepare_backward(
     inputs = [None if t is None else t.contiguous() for t in padded]
     outs = [grads[0], grads[1] if cell == "gru" else None, states[0], states[1] if cell == "lstm" else None]
     kernel, block, nbytes, options, cluster = _kernel_and_block(
-        cell, first.dtype, hidden, "backward", shared_limit, cluster_limit
+        cell, first.dtype, hidden, "backward", shared_limit, cluster_limit, batch <= SPREAD_BATCH
     )
     launch = Launch(
         kernel=kernel,

@@ -48,12 +48,15 @@ B = 1 T = 1000; at d = 256 T >= 1000 it picks the fused kernel's step, measured 
 (``tests/test_cuda_step_model.py``; on the grid at a4e83a3, whose kernels were replaced since, 63 of 64; on
 the grid at 213b46c, its chunked kernel forming the aggregates in one warp at d <= 32, 70 of 72, the two
 others host-bound T = 1000 shapes within 15%). Layers whose ``W_hh`` no block holds run as clusters of
-blocks on sm_90 (``recurrent_cuda.cluster_layout``): a lane's share as in one block, plus ``cluster_step``
-per block of the cluster a step, fitted on the five such whole steps of the H200's table at 213b46c
-(``results/cuda-step-h200-213b46c.md``, ``fit_cuda_model.py --step-data``: GRU H = 192 / 256 / 384 and LSTM
-H = 160 / 256, within 1.18x but LSTM B = 32 H = 256, underpriced 0.71x). cuDNN's step is underpriced there
-(the form fitted on the RNN grid: 5.4-19.6 ms against 18.7-36.7 measured, where cuDNN's persistent kernels
-no longer hold the weights), so the model picks the scan only where it beats that underestimate.
+blocks on sm_90 (``recurrent_cuda.launch_layout``): a lane's share as in one block, plus ``cluster_step``
+per block of the cluster a step, fitted on the 72 launches of the H200's layout sweep at f9d52e5 that ran
+as clusters (``results/cluster-layouts-h200-f9d52e5.md``, ``fit_cuda_model.py --layout-data``: GRU H = 128 /
+192 / 256 / 384 and LSTM H = 160 forward and backward, B = 16, every cluster and lanes a unit; median error
+1.22x, worst 2.03x, the launches' own layouts within 0.56-1.22x). Whole steps of those layers are underpriced
+(GRU H = 256 / 384 and LSTM B = 32 H = 256 at 213b46c: 0.56-0.81x; the ``G`` terms are a form, not a fit), and
+cuDNN's more (the form fitted on the RNN grid: 9.4-19.6 ms against 34.5-36.7 measured, where cuDNN's
+persistent kernels no longer hold the weights), so the model's scan-over-cuDNN ratio there is below the
+measured one: it picks the scan only where it beats that underestimate.
 
 Fitted by least squares on the log of the ratio (``benchmarks/fit_cuda_model.py``, which prints every row's
 error): the kernels on 192 launches alone (median error 7%, all within 1.4x but the three of one anomalous
@@ -140,8 +143,9 @@ class StepConstants:
     fused_register_unit: float = 1.44e-09
     fused_register_shared: float = 8.92e-09
     #: what a step of a kernel run as a cluster of blocks adds per block of the cluster, each direction (the
-    #: cluster barrier, the peer stores): fitted on the H200's whole steps at 213b46c (``--step-data``)
-    cluster_step: float = 3.18e-07
+    #: cluster barrier, the peer stores): fitted on the H200's launches of every layout at f9d52e5
+    #: (``fit_cuda_model.py --layout-data``)
+    cluster_step: float = 1.42e-07
 
 
 KERNELS = KernelConstants()
@@ -286,6 +290,7 @@ def _row_kernel_seconds(
     generic: tuple[float, float],
     register: tuple[float, float, float],
     cluster_step: float,
+    layout: recurrent_cuda.WideLayout | None = None,
 ) -> float:
     """``n`` dependent steps of the ``direction`` kernel with one block per batch row: float32 with ``H <= 32``
     compiled per ``H`` (``W_hh`` in registers: the RNN's measured the same a step for every ``H`` of the grid,
@@ -293,13 +298,14 @@ def _row_kernel_seconds(
     ``W_hh`` split over its lanes, in registers or partly in shared memory (``recurrent_cuda.wide_layout``:
     ``register`` = a step, a lane's multiply-add from registers, from shared memory: times the block's threads
     over 256), in waves of the blocks the SMs hold by registers, a row's units over a cluster of ``Q`` blocks
-    where one block cannot hold ``W_hh`` (``recurrent_cuda.cluster_layout`` on an H100: a lane's share as in
-    one block, each step ``Q cluster_step`` more); else generic (``W_hh`` in shared memory, a step growing
-    with ``G H``: float64)."""
+    where one block cannot hold ``W_hh`` (``recurrent_cuda.launch_layout`` on an H100: a lane's share as in
+    one block, each step ``Q cluster_step`` more; ``layout``: this one, not the launch's); else generic
+    (``W_hh`` in shared memory, a step growing with ``G H``: float64)."""
     if element_bytes == 4 and hidden <= recurrent_cuda.FIXED_HIDDEN:
         return n * per_h
     cell = _CELL_OF_GATES.get(gates)
-    layout = _wide_layout(cell, hidden, direction) if element_bytes == 4 and cell else None
+    if layout is None and element_bytes == 4 and cell:
+        layout = _wide_layout(cell, hidden, direction, batch)
     if layout is None:
         return n * (generic[0] + generic[1] * gates * hidden)
     rows = gates if direction == "forward" else 1  # a forward lane holds a pack of each gate's row
@@ -313,30 +319,34 @@ def _row_kernel_seconds(
     return n * waves * (register[0] + barrier + register[1] * on_chip + register[2] * in_shared)
 
 
-def _wide_layout(cell: str, hidden: int, direction: str) -> recurrent_cuda.WideLayout | None:
-    """The layout of the float32 ``direction`` kernel of ``hidden`` > 32 on an H100: one block, or a cluster of
-    blocks where one cannot hold ``W_hh``; ``None`` where neither runs."""
-    clustered = recurrent_cuda.cluster_layout(cell, hidden, direction, H100_SHARED, H100_CLUSTER_LIMIT)
+def _wide_layout(cell: str, hidden: int, direction: str, batch: int) -> recurrent_cuda.WideLayout | None:
+    """The layout of the float32 ``direction`` kernel of ``hidden`` > 32 for ``batch`` rows on an H100: one
+    block, or a cluster of blocks where one cannot hold ``W_hh``; ``None`` where neither runs."""
+    spread = batch <= recurrent_cuda.SPREAD_BATCH
+    clustered = recurrent_cuda.launch_layout(cell, hidden, direction, H100_SHARED, H100_CLUSTER_LIMIT, spread)
     return clustered or recurrent_cuda.wide_layout(cell, hidden, direction)
 
 
 def forward_seconds(
-    *, gates: int, hidden: int, n: int, batch: int, element_bytes: int = 4, constants: StepConstants = STEPS
-) -> float:
+    *, gates: int, hidden: int, n: int, batch: int, element_bytes: int = 4, constants: StepConstants = STEPS,
+    layout: recurrent_cuda.WideLayout | None = None,
+) -> float:  # fmt: skip
     """Predicted seconds of the scan's forward kernel over ``n`` steps of ``batch`` rows
-    (:mod:`lightning_bppsa.kernels.recurrent_cuda`, :func:`_row_kernel_seconds`)."""
+    (:mod:`lightning_bppsa.kernels.recurrent_cuda`, :func:`_row_kernel_seconds`; ``layout``: of ``W_hh``,
+    where not the launch's)."""
     s = constants
     return _row_kernel_seconds(
         "forward", gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, per_h=s.forward_step,
         generic=(s.generic_step, s.generic_unit),
         register=(s.forward_register_step, s.forward_register_unit, s.forward_register_shared),
-        cluster_step=s.cluster_step,
+        cluster_step=s.cluster_step, layout=layout,
     )  # fmt: skip
 
 
 def fused_seconds(
-    *, gates: int, hidden: int, n: int, batch: int, element_bytes: int = 4, constants: StepConstants = STEPS
-) -> float:
+    *, gates: int, hidden: int, n: int, batch: int, element_bytes: int = 4, constants: StepConstants = STEPS,
+    layout: recurrent_cuda.WideLayout | None = None,
+) -> float:  # fmt: skip
     """Predicted seconds of the fused backward kernel over ``n`` steps of ``batch`` rows: the form of the
     forward kernel's (:func:`_row_kernel_seconds`) with its own constants (``fused_*``, and a launch
     ``fused_launch``: fitted on an H200's launches by ``benchmarks/fit_cuda_model.py --fused-data``, see the
@@ -346,7 +356,7 @@ def fused_seconds(
         "backward", gates=gates, hidden=hidden, n=n, batch=batch, element_bytes=element_bytes, per_h=s.fused_step,
         generic=(s.fused_generic_step, s.fused_generic_unit),
         register=(s.fused_register_step, s.fused_register_unit, s.fused_register_shared),
-        cluster_step=s.cluster_step,
+        cluster_step=s.cluster_step, layout=layout,
     )  # fmt: skip
 
 

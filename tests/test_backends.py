@@ -314,21 +314,28 @@ def test_auto_on_an_sm90_device_prices_a_layer_whose_kernels_run_as_clusters(mon
 
 
 @needs_gxx
-@pytest.mark.parametrize(("kind", "hidden"), [("GRU", 130), ("LSTM", 150), ("RNN", 300)])
-def test_a_layer_on_an_sm90_device_runs_its_cluster_kernels_both_ways(cuda_on_cpu, monkeypatch, kind, hidden):
-    """The whole layer path on an emulated sm_90 stand-in whose 48 KiB block cannot hold these layers' W_hh (nor
-    its 256 threads the RNN's 300 units): ``algorithm="linear"`` runs the forward kernel and the fused backward
-    as clusters of blocks (launched with their cluster; the step model is sure the fused kernel beats the
-    factored scan's block sweep at these widths), and every gradient equals float64 autograd's as closely as
-    torch's float32 one."""
+@pytest.mark.parametrize(
+    ("kind", "hidden", "limit", "spread"),
+    [("GRU", 130, 48 * 1024, False), ("LSTM", 150, 48 * 1024, False), ("RNN", 300, 48 * 1024, False),
+     ("GRU", 170, 232448, True), ("LSTM", 140, 232448, True)],
+)  # fmt: skip
+def test_a_layer_on_an_sm90_device_runs_its_cluster_kernels_both_ways(
+    cuda_on_cpu, monkeypatch, kind, hidden, limit, spread
+):
+    """The whole layer path on an emulated sm_90 stand-in whose block (48 KiB, or an H100's 227 KiB) cannot hold
+    these layers' W_hh (nor its 256 threads the RNN's 300 units): ``algorithm="linear"`` runs the forward kernel
+    and the fused backward as clusters of blocks (launched with their cluster, the GRU of H = 170 and the LSTM
+    of H = 140 of this small batch spread from 2 blocks over 4 of 4 lanes a unit; the step model is sure the
+    fused kernel beats the factored scan's block sweep at these widths), and every gradient equals float64
+    autograd's as closely as torch's float32 one."""
     launched = []
     real_launcher = recurrent_emulated._launcher
     monkeypatch.setattr(recurrent_emulated, "_launcher", lambda *a: _counting(real_launcher(*a), launched))
     on_sm90 = {
-        name: functools.partial(getattr(recurrent_emulated, name), shared_limit=48 * 1024, cluster_limit=8)
+        name: functools.partial(getattr(recurrent_emulated, name), shared_limit=limit, cluster_limit=8)
         for name in ("rnn_forward", "rnn_backward", "gru_forward", "gru_backward", "lstm_forward", "lstm_backward")
     }
-    sm90 = CudaBackend(types.SimpleNamespace(**on_sm90), "cpu", lambda device: 48 * 1024, lambda: (True, ""),
+    sm90 = CudaBackend(types.SimpleNamespace(**on_sm90), "cpu", lambda device: limit, lambda: (True, ""),
                        lambda device: 8)  # fmt: skip
     monkeypatch.setitem(backends.DEVICE_BACKENDS, "cpu", sm90)
     torch.manual_seed(0)
@@ -348,11 +355,12 @@ def test_a_layer_on_an_sm90_device_runs_its_cluster_kernels_both_ways(cuda_on_cp
         assert_derived_close(a, r, b, floor=1e-6, name=f"{kind} gradient {i}")
     assert ours.last_stats["plan"].endswith(", fused backward kernel"), ours.last_stats
     cell = {"RNN": "rnn_tanh"}.get(kind, kind.lower())
+    clusters = [recurrent_cuda.launch_layout(cell, hidden, d, limit, 8, True).cluster for d in ("forward", "backward")]
     assert [(c.kernel, c.cluster) for c in launched] == [
-        (f"bppsa_{cell}_{d}_f32_h{hidden}_c{recurrent_cuda.cluster_layout(cell, hidden, d, 48 * 1024, 8).cluster}",
-         recurrent_cuda.cluster_layout(cell, hidden, d, 48 * 1024, 8).cluster)
-        for d in ("forward", "backward")
-    ]  # fmt: skip
+        (f"bppsa_{cell}_{d}_f32_h{hidden}_c{q}", q) for d, q in zip(("forward", "backward"), clusters, strict=True)
+    ]
+    smallest = [recurrent_cuda.cluster_layout(cell, hidden, d, limit, 8).cluster for d in ("forward", "backward")]
+    assert (clusters, smallest) == (([4, 4], [2, 2]) if spread else (smallest, clusters))
 
 
 @needs_gxx

@@ -243,6 +243,27 @@ def test_cluster_layouts_on_sm90():
     assert clustered == {("gru", "forward"): 161, ("gru", "backward"): 161, ("lstm", "forward"): 134,
                          ("lstm", "backward"): 134, **{(rnn, d): 257 for rnn in ("rnn_tanh", "rnn_relu")
                                                        for d in DIRECTIONS}}  # fmt: skip
+    # a batch of at most SPREAD_BATCH rows: a GRU / LSTM of 2 blocks a row spreads over 4 blocks of 4 lanes a unit
+    # (GRU 161-240, LSTM 134-200 / 196), holding no fewer packs of a lane's share in registers; layers of 4 or 8
+    # blocks, the RNN's, and larger batches keep the smallest cluster
+    spread_widths = {}
+    for cell in CELLS:
+        for direction in DIRECTIONS:
+            rows = recurrent_cuda.CELLS[cell] if direction == "forward" else 1
+            for hidden in range(33, SM90_WIDEST[cell] + 1):
+                smallest = recurrent_cuda.cluster_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8)
+                spread = recurrent_cuda.launch_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8, True)
+                assert recurrent_cuda.launch_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8, False) == smallest
+                if smallest is None or smallest.cluster != 2 or cell.startswith("rnn"):
+                    assert spread == smallest, (cell, direction, hidden)
+                    continue
+                spread_widths.setdefault((cell, direction), []).append(hidden)
+                assert (spread.cluster, spread.split) == (4, 4) and spread.register_packs >= smallest.register_packs
+                assert recurrent_cuda._wide_bytes(spread, hidden, rows) <= SM90_SHARED_BYTES
+    assert {k: (v[0], v[-1], len(v)) for k, v in spread_widths.items()} == {
+        ("gru", "forward"): (161, 240, 80), ("gru", "backward"): (161, 240, 80),
+        ("lstm", "forward"): (134, 200, 67), ("lstm", "backward"): (134, 196, 63),
+    }  # fmt: skip
     # GRU H = 256 forward: 4 blocks of 64 units, 4 lanes a unit, 16 packs of each of a unit's 3 rows a lane, 10 in
     # registers: the two state buffers (64 packs each) and 6 packs x 3 rows x 256 lanes in shared memory
     gru = recurrent_cuda.cluster_layout("gru", 256, "forward", SM90_SHARED_BYTES, 8)
@@ -535,14 +556,15 @@ def test_compile_gate_sm80_sm90_no_spill(tmp_path):  # ~80 s of nvcc
 
 def cluster_gate(direction: str) -> list[tuple[str, int, int, int, int]]:
     """``(cell, H, lanes a unit, register packs, blocks a cluster)`` of the ``direction`` kernels an sm_90 device
-    runs as clusters (:func:`recurrent_cuda.cluster_layout` at its block budget): per cell the first and the
-    widest ``H`` of each layout."""
+    runs as clusters (:func:`recurrent_cuda.launch_layout` at its block budget, for any batch): per cell the
+    first and the widest ``H`` of each layout."""
     chosen = []
     for cell in CELLS:
         kinds: dict[tuple, list[int]] = {}
         for hidden in range(33, recurrent_cuda.MAX_CLUSTER_HIDDEN + 1):
-            layout = recurrent_cuda.cluster_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8)
-            if layout is not None:
+            layouts = {recurrent_cuda.launch_layout(cell, hidden, direction, SM90_SHARED_BYTES, 8, spread)
+                       for spread in (False, True)}  # fmt: skip
+            for layout in layouts - {None}:
                 kinds.setdefault((layout.split, layout.register_packs, layout.cluster), []).append(hidden)
         chosen += [(cell, h, *kind) for kind, widths in kinds.items() for h in sorted({widths[0], widths[-1]})]
     return chosen
