@@ -179,7 +179,9 @@ class LayerFunction(torch.autograd.Function):
     def _backward(ctx, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None):
         x, h0, c0, out, *rest = ctx.saved_tensors
         if out is None:  # eager: out itself, unless modified in place since the forward (then recomputed)
-            kept, ctx.out = ctx.out, None  # released here: a second backward (retain_graph) recomputes
+            kept = ctx.out
+            if not _keeps_graph():  # released as autograd releases saved tensors; a retained graph keeps it
+                ctx.out = None
             unchanged = kept is not None and kept._version == ctx.out_version
             if unchanged:
                 out = kept
@@ -214,6 +216,11 @@ class LayerFunction(torch.autograd.Function):
                 grads = [*grads[:2], None, *grads[2:]]
             record(ctx.stats, "scan_seconds", clock() - start, add=True)
         return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+
+
+#: whether the running backward keeps the graph (``retain_graph=True``): torch's own query, private (present in
+#: torch 2.11-2.13); without it every backward releases the states and a second one recomputes them
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
 
 
 def _with_c0(needs: tuple[bool, ...], c0: Tensor | None) -> tuple[bool, ...]:

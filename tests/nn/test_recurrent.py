@@ -733,16 +733,29 @@ def test_backward_recomputes_the_states_only_after_an_in_place_change(modify):
     assert counter.ops.count("bppsa.recurrent_forward") == int(modify), counter.ops
 
 
-def test_a_second_backward_with_retain_graph_matches_torch():
-    # the first backward releases the layer's reference to its states; the second recomputes them
+@pytest.mark.parametrize("modify", [False, True])
+def test_a_second_backward_with_retain_graph_matches_torch(modify):
+    """A retained graph keeps the layer's states for the next backward, as autograd keeps saved tensors: no
+    forward runs again, unless the output was modified in place between the backwards (then the states are
+    recomputed; the same values here, so the gradients are still torch's). Without ``retain_graph`` a further
+    backward raises as torch's does."""
     ours = bnn.GRU(3, 4, batch_first=True, algorithm="linear", dtype=torch.float64)
     ref = nn.GRU(3, 4, batch_first=True, dtype=torch.float64)
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(2, 6, 3, dtype=torch.float64)
     for module in (ours, ref):
-        loss = module(x)[0].pow(2).sum()
+        out = module(x)[0]
+        loss = 2 * out.sum() + out[:, -1].sum()  # nothing downstream saves out
         loss.backward(retain_graph=True)
-        loss.backward()
+        if modify and module is ours:
+            with torch.no_grad():
+                out.add_(0.0)  # the same values, a new version
+        with _OpCounter() as counter:
+            loss.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        if module is ours:
+            assert counter.ops.count("bppsa.recurrent_forward") == int(modify), counter.ops
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
 
