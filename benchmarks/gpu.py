@@ -989,9 +989,9 @@ def _row_ms(row: dict[str, str] | None) -> str:
 
 def _backward_of(module: nn.Module, x: torch.Tensor) -> Backward:
     """``loss.backward()`` alone (loss as in the paper: the last step squared), on a fresh graph each call, its
-    forward untimed (:class:`~device_runner.Backward`): a graph reused with ``retain_graph`` made our layer
-    recompute its forward in every backward but the first (it keeps the forward's states until its backward
-    only), so the figures before 213b46c's successor counted a forward kernel in ours."""
+    forward untimed (:class:`~device_runner.Backward`), as a training step runs it. (Up to 213b46c one graph was
+    reused with ``retain_graph``, where our layer then recomputed its forward in every backward but the first:
+    those tables count a forward kernel in ours.)"""
 
     def forward() -> torch.Tensor:
         module.zero_grad(set_to_none=True)

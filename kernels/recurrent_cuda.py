@@ -167,7 +167,6 @@ class WideLayout(NamedTuple):
     cluster: int = 1
 
 
-@functools.lru_cache(maxsize=512)
 def _other_registers(cell: str, direction: str, cluster: int) -> int:
     """A lane's registers beside its share of ``W_hh`` (a cluster's kernels keep a few more)."""
     extra = _CLUSTER_REGISTERS.get(direction, {}).get(cell, 0) if cluster > 1 else 0
@@ -178,8 +177,9 @@ def _other_registers(cell: str, direction: str, cluster: int) -> int:
 SPLITS = (1, 2, 4, 8)
 
 
+@functools.lru_cache(maxsize=512)
 def wide_layout(
-    cell: str, hidden: int, direction: str = "backward", cluster: int = 1, splits: Sequence[int] = SPLITS
+    cell: str, hidden: int, direction: str = "backward", cluster: int = 1, splits: tuple[int, ...] = SPLITS
 ) -> WideLayout | None:
     """The :class:`WideLayout` of the float32 ``direction`` kernel of ``FIXED_HIDDEN < hidden <= MAX_THREADS``
     (its units over ``cluster`` blocks: up to :data:`MAX_CLUSTER_HIDDEN`): the fewest lanes a unit (a power of
