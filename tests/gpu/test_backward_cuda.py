@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning_bppsa.kernels import cupy_loader, recurrent_cuda
 
 import lightning_bppsa.nn as bnn
 from lightning_bppsa import backends, layer_plan
@@ -104,6 +105,33 @@ def test_float32_cluster_kernels(backend, index):
         layers = _layers(kind, hidden, backend, seed=1)
         _check_step(kind, layers, backend, _with_states)
         assert layers[0].last_stats["plan"].endswith(", fused backward kernel"), layers[0].last_stats
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_float32_two_block_layers_of_a_small_batch_spread_over_four(backend, spread):
+    """A GRU whose kernels take 2 blocks a row runs on 4 blocks of 4 lanes a unit for a batch of at most 16 rows
+    (``recurrent_cuda.launch_layout``), on 2 for a larger one: the kernels' gradients as exact as cuDNN's either
+    way. On a GPU H = 192 (B = 16 / 17, T = 1000), then the whole layer; emulated H = 170 at an H100's block
+    budget (B = 2 / 17, T = 5). Needs compute capability 9.0 on a GPU."""
+    limit = 232448
+    if backend.is_cuda:
+        if torch.cuda.get_device_capability(backend.device)[0] < 9:
+            pytest.skip("thread-block clusters need compute capability 9.0 (this device refuses these layers)")
+        kernels, hidden = backend.recurrent, 192
+        limit = cupy_loader.shared_limit(backend.device.index or 0)
+    else:
+        kernels, hidden = types.SimpleNamespace(**{
+            name: functools.partial(getattr(backend.recurrent, name), shared_limit=limit, cluster_limit=8)
+            for name in ("gru_forward", "gru_backward")
+        }), 170  # fmt: skip
+    batch = (backend.size(16, 2) if spread else 17)
+    layout = recurrent_cuda.launch_layout("gru", hidden, "backward", limit, 8, batch <= recurrent_cuda.SPREAD_BATCH)
+    assert (layout.cluster, layout.split) == ((4, 4) if spread else (2, 2))
+    p = CASES.make_inputs("gru", batch, backend.size(1000, 5), hidden, seed=hidden, given=True)
+    CASES.check("gru", p, torch.float32, kernels=kernels, to=lambda t: t.to(backend.device))
+    if backend.is_cuda and spread:
+        layers = _layers("GRU", hidden, backend, seed=2)
+        _check_step("GRU", layers, backend, _with_states)
 
 
 @pytest.fixture
