@@ -4,6 +4,9 @@
     python benchmarks/fit_cuda_model.py --write   # the same, and the constants written into cuda_step_model.py
     python benchmarks/fit_cuda_model.py --data results/cuda-calib.csv   # another grid (e.g. a new GPU run's)
     python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-20dff7a.csv --write  # fused: an H200's
+    python benchmarks/fit_cuda_model.py --fused-data results/cuda-calib-h200-20dff7a.csv \
+        --layout-data results/cluster-layouts-h200-f9d52e5.md --step-data results/cuda-step-h200-213b46c.md
+        # the cluster kernels' constant on a layout sweep, checked on a whole-step table's cluster layers
 
 No GPU needed. Data: ``results/calib-h100-2026-11-26-eeeac3a.csv`` (the calibration grid of ``benchmarks/gpu.py``
 on an H100, package commit eeeac3a; its ``#`` lines say where it comes from): kernel launches alone, whole
@@ -470,6 +473,10 @@ def main() -> None:
         "--layout-data", type=Path, metavar="MD",
         help="fit the cluster kernels' step on this layout table (e.g. results/cluster-layouts-h200-f9d52e5.md)",
     )  # fmt: skip
+    parser.add_argument(
+        "--step-data", type=Path, metavar="MD",
+        help="print the model's whole steps of this step table's cluster layers (e.g. results/cuda-step-h200-213b46c.md)",
+    )  # fmt: skip
     args = parser.parse_args()
     data = load(args.data)
     given = load(args.fused_data) if args.fused_data else None
@@ -494,6 +501,10 @@ def main() -> None:
         for x in layouts:
             print(f"  {x.cell:5s} H={x.hidden:<4d} B={x.batch:<4d} {x.direction:9s} Q={x.layout.cluster} x "
                   f"{x.layout.split:<2d} {x.seconds * 1e3:7.3f}  x{x.predicted(steps) / x.seconds:.2f}")  # fmt: skip
+    for x in cluster_steps(load_steps(args.step_data)) if args.step_data else []:
+        print(f"  step {x.cell:5s} B={x.batch:<4d} T={x.n:<6d} H={x.hidden:<4d} measured {x.bppsa * 1e3:7.3f} ms "
+              f"(cuDNN {x.cudnn * 1e3:.3f}), predicted {x.predicted('scan', steps) * 1e3:7.3f} "
+              f"(cuDNN {x.predicted('torch', steps) * 1e3:.3f})")  # fmt: skip
     print("\nkernel launches, worst 12 (measured ms, predicted / measured)")
     res = kernel_residuals(data, kernels)
     for r, x in sorted(zip(res, data.launches, strict=True), key=lambda p: -abs(p[0]))[:12]:
