@@ -278,6 +278,18 @@ class CudaBackend(TorchBackend):
         """``(shared_limit, cluster_limit)`` of ``device``: what the kernels' refusals and layouts take."""
         return self.shared_limit(device), self.cluster_limit(device)
 
+    def row_blocks(
+        self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device, batch: int
+    ) -> tuple[int, int]:
+        """Blocks a batch row of the forward kernel and of the fused backward kernel take on ``device``: more
+        than one where they run as a cluster (:func:`~lightning_bppsa.kernels.recurrent_cuda.launch_layout`)."""
+        if dtype != torch.float32:
+            return 1, 1
+        limits, spread = self._limits(device), batch <= recurrent_cuda.SPREAD_BATCH
+        layouts = (recurrent_cuda.launch_layout(cell.name, hidden, d, *limits, spread) for d in ("forward", "backward"))
+        forward, backward = (1 if layout is None else layout.cluster for layout in layouts)
+        return forward, backward
+
     def fuses(self, cell: RecurrentCell, hidden: int, dtype: torch.dtype, device: torch.device | str) -> bool:
         """Whether, unmeasured, a linear scan of a ``cell`` layer of ``hidden`` in ``dtype`` on ``device`` runs as
         the fused backward kernel: where it :meth:`can_fuse` and the factored scan's linear kernel is not the
@@ -380,6 +392,8 @@ class LayerCall:
         scan: the backward's scan plan (kernel, algorithm, chunk).
         reason: why the forward runs torch's code where its device has kernels (``""`` otherwise).
         backward_reason: the measurement that chose the backward's kernel (``""``: none did).
+        blocks: blocks a batch row of the CUDA forward kernel and of the fused backward kernel (a cluster
+            where more than one: :meth:`CudaBackend.row_blocks`).
     """
 
     forward: Backend
@@ -387,13 +401,15 @@ class LayerCall:
     scan: plan.Plan
     reason: str = ""
     backward_reason: str = ""
+    blocks: tuple[int, int] = (1, 1)
 
     def __str__(self) -> str:
         """``"scan chunked(c=16) [cuda]"``, plus ``" (chunked asked: why)"`` where the scan kernels cannot launch
         the algorithm asked for, ``", fused backward kernel"`` where that runs the backward
         (:class:`FusedBackward`), ``", backward kernel measured on its first call"`` where
         :class:`MeasuredBackward` will choose, the measurement in parentheses where one chose, and
-        ``", torch forward: why"`` where the forward kernel cannot launch."""
+        ``", torch forward: why"`` where the forward kernel cannot launch; then ``", clusters of 4 blocks a row"``
+        (``"4 / 2 blocks"``: forward / fused backward) where a kernel runs as a cluster."""
         instead = f" ({self.scan.instead})" if self.scan.instead else ""
         kernel = (
             ", fused backward kernel" if isinstance(self.backward, FusedBackward)
@@ -402,7 +418,9 @@ class LayerCall:
         )  # fmt: skip
         measured = f" ({self.backward_reason})" if self.backward_reason else ""
         forward = f", torch forward: {self.reason}" if self.reason else ""
-        return f"scan {self.scan.text}{instead}{kernel}{measured}{forward}"
+        blocks = self.blocks if isinstance(self.backward, FusedBackward) else self.blocks[:1]
+        clusters = "" if max(blocks) == 1 else f", clusters of {' / '.join(dict.fromkeys(map(str, blocks)))} blocks a row"
+        return f"scan {self.scan.text}{instead}{kernel}{measured}{forward}{clusters}"
 
 
 #: reasons already logged for a torch forward on a device with kernels: once per reason, not per call
@@ -499,7 +517,10 @@ def plan_call(
         backward, measured = backward.backward_for(
             cell, scan, hidden, weights[0].dtype, x.device, x.shape[0], x.shape[1], algorithm
         )
-    return LayerCall(forward, backward, scan, why, measured)
+    blocks = forward.row_blocks(cell, hidden, weights[0].dtype, x.device, x.shape[0]) if isinstance(
+        forward, CudaBackend
+    ) else (1, 1)  # fmt: skip
+    return LayerCall(forward, backward, scan, why, measured, blocks)
 
 
 def backward(

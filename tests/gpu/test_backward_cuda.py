@@ -104,7 +104,7 @@ def test_float32_cluster_kernels(backend, index):
     if backend.is_cuda:
         layers = _layers(kind, hidden, backend, seed=1)
         _check_step(kind, layers, backend, _with_states)
-        assert layers[0].last_stats["plan"].endswith(", fused backward kernel"), layers[0].last_stats
+        assert ", fused backward kernel, clusters of " in layers[0].last_stats["plan"], layers[0].last_stats
 
 
 @pytest.mark.parametrize("spread", [True, False])
@@ -132,6 +132,7 @@ def test_float32_two_block_layers_of_a_small_batch_spread_over_four(backend, spr
     if backend.is_cuda and spread:
         layers = _layers("GRU", hidden, backend, seed=2)
         _check_step("GRU", layers, backend, _with_states)
+        assert layers[0].last_stats["plan"].endswith(", clusters of 4 blocks a row"), layers[0].last_stats
 
 
 @pytest.fixture
