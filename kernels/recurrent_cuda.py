@@ -240,7 +240,6 @@ def cluster_layout(cell: str, hidden: int, direction: str, shared_limit: int, cl
 #: (backward) faster, LSTM H = 160 1.52x / 1.39x (``benchmarks/results/cluster-layouts-h200-f9d52e5.md``;
 #: layers already on 4 or 8 blocks gained nothing from other layouts there, the RNN's were not measured)
 SPREAD_BATCH = 16
-SPREAD_CLUSTER = SPREAD_SPLIT = 4
 
 
 @functools.lru_cache(maxsize=512)
@@ -248,15 +247,12 @@ def launch_layout(
     cell: str, hidden: int, direction: str, shared_limit: int, cluster_limit: int, spread: bool
 ) -> WideLayout | None:
     """The cluster layout a launch of the ``direction`` kernel takes: :func:`cluster_layout`'s, or, for a
-    ``spread`` batch (at most :data:`SPREAD_BATCH` rows) of a GRU / LSTM that takes 2 blocks a row,
-    :data:`SPREAD_CLUSTER` blocks of :data:`SPREAD_SPLIT` lanes a unit where those fit and hold at least as many
-    packs of a lane's share in registers; ``None`` where one block runs it, or nothing does."""
+    ``spread`` batch (at most :data:`SPREAD_BATCH` rows) of a GRU / LSTM that takes 2 blocks a row, 4 blocks
+    of 4 lanes a unit where those fit and hold at least as many packs of a lane's share in registers; ``None`` where one block runs it, or nothing does."""
     layout = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit)
-    if not spread or layout is None or layout.cluster != 2 or cell not in ("gru", "lstm"):
+    if not spread or layout is None or layout.cluster != 2 or cell not in ("gru", "lstm") or cluster_limit < 4:
         return layout
-    if cluster_limit < SPREAD_CLUSTER:
-        return layout
-    wider = wide_layout(cell, hidden, direction, SPREAD_CLUSTER, splits=(SPREAD_SPLIT,))
+    wider = wide_layout(cell, hidden, direction, 4, splits=(4,))
     rows = CELLS[cell] if direction == "forward" else 1
     if wider is None or wider.register_packs < layout.register_packs or _wide_bytes(wider, hidden, rows) > shared_limit:
         return layout

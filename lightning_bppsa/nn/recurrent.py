@@ -284,7 +284,7 @@ def _without_cuda_kernels(cell, batch: int, length: int, hidden: int, params: li
     return f"forward: {why}" if forward is backends.TORCH else ""
 
 
-def _predict(shape: LayerShape) -> tuple[float, float] | str:
+def _predict(shape: LayerShape) -> tuple[float, float]:
     """The model's ``(scan, autograd)`` seconds of a training step of ``shape``: on CUDA the calibrated model of
     cuDNN vs the CUDA kernels (asked only where those kernels load), elsewhere
     :func:`~lightning_bppsa.cost_model.recurrent_seconds`."""

@@ -55,10 +55,15 @@ def test_a_forced_layout_is_launched_and_then_forgotten():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
 @pytest.mark.parametrize(("cluster", "split"), [(2, 4), (4, 8)])
-def test_a_forced_layout_computes_what_the_default_does(cluster, split):
-    """A GRU of H = 40 (one block by default) forced onto clusters of 2 and 4 blocks with 4 and 8 lanes a unit:
-    its forward's outputs and its backward's gradients equal the default launch's (the same sums, in another
-    order: float32 rounding apart)."""
+def test_a_forced_layout_computes_what_the_default_does(monkeypatch, cluster, split):
+    """A GRU of H = 40 (one block by default) forced onto clusters of 2 and 4 blocks with 4 and 8 lanes a unit
+    (launched so: its cluster and threads): its forward's outputs and its backward's gradients equal the
+    default launch's (the same sums, in another order: float32 rounding apart)."""
+    launched = []
+    real = recurrent_emulated._launcher
+    monkeypatch.setattr(
+        recurrent_emulated, "_launcher", lambda *a: lambda config, device: launched.append(config) or real(*a)(config, device)
+    )
     options = {"shared_limit": H100, "cluster_limit": 8}
     torch.manual_seed(0)
     x = sweep.inputs("gru", 40, 2, 7, torch.device("cpu"))
@@ -67,11 +72,14 @@ def test_a_forced_layout_computes_what_the_default_does(cluster, split):
     for direction in ("forward", "backward"):
         layout = recurrent_cuda.wide_layout("gru", 40, direction, cluster, splits=(split,))
         assert layout.cluster == cluster
+        launched.clear()
         with sweep.forced("gru", 40, direction, layout):
             got = (
                 sweep.forward("gru", x, recurrent_emulated, **options)
                 if direction == "forward"
                 else sweep.backward("gru", x, factors, recurrent_emulated, **options)
             )
+        threads = recurrent_cuda.wide_threads(-(-40 // cluster), split)
+        assert [(c.cluster, c.block) for c in launched] == [(cluster, threads)]
         for a, b in zip(got, factors if direction == "forward" else grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
