@@ -478,7 +478,7 @@ def prepare(
         block=block,
         shared_bytes=nbytes,
         args=(*pointers, outputs[0].data_ptr(), *factors, batch, steps, hidden),
-        buffers=(*(t for t in inputs if t is not None), *outputs),
+        buffers=(*[t for t in inputs if t is not None], *outputs),
         options=options,
         cluster=cluster,
     )
@@ -605,8 +605,8 @@ def prepare_backward(
         grid=batch * cluster,
         block=block,
         shared_bytes=nbytes,
-        args=(*(0 if t is None else t.data_ptr() for t in (*inputs, *outs)), batch, steps, hidden),
-        buffers=(*(t for t in inputs if t is not None), *outputs),
+        args=(*[0 if t is None else t.data_ptr() for t in (*inputs, *outs)], batch, steps, hidden),
+        buffers=(*[t for t in inputs if t is not None], *outputs),
         options=options,
         cluster=cluster,
     )

@@ -302,9 +302,10 @@ class CudaBackend(TorchBackend):
     def backward_for(
         self, cell: RecurrentCell, scan: plan.Plan, hidden: int, dtype: torch.dtype, device: torch.device,
         batch: int, steps: int, asked: str,
-    ) -> tuple[Backend, str]:  # fmt: skip
+    ) -> tuple[Backend, str, bool]:  # fmt: skip
         """The backend of a call's backward planned ``scan`` (for ``asked``, the layer's algorithm) on these
-        kernels, and why where measured. A linear scan that :meth:`can_fuse` has two kernels, the factored scan
+        kernels, why where measured, and whether that answer is final (``False``: a measurement may still
+        choose, now or on a later call where nothing may measure now). A linear scan that :meth:`can_fuse` has two kernels, the factored scan
         (this backend) and :attr:`fused`, and so has the chunked scan ``"auto"`` planned (the fused kernel runs
         the same recursion, linearly): the faster as measured for this shape
         (:func:`lightning_bppsa.layer_plan.fastest`); where the CUDA step model is sure which is faster (its two
@@ -315,19 +316,21 @@ class CudaBackend(TorchBackend):
         :meth:`fuses`' rule (chunked: the scan planned). A chunked scan asked for, or any other: this backend."""
         chunked = scan.algorithm == "chunked" and asked == "auto"
         if not (scan.algorithm == "linear" or chunked) or not self.can_fuse(cell, hidden, dtype, device):
-            return self, ""
+            return self, "", True
         key = (f"{scan.text} backward", cell.name, hidden, batch, steps, dtype, str(device))
         known = layer_plan.known_fastest(key)
         if known is not None:
-            return (self.fused if known[0] == MeasuredBackward.FUSED else self), known[1]
+            return (self.fused if known[0] == MeasuredBackward.FUSED else self), known[1], True
         fused, factored = _kernel_seconds(cell.gates, hidden, cell.state_factor * hidden, cell.jacobian_width(hidden),
                                           batch, steps, compute_dtype(dtype), scan)  # fmt: skip
         if max(fused, factored) >= SURE_BACKWARD * min(fused, factored):
-            return (self.fused if fused < factored else self), ""
+            return (self.fused if fused < factored else self), "", True
         default = self if chunked or _warp_sweep(cell, hidden) else self.fused  # fuses(), can_fuse asked
-        if layer_plan.may_measure() and 3 * (fused + factored) <= layer_plan.MEASURE_BUDGET_SECONDS:
-            return MeasuredBackward(self, key, default), ""
-        return default, ""
+        if 3 * (fused + factored) > layer_plan.MEASURE_BUDGET_SECONDS:
+            return default, "", True
+        if layer_plan.may_measure():
+            return MeasuredBackward(self, key, default), "", False
+        return default, "", False
 
     def forward(
         self, cell: RecurrentCell, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
@@ -404,6 +407,10 @@ class LayerCall:
     blocks: tuple[int, int] = (1, 1)
 
     def __str__(self) -> str:
+        return self.text
+
+    @functools.cached_property
+    def text(self) -> str:  # once per plan: a memoised plan is reported on every call (plan_call)
         """``"scan chunked(c=16) [cuda]"``, plus ``" (chunked asked: why)"`` where the scan kernels cannot launch
         the algorithm asked for, ``", fused backward kernel"`` where that runs the backward
         (:class:`FusedBackward`), ``", backward kernel measured on its first call"`` where
@@ -500,6 +507,19 @@ def _scan_shared_limit(device: torch.device) -> int | None:
     return _device_limit(device)
 
 
+#: :func:`plan_call`'s final plans (no measurement pending), by :func:`_call_key`: a training loop plans every step
+_CALLS: dict[tuple, LayerCall] = {}
+_MAX_CALLS = 256
+
+
+def _call_key(cell: RecurrentCell, algorithm: str, x: Tensor, hidden: int) -> tuple:
+    """What a plan of inputs that agree (one dtype, device and layout: :func:`_mixed`) depends on: the shape, the
+    device (its limits), the device's kernels (tests register others), the decisions' cache generation."""
+    device = x.device
+    kernels = DEVICE_BACKENDS.get(device.type)
+    return (cell.name, algorithm, x.shape[0], x.shape[1], hidden, x.dtype, device, kernels, layer_plan.generation())
+
+
 def plan_call(
     cell: RecurrentCell, algorithm: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
 ) -> LayerCall:
@@ -507,20 +527,41 @@ def plan_call(
 
     The backward runs on the forward's backend where that takes the scan's plan (the CPU kernels' fused
     backward: ``linear [c]``; the CUDA kernels: a ``[cuda]`` scan), else on :data:`TORCH`.
+
+    A final plan (no measurement pending, :meth:`CudaBackend.backward_for`) of inputs the forward kernels take is
+    kept per shape, device and cache generation: later calls of inputs that agree get it back, asking nothing
+    else (~9 us a layer call on this machine's CPU, more on a GPU's host, where each counts: issue 29).
     """
+    hidden = h0.shape[-1]
+    key = _call_key(cell, algorithm, x, hidden)
+    known = _CALLS.get(key)
+    if known is not None and not _mixed((x, h0, c0, *weights), x.device.type):
+        return known
+    call, final = _plan(cell, algorithm, x, h0, c0, weights)
+    if final and not call.reason:  # a reason: the kernels refused these inputs (e.g. of mixed dtypes)
+        if len(_CALLS) >= _MAX_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def _plan(
+    cell: RecurrentCell, algorithm: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: Sequence[Tensor]
+) -> tuple[LayerCall, bool]:
+    """:func:`plan_call`'s plan, made from scratch, and whether it is final (no measurement pending)."""
     hidden = h0.shape[-1]
     forward, why = forward_backend(cell, hidden, (x, h0, c0, *weights))
     scan = scan_plan(cell, algorithm, batch=x.shape[0], n=x.shape[1], hidden=hidden, device=x.device.type,
                      dtype=weights[0].dtype, shared_limit=_scan_shared_limit(x.device))  # fmt: skip
-    backward, measured = (forward if forward.takes(scan) else TORCH), ""
+    backward, measured, final = (forward if forward.takes(scan) else TORCH), "", True
     if isinstance(backward, CudaBackend):
-        backward, measured = backward.backward_for(
+        backward, measured, final = backward.backward_for(
             cell, scan, hidden, weights[0].dtype, x.device, x.shape[0], x.shape[1], algorithm
         )
     blocks = forward.row_blocks(cell, hidden, weights[0].dtype, x.device, x.shape[0]) if isinstance(
         forward, CudaBackend
     ) else (1, 1)  # fmt: skip
-    return LayerCall(forward, backward, scan, why, measured, blocks)
+    return LayerCall(forward, backward, scan, why, measured, blocks), final
 
 
 def backward(

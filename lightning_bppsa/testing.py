@@ -101,11 +101,12 @@ def _cuda_path_patches(run_kernels: bool = True) -> tuple[object, list[tuple[obj
 
 
 def _clear_plans() -> None:
-    """Forget the scan plans cached per shape and device type (where :func:`cuda_path_on_cpu` changes what
-    ``"cpu"`` plans as)."""
-    from lightning_bppsa import plan
+    """Forget the scan plans and the layer calls' plans cached per shape and device type (where
+    :func:`cuda_path_on_cpu` changes what ``"cpu"`` plans as)."""
+    from lightning_bppsa import backends, plan
 
     plan._choose.cache_clear()
+    backends._CALLS.clear()
 
 
 @contextlib.contextmanager

@@ -217,13 +217,14 @@ def test_a_layer_call_is_planned_once_in_the_forward_and_the_backward_runs_that_
 ):
     layer = bnn.GRU(3, 4, num_layers=2, batch_first=True, algorithm=algorithm, dtype=F64)
     out, _ = layer(torch.randn(2, 6, 3, dtype=F64, requires_grad=True))
-    assert counted_plans == {"plan_call": 2, "choose": 2}  # one per layer, before its forward op ran
+    # one per layer, before its forward op ran; the second layer's shape is the first's: its plan kept
+    assert counted_plans == {"plan_call": 2, "choose": 1}
     reported = layer.last_stats["plan"]
     assert (
         reported.startswith(f"scan {algorithm}") and reported == f"scan {layer.last_stats['scan_algorithm']}"
     )
     out.pow(2).sum().backward()
-    assert counted_plans == {"plan_call": 2, "choose": 2}  # the backward asks nothing again
+    assert counted_plans == {"plan_call": 2, "choose": 1}  # the backward asks nothing again
     assert layer.last_stats["plan"] == reported
 
 
@@ -633,3 +634,31 @@ def test_a_chunked_scan_auto_planned_is_measured_against_the_fused_kernel(monkey
     layer_plan.forget()
     with layer_plan.measurements(True):
         assert backends.plan_call(cell, "auto", x, h0, c0, weights).backward is cuda_on_cpu
+
+
+@needs_gxx
+def test_a_final_plan_is_kept_per_shape_and_planned_again_where_it_may_differ(monkeypatch, cuda_on_cpu, counted_plans):
+    """A layer call's final plan is kept (the same object, the scan's plan not asked again) for inputs of the
+    same shape, dtype and device; not for another batch, nor for inputs that do not agree (a weight of another
+    dtype: torch's forward, saying why), nor after the decisions are forgotten, nor while a measurement of its
+    backward kernel is pending (two kernels modelled near each other): each of those is planned anew."""
+    monkeypatch.setattr(backends, "_kernel_seconds", lambda *args: (1e-3, 1e-2))  # sure: the fused kernel
+    cell = CELLS["rnn_tanh"]
+    x, h0, c0, weights = layer_inputs(cell, hidden=20)
+    first = backends.plan_call(cell, "linear", x, h0, c0, weights)
+    assert first.backward is cuda_on_cpu.fused, first
+    assert backends.plan_call(cell, "linear", x, h0, c0, weights) is first and counted_plans["choose"] == 1
+    other_batch = backends.plan_call(cell, "linear", x[:1], h0[:1], c0, weights)
+    assert other_batch is not first and counted_plans["choose"] == 2
+    mixed = backends.plan_call(cell, "linear", x, h0, c0, [weights[0].float(), *weights[1:]])
+    assert mixed.forward is TORCH and "mixed dtypes" in mixed.reason, mixed
+    layer_plan.forget()
+    again = backends.plan_call(cell, "linear", x, h0, c0, weights)
+    assert again is not first and str(again) == str(first) and counted_plans["choose"] == 4
+    monkeypatch.setattr(backends, "_kernel_seconds", lambda *args: (1e-3, 2e-3))  # unsure: measured
+    layer_plan.forget()
+    for measuring in (False, True):  # off: the unmeasured rule, for now; on: the measured backward
+        with layer_plan.measurements(measuring):
+            pending = [backends.plan_call(cell, "linear", x, h0, c0, weights) for _ in range(2)]
+        assert pending[0] is not pending[1], pending
+    assert isinstance(pending[0].backward, backends.MeasuredBackward), pending

@@ -11,6 +11,7 @@ Keyed on the tensors' device type, so CPU and CUDA (and any device with autocast
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -28,9 +29,20 @@ class AutocastState(NamedTuple):
 
 def autocast_state(device_type: str) -> AutocastState | None:
     """The autocast state now on ``device_type``, or ``None`` for a device type without autocast (meta)."""
-    if not torch.amp.is_autocast_available(device_type):
+    if not _has_autocast(device_type):
         return None
-    return AutocastState(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    if not torch.is_autocast_enabled(device_type):  # every call of a step without autocast: one object per type
+        return _off(device_type)
+    return AutocastState(device_type, True, torch.get_autocast_dtype(device_type))
+
+
+_has_autocast = functools.cache(torch.amp.is_autocast_available)
+
+
+@functools.cache
+def _off(device_type: str) -> AutocastState:
+    """Autocast off on ``device_type`` (the dtype is moot)."""
+    return AutocastState(device_type, False, torch.get_autocast_dtype(device_type))
 
 
 #: the context that changes nothing: what the two below return where autocast is already as asked (off then
@@ -48,6 +60,6 @@ def replay_autocast(state: AutocastState | None) -> contextlib.AbstractContextMa
 
 def without_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast off on ``device_type`` (a no-op where it is off, or the device type has none)."""
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if not (_has_autocast(device_type) and torch.is_autocast_enabled(device_type)):
         return _UNCHANGED
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), enabled=False)

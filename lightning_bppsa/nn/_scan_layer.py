@@ -215,7 +215,7 @@ class LayerFunction(torch.autograd.Function):
             if c0 is None:
                 grads = [*grads[:2], None, *grads[2:]]
             record(ctx.stats, "scan_seconds", clock() - start, add=True)
-        return (None, None, None, *(g if need else None for g, need in zip(grads, needs, strict=True)))
+        return (None, None, None, *[g if need else None for g, need in zip(grads, needs, strict=True)])
 
 
 #: whether the running backward keeps the graph (``retain_graph=True``): torch's own query, private (present in

@@ -85,9 +85,10 @@ class _ScanRecurrent:
         key = self._memo_key(input, hx)
         memo = self.__dict__.get("_plan_memo")
         if memo is not None and memo[0] == key:
-            path, reason, stats = memo[1]
+            path, reason, stats, weights = memo[1]
             self.__dict__["last_stats"] = dict(stats)  # a plain attribute: nn.Module's __setattr__ costs µs
         else:
+            weights = None
             path, reason, keep = self._path(input, hx)
             stats = {
                 "path": path,
@@ -98,13 +99,13 @@ class _ScanRecurrent:
                 "decision": reason,
             }
             self.last_stats = dict(stats)
-            if keep and key is not None:
-                self.__dict__["_plan_memo"] = (key, (path, reason, stats))
+            if keep and key is not None:  # the key holds the weights' ids: the same tensors while it matches
+                self.__dict__["_plan_memo"] = (key, (path, reason, stats, self._layer_weights()))
         if path == "autograd":
             return super().forward(input, hx)
         if path == "forward kernel":
             self.last_stats["plan"] = "forward kernel (no gradient needed)"
-        return self._scan_forward(input, hx, grads=path == "scan")
+        return self._scan_forward(input, hx, grads=path == "scan", weights=weights)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, algorithm={self.algorithm!r} [BPPSA scan backward]"
@@ -122,9 +123,11 @@ class _ScanRecurrent:
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or any(w.requires_grad for w in weights)
         )
+        # the weights' dtype too: converting the module in place keeps their ids, and a memoised call skips
+        # torch's checks (the input's dtype against theirs, :meth:`_scan_forward`)
         return (
             input.shape, input.dtype, input.device, needs_grad, torch._C._are_functorch_transforms_active(),
-            self.algorithm, layer_plan.generation(), *map(id, weights),
+            self.algorithm, layer_plan.generation(), weights[0].dtype, *map(id, weights),
         )  # fmt: skip
 
     def _path(self, input: Any, hx: Any) -> tuple[str, str, bool]:  # noqa: A002
@@ -211,7 +214,15 @@ class _ScanRecurrent:
         dims_match = all(isinstance(s, Tensor) and s.dim() == input.dim() for s in states)
         return len(states) == 1 + is_lstm and dims_match
 
-    def _scan_forward(self, input: Tensor, hx: Any, grads: bool = True):  # noqa: A002
+    def _layer_weights(self) -> list[tuple[Tensor, ...]]:
+        """The weights of each layer and direction, in torch's order."""
+        return [tuple(getattr(self, name) for name in names) for names in self._all_weights]
+
+    def _scan_forward(
+        self, input: Tensor, hx: Any, grads: bool = True, weights: list[tuple[Tensor, ...]] | None = None  # noqa: A002
+    ):
+        """The scan's forward; ``weights``: :meth:`_layer_weights` of a memoised call (:meth:`_memo_key`: the same
+        input shape, dtype and device, no ``hx``), whose torch checks passed then and are not asked again."""
         is_lstm, unbatched = self.mode == "LSTM", input.dim() == 2
         batch_dim = 0 if self.batch_first else 1
         if unbatched:
@@ -222,10 +233,11 @@ class _ScanRecurrent:
             hx = (zeros, zeros) if is_lstm else zeros
         elif unbatched:
             hx = tuple(s.unsqueeze(1) for s in hx) if is_lstm else hx.unsqueeze(1)
-        self.check_forward_args(input, hx, None)  # torch's own checks and messages (sizes, dtype)
+        if weights is None:
+            self.check_forward_args(input, hx, None)  # torch's own checks and messages (sizes, dtype)
+            weights = self._layer_weights()
         h0, c0 = hx if is_lstm else (hx, None)
         x = input if self.batch_first else input.transpose(0, 1)  # (B, n, I): the layers run batch first
-        weights = [tuple(getattr(self, name) for name in names) for names in self._all_weights]
         dropout = self.dropout if self.training else 0.0
         output, h_n_t, c_n_t = _run_layers(
             cell_of(self.mode).name,

@@ -826,14 +826,20 @@ def test_a_memoised_decision_answers_only_a_call_like_the_one_that_made_it(monke
         path_of(x)
         assert path_of(x) == ("scan", 0)
 
-    assert path_of(x) == ("scan", 1)
+    checked = []
+    real_check = type(ours).check_forward_args
+    monkeypatch.setattr(type(ours), "check_forward_args", lambda self, *a: checked.append(1) or real_check(self, *a))
+    assert path_of(x) == ("scan", 1) and len(checked) == 1
     assert path_of(x) == ("scan", 0) and path_of(x.clone()) == ("scan", 0)  # same key: not asked again
+    assert len(checked) == 1  # nor torch's checks (passed by the call that made the memo)
     ours.last_stats["path"] = "changed by the caller"  # the memo keeps its own copy
     assert path_of(x) == ("scan", 0)
     memoised()
     assert path_of(torch.randn(2, 5, 2)) == ("scan", 1)  # another length
     memoised()
     ours.double()
+    with pytest.raises(ValueError, match="torch.float64"):  # torch's check of the dtypes, not skipped
+        ours(x)
     assert path_of(x.double()) == ("scan", 1)  # another dtype
     ours.float()
     memoised()
@@ -853,3 +859,12 @@ def test_a_memoised_decision_answers_only_a_call_like_the_one_that_made_it(monke
     assert path_of(x)[1] == 1 and ours.last_stats["path"] != "scan"  # nothing needs a gradient
     assert path_of(x)[1] == 1  # inference decisions are not memoised
     assert path_of(x, torch.zeros(1, 2, 3))[1] == 1  # an initial state: never memoised
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    memoised()
+    with pytest.raises(RuntimeError, match="input.size\\(-1\\) must be equal to input_size"):
+        ours(torch.randn(2, 4, 3))  # another shape: torch's checks run
+    ours.weight_hh_l0 = nn.Parameter(torch.randn(3, 3))  # another parameter: the layer runs on it
+    reference = nn.RNN(2, 3, batch_first=True)
+    reference.load_state_dict(ours.state_dict())
+    assert path_of(x)[1] == 1 and torch.allclose(ours(x)[0], reference(x)[0], atol=1e-6)
