@@ -32,7 +32,8 @@ rounds, N what the time allows, up to 20) after 3 warm-up calls, each call waite
    H = 160 and GRUs of 192 and 384 (on sm_90 those five gated layers' kernels run as clusters of blocks); the
    no-grad forward of both; the step captured in one CUDA graph, cuDNN's and the scan's (issue 29: the GPU's work
    without the host's); each one's gradient error against torch's module in float64; what "auto" chose
-   (``last_stats["plan"]``).
+   (``last_stats["plan"]``); our "auto" module's step captured (H <= 64) and the decision the capture ran
+   (the path the GPU's time alone chose: ``layer_plan.LayerPlan.captured``).
 3. ``cuda-calib.csv`` / ``cuda-calib.md``: the calibration grid, RNN tanh input 1, d {8 .. 256} x B {1 .. 256}
    x T {100, 1000, 10000}, in the committed CSV's columns plus ``plan`` and ``note``: step and forward of
    both, the step with the scan forced linear / chunked, the scan kernel alone; the cheapest shapes first,
@@ -476,6 +477,7 @@ def tests_stage(runner: Runner, command: Sequence[str] = TESTS_COMMAND, limit: f
 STEP_COLUMNS = (
     "cell", "B", "T", "in", "H", "cuDNN step ms", "BPPSA step ms", "step speedup", "cuDNN fwd ms", "BPPSA fwd ms",
     "cuDNN graphed ms", "scan graphed ms", "graphed speedup", "cuDNN grad relerr", "BPPSA grad relerr", "BPPSA plan",
+    "auto graphed ms", "auto's decision in a capture",
 )  # fmt: skip
 #: the widest layer whose scan is captured in the graphed columns (wider: a forced scan's step takes tens of ms)
 GRAPHED_MAX_HIDDEN = 64
@@ -493,6 +495,7 @@ def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
         runner, {"cudnn": no_grad_forward(ref, x), "bppsa": no_grad_forward(ours, x)}, 0.2 * budget
     )
     graphed = _graphed(runner, ref, x, plan, hidden)
+    captured = _auto_captured(runner, ours, x, hidden)
     if runner.left() > 0:
         reference = _grads(copy.deepcopy(ref).double(), x.double())  # float64 cuDNN (float64 torch on a CPU)
         errors = [f"{grad_relerr(_grads(module, x), reference):.1e}" for module in (ref, ours)]
@@ -501,8 +504,21 @@ def step_row(runner: Runner, workload: Workload, budget: float) -> list[str]:
     return [
         *map(str, workload), ms_text(step["cudnn"]), ms_text(step["bppsa"]), ratio_text(step["cudnn"], step["bppsa"]),
         ms_text(forward["cudnn"]), ms_text(forward["bppsa"]), ms_text(graphed["cudnn"]), ms_text(graphed["scan"]),
-        ratio_text(graphed["cudnn"], graphed["scan"]), *errors, plan,
+        ratio_text(graphed["cudnn"], graphed["scan"]), *errors, plan, ms_text(captured[0]), captured[1],
     ]  # fmt: skip
+
+
+def _auto_captured(runner: Runner, ours: nn.RNNBase, x: torch.Tensor, hidden: int) -> tuple[float | str, str]:
+    """Seconds per replay of our ``"auto"`` module's whole step captured in one CUDA graph (its shape measured by
+    the row's eager steps: a capture runs the path the GPU's time alone chose), and the decision it ran."""
+    if runner.device != "cuda":
+        return NO_CUDA, "-"
+    if runner.left() <= 0:
+        return SKIPPED, "-"
+    if hidden > GRAPHED_MAX_HIDDEN:
+        return f"not captured: H > {GRAPHED_MAX_HIDDEN}", "-"
+    seconds = graphed_seconds(ours, x)
+    return seconds, ours.last_stats.get("decision", "")
 
 
 def _graphed(runner: Runner, ref: nn.RNNBase, x: torch.Tensor, plan: str, hidden: int) -> dict[str, float | str]:

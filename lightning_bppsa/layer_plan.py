@@ -24,6 +24,12 @@ for :class:`~lightning_bppsa.nn.SparseChain` (measured, no model; unmeasured: cu
 Where one path has interchangeable kernels (a CUDA layer's linear backward: the fused kernel or the factored
 scan), :func:`fastest` times them on the call's own data once per shape, as above, and caches the faster.
 
+On CUDA a measurement also times each path's step queued behind the GPU (:func:`device_timer`'s ``queued``:
+the GPU's time alone, what a CUDA graph of the step replays), and the decision keeps, beside the eager one, the
+faster path by those times (:attr:`LayerPlan.captured`): calls inside a CUDA graph capture run it. At T ~ 1000
+an eager step is bound by the host (cuDNN's and the scan's alike, ~1.2-1.9 ms of CPU on an H200's host), a
+captured one by the GPU, where the scan's step took a third of cuDNN's: the two contests differ.
+
 Decisions under tracing or capture are never cached (a model answer there must not freeze a shape that an
 eager call could measure). :func:`measurements` turns measuring off or on for the process (tests: to make a
 path deterministic), :func:`forget` drops the cache.
@@ -61,8 +67,8 @@ import torch
 
 from lightning_bppsa.kernels import _build, cupy_loader
 
-__all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "RETIME", "SCAN_MARGIN", "UNSURE", "device_timer", "fastest",
-           "forget", "known_fastest", "may_measure", "measurements", "cached", "generation", "plan_layer",
+__all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "QUEUED", "RETIME", "SCAN_MARGIN", "UNSURE", "capturing",
+           "device_timer", "fastest", "forget", "known_fastest", "may_measure", "measurements", "cached", "generation", "plan_layer",
            "time_candidates", "time_training_steps"]  # fmt: skip
 
 #: the model is "unsure" where its two predictions are within this factor of each other
@@ -104,10 +110,12 @@ class LayerShape:
 @dataclass(frozen=True)
 class LayerPlan:
     """What one layer call runs: ``path`` ``"scan"`` or ``"autograd"`` (torch's own layer under autograd: cuDNN
-    on CUDA), and why (one line)."""
+    on CUDA), and why (one line); ``captured``: what a call inside a CUDA graph capture runs, where it differs in
+    kind (measured on the GPU's time alone: a graph replays no host work), ``None`` where it is this plan."""
 
     path: str
     reason: str
+    captured: LayerPlan | None = None
 
 
 _decisions: dict[LayerShape, LayerPlan] = {}
@@ -150,9 +158,23 @@ def cached(shape: LayerShape) -> bool:
     return shape in _decisions
 
 
-def device_timer(device: torch.device) -> Timer:
+#: :func:`time_training_steps`' key suffix of a path's seconds as the GPU runs the step queued ahead of it
+QUEUED = " queued"
+#: cycles the GPU waits before a queued measurement, per device (grown where the host needed longer to queue)
+_queue_cycles: dict[torch.device, int] = {}
+
+
+def device_timer(device: torch.device, queued: bool = False) -> Timer:
     """A :data:`Timer` for work on ``device``: CUDA events on a CUDA device (the queue drained first, so the
-    events also count the host's time where the GPU waits for it), ``time.perf_counter`` elsewhere."""
+    events also count the host's time where the GPU waits for it), ``time.perf_counter`` elsewhere.
+
+    ``queued`` (CUDA): the GPU's time alone, what a CUDA graph of the work replays. The GPU first spins
+    (``torch.cuda._sleep``) while the host queues the work behind it, then runs it back to back between the
+    events; where the spin ended before the host had queued everything (the start event already passed when
+    the host is done), the spin is made 4x longer and the work timed again (at most 3 times more; the last
+    time is kept either way)."""
+    if device.type == "cuda" and queued:
+        return functools.partial(_queued_seconds, device)
     if device.type != "cuda":
 
         def wall(fn: Callable[[], object]) -> float:
@@ -174,14 +196,33 @@ def device_timer(device: torch.device) -> Timer:
     return events
 
 
+def _queued_seconds(device: torch.device, fn: Callable[[], object]) -> float:
+    """:func:`device_timer`'s ``queued`` timer on a CUDA ``device``."""
+    torch.cuda.synchronize(device)
+    cycles = _queue_cycles.get(device, 4_000_000)  # ~2 ms at ~2 GHz: a step's host time on an H200's host
+    for _ in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn()
+        late = start.query()  # the GPU began before the host was done: host time may be in the interval
+        end.record()
+        end.synchronize()
+        if not late:
+            break
+        cycles = _queue_cycles[device] = 4 * cycles
+    return start.elapsed_time(end) / 1e3
+
+
 def time_candidates(
-    candidates: dict[str, Callable[[], object]], timer: Timer, repeats: int = 2
+    candidates: dict[str, Callable[[], object]], timer: Timer, repeats: int = 2, warm_up: bool = True
 ) -> dict[str, float]:
     """The fastest of ``repeats`` timed runs of each candidate, taking turns, after one untimed warm-up run each
-    (kernel builds, allocator, caches). A candidate whose warm-up raises gets ``inf`` (e.g. torch's CPU LSTM
-    under float16 autocast: oneDNN has no primitive for it), unless every candidate raises."""
+    (kernel builds, allocator, caches; ``warm_up=False``: none, the caller ran them). A candidate whose warm-up
+    raises gets ``inf`` (e.g. torch's CPU LSTM under float16 autocast: oneDNN has no primitive for it), unless
+    every candidate raises; without a warm-up a candidate that raises fails the call."""
     failures: dict[str, Exception] = {}
-    for name, run in candidates.items():
+    for name, run in candidates.items() if warm_up else ():
         try:
             run()
         except Exception as error:  # noqa: BLE001  (any failure rules the candidate out, the others decide)
@@ -200,8 +241,9 @@ def time_training_steps(
     forwards: dict[str, Callable[[], torch.Tensor]], wrt: list[torch.Tensor], device: torch.device
 ) -> dict[str, float]:
     """A ``measure`` for :func:`plan_layer`: seconds of each path's forward and the gradients of ``wrt`` (returned,
-    not accumulated), timed by :func:`time_candidates` with :func:`device_timer`; the random state (dropout)
-    restored, so that the call itself draws what it would have drawn."""
+    not accumulated), timed by :func:`time_candidates` with :func:`device_timer`, on CUDA also as queued
+    (``"<path> queued"``: the GPU's time alone, what a CUDA graph of the step replays); the random state
+    (dropout) restored, so that the call itself draws what it would have drawn."""
 
     def step(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -210,10 +252,13 @@ def time_training_steps(
 
         return run
 
+    steps = {name: step(forward) for name, forward in forwards.items()}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return time_candidates(
-            {name: step(forward) for name, forward in forwards.items()}, device_timer(device)
-        )
+        times = time_candidates(steps, device_timer(device))
+        if device.type == "cuda":
+            queued = time_candidates(steps, device_timer(device, queued=True), warm_up=False)
+            times |= {name + QUEUED: seconds for name, seconds in queued.items()}
+    return times
 
 
 def may_measure() -> bool:
@@ -246,8 +291,12 @@ def fastest(
 
 def _tracing() -> bool:
     """Whether a graph is being built (``torch.compile`` or a CUDA graph capture): nothing may run or sync."""
-    if torch.compiler.is_compiling():
-        return True
+    return torch.compiler.is_compiling() or capturing()
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (a decision's :attr:`LayerPlan.captured`
+    applies)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -264,22 +313,24 @@ def plan_layer(
     Args:
         predict: the model's ``(scan, autograd)`` seconds of this shape's training step, or why there is no
             model (a string: the call measures where it may, else runs the ``unmeasured`` path).
-        measure: times both paths on the call's data: ``{"scan": s, "autograd": s}`` (``None``: cannot
-            measure). What it raises propagates, and nothing is cached.
+        measure: times both paths on the call's data: ``{"scan": s, "autograd": s}``, on CUDA also the GPU's
+            time alone (``"scan queued"``, ``"autograd queued"``: :func:`time_training_steps`), which decides
+            the calls inside a CUDA graph capture (``None``: cannot measure). What it raises propagates, and
+            nothing is cached.
         timed: what the seconds are of, in the reason (``"a step"``: a whole training step).
         unmeasured: the path without a model where nothing measures (torch's, unless the caller says why
             another: a layer chain keeps the scan it was converted to).
     """
     known = _decisions.get(shape)
     if known is not None:
-        return known
+        return known.captured if known.captured is not None and capturing() else known
     predicted = predict()
     modelled = not isinstance(predicted, str)
     if modelled:
         scan, torch_ = predicted
         faster = "scan" if scan < torch_ else "autograd"
         unsure = max(scan, torch_) < UNSURE * min(scan, torch_)
-        affordable = 3 * (scan + torch_) <= MEASURE_BUDGET_SECONDS
+        affordable = _runs(shape) * (scan + torch_) <= MEASURE_BUDGET_SECONDS
         model = f"scan {_ms(scan)} vs torch {_ms(torch_)} {timed}"
     else:  # no model: unsure, and the caller bounds what its measurement costs
         faster, unsure, affordable = unmeasured, True, True
@@ -304,25 +355,45 @@ def plan_layer(
     return plan
 
 
+def _runs(shape: LayerShape) -> int:
+    """How many times a measurement runs each path: a warm-up and two timed runs, on CUDA two more queued."""
+    return 5 if shape.device.startswith("cuda") else 3
+
+
 def _measured(shape: LayerShape, measure: Callable[[], dict[str, float]], timed: str) -> LayerPlan:
-    """The faster path as measured: by this call, or by an earlier process of the same setup (on disk)."""
+    """The faster path as measured: by this call, or by an earlier process of the same setup (on disk); with
+    queued times, the faster of those for calls inside a CUDA graph capture."""
     disk = shape.persist and _disk_on()
     times = _disk_read(shape) if disk else None
     where = " (on-disk plan cache)"
     if times is None:
         times, where = measure(), ""
-        near_tie = max(times.values()) < RETIME * min(times.values())
-        if near_tie and 3 * sum(times.values()) <= MEASURE_BUDGET_SECONDS:  # once more, the faster of two
-            again = measure()
+        near_tie = max(times["scan"], times["autograd"]) < RETIME * min(times["scan"], times["autograd"])
+        if near_tie and _runs(shape) * (times["scan"] + times["autograd"]) <= MEASURE_BUDGET_SECONDS:
+            again = measure()  # once more, the faster of two
             times, where = {path: min(times[path], again[path]) for path in times}, " (a near-tie: timed twice)"
         if disk:
             _disk_write(shape, times)
-    # a near-tie keeps torch's layer: one measurement of host-bound GPU steps varies by ~5-10% (an H200 chose
-    # a scan that then ran 0.93x cuDNN), and the scan must never be the slower path it was chosen as
-    faster = "scan" if times["scan"] * SCAN_MARGIN < times["autograd"] else "autograd"
+    captured = None
+    if "scan" + QUEUED in times:
+        scan, torch_ = times["scan" + QUEUED], times["autograd" + QUEUED]
+        captured = LayerPlan(
+            _faster(scan, torch_),
+            f"measured, inside a CUDA graph capture (the GPU's time alone): scan {_ms(scan)} vs torch "
+            f"{_ms(torch_)} {timed}{where}",
+        )
     return LayerPlan(
-        faster, f"measured: scan {_ms(times['scan'])} vs torch {_ms(times['autograd'])} {timed}{where}"
+        _faster(times["scan"], times["autograd"]),
+        f"measured: scan {_ms(times['scan'])} vs torch {_ms(times['autograd'])} {timed}{where}",
+        captured,
     )
+
+
+def _faster(scan: float, torch_: float) -> str:
+    """The path kept of two measured: a near-tie keeps torch's layer (one measurement of host-bound GPU steps
+    varies by ~5-10%: an H200 chose a scan that then ran 0.93x cuDNN), and the scan must never be the slower
+    path it was chosen as."""
+    return "scan" if scan * SCAN_MARGIN < torch_ else "autograd"
 
 
 def _ms(seconds: float) -> str:
@@ -336,6 +407,8 @@ def _ms(seconds: float) -> str:
 _FILE_PREFIX = "layer-plans-"
 _FORMAT = 1
 _PATHS = ("scan", "autograd")
+#: the keys of an entry: the paths' seconds, and on CUDA their queued seconds too
+_ENTRY_KEYS = (frozenset(_PATHS), frozenset((*_PATHS, *(path + QUEUED for path in _PATHS))))
 #: plan file -> its entries as read once by this process, with what it wrote since
 _read_files: dict[Path, dict[str, dict[str, float]]] = {}
 _warned: set[str] = set()  # one warning per problem and file
@@ -370,7 +443,7 @@ def _disk_write(shape: LayerShape, times: dict[str, float]) -> None:
         path = _build.trusted_path(_file_name(environment))
         with _build.exclusive(path.with_name(path.name + ".lock")):
             entries = _read(path, environment)
-            entries[_entry_key(shape)] = {name: float(times[name]) for name in _PATHS}
+            entries[_entry_key(shape)] = {name: float(seconds) for name, seconds in times.items()}
             document = {"format": _FORMAT, "environment": environment, "decisions": entries}
             _build.write_private(path, json.dumps(document, indent=1, sort_keys=True))
         _read_files[path] = entries
@@ -408,10 +481,11 @@ def _read(path: Path, environment: dict[str, str]) -> dict[str, dict[str, float]
 
 
 def _valid(times: object) -> bool:
-    """An entry is the two paths' seconds: numbers, not NaN, not negative (``inf``: that path raised)."""
+    """An entry is the two paths' seconds (on CUDA their queued ones too): numbers, not NaN, not negative
+    (``inf``: that path raised)."""
     return (
         isinstance(times, dict)
-        and set(times) == set(_PATHS)
+        and set(times) in _ENTRY_KEYS
         and all(type(t) in (int, float) and t >= 0 for t in times.values())  # NaN >= 0 is False
     )
 

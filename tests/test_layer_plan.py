@@ -61,6 +61,35 @@ def test_a_measured_scan_must_win_by_the_margin(measuring, scan_ms, path):
     assert plan.path == path and plan.reason.startswith("measured: ")
 
 
+#: a host-bound CUDA step: eagerly cuDNN's is the faster, the GPU's time alone the scan's (3x)
+HOST_BOUND = {"scan": 1.86e-3, "autograd": 1.56e-3, "scan queued": 0.24e-3, "autograd queued": 0.74e-3}
+
+
+def test_a_call_inside_a_cuda_graph_capture_runs_the_faster_path_on_the_gpus_time_alone(measuring, monkeypatch):
+    """A measurement with the GPU's time of each path queued (CUDA) decides two things: eager calls by the eager
+    times (host included: cuDNN's layer here), calls inside a CUDA graph capture by the GPU's alone (a graph
+    replays no host work: the scan here, with the margin a near-tie needs); measured once, read from the
+    cache in both. Without queued times a capture runs the eager decision."""
+    capturing = {"now": False}
+    monkeypatch.setattr(layer_plan, "capturing", lambda: capturing["now"])
+    measure = Counter(HOST_BOUND)
+    eager = plan_layer(SHAPE, unsure, measure)
+    assert eager.path == "autograd" and eager.reason == "measured: scan 1.86 ms vs torch 1.56 ms a step"
+    capturing["now"] = True
+    captured = plan_layer(SHAPE, unsure, measure)
+    assert captured == eager.captured and captured.path == "scan" and measure.calls == 1
+    assert captured.reason == (
+        "measured, inside a CUDA graph capture (the GPU's time alone): scan 0.24 ms vs torch 0.74 ms a step"
+    )
+    capturing["now"] = False
+    assert plan_layer(SHAPE, unsure, measure) is eager and measure.calls == 1
+    tie = Counter({**HOST_BOUND, "scan queued": 0.72e-3})  # within SCAN_MARGIN: torch's layer
+    assert plan_layer(dataclasses.replace(SHAPE, batch=32), unsure, tie).captured.path == "autograd"
+    eager_only = plan_layer(dataclasses.replace(SHAPE, batch=64), unsure, Counter({"scan": 1e-3, "autograd": 2e-3}))
+    capturing["now"] = True
+    assert eager_only.captured is None and plan_layer(dataclasses.replace(SHAPE, batch=64), unsure, never) == eager_only
+
+
 class Sequence:
     """A measure returning each of ``times`` in turn."""
 
@@ -346,6 +375,23 @@ def test_a_cuda_setup_is_keyed_by_device_name_and_cuda_and_cupy_versions(disk, m
     clocked = Clocked()
     plan_layer(shape, unsure, clocked)
     assert clocked.calls == 1 and len(plan_files(disk)) == 2
+
+
+def test_the_queued_times_are_kept_on_disk_with_the_eager_ones(disk, monkeypatch):
+    """A CUDA decision's file entry holds the four times; read back, calls inside a capture get the scan the GPU's
+    time chose, saying it came from the cache."""
+    shape = dataclasses.replace(CPU_SHAPE, device="cuda:0")
+    monkeypatch.setattr(layer_plan, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cupy_loader, "cupy_version", lambda: "14.0.0")
+    plan_layer(shape, unsure, Counter(HOST_BOUND))
+    (path,) = plan_files(disk)
+    (entry,) = json.loads(path.read_text())["decisions"].values()
+    assert entry == HOST_BOUND
+    layer_plan.forget()
+    assert plan_layer(shape, unsure, never).path == "autograd"  # an eager call reads it
+    monkeypatch.setattr(layer_plan, "capturing", lambda: True)
+    read = plan_layer(shape, unsure, never)
+    assert read.path == "scan" and read.reason.endswith("a step (on-disk plan cache)"), read
 
 
 def refusals(caplog) -> list[str]:

@@ -250,9 +250,10 @@ _CUDA_UNMEASURED = (
 
 
 def _memo_key(x: Tensor) -> tuple:
-    """What a chain's kept ``"auto"`` decision is for: the input's shape, dtype and device, and the plans'
-    generation (:func:`~lightning_bppsa.layer_plan.forget` drops them)."""
-    return (x.shape, x.dtype, x.device, layer_plan.generation())
+    """What a chain's kept ``"auto"`` decision is for: the input's shape, dtype and device, the plans'
+    generation (:func:`~lightning_bppsa.layer_plan.forget` drops them) and, on CUDA, whether a CUDA graph is
+    being captured (:attr:`~lightning_bppsa.layer_plan.LayerPlan.captured`)."""
+    return (x.shape, x.dtype, x.device, layer_plan.generation(), x.is_cuda and layer_plan.capturing())
 
 
 def _unscannable(layer: nn.Module, *, runtime: bool) -> str | None:

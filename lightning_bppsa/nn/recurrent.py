@@ -124,10 +124,12 @@ class _ScanRecurrent:
             input.requires_grad or any(w.requires_grad for w in weights)
         )
         # the weights' dtype too: converting the module in place keeps their ids, and a memoised call skips
-        # torch's checks (the input's dtype against theirs, :meth:`_scan_forward`)
+        # torch's checks (the input's dtype against theirs, :meth:`_scan_forward`); on CUDA, whether a CUDA graph
+        # is being captured (a decision's LayerPlan.captured)
         return (
             input.shape, input.dtype, input.device, needs_grad, torch._C._are_functorch_transforms_active(),
-            self.algorithm, layer_plan.generation(), weights[0].dtype, *map(id, weights),
+            self.algorithm, layer_plan.generation(), weights[0].dtype, input.is_cuda and layer_plan.capturing(),
+            *map(id, weights),
         )  # fmt: skip
 
     def _path(self, input: Any, hx: Any) -> tuple[str, str, bool]:  # noqa: A002

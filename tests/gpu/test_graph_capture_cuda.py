@@ -83,3 +83,49 @@ def test_reduce_overhead_compilation_gives_eagers_gradients(backend, kind):
         for x, grads in zip(data, expected, strict=True):
             torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last replay's outputs may go
             _close(_eager_grads(compiled, x), grads)
+
+
+def _gpu_only(backend) -> torch.device:
+    if not backend.is_cuda:  # the emulation has neither a GPU clock nor a capture to decide for
+        pytest.skip("the queued timer and the captured decision need a GPU")
+    return backend.device
+
+
+def test_auto_inside_a_capture_runs_the_path_the_gpus_time_alone_chose(backend):
+    """``algorithm="auto"``'s first (eager) call of a shape measures each path's whole step twice, eagerly and
+    queued behind the GPU (the GPU's time alone, what a graph replays); calls inside a CUDA graph capture
+    (``make_graphed_callables``' own) run the path the second chose, saying so, with eager's gradients. What it
+    chooses is the GPU's to say (a host-bound B=16 T=1000 RNN: the scan on an H200's GPU time, cuDNN eagerly);
+    this checks that the capture runs the captured decision and that it is a measured one."""
+    from lightning_bppsa import layer_plan
+
+    device = _gpu_only(backend)
+    torch.manual_seed(3)
+    layer = bnn.RNN(1, 20, batch_first=True).to(device)
+    data = [torch.randn(16, 1000, 1, device=device) for _ in range(2)]
+    with layer_plan.measurements(True):
+        expected = [_eager_grads(layer, x) for x in data]
+        decided = layer.last_stats["decision"]
+        graphed = torch.cuda.make_graphed_callables(layer, (data[0],))
+        captured = layer.last_stats["decision"]  # the forward's capture was the last call
+        for x, grads in zip(data, expected, strict=True):
+            _close(_eager_grads(graphed, x), grads)
+    assert decided.startswith("measured: scan "), decided
+    assert captured.startswith("measured, inside a CUDA graph capture (the GPU's time alone): scan "), captured
+    layer_plan.forget()
+
+
+def test_the_queued_timer_waits_longer_where_the_host_queued_too_slowly(backend):
+    """The queued timer's spin grows where the host took longer to queue the work than the GPU spun (a 50 ms
+    host stall here, against a first spin of ~2 ms), and the time it gives is then the GPU's alone (the stall
+    is on the host, before the kernels: not counted)."""
+    import time
+
+    from lightning_bppsa import layer_plan
+
+    device = _gpu_only(backend)
+    x = torch.randn(256, 256, device=device)
+    before = layer_plan._queue_cycles.get(device)
+    seconds = layer_plan.device_timer(device, queued=True)(lambda: (time.sleep(0.05), x @ x))
+    assert layer_plan._queue_cycles[device] > (before or 4_000_000)
+    assert 0 < seconds < 0.05, seconds
