@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import stat
 import subprocess
@@ -88,6 +90,26 @@ def test_a_call_inside_a_cuda_graph_capture_runs_the_faster_path_on_the_gpus_tim
     eager_only = plan_layer(dataclasses.replace(SHAPE, batch=64), unsure, Counter({"scan": 1e-3, "autograd": 2e-3}))
     capturing["now"] = True
     assert eager_only.captured is None and plan_layer(dataclasses.replace(SHAPE, batch=64), unsure, never) == eager_only
+
+
+def test_a_cuda_measurement_times_each_path_eagerly_and_queued_and_leaves_out_one_that_raised(monkeypatch):
+    """On CUDA each path's step is timed by both timers (eager, then queued: no second warm-up); a path whose
+    warm-up raised is inf in both (never run again). The device is a label here: injected timers, CPU tensors."""
+    runs = []
+    monkeypatch.setattr(
+        layer_plan, "device_timer", lambda device, queued=False: lambda fn: runs.append(queued) or fn() or (0.5 if queued else 1.0)
+    )
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
+    weight = torch.ones(3, requires_grad=True)
+
+    def raises():
+        raise RuntimeError("no kernel for this dtype")
+
+    times = layer_plan.time_training_steps(
+        {"scan": raises, "autograd": lambda: (weight * 2).sum()}, [weight], torch.device("cuda")
+    )
+    assert times == {"scan": math.inf, "autograd": 1.0, "scan queued": math.inf, "autograd queued": 0.5}
+    assert runs == [False, False, True, True]  # two timed runs each way, of the path that ran
 
 
 class Sequence:
