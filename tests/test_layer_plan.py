@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -210,6 +211,40 @@ def test_the_module_runs_what_the_measurement_chose_and_the_call_draws_the_same_
         torch.testing.assert_close(got, want)
     ours(x)  # the same shape again: no second measurement
     assert len(timed) == 4
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the emulated kernels")
+@pytest.mark.parametrize("faster", ["forward kernel", "autograd"])
+def test_inference_on_the_cuda_kernels_runs_the_forward_measured_faster(monkeypatch, measuring, cuda_on_cpu, faster):
+    """Without gradients a layer whose forward the CUDA kernels take (their host emulation here) runs the forward
+    kernel alone or torch's forward, whichever the first call of the shape measured faster (once; an injected
+    clock), with torch's outputs either way; a shape nothing may measure runs torch's forward."""
+    timed = []
+
+    def timer_for(device):
+        def timer(fn):
+            fn()
+            timed.append(fn)
+            kernel_turn = len(timed) % 2 == 1  # turns: the forward kernel first, then torch's forward
+            return 1e-3 if kernel_turn == (faster == "forward kernel") else 3e-3
+
+        return timer
+
+    monkeypatch.setattr(layer_plan, "device_timer", timer_for)
+    torch.manual_seed(0)
+    ours = bnn.GRU(3, 6, num_layers=2, batch_first=True).eval()
+    twin = torch.nn.GRU(3, 6, num_layers=2, batch_first=True).eval()
+    twin.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 5, 3)
+    for _ in range(2):
+        with torch.no_grad():
+            got, want = ours(x), twin(x)
+        assert ours.last_stats["path"] == faster and len(timed) == 4, (ours.last_stats, len(timed))
+        assert ours.last_stats["decision"].startswith("measured: scan "), ours.last_stats
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with layer_plan.measurements(False), torch.no_grad():
+        ours(torch.randn(3, 5, 3))
+    assert ours.last_stats["path"] == "autograd" and "not measured (measurements off)" in ours.last_stats["decision"]
 
 
 def test_a_candidate_that_raises_is_ruled_out_and_all_raising_raises():

@@ -12,7 +12,8 @@ so the same seed draws torch's mask and the backward uses the forward's.
 when :func:`~lightning_bppsa.cost_model.recurrent_path` predicts that the scan does not pay, the module
 runs torch's own forward under plain autograd instead. Where no gradient is needed (``torch.no_grad``,
 inference, validation) on CPU in float32 / float64 the forward kernels run alone (no scan: B=16 T=1000
-H=20 RNN 1.2 ms against torch's fused forward 9.8 ms; float64 equal to torch's to ~1e-15).
+H=20 RNN 1.2 ms against torch's fused forward 9.8 ms; float64 equal to torch's to ~1e-15); on CUDA they do
+where the first call of the shape measured them faster than cuDNN's forward (:meth:`_ScanRecurrent._inference_path`).
 ``last_stats`` records what the last forward did:
 ``path`` (``"scan"`` / ``"forward kernel"`` / ``"autograd"``), ``algorithm``, ``plan`` (``"scan linear [c]"``: the
 algorithm and kernel the scan runs, planned before the forward, see :class:`~lightning_bppsa.backends.LayerCall`,
@@ -21,7 +22,8 @@ with ``", torch forward: why"`` where the device's forward kernel cannot launch;
 and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only.
 
 Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
-gradients disabled off the CPU kernels (another device or dtype, CPU autocast, no compiler), an empty batch or sequence, meta tensors, complex or integer dtypes, a
+gradients disabled off the kernels (another device or dtype, autocast, no compiler; on CUDA where cuDNN's
+forward measured faster or nothing measured), an empty batch or sequence, meta tensors, complex or integer dtypes, a
 ``PackedSequence`` (one warning), ``torch.func`` transforms (``grad``, ``vmap``, ...: the scan's
 ``autograd.Function`` has no functorch rules), and malformed input (so the error is torch's own). Input
 sizes and dtypes are checked by torch's ``check_forward_args``. Under ``create_graph=True`` (double
@@ -35,6 +37,7 @@ Not supported (raise ``NotImplementedError``; use the torch module): ``proj_size
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -47,7 +50,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from lightning_bppsa import backends, cost_model, cuda_step_model, layer_plan
 from lightning_bppsa.algorithms import compute_dtype
-from lightning_bppsa.cells import cell_of
+from lightning_bppsa.cells import RecurrentCell, cell_of
 from lightning_bppsa.kernels import recurrent as native_kernels
 from lightning_bppsa.layer_plan import LayerShape, time_training_steps
 from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
@@ -159,15 +162,7 @@ class _ScanRecurrent:
             return "autograd", "torch.func transform: the scan's Function has no functorch rules", False
         cell = cell_of(self.mode)
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
-            # inference: the CPU forward kernel alone (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms)
-            # where it runs as it does in training (not under CPU autocast, which casts to bfloat16), else
-            # torch's forward
-            kernel = not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-            kernel = (
-                kernel
-                and backends.forward_backend(cell, self.hidden_size, (input, *params))[0] is backends.NATIVE
-            )
-            return ("forward kernel", "", False) if kernel else ("autograd", "no gradient needed", False)
+            return (*self._inference_path(input, hx, cell, params), False)
         if self.algorithm != "auto":
             return "scan", f"algorithm={self.algorithm!r} as asked", True
         batch_dim = 0 if self.batch_first else 1
@@ -188,6 +183,54 @@ class _ScanRecurrent:
         )
         # kept while the cache holds it (the memo's key has the cache's generation)
         return plan.path, plan.reason, layer_plan.cached(shape)
+
+    def _inference_path(self, input: Tensor, hx: Any, cell: RecurrentCell, params: list[Tensor]) -> tuple[str, str]:  # noqa: A002
+        """Where no gradient is needed: ``("forward kernel", why)`` (the forward kernel alone, nothing kept for a
+        backward) or ``("autograd", why)`` (torch's forward). The CPU kernels run wherever they run as in training
+        (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms; not under autocast, which casts to bfloat16). The
+        CUDA kernels run where measured faster than cuDNN's forward for this shape, once per shape
+        (:func:`~lightning_bppsa.layer_plan.plan_layer`; the forward of a GRU H=256 B=16 T=1000 took 1.2-1.3 ms as
+        clusters of blocks on an H200, cuDNN's 16 ms, while cuDNN's persistent GRU / LSTM forward at H=20 is the
+        faster); where nothing measures (tracing, measurements off, a shape too large to time twice), torch's."""
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled(input.device.type):
+            return "autograd", "no gradient needed"
+        kernels = backends.forward_backend(cell, self.hidden_size, (input, *params))[0]
+        if kernels is backends.NATIVE:
+            return "forward kernel", ""
+        if not isinstance(kernels, backends.CudaBackend):
+            return "autograd", "no gradient needed"
+        batch_dim = 0 if self.batch_first else 1
+        batch = input.shape[batch_dim] if input.dim() == 3 else 1
+        length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
+        directions = 2 if self.bidirectional else 1
+        shape = LayerShape(
+            f"{self.mode} forward", self.num_layers, directions, batch, length, input.shape[-1], self.hidden_size,
+            input.dtype, str(input.device),
+        )  # fmt: skip
+        # no model of cuDNN's forward; a whole training step of each path, modelled, bounds the measurement (asked
+        # only before the shape's decision is made: inference decisions are not memoised, every call asks)
+        affordable = layer_plan.cached(shape) or (
+            3 * sum(_predict(dataclasses.replace(shape, cell=self.mode))) <= layer_plan.MEASURE_BUDGET_SECONDS
+        )
+        plan = layer_plan.plan_layer(
+            shape, lambda: "no model of cuDNN's forward", (lambda: self._measure_forward(input, hx)) if affordable else None,
+            timed="a forward (no gradient needed)", unmeasured="autograd",
+        )  # fmt: skip
+        return ("forward kernel" if plan.path == "scan" else "autograd"), plan.reason
+
+    def _measure_forward(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
+        """Seconds of this call's forward without gradients on each path (:meth:`_inference_path`), the random
+        state restored (dropout between layers in training mode)."""
+        torch_forward = super().forward
+        stats = self.last_stats
+        device = input.device
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            times = layer_plan.time_candidates(
+                {"scan": lambda: self._scan_forward(input, hx, grads=False), "autograd": lambda: torch_forward(input, hx)},
+                layer_plan.device_timer(device),
+            )  # fmt: skip
+        self.last_stats = stats
+        return times
 
     def _measure(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
         """Seconds of a whole training step of this call on each path (:func:`~lightning_bppsa.layer_plan.plan_layer`):
