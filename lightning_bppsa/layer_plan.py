@@ -110,8 +110,8 @@ class LayerShape:
 @dataclass(frozen=True)
 class LayerPlan:
     """What one layer call runs: ``path`` ``"scan"`` or ``"autograd"`` (torch's own layer under autograd: cuDNN
-    on CUDA), and why (one line); ``captured``: what a call inside a CUDA graph capture runs, where it differs in
-    kind (measured on the GPU's time alone: a graph replays no host work), ``None`` where it is this plan."""
+    on CUDA), and why (one line); ``captured``: the plan of a call inside a CUDA graph capture, measured on the
+    GPU's time alone (a graph replays no host work), ``None`` where a capture runs this plan."""
 
     path: str
     reason: str
@@ -444,7 +444,7 @@ def _disk_write(shape: LayerShape, times: dict[str, float]) -> None:
         path = _build.trusted_path(_file_name(environment))
         with _build.exclusive(path.with_name(path.name + ".lock")):
             entries = _read(path, environment)
-            entries[_entry_key(shape)] = {name: float(seconds) for name, seconds in times.items()}
+            entries[_entry_key(shape)] = {name: float(times[name]) for name in _ENTRY_KEYS[-1] if name in times}
             document = {"format": _FORMAT, "environment": environment, "decisions": entries}
             _build.write_private(path, json.dumps(document, indent=1, sort_keys=True))
         _read_files[path] = entries

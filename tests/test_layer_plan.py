@@ -245,6 +245,11 @@ def test_inference_on_the_cuda_kernels_runs_the_forward_measured_faster(monkeypa
     with layer_plan.measurements(False), torch.no_grad():
         ours(torch.randn(3, 5, 3))
     assert ours.last_stats["path"] == "autograd" and "not measured (measurements off)" in ours.last_stats["decision"]
+    monkeypatch.setattr(recurrent, "_predict", lambda shape: (math.inf, 3.0))  # cuDNN's step modelled at 3 s
+    with torch.no_grad():
+        ours(torch.randn(4, 5, 3))
+    assert ours.last_stats["path"] == "autograd" and "not measured (cannot measure)" in ours.last_stats["decision"]
+    assert len(timed) == 4
 
 
 def test_a_candidate_that_raises_is_ruled_out_and_all_raising_raises():

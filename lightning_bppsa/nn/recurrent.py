@@ -192,7 +192,10 @@ class _ScanRecurrent:
         (:func:`~lightning_bppsa.layer_plan.plan_layer`; the forward of a GRU H=256 B=16 T=1000 took 1.2-1.3 ms as
         clusters of blocks on an H200, cuDNN's 16 ms, while cuDNN's persistent GRU / LSTM forward at H=20 is the
         faster); where nothing measures (tracing, measurements off, a shape too large to time twice), torch's."""
-        if torch.compiler.is_compiling() or torch.is_autocast_enabled(input.device.type):
+        device_type = input.device.type
+        if torch.compiler.is_compiling() or (
+            torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+        ):
             return "autograd", "no gradient needed"
         kernels = backends.forward_backend(cell, self.hidden_size, (input, *params))[0]
         if kernels is backends.NATIVE:
@@ -207,11 +210,13 @@ class _ScanRecurrent:
             f"{self.mode} forward", self.num_layers, directions, batch, length, input.shape[-1], self.hidden_size,
             input.dtype, str(input.device),
         )  # fmt: skip
-        # no model of cuDNN's forward; a whole training step of each path, modelled, bounds the measurement (asked
-        # only before the shape's decision is made: inference decisions are not memoised, every call asks)
-        affordable = layer_plan.cached(shape) or (
-            3 * sum(_predict(dataclasses.replace(shape, cell=self.mode))) <= layer_plan.MEASURE_BUDGET_SECONDS
-        )
+        # no model of cuDNN's forward: its modelled training step bounds its forward, and ours (a scan step the
+        # model does not price is inf) at most as much; asked only before the shape's decision is made
+        # (inference decisions are not memoised: every call asks)
+        affordable = layer_plan.cached(shape)
+        if not affordable:
+            scan, torch_ = _predict(dataclasses.replace(shape, cell=self.mode))
+            affordable = 3 * (torch_ + min(scan, torch_)) <= layer_plan.MEASURE_BUDGET_SECONDS
         plan = layer_plan.plan_layer(
             shape, lambda: "no model of cuDNN's forward", (lambda: self._measure_forward(input, hx)) if affordable else None,
             timed="a forward (no gradient needed)", unmeasured="autograd",
