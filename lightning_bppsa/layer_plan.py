@@ -255,7 +255,8 @@ def time_training_steps(
     steps = {name: step(forward) for name, forward in forwards.items()}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         times = time_candidates(steps, device_timer(device))
-        if device.type == "cuda":  # a path whose warm-up raised stays out (inf), as in the eager times
+        # torch.cuda._sleep is private: without it no queued times (a capture then runs the eager decision)
+        if device.type == "cuda" and hasattr(torch.cuda, "_sleep"):  # a path whose warm-up raised stays out (inf)
             ran = {name: run for name, run in steps.items() if math.isfinite(times[name])}
             queued = time_candidates(ran, device_timer(device, queued=True), warm_up=False)
             times |= {name + QUEUED: queued.get(name, math.inf) for name in steps}
