@@ -253,7 +253,7 @@ def _memo_key(x: Tensor) -> tuple:
     """What a chain's kept ``"auto"`` decision is for: the input's shape, dtype and device, the plans'
     generation (:func:`~lightning_bppsa.layer_plan.forget` drops them) and, on CUDA, whether a CUDA graph is
     being captured (:attr:`~lightning_bppsa.layer_plan.LayerPlan.captured`)."""
-    return (x.shape, x.dtype, x.device, layer_plan.generation(), x.is_cuda and layer_plan.capturing())
+    return (x.shape, x.dtype, x.device, layer_plan.generation(), x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _unscannable(layer: nn.Module, *, runtime: bool) -> str | None:

@@ -128,10 +128,12 @@ class _ScanRecurrent:
         )
         # the weights' dtype too: converting the module in place keeps their ids, and a memoised call skips
         # torch's checks (the input's dtype against theirs, :meth:`_scan_forward`); on CUDA, whether a CUDA graph
-        # is being captured (a decision's LayerPlan.captured)
+        # is being captured (a decision's LayerPlan.captured; asked directly: a CUDA input means CUDA is there, and
+        # layer_plan.capturing's availability check is three more calls, one an environment lookup, every step)
         return (
             input.shape, input.dtype, input.device, needs_grad, torch._C._are_functorch_transforms_active(),
-            self.algorithm, layer_plan.generation(), weights[0].dtype, input.is_cuda and layer_plan.capturing(),
+            self.algorithm, layer_plan.generation(), weights[0].dtype,
+            input.is_cuda and torch.cuda.is_current_stream_capturing(),
             *map(id, weights),
         )  # fmt: skip
 
