@@ -167,15 +167,9 @@ class _ScanRecurrent:
             return (*self._inference_path(input, hx, cell, params), False)
         if self.algorithm != "auto":
             return "scan", f"algorithm={self.algorithm!r} as asked", True
-        batch_dim = 0 if self.batch_first else 1
-        batch = input.shape[batch_dim] if input.dim() == 3 else 1
-        length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
-        shape = LayerShape(
-            self.mode, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1],
-            self.hidden_size, input.dtype, str(input.device),
-        )  # fmt: skip
+        shape = self._layer_shape(input, self.mode)
         without = input.device.type == "cuda" and _without_cuda_kernels(
-            cell, batch, length, self.hidden_size, params
+            cell, shape.batch, shape.steps, self.hidden_size, params
         )
         if without:  # the scan would run op by op in torch, or its states by torch's forward: never faster
             reason = f"auto on CUDA without the scan's kernels ({without})"
@@ -204,14 +198,7 @@ class _ScanRecurrent:
             return "forward kernel", ""
         if not isinstance(kernels, backends.CudaBackend):
             return "autograd", "no gradient needed"
-        batch_dim = 0 if self.batch_first else 1
-        batch = input.shape[batch_dim] if input.dim() == 3 else 1
-        length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
-        directions = 2 if self.bidirectional else 1
-        shape = LayerShape(
-            f"{self.mode} forward", self.num_layers, directions, batch, length, input.shape[-1], self.hidden_size,
-            input.dtype, str(input.device),
-        )  # fmt: skip
+        shape = self._layer_shape(input, f"{self.mode} forward")
         # no model of cuDNN's forward: its modelled training step bounds its forward, and ours (a scan step the
         # model does not price is inf) at most as much; asked only before the shape's decision is made
         # (inference decisions are not memoised: every call asks)
@@ -224,6 +211,16 @@ class _ScanRecurrent:
             timed="a forward (no gradient needed)", unmeasured="autograd",
         )  # fmt: skip
         return ("forward kernel" if plan.path == "scan" else "autograd"), plan.reason
+
+    def _layer_shape(self, input: Tensor, cell: str) -> LayerShape:  # noqa: A002
+        """This module's layer decision key for ``input`` (batched or not), under the cell name ``cell``."""
+        batch_dim = 0 if self.batch_first else 1
+        batch = input.shape[batch_dim] if input.dim() == 3 else 1
+        length = input.shape[1 - batch_dim] if input.dim() == 3 else input.shape[0]
+        return LayerShape(
+            cell, self.num_layers, 2 if self.bidirectional else 1, batch, length, input.shape[-1], self.hidden_size,
+            input.dtype, str(input.device),
+        )  # fmt: skip
 
     def _measure_forward(self, input: Tensor, hx: Any) -> dict[str, float]:  # noqa: A002
         """Seconds of this call's forward without gradients on each path (:meth:`_inference_path`), the random
