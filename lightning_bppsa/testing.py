@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_bppsa.algorithms import compute_dtype
 
-__all__ = ["OpCounter", "assert_derived_close", "cuda_path_on_cpu", "relative_error"]
+__all__ = ["OpCounter", "assert_derived_close", "cuda_path_on_cpu", "graphs_on_cpu", "relative_error"]
 
 
 def relative_error(actual: Tensor, reference: Tensor) -> float:
@@ -131,6 +131,46 @@ def cuda_path_on_cpu(run_kernels: bool = True) -> Iterator[object]:
             yield backend
         finally:
             _clear_plans()
+
+
+class EmulatedGraphs:
+    """A host stand-in for CUDA graphs (:func:`graphs_on_cpu`): a capture runs the work and keeps its result, a
+    replay runs the work again and copies its result into the captured tensors (what a graph's replay leaves in
+    its static tensors). ``captures`` counts the captures."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def accepts(self, tensor: Tensor) -> bool:
+        return True
+
+    def warm_up(self, fn, device: torch.device) -> None:
+        fn()
+
+    def capture(self, fn, pool: object, device: torch.device):
+        self.captures += 1
+        result = fn()
+
+        def replay(targets: list) -> None:
+            fresh = fn()
+            with torch.no_grad():
+                for target, value in zip(targets, fresh, strict=True):
+                    if target is not None:
+                        target.copy_(value)
+
+        return result, replay, pool
+
+
+@contextlib.contextmanager
+def graphs_on_cpu() -> Iterator[EmulatedGraphs]:
+    """Replayed scan steps (:mod:`lightning_bppsa.nn._replay`) on any device, over :class:`EmulatedGraphs`
+    (yielded), for machines without a GPU: what a replay hands out, when it captures again and when it runs
+    the eager scan are the CUDA path's; the graphs themselves are checked on a GPU."""
+    from lightning_bppsa.nn import _replay
+
+    graphs = EmulatedGraphs()
+    with mock.patch.object(_replay, "GRAPHS", graphs):
+        yield graphs
 
 
 #: ops that queue no kernel on a GPU: views and allocations (of the caching allocator: no launch either)

@@ -53,6 +53,7 @@ from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import RecurrentCell, cell_of
 from lightning_bppsa.kernels import recurrent as native_kernels
 from lightning_bppsa.layer_plan import LayerShape, time_training_steps
+from lightning_bppsa.nn import _replay
 from lightning_bppsa.nn._scan_layer import LayerFunction, forward_only
 from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_converter
 from lightning_bppsa.plan import check_algorithm
@@ -108,6 +109,10 @@ class _ScanRecurrent:
             return super().forward(input, hx)
         if path == "forward kernel":
             self.last_stats["plan"] = "forward kernel (no gradient needed)"
+        elif weights is not None and self.algorithm == "auto":  # a memoised scan call: from CUDA graphs if it may
+            replayed = _replay.run(self, key, input, weights)
+            if replayed is not None:
+                return replayed
         return self._scan_forward(input, hx, grads=path == "scan", weights=weights)
 
     def extra_repr(self) -> str:
@@ -177,6 +182,8 @@ class _ScanRecurrent:
         plan = layer_plan.plan_layer(
             shape, functools.partial(_predict, shape), lambda: self._measure(input, hx)
         )
+        if plan.path != "scan":  # graphs the measurement captured would only hold memory
+            _replay.forget(self)
         # kept while the cache holds it (the memo's key has the cache's generation)
         return plan.path, plan.reason, layer_plan.cached(shape)
 
@@ -245,10 +252,13 @@ class _ScanRecurrent:
         wrt = [t for t in (*params, input, *states) if t.requires_grad]
         torch_forward = super().forward
         stats = self.last_stats
-        times = time_training_steps(
-            {"scan": lambda: self._scan_forward(input, hx)[0], "autograd": lambda: torch_forward(input, hx)[0]},
-            wrt, input.device,
-        )  # fmt: skip
+        key, weights = self._memo_key(input, hx), self._layer_weights()
+
+        def scan_step() -> Tensor:  # the step as later calls run it: replayed from CUDA graphs where they may
+            replayed = None if key is None else _replay.run(self, key, input, weights)
+            return (self._scan_forward(input, hx) if replayed is None else replayed)[0]
+
+        times = time_training_steps({"scan": scan_step, "autograd": lambda: torch_forward(input, hx)[0]}, wrt, input.device)
         self.last_stats = stats
         return times
 

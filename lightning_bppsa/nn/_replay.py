@@ -1,0 +1,295 @@
+"""A recurrent module's scan step replayed from two CUDA graphs: the host's share of a small step, gone.
+
+At T ~ 1000 and a small batch a training step on a GPU waits for its host: on an H200 our eager RNN step
+(B=16 T=1000 H=20) took 1.21 ms of CPU to queue against 0.22 ms of GPU work, cuDNN's 1.23 ms
+(``benchmarks/results/cuda-host-h200-c040340.md``), while the same scan step captured in a CUDA graph replayed
+in 0.24 ms, 3.15x cuDNN's captured step (``cuda-step-h200-213b46c.md``). So an ``algorithm="auto"`` module whose
+call may replay (:func:`replayable`) keeps, per call key, its scan's forward and backward captured as two CUDA
+graphs (:class:`StepGraphs`, as ``torch.cuda.make_graphed_callables`` captures a module), and a call copies its
+input in and launches one graph each way (:class:`_Replayed`). The decision between torch's layer and the scan
+times the scan's step replayed where it would replay (``_ScanRecurrent._measure``).
+
+What keeps this exact where a graphed module of one's own is not:
+
+- a graph's static outputs and gradients are handed out as aliases, and a graph runs again only where nothing
+  but the graph holds any of them (storage use counts): an output kept by the caller, a backward still to run
+  (its context holds the output), or a ``.grad`` that took a gradient (autograd keeps one where it can) make
+  the next call take a second graph, or the eager scan where :data:`GRAPHS_PER_KEY` are busy;
+- where the output was modified in place before the backward (the graphs' states would be stale), under
+  double backward (``create_graph=True``) and :func:`~lightning_bppsa.nn.reference_backward`, the backward
+  recomputes the call with the eager scan and differentiates that.
+
+Not yet run on a GPU (written in a session without one): the bookkeeping is tested on CPU over a host
+emulation of the graphs (:func:`lightning_bppsa.testing.graphs_on_cpu`), the graphs in ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn._scan_layer import _keeps_graph
+from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
+
+__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "replayable", "run"]
+
+#: graph pairs kept per call key: a training loop alternates two (the last step's output is still referenced,
+#: by the caller's variable, while the next forward runs)
+GRAPHS_PER_KEY = 2
+#: graph pairs kept per module, over all its call keys (free ones of other keys make room)
+GRAPHS_PER_MODULE = 4
+#: calls whose layers' outputs hold more elements than this run eagerly: there the GPU's work outweighs the
+#: host's (RNN B=16 T=10000 H=20, 3.2e6: 2.1 ms a step, the host ~1.2), and a graph's memory stays held
+REPLAY_ELEMENTS = 1 << 21
+
+log = logging.getLogger(__name__)
+
+
+class CudaGraphs:
+    """Captures and replays CUDA graphs (``torch.cuda.CUDAGraph``); the tests swap in a host emulation."""
+
+    def accepts(self, tensor: Tensor) -> bool:
+        """Whether a call on ``tensor`` may be captured."""
+        return tensor.is_cuda
+
+    def warm_up(self, fn: Callable[[], object], device: torch.device) -> None:
+        """``fn`` once on a side stream (lazy initialisation and the kernels' first-call compilation and
+        measurements happen outside the capture, as torch's CUDA graph notes ask)."""
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                fn()
+            current.wait_stream(side)
+
+    def capture(
+        self, fn: Callable[[], list], pool: Any, device: torch.device
+    ) -> tuple[list, Callable[[list], None], Any]:
+        """``(fn's result, replay, memory pool)``: ``replay(targets)`` reruns the captured work, which writes
+        ``fn``'s result tensors in place (``targets``, the caller's aliases of them, need nothing more here).
+        ``thread_local``: another thread's CUDA calls (a data loader's pinning) do not break the capture."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            result = fn()
+        return result, lambda targets: graph.replay(), graph.pool()
+
+
+#: the graphs' implementation (:func:`lightning_bppsa.testing.graphs_on_cpu` replaces it)
+GRAPHS: Any = CudaGraphs()
+
+
+def _flat(outputs: tuple) -> list[Tensor]:
+    """A module's ``(output, h_n)`` / ``(output, (h_n, c_n))`` as a list."""
+    output, states = outputs
+    return [output, *states] if isinstance(states, tuple) else [output, states]
+
+
+def _nested(flat: tuple[Tensor, ...]) -> tuple:
+    """:func:`_flat`'s inverse."""
+    return (flat[0], flat[1]) if len(flat) == 2 else (flat[0], (flat[1], flat[2]))
+
+
+class StepGraphs:
+    """One call key's scan step captured: the forward (``input`` -> outputs, the states kept for the backward
+    in the graphs' memory) and the backward (the outputs' gradients -> the gradients of ``input`` and the
+    weights that need them). Built by capturing ``module``'s eager scan after one warm-up step."""
+
+    def __init__(self, module: torch.nn.Module, input: Tensor, weights: list[tuple[Tensor, ...]]) -> None:  # noqa: A002
+        self.module = weakref.ref(module)  # the module keeps its graphs: no cycle
+        self.layer_weights = weights
+        self.weights = [w for layer in weights for w in layer]
+        self.input = input.detach().clone().requires_grad_(input.requires_grad)
+        self.wanted = [t.requires_grad for t in (input, *self.weights)]
+        # the weights' storage as captured (a graph reads those addresses; an in-place update shows, a swapped
+        # .data does not: the caller's key has the addresses)
+        own = [tuple(w.detach().requires_grad_(w.requires_grad) for w in layer) for layer in weights]
+        wrt = [t for t in (self.input, *(w for layer in own for w in layer)) if t.requires_grad]
+        live: list[Tensor] = []  # the outputs of the last eager run, whose autograd graph the backward takes
+
+        def forward() -> list[Tensor]:
+            live[:] = _flat(module._scan_forward(self.input, None, weights=own))
+            return live
+
+        def backward() -> list[Tensor]:
+            return list(torch.autograd.grad(live, wrt, self.grad_outputs, retain_graph=True, allow_unused=True))
+
+        def warm_up() -> None:
+            forward()
+            torch.autograd.grad(live, wrt, [torch.ones_like(o) for o in live], allow_unused=True)
+
+        device = input.device
+        GRAPHS.warm_up(warm_up, device)
+        # on the caller's stream, not the warm-up's (a block of a dropped stream could be handed out again)
+        self.grad_outputs = [torch.zeros_like(o) for o in live]
+        live.clear()
+        result, self._forward, pool = GRAPHS.capture(forward, None, device)
+        self.outputs = [o.detach() for o in result]
+        grads, self._backward, _ = GRAPHS.capture(backward, pool, device)
+        self.grads = list(grads)
+        del result, grads
+        live.clear()  # the eager graph of the capture: its states now live in the graphs' memory only
+        # a replay runs no Python of the layers: their timings are not taken (as under torch.compile)
+        stats = dict(module.last_stats, forward_seconds=0.0, scan_seconds=0.0)
+        stats["plan"] = f"{stats.get('plan', 'scan')}, replayed from CUDA graphs"
+        self.stats = stats
+        self._handed = [t for t in (*self.outputs, *self.grads) if t is not None]
+        # counted with nothing handed out; two handed-out tensors on one storage would alias two gradients
+        self._idle = [_use_count(t) for t in self._handed]
+        self.shares_storage = len({t.untyped_storage().data_ptr() for t in self._handed}) < len(self._handed)
+
+    def free(self) -> bool:
+        """Whether nothing but these graphs holds an output or a gradient of theirs (a replay may overwrite)."""
+        return all(_use_count(t) <= idle for t, idle in zip(self._handed, self._idle, strict=True))
+
+    def replay_forward(self, input: Tensor) -> list[Tensor]:  # noqa: A002
+        """The forward on ``input``: aliases of the static outputs."""
+        self.input.copy_(input)
+        with torch.enable_grad():  # the emulation reruns the eager forward, whose graph its backward takes
+            self._forward(self.outputs)
+        return [o.detach() for o in self.outputs]
+
+    def replay_backward(self, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+        """The gradients of the input and every weight (``None`` where not wanted) for the outputs' ``grads``
+        (``None``: zero)."""
+        for static, grad in zip(self.grad_outputs, grads, strict=True):
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
+        self._backward(self.grads)
+        computed = iter(self.grads)
+        return [_alias(next(computed)) if want else None for want in self.wanted]
+
+    def recomputed_backward(self, input: Tensor, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:  # noqa: A002
+        """The same gradients through the eager scan on ``input`` (double backward: differentiable)."""
+        module = self.module()
+        if module is None:
+            raise RuntimeError("lightning_bppsa: the module of a replayed call was freed before its backward")
+        create_graph = torch.is_grad_enabled()
+        with torch.enable_grad():
+            outputs = _flat(module._scan_forward(input, None, weights=self.layer_weights))
+            wrt = [t for t, want in zip((input, *self.weights), self.wanted, strict=True) if want]
+            pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+            computed = iter(
+                torch.autograd.grad(
+                    [o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=create_graph, allow_unused=True
+                )
+            )
+        return [next(computed) if want else None for want in self.wanted]
+
+
+def _alias(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+class _Replayed(torch.autograd.Function):
+    """``(graphs, input, *weights) -> outputs`` from :class:`StepGraphs`' forward graph; the backward from its
+    backward graph, or recomputed eagerly where that cannot serve (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, graphs: StepGraphs, input: Tensor, *weights: Tensor):  # noqa: A002
+        outputs = graphs.replay_forward(input)
+        ctx.graphs = graphs
+        # an alias of the output, held until the backward, keeps the graphs busy (StepGraphs.free); its version
+        # (shared with the output) says whether the caller modified the output in place since (the graphs'
+        # states would then be stale). Not the output itself: its grad_fn holds ctx (a cycle only gc frees)
+        ctx.out = outputs[0].detach()
+        ctx.out_version = ctx.out._version
+        ctx.save_for_backward(input)
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        (input,) = ctx.saved_tensors  # autograd's error on a second backward without retain_graph
+        out = ctx.out
+        if not _keeps_graph():  # released as autograd releases saved tensors: the graphs are free again
+            ctx.out = None
+        if out._version != ctx.out_version or torch.is_grad_enabled() or reference_backward_enabled():
+            return None, *ctx.graphs.recomputed_backward(input, grads)
+        return None, *ctx.graphs.replay_backward(grads)
+
+
+def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
+    """Whether a memoised scan call of ``module`` on ``input`` may replay: the graphs take its device (CUDA),
+    no graph is being captured (a caller's capture holds the eager scan), nothing traces or intercepts ops
+    (``torch.compile``, dispatch and function modes, tensor subclasses), no autocast, no dropout drawn, and
+    outputs of at most :data:`REPLAY_ELEMENTS` elements."""
+    layers = module.num_layers * (2 if module.bidirectional else 1)
+    return (
+        _SOLE is not None
+        and type(input) is Tensor
+        and GRAPHS.accepts(input)
+        and not (input.is_cuda and torch.cuda.is_current_stream_capturing())
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch.is_autocast_enabled(input.device.type)
+        and (module.dropout == 0 or not module.training)
+        and input.numel() // input.shape[-1] * module.hidden_size * layers <= REPLAY_ELEMENTS
+    )
+
+
+def run(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> tuple | None:  # noqa: A002
+    """``module``'s outputs for a memoised scan call (``key``: its memo key, ``weights``: its layers' weights)
+    replayed from graphs, or ``None``: the call runs the eager scan (not :func:`replayable`, every graph of
+    the key busy, or capturing failed, said once)."""
+    if not replayable(module, input):
+        return None
+    graphs = _free_graphs(module, key, input, weights)
+    if graphs is None:
+        return None
+    outputs = _Replayed.apply(graphs, input, *graphs.weights)
+    module.__dict__["last_stats"] = dict(graphs.stats)
+    return _nested(outputs)
+
+
+def forget(module: torch.nn.Module) -> None:
+    """Drop ``module``'s graphs that nothing holds (a decision for torch's layer: they would only hold memory)."""
+    kept = module.__dict__.get("_replays")
+    if kept:
+        for key in list(kept):
+            kept[key] = [g for g in kept[key] if not g.free()]
+            if not kept[key]:
+                del kept[key]
+
+
+def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
+    """A free :class:`StepGraphs` of this call, captured if the limits allow, else ``None``."""
+    flat = [w for layer in weights for w in layer]
+    # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws
+    full_key = (key, input.requires_grad, module.training, *(w.data_ptr() for w in flat), *(w.requires_grad for w in flat))
+    kept = module.__dict__.setdefault("_replays", {})
+    graphs = kept.get(full_key)
+    if graphs is None:
+        graphs = kept[full_key] = []
+    for candidate in graphs:
+        if candidate.free():
+            return candidate
+    refused = module.__dict__.setdefault("_replay_refused", set())
+    if full_key in refused or len(graphs) >= GRAPHS_PER_KEY:
+        return None
+    if sum(map(len, kept.values())) >= GRAPHS_PER_MODULE:
+        forget(module)
+        graphs = kept.setdefault(full_key, graphs)
+        if sum(map(len, kept.values())) >= GRAPHS_PER_MODULE:
+            return None
+    try:
+        captured = StepGraphs(module, input, weights)
+    except Exception as error:  # noqa: BLE001  (the eager scan runs; a capture the device refuses is not the caller's error)
+        refused.add(full_key)
+        log.warning("lightning_bppsa: %s runs its scan eagerly, capturing it in CUDA graphs failed: %s",
+                    type(module).__name__, f"{type(error).__name__}: {error}")  # fmt: skip
+        return None
+    if captured.shares_storage:
+        refused.add(full_key)
+        return None
+    graphs.append(captured)
+    return captured

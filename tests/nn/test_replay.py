@@ -1,0 +1,193 @@
+"""Scan steps replayed from CUDA graphs (lightning_bppsa.nn._replay), over the host emulation of the graphs:
+gradients equal torch's, and a graph runs again only where nothing holds what it handed out."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bppsa import layer_plan
+from lightning_bppsa import nn as bnn
+from lightning_bppsa.nn import _replay, recurrent
+from lightning_bppsa.testing import OpCounter, assert_derived_close, graphs_on_cpu
+
+PAIRS = {"RNN": (bnn.RNN, nn.RNN), "GRU": (bnn.GRU, nn.GRU), "LSTM": (bnn.LSTM, nn.LSTM)}
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """The emulated graphs, "auto" deciding for the scan (the model sure, nothing measured)."""
+    monkeypatch.setattr(recurrent, "_predict", lambda shape: (1e-3, 1e-2))
+    layer_plan.forget()
+    with graphs_on_cpu() as emulated, layer_plan.measurements(False):
+        yield emulated
+    layer_plan.forget()
+
+
+def _pair(cell, **kw):
+    ours_cls, torch_cls = PAIRS[cell]
+    ours = ours_cls(3, 5, batch_first=True, algorithm="auto", dtype=torch.float64, **kw)
+    ref = torch_cls(3, 5, batch_first=True, dtype=torch.float64, **kw)
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def _loss(outputs):
+    output, states = outputs
+    h_n = states[0] if isinstance(states, tuple) else states
+    return (output**2).sum() + h_n.sin().sum()
+
+
+def _check_grads(ours, ref, x_ours, x_ref):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert_derived_close(p.grad, q.grad, name=name)
+    if x_ref.grad is not None:
+        assert_derived_close(x_ours.grad, x_ref.grad, name="input")
+
+
+@pytest.mark.parametrize("cell", list(PAIRS))
+@pytest.mark.parametrize("kw", [{}, {"num_layers": 2, "bidirectional": True}])
+def test_replayed_steps_give_torchs_gradients(graphs, cell, kw):
+    ours, ref = _pair(cell, **kw)
+    for step in range(4):  # the first call decides, the second captures, the third a second graph, then reuse
+        x = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        ours.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = ours(x)
+        _loss(out).backward()
+        _loss(ref(x_ref)).backward()
+        _check_grads(ours, ref, x, x_ref)
+        assert_derived_close(out[0], ref(x_ref)[0], name="output")
+        replayed = "replayed from CUDA graphs" in ours.last_stats["plan"]
+        assert replayed == (step > 0), ours.last_stats["plan"]
+    # steps 1 and 2 captured a forward and a backward graph each (step 1's outputs were held during step 2)
+    assert graphs.captures == 4
+
+
+def test_outputs_kept_by_the_caller_are_never_overwritten(graphs):
+    ours, ref = _pair("GRU")
+    x1, x2, x3 = (torch.randn(2, 5, 3, dtype=torch.float64) for _ in range(3))
+    ours(x1)  # decides (eager)
+    held = [ours(x)[0] for x in (x1, x2, x3)]  # two graphs, then every graph busy: the eager scan
+    assert graphs.captures == 4
+    assert "replayed" not in ours.last_stats["plan"]
+    for out, x in zip(held, (x1, x2, x3), strict=True):
+        assert_derived_close(out, ref(x)[0], name="held output")
+    # accumulated over the three calls: every graph's backward on its own states
+    sum(o.sum() for o in held).backward()
+    sum(ref(x)[0].sum() for x in (x1, x2, x3)).backward()
+    _check_grads(ours, ref, x1, x1)
+
+
+def test_gradients_accumulate_without_zeroing_between_steps(graphs):
+    """A .grad that took a replay's gradient holds that graph: the next backward adds into it, not over it.
+    Every other step's loss leaves h_n unused (its gradient None: zero, not the last step's)."""
+    ours, ref = _pair("LSTM")
+    for step in range(5):
+        x = torch.randn(3, 4, 3, dtype=torch.float64)
+        loss = _loss if step % 2 else lambda outputs: outputs[0].square().sum()
+        loss(ours(x)).backward()
+        loss(ref(x)).backward()
+    _check_grads(ours, ref, x, x)
+
+
+def test_an_output_modified_in_place_recomputes_and_matches_torch(graphs, monkeypatch):
+    recomputed = []
+    recompute = _replay.StepGraphs.recomputed_backward
+    monkeypatch.setattr(
+        _replay.StepGraphs, "recomputed_backward", lambda *args: recomputed.append(1) or recompute(*args)
+    )
+    ours, ref = _pair("RNN")
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    ours(x), ours(x)  # decided, captured
+    out, _ = ours(x)
+    assert "replayed" in ours.last_stats["plan"]
+    out.mul_(2.0)
+    out.sum().backward()
+    ref_out, _ = ref(x)
+    ref_out.mul_(2.0)
+    ref_out.sum().backward()
+    _check_grads(ours, ref, x, x)
+    assert recomputed == [1]  # the graph's states were stale (on a GPU the backward graph reads out itself)
+
+
+def test_retain_graph_and_double_backward_match_torch(graphs):
+    ours, ref = _pair("GRU")
+    x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    ours(x), ours(x)
+    loss = _loss(ours(x))
+    assert "replayed" in ours.last_stats["plan"]
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref_loss = _loss(ref(x_ref))
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    _check_grads(ours, ref, x, x_ref)
+    # a gradient penalty: the second derivative through the recomputed scan
+    (g,) = torch.autograd.grad(_loss(ours(x)), x, create_graph=True)
+    (g_ref,) = torch.autograd.grad(_loss(ref(x_ref)), x_ref, create_graph=True)
+    ours.zero_grad(), ref.zero_grad()
+    g.square().sum().backward()
+    g_ref.square().sum().backward()
+    _check_grads(ours, ref, x, x_ref)
+
+
+def test_new_weight_storage_captures_anew_and_module_limit_holds(graphs):
+    ours, ref = _pair("RNN")
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    for _ in range(3):
+        ours(x)
+    assert graphs.captures == 2
+    with torch.no_grad():  # the same Parameter objects over new storage (a replay would read the old)
+        for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+            p.data = p.data * 0.5
+            q.copy_(p)
+    ours(x)
+    out, _ = ours(x)  # the first call's outputs dropped: its graph again
+    assert graphs.captures == 4
+    assert_derived_close(out, ref(x)[0], name="output over the new weights")
+    for length in range(6, 12):  # new call keys: graphs of other keys make room, at most the module's limit
+        ours(torch.randn(2, length, 3, dtype=torch.float64))
+        ours(torch.randn(2, length, 3, dtype=torch.float64))
+    assert sum(map(len, ours._replays.values())) <= _replay.GRAPHS_PER_MODULE
+
+
+def test_what_cannot_replay_runs_the_eager_scan(graphs, monkeypatch):
+    ours, _ = _pair("LSTM", num_layers=2, dropout=0.5)
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    for _ in range(3):
+        ours(x)  # dropout drawn in training
+    ours.eval()
+    with OpCounter():  # a dispatch mode sees every op
+        for _ in range(3):
+            ours(x)
+    monkeypatch.setattr(_replay, "REPLAY_ELEMENTS", 2 * 5 * 5 * 2 - 1)  # one element too many
+    for _ in range(3):
+        ours(x)
+    assert graphs.captures == 0 and "replayed" not in ours.last_stats["plan"]
+    monkeypatch.setattr(_replay, "REPLAY_ELEMENTS", 2 * 5 * 5 * 2)  # evaluation mode: no dropout drawn
+    ours(x)
+    ours(x)
+    assert graphs.captures == 2 and "replayed" in ours.last_stats["plan"]
+
+
+def test_the_decision_times_the_replayed_step_and_drops_graphs_it_does_not_take(monkeypatch):
+    layer_plan.forget()
+    timed = []
+
+    def measure(forwards, wrt, device):  # each path's step run once; torch's declared the faster
+        for name, forward in forwards.items():
+            forward()
+            timed.append(name)
+        return {"scan": 2e-3, "autograd": 1e-3}
+
+    monkeypatch.setattr(recurrent, "_predict", lambda shape: (1e-3, 1.1e-3))  # unsure: measured
+    monkeypatch.setattr(recurrent, "time_training_steps", measure)
+    ours, _ = _pair("RNN")
+    with graphs_on_cpu() as graphs, layer_plan.measurements(True):
+        ours(torch.randn(2, 5, 3, dtype=torch.float64))
+    layer_plan.forget()
+    assert timed == ["scan", "autograd"]
+    assert graphs.captures == 2  # the scan's step was timed replayed ...
+    assert ours.last_stats["path"] == "autograd" and not ours._replays  # ... and its graphs dropped
