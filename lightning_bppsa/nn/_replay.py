@@ -37,7 +37,7 @@ from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn._scan_layer import _keeps_graph
 from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
 
-__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "replayable", "run"]
+__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "kept", "replayable", "run"]
 
 #: graph pairs kept per call key: a training loop alternates two (the last step's output is still referenced,
 #: by the caller's variable, while the next forward runs)
@@ -108,13 +108,14 @@ class StepGraphs:
         self.input = input.detach().clone().requires_grad_(input.requires_grad)
         self.wanted = [t.requires_grad for t in (input, *self.weights)]
         # the weights' storage as captured (a graph reads those addresses; an in-place update shows, a swapped
-        # .data does not: the caller's key has the addresses)
-        own = [tuple(w.detach().requires_grad_(w.requires_grad) for w in layer) for layer in weights]
+        # .data does not: the caller's key has the addresses); kept, so that no other tensor takes that memory
+        # while the graphs live
+        own = self._captured_weights = [tuple(w.detach().requires_grad_(w.requires_grad) for w in layer) for layer in weights]
         wrt = [t for t in (self.input, *(w for layer in own for w in layer)) if t.requires_grad]
         live: list[Tensor] = []  # the outputs of the last eager run, whose autograd graph the backward takes
 
         def forward() -> list[Tensor]:
-            live[:] = _flat(module._scan_forward(self.input, None, weights=own))
+            live[:] = _flat(self.module()._scan_forward(self.input, None, weights=own))
             return live
 
         def backward() -> list[Tensor]:
@@ -197,11 +198,11 @@ class _Replayed(torch.autograd.Function):
     def forward(ctx, graphs: StepGraphs, input: Tensor, *weights: Tensor):  # noqa: A002
         outputs = graphs.replay_forward(input)
         ctx.graphs = graphs
-        # an alias of the output, held until the backward, keeps the graphs busy (StepGraphs.free); its version
-        # (shared with the output) says whether the caller modified the output in place since (the graphs'
-        # states would then be stale). Not the output itself: its grad_fn holds ctx (a cycle only gc frees)
-        ctx.out = outputs[0].detach()
-        ctx.out_version = ctx.out._version
+        # aliases of the outputs, held until the backward, keep the graphs busy (StepGraphs.free); their versions
+        # (shared with the outputs) say whether the caller modified an output in place since (the graphs'
+        # states could then be stale). Not the outputs themselves: their grad_fn holds ctx (a cycle only gc frees)
+        ctx.outs = [o.detach() for o in outputs]
+        ctx.versions = [o._version for o in ctx.outs]
         ctx.save_for_backward(input)
         ctx.set_materialize_grads(False)
         return tuple(outputs)
@@ -209,10 +210,11 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
         (input,) = ctx.saved_tensors  # autograd's error on a second backward without retain_graph
-        out = ctx.out
+        outs = ctx.outs
         if not _keeps_graph():  # released as autograd releases saved tensors: the graphs are free again
-            ctx.out = None
-        if out._version != ctx.out_version or torch.is_grad_enabled() or reference_backward_enabled():
+            ctx.outs = None
+        changed = any(o._version != v for o, v in zip(outs, ctx.versions, strict=True))
+        if changed or torch.is_grad_enabled() or reference_backward_enabled():
             return None, *ctx.graphs.recomputed_backward(input, grads)
         return None, *ctx.graphs.replay_backward(grads)
 
@@ -251,14 +253,25 @@ def run(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[
     return _nested(outputs)
 
 
+def kept(module: torch.nn.Module) -> list[StepGraphs]:
+    """The graphs ``module`` keeps (every call key's)."""
+    return [graphs for per_key in _KEPT.get(module, {}).values() for graphs in per_key]
+
+
 def forget(module: torch.nn.Module) -> None:
     """Drop ``module``'s graphs that nothing holds (a decision for torch's layer: they would only hold memory)."""
-    kept = module.__dict__.get("_replays")
-    if kept:
-        for key in list(kept):
-            kept[key] = [g for g in kept[key] if not g.free()]
-            if not kept[key]:
-                del kept[key]
+    per_key = _KEPT.get(module)
+    if per_key:
+        for key in list(per_key):
+            per_key[key] = [g for g in per_key[key] if not g.free()]
+            if not per_key[key]:
+                del per_key[key]
+
+
+#: per module, its graphs by call key, and the keys whose capture failed (never tried again). Beside the module,
+#: not in it: a deep copy or a pickle of the module must not carry graphs that replay the original's memory
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
@@ -266,20 +279,18 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: li
     flat = [w for layer in weights for w in layer]
     # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws
     full_key = (key, input.requires_grad, module.training, *(w.data_ptr() for w in flat), *(w.requires_grad for w in flat))
-    kept = module.__dict__.setdefault("_replays", {})
-    graphs = kept.get(full_key)
-    if graphs is None:
-        graphs = kept[full_key] = []
+    per_key = _KEPT.setdefault(module, {})
+    graphs = per_key.setdefault(full_key, [])
     for candidate in graphs:
         if candidate.free():
             return candidate
-    refused = module.__dict__.setdefault("_replay_refused", set())
+    refused = _REFUSED.setdefault(module, set())
     if full_key in refused or len(graphs) >= GRAPHS_PER_KEY:
         return None
-    if sum(map(len, kept.values())) >= GRAPHS_PER_MODULE:
+    if len(kept(module)) >= GRAPHS_PER_MODULE:
         forget(module)
-        graphs = kept.setdefault(full_key, graphs)
-        if sum(map(len, kept.values())) >= GRAPHS_PER_MODULE:
+        graphs = per_key.setdefault(full_key, graphs)
+        if len(kept(module)) >= GRAPHS_PER_MODULE:
             return None
     try:
         captured = StepGraphs(module, input, weights)

@@ -1,6 +1,9 @@
 """Scan steps replayed from CUDA graphs (lightning_bppsa.nn._replay), over the host emulation of the graphs:
 gradients equal torch's, and a graph runs again only where nothing holds what it handed out."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -91,24 +94,25 @@ def test_gradients_accumulate_without_zeroing_between_steps(graphs):
     _check_grads(ours, ref, x, x)
 
 
-def test_an_output_modified_in_place_recomputes_and_matches_torch(graphs, monkeypatch):
+@pytest.mark.parametrize(("cell", "which"), [("RNN", 0), ("LSTM", 2)])
+def test_an_output_modified_in_place_recomputes_and_matches_torch(graphs, monkeypatch, cell, which):
+    """``which``: the output modified (0 the sequence, 2 the LSTM's c_n)."""
     recomputed = []
     recompute = _replay.StepGraphs.recomputed_backward
     monkeypatch.setattr(
         _replay.StepGraphs, "recomputed_backward", lambda *args: recomputed.append(1) or recompute(*args)
     )
-    ours, ref = _pair("RNN")
+    ours, ref = _pair(cell)
     x = torch.randn(2, 5, 3, dtype=torch.float64)
     ours(x), ours(x)  # decided, captured
-    out, _ = ours(x)
+    flat = _replay._flat(ours(x))
     assert "replayed" in ours.last_stats["plan"]
-    out.mul_(2.0)
-    out.sum().backward()
-    ref_out, _ = ref(x)
-    ref_out.mul_(2.0)
-    ref_out.sum().backward()
+    expected = _replay._flat(ref(x))
+    for outputs in (flat, expected):
+        outputs[which].mul_(2.0)
+        sum(o.sum() for o in outputs).backward()
     _check_grads(ours, ref, x, x)
-    assert recomputed == [1]  # the graph's states were stale (on a GPU the backward graph reads out itself)
+    assert recomputed == [1]  # the graph's states may be stale (on a GPU the backward graph reads them)
 
 
 def test_retain_graph_and_double_backward_match_torch(graphs):
@@ -150,7 +154,7 @@ def test_new_weight_storage_captures_anew_and_module_limit_holds(graphs):
     for length in range(6, 12):  # new call keys: graphs of other keys make room, at most the module's limit
         ours(torch.randn(2, length, 3, dtype=torch.float64))
         ours(torch.randn(2, length, 3, dtype=torch.float64))
-    assert sum(map(len, ours._replays.values())) <= _replay.GRAPHS_PER_MODULE
+    assert len(_replay.kept(ours)) <= _replay.GRAPHS_PER_MODULE
 
 
 def test_what_cannot_replay_runs_the_eager_scan(graphs, monkeypatch):
@@ -190,4 +194,28 @@ def test_the_decision_times_the_replayed_step_and_drops_graphs_it_does_not_take(
     layer_plan.forget()
     assert timed == ["scan", "autograd"]
     assert graphs.captures == 2  # the scan's step was timed replayed ...
-    assert ours.last_stats["path"] == "autograd" and not ours._replays  # ... and its graphs dropped
+    assert ours.last_stats["path"] == "autograd" and not _replay.kept(ours)  # ... and its graphs dropped
+
+
+def test_a_module_with_graphs_pickles_and_copies_without_them(graphs):
+    """The graphs live beside the module: torch.save / deepcopy of a trained module work, and a copy captures
+    its own (its weights' memory, not the original's)."""
+    ours, ref = _pair("GRU")
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    for _ in range(3):
+        ours(x)
+    assert len(_replay.kept(ours)) == 1
+    clone = pickle.loads(pickle.dumps(ours))
+    twin = copy.deepcopy(ours)
+    for module in (clone, twin):
+        assert not _replay.kept(module)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.mul_(0.5)
+        for _ in range(3):
+            out, _ = module(x)
+        assert "replayed" in module.last_stats["plan"]
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), module.parameters(), strict=True):
+                p.copy_(q)
+        assert_derived_close(out, ref(x)[0], name="the copy's output")

@@ -1,0 +1,76 @@
+"""Scan steps replayed from CUDA graphs (``lightning_bppsa.nn._replay``) on the GPU: an ``"auto"`` module whose
+decision is the scan captures its step's forward and backward once per call key and replays them; every step's
+gradients must be torch's (float64, cuDNN's layer on the same device), on new data each step, with the last
+step's outputs still held (a second graph), after an output modified in place (the eager recompute: on a GPU
+the backward graph would read the modified output), and with gradients accumulated over steps. Emulated (no
+GPU), the same bodies run over :func:`lightning_bppsa.testing.graphs_on_cpu`."""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import lightning_bppsa.nn as bnn
+from lightning_bppsa import layer_plan
+from lightning_bppsa.nn import _replay, recurrent
+from lightning_bppsa.testing import assert_derived_close, graphs_on_cpu
+
+
+@pytest.fixture
+def replaying(backend, monkeypatch):
+    """"auto" decides for the scan (the model patched sure, nothing measured); the graphs (emulated off a GPU)."""
+    monkeypatch.setattr(recurrent, "_predict", lambda shape: (1e-3, 1e-2))
+    layer_plan.forget()
+    with nullcontext() if backend.is_cuda else graphs_on_cpu(), layer_plan.measurements(False):
+        yield backend
+    layer_plan.forget()
+
+
+def _pair(kind, device):
+    torch.manual_seed(0)
+    ours = getattr(bnn, kind)(3, 20, num_layers=2, batch_first=True, algorithm="auto", dtype=torch.float64)
+    ref = getattr(torch.nn, kind)(3, 20, num_layers=2, batch_first=True, dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    return ours.to(device), ref.to(device)
+
+
+def _check(ours, ref):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert_derived_close(p.grad, q.grad, name=name)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "GRU", "LSTM"])
+def test_replayed_steps_give_torchs_gradients_on_new_data(replaying, kind):
+    device = replaying.device
+    ours, ref = _pair(kind, device)
+    out = None
+    for step in range(5):
+        x = torch.randn(4, 64, 3, device=device, dtype=torch.float64)
+        ours.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out, _ = ours(x)  # the last step's output is held while this forward runs: two graphs alternate
+        (out[:, -1] ** 2).sum().backward()
+        expected, _ = ref(x)
+        (expected[:, -1] ** 2).sum().backward()
+        assert_derived_close(out, expected, name="output")
+        _check(ours, ref)
+        assert ("replayed from CUDA graphs" in ours.last_stats["plan"]) == (step > 0), ours.last_stats["plan"]
+    assert len(_replay.kept(ours)) == 2
+
+
+def test_an_in_place_change_and_accumulated_gradients_match_torch(replaying):
+    device = replaying.device
+    ours, ref = _pair("GRU", device)
+    x = torch.randn(4, 64, 3, device=device, dtype=torch.float64)
+    ours(x)
+    ours(x)  # decided, then captured
+    for modify in (True, False, True):  # no zeroing: the gradients add up over the three steps
+        out, _ = ours(x)
+        expected, _ = ref(x)
+        assert "replayed from CUDA graphs" in ours.last_stats["plan"]
+        if modify:
+            out.mul_(3.0)
+            expected.mul_(3.0)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+    _check(ours, ref)
