@@ -15,6 +15,11 @@ sum of the last output step, backward), not the kernels. Per cell and algorithm,
 - torch us/step: torch's own module's step at the same shape on the CPU (a different path: its CPU kernels,
   not cuDNN's; the order of size of torch's own share).
 
+Rows "auto, replayed": an ``"auto"`` module deciding for the scan, whose steps replay from CUDA graphs on a GPU
+(:mod:`lightning_bppsa.nn._replay`), here over :func:`lightning_bppsa.testing.graphs_on_cpu` with
+``run_graphs=False`` (a replay does nothing, as the dropped launches): what is timed is the host's share of a
+replayed step (the input's copy, the graphs' bookkeeping, torch's autograd around one ``Function`` each way).
+
 The GPU host's Python was ~2.5-3x slower than this machine's (cProfile of the same step: 1.75 ms there at
 be3c8e9 vs 0.63 ms here), so a microsecond saved here is worth ~2-3 on that host; only a GPU run says what the
 step gains.
@@ -25,6 +30,7 @@ step gains.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -36,12 +42,14 @@ from device_runner import RESULTS, Runner, header, markdown_table, train_step, u
 
 from lightning_bppsa import nn as bnn
 from lightning_bppsa.bench.measure import load_average, machine_description
-from lightning_bppsa.nn import _scan_layer
-from lightning_bppsa.testing import OpCounter, cuda_path_on_cpu
+from lightning_bppsa.nn import _scan_layer, recurrent
+from lightning_bppsa.testing import OpCounter, cuda_path_on_cpu, graphs_on_cpu
 
 COLUMNS = ("cell", "algorithm", "plan", "us/step", "Python calls/step", "aten ops (launching)/step", "torch us/step")
-#: (cell, algorithm forced on ours)
-WORKLOADS = (("RNN", "linear"), ("RNN", "chunked"), ("GRU", "linear"), ("GRU", "chunked"), ("LSTM", "linear"))
+REPLAYED = "auto, replayed"
+#: (cell, algorithm forced on ours; REPLAYED: "auto" deciding for the scan, its step replayed from graphs)
+WORKLOADS = (("RNN", "linear"), ("RNN", "chunked"), ("GRU", "linear"), ("GRU", "chunked"), ("LSTM", "linear"),
+             ("RNN", REPLAYED), ("GRU", REPLAYED), ("LSTM", REPLAYED))  # fmt: skip
 BATCH, STEPS, INPUTS, HIDDEN = 1, 3, 1, 20
 
 
@@ -77,10 +85,14 @@ def measure(runner: Runner, rounds: int, calls: int) -> list[list[str]]:
     for cell, algorithm in WORKLOADS:
         torch.manual_seed(0)
         ref = getattr(torch.nn, cell)(INPUTS, HIDDEN, batch_first=True)
-        ours = getattr(bnn, cell)(INPUTS, HIDDEN, batch_first=True, algorithm=algorithm)
+        replayed = algorithm == REPLAYED
+        ours = getattr(bnn, cell)(INPUTS, HIDDEN, batch_first=True, algorithm="auto" if replayed else algorithm)
         ours.load_state_dict(ref.state_dict())
         x = torch.randn(BATCH, STEPS, INPUTS)
-        with cuda_path_on_cpu(run_kernels=False):
+        with cuda_path_on_cpu(run_kernels=False), contextlib.ExitStack() as stack:
+            if replayed:  # the scan decided (the model made sure), its graphs' replays dropped as the launches are
+                stack.enter_context(mock.patch.object(recurrent, "_predict", lambda shape: (1e-3, 1e-2)))
+                stack.enter_context(graphs_on_cpu(run_graphs=False))
             steps = {"ours": train_step(ours, x), "torch": train_step(ref, x)}
             for step in steps.values():
                 for _ in range(5):
@@ -89,7 +101,8 @@ def measure(runner: Runner, rounds: int, calls: int) -> list[list[str]]:
             plan = ours.last_stats["plan"]
             rows.append([
                 cell, algorithm, plan, f"{seconds['ours'] * 1e6:.0f}", f"{_python_calls(steps['ours'], 50):.0f}",
-                _aten_ops(steps["ours"]), f"{seconds['torch'] * 1e6:.0f}",
+                "- (an op-counting mode turns replay off)" if replayed else _aten_ops(steps["ours"]),
+                f"{seconds['torch'] * 1e6:.0f}",
             ])  # fmt: skip
         print(" | ".join(rows[-1]), flush=True)
     return rows

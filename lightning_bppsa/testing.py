@@ -136,10 +136,11 @@ def cuda_path_on_cpu(run_kernels: bool = True) -> Iterator[object]:
 class EmulatedGraphs:
     """A host stand-in for CUDA graphs (:func:`graphs_on_cpu`): a capture runs the work and keeps its result, a
     replay runs the work again and copies its result into the captured tensors (what a graph's replay leaves in
-    its static tensors). ``captures`` counts the captures."""
+    its static tensors); ``run_graphs=False``: a replay does nothing. ``captures`` counts the captures."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_graphs: bool = True) -> None:
         self.captures = 0
+        self.run_graphs = run_graphs
 
     def accepts(self, tensor: Tensor) -> bool:
         return True
@@ -152,6 +153,8 @@ class EmulatedGraphs:
         result = fn()
 
         def replay(targets: list) -> None:
+            if not self.run_graphs:
+                return
             fresh = fn()
             with torch.no_grad():
                 for target, value in zip(targets, fresh, strict=True):
@@ -162,13 +165,14 @@ class EmulatedGraphs:
 
 
 @contextlib.contextmanager
-def graphs_on_cpu() -> Iterator[EmulatedGraphs]:
+def graphs_on_cpu(run_graphs: bool = True) -> Iterator[EmulatedGraphs]:
     """Replayed scan steps (:mod:`lightning_bppsa.nn._replay`) on any device, over :class:`EmulatedGraphs`
     (yielded), for machines without a GPU: what a replay hands out, when it captures again and when it runs
-    the eager scan are the CUDA path's; the graphs themselves are checked on a GPU."""
+    the eager scan are the CUDA path's; the graphs themselves are checked on a GPU. ``run_graphs=False``: a
+    replay leaves the outputs as they are (the host's share of a replayed step: ``benchmarks/host_proxy.py``)."""
     from lightning_bppsa.nn import _replay
 
-    graphs = EmulatedGraphs()
+    graphs = EmulatedGraphs(run_graphs)
     with mock.patch.object(_replay, "GRAPHS", graphs):
         yield graphs
 
