@@ -272,6 +272,8 @@ def forget(module: torch.nn.Module) -> None:
 #: not in it: a deep copy or a pickle of the module must not carry graphs that replay the original's memory
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: modules told once that their graphs were all busy
+_BUSY_SAID: weakref.WeakSet = weakref.WeakSet()
 
 
 def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
@@ -285,13 +287,17 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: li
         if candidate.free():
             return candidate
     refused = _REFUSED.setdefault(module, set())
-    if full_key in refused or len(graphs) >= GRAPHS_PER_KEY:
+    if full_key in refused:
         return None
     if len(kept(module)) >= GRAPHS_PER_MODULE:
         forget(module)
         graphs = per_key.setdefault(full_key, graphs)
-        if len(kept(module)) >= GRAPHS_PER_MODULE:
-            return None
+    if len(graphs) >= GRAPHS_PER_KEY or len(kept(module)) >= GRAPHS_PER_MODULE:
+        if module not in _BUSY_SAID:
+            _BUSY_SAID.add(module)
+            log.info("lightning_bppsa: a %s call runs its scan eagerly: every CUDA graph of it is busy (outputs or "
+                     "gradients of earlier calls still held; said once)", type(module).__name__)  # fmt: skip
+        return None
     try:
         captured = StepGraphs(module, input, weights)
     except Exception as error:  # noqa: BLE001  (the eager scan runs; a capture the device refuses is not the caller's error)

@@ -67,13 +67,15 @@ def test_replayed_steps_give_torchs_gradients(graphs, cell, kw):
     assert graphs.captures == 4
 
 
-def test_outputs_kept_by_the_caller_are_never_overwritten(graphs):
+def test_outputs_kept_by_the_caller_are_never_overwritten(graphs, caplog):
     ours, ref = _pair("GRU")
     x1, x2, x3 = (torch.randn(2, 5, 3, dtype=torch.float64) for _ in range(3))
     ours(x1)  # decides (eager)
-    held = [ours(x)[0] for x in (x1, x2, x3)]  # two graphs, then every graph busy: the eager scan
+    with caplog.at_level("INFO", logger=_replay.__name__):
+        held = [ours(x)[0] for x in (x1, x2, x3)]  # two graphs, then every graph busy: the eager scan
     assert graphs.captures == 4
     assert "replayed" not in ours.last_stats["plan"]
+    assert "every CUDA graph of it is busy" in caplog.text
     for out, x in zip(held, (x1, x2, x3), strict=True):
         assert_derived_close(out, ref(x)[0], name="held output")
     # accumulated over the three calls: every graph's backward on its own states
