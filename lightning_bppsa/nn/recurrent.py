@@ -19,7 +19,9 @@ where the first call of the shape measured them faster than cuDNN's forward (:me
 algorithm and kernel the scan runs, planned before the forward, see :class:`~lightning_bppsa.backends.LayerCall`,
 with ``", torch forward: why"`` where the device's forward kernel cannot launch; or ``"autograd (why)"``),
 ``scan_algorithm`` (the plan without the word "scan"), ``forward_seconds`` (the layers' forward op: states
-and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only.
+and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only. On CUDA an ``"auto"``
+call that runs the scan replays its step from CUDA graphs from its second call on (:mod:`~lightning_bppsa.nn._replay`:
+``plan`` then ends in ``"replayed from CUDA graphs"``, and no timings are taken).
 
 Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
 gradients disabled off the kernels (another device or dtype, autocast, no compiler; on CUDA where cuDNN's
