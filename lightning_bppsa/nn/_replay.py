@@ -25,6 +25,7 @@ emulation of the graphs (:func:`lightning_bppsa.testing.graphs_on_cpu`), the gra
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn._scan_layer import _keeps_graph
 from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
 
-__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "kept", "replayable", "run"]
+__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "MAX_CAPTURES", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "kept", "replayable", "run"]
 
 #: graph pairs kept per call key: a training loop alternates two (the last step's output is still referenced,
 #: by the caller's variable, while the next forward runs)
@@ -103,6 +104,7 @@ class StepGraphs:
 
     def __init__(self, module: torch.nn.Module, input: Tensor, weights: list[tuple[Tensor, ...]]) -> None:  # noqa: A002
         self.module = weakref.ref(module)  # the module keeps its graphs: no cycle
+        self.used = 0  # when last used (_free_graphs: the least recently used free pair makes room)
         self.layer_weights = weights
         self.weights = [w for layer in weights for w in layer]
         self.input = input.detach().clone().requires_grad_(input.requires_grad)
@@ -268,12 +270,37 @@ def forget(module: torch.nn.Module) -> None:
                 del per_key[key]
 
 
-#: per module, its graphs by call key, and the keys whose capture failed (never tried again). Beside the module,
-#: not in it: a deep copy or a pickle of the module must not carry graphs that replay the original's memory
+#: per module, its graphs by call key, the keys whose capture failed (never tried again), and how many captures
+#: it made. Beside the module, not in it: a deep copy or a pickle of the module must not carry graphs that
+#: replay the original's memory
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: modules told once that their graphs were all busy
-_BUSY_SAID: weakref.WeakSet = weakref.WeakSet()
+_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: a module that captured this many times captures no more (its keys keep changing: weights moved every call,
+#: as a sharding wrapper's may; a capture costs more than many eager steps), its graphs still replaying
+MAX_CAPTURES = 4 * GRAPHS_PER_MODULE
+#: what each module was told once: every graph busy, captures stopped
+_SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the order graphs were last used in
+_uses = itertools.count()
+
+
+def _say_once(module: torch.nn.Module, what: str, message: str) -> None:
+    said = _SAID.setdefault(module, set())
+    if what not in said:
+        said.add(what)
+        log.info("lightning_bppsa: a %s call runs its scan eagerly: %s (said once)", type(module).__name__, message)
+
+
+def _evict_one(module: torch.nn.Module) -> bool:
+    """Drop ``module``'s least recently used graph pair that nothing holds; whether there was one."""
+    per_key = _KEPT[module]
+    free = [(graphs.used, key, graphs) for key, kept_graphs in per_key.items() for graphs in kept_graphs if graphs.free()]
+    if not free:
+        return False
+    _, key, graphs = min(free, key=lambda entry: entry[0])
+    per_key[key].remove(graphs)
+    return True
 
 
 def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
@@ -285,19 +312,18 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: li
     graphs = per_key.setdefault(full_key, [])
     for candidate in graphs:
         if candidate.free():
+            candidate.used = next(_uses)
             return candidate
     refused = _REFUSED.setdefault(module, set())
     if full_key in refused:
         return None
-    if len(kept(module)) >= GRAPHS_PER_MODULE:
-        forget(module)
-        graphs = per_key.setdefault(full_key, graphs)
-    if len(graphs) >= GRAPHS_PER_KEY or len(kept(module)) >= GRAPHS_PER_MODULE:
-        if module not in _BUSY_SAID:
-            _BUSY_SAID.add(module)
-            log.info("lightning_bppsa: a %s call runs its scan eagerly: every CUDA graph of it is busy (outputs or "
-                     "gradients of earlier calls still held; said once)", type(module).__name__)  # fmt: skip
+    if len(graphs) >= GRAPHS_PER_KEY or (len(kept(module)) >= GRAPHS_PER_MODULE and not _evict_one(module)):
+        _say_once(module, "busy", "every CUDA graph of it is busy (outputs or gradients of earlier calls still held)")
         return None
+    if _CAPTURES.get(module, 0) >= MAX_CAPTURES:
+        _say_once(module, "captures", f"it captured CUDA graphs {MAX_CAPTURES} times, its call keys keep changing")
+        return None
+    _CAPTURES[module] = _CAPTURES.get(module, 0) + 1
     try:
         captured = StepGraphs(module, input, weights)
     except Exception as error:  # noqa: BLE001  (the eager scan runs; a capture the device refuses is not the caller's error)
@@ -308,5 +334,6 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: li
     if captured.shares_storage:
         refused.add(full_key)
         return None
+    captured.used = next(_uses)
     graphs.append(captured)
     return captured

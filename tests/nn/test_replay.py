@@ -221,3 +221,37 @@ def test_a_module_with_graphs_pickles_and_copies_without_them(graphs):
             for p, q in zip(ref.parameters(), module.parameters(), strict=True):
                 p.copy_(q)
         assert_derived_close(out, ref(x)[0], name="the copy's output")
+
+
+def test_the_least_recently_used_free_graphs_make_room(graphs, monkeypatch):
+    monkeypatch.setattr(_replay, "GRAPHS_PER_MODULE", 2)
+    ours, _ = _pair("RNN")
+    a, b, c = (torch.randn(2, length, 3, dtype=torch.float64) for length in (4, 5, 6))
+
+    def twice(x):  # a memo miss (decided), then a replay (captured the first time)
+        ours(x)
+        ours(x)
+
+    twice(a), twice(b), twice(a)
+    assert graphs.captures == 4  # a's and b's pairs, a's replayed again
+    twice(c)  # room made by b's pair, the least recently used
+    twice(a)
+    assert graphs.captures == 6 and len(_replay.kept(ours)) == 2
+    twice(b)
+    assert graphs.captures == 8
+
+
+def test_a_module_whose_keys_keep_changing_stops_capturing(graphs, monkeypatch, caplog):
+    monkeypatch.setattr(_replay, "MAX_CAPTURES", 2)
+    ours, ref = _pair("GRU")
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    with caplog.at_level("INFO", logger=_replay.__name__):
+        for _ in range(4):
+            with torch.no_grad():  # new storage for the same Parameters each step (as a sharding wrapper's)
+                for p in ours.parameters():
+                    p.data = p.data.clone()
+            out, _ = ours(x)
+            ours(x)
+    assert graphs.captures == 4  # two pairs, then none
+    assert "captured CUDA graphs 2 times" in caplog.text
+    assert_derived_close(out, ref(x)[0], name="output")
