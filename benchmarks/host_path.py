@@ -18,13 +18,15 @@ On the CPU (``--device cpu --tiny``) the rows that need CUDA say so; the rest ru
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import pstats
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 from device_runner import NO_CUDA, SKIPPED, Runner, header, markdown_table, ms_text, train_step, write
@@ -140,42 +142,77 @@ def python_profile(fn: Callable[[], None], device: str) -> str:
     return text.getvalue()
 
 
+#: the row of an "auto" module made sure of the scan, whose steps replay from CUDA graphs (lightning_bppsa.nn._replay)
+REPLAYED = "BPPSA auto, replayed"
+
+
 def _modules(workload: HostWorkload, device: str) -> tuple[dict[str, nn.Module], torch.Tensor]:
     from lightning_bppsa import nn as bnn
 
     cell, batch, length, inputs, hidden, algorithm = workload
     torch.manual_seed(0)
     ref = getattr(nn, cell)(inputs, hidden, batch_first=True).to(device)
-    ours = getattr(bnn, cell)(inputs, hidden, batch_first=True, algorithm=algorithm).to(device)
-    ours.load_state_dict(ref.state_dict())
+    modules = {"cuDNN" if device == "cuda" else "torch": ref}
+    for name, asked in ((f"BPPSA {algorithm}", algorithm), (REPLAYED, "auto")):
+        modules[name] = getattr(bnn, cell)(inputs, hidden, batch_first=True, algorithm=asked).to(device)
+        modules[name].load_state_dict(ref.state_dict())
     x = torch.randn(batch, length, inputs, device=device)
-    return {"cuDNN" if device == "cuda" else "torch": ref, f"BPPSA {algorithm}": ours}, x
+    return modules, x
+
+
+@contextlib.contextmanager
+def _scan_decided(name: str) -> Iterator[None]:
+    """For the :data:`REPLAYED` row, "auto" made sure of the scan (its model patched), the decisions forgotten
+    after it (no later stage may read a decision made so)."""
+    if name != REPLAYED:
+        yield
+        return
+    from lightning_bppsa import layer_plan
+    from lightning_bppsa.nn import recurrent
+
+    layer_plan.forget()
+    try:
+        with mock.patch.object(recurrent, "_predict", lambda shape: (1e-3, 1e-2)):
+            yield
+    finally:
+        layer_plan.forget()
 
 
 def host_row(runner: Runner, workload: HostWorkload) -> tuple[list[list[str]], str]:
-    """The table's rows of one workload (torch's module, ours) and the profiles of ours, as text."""
+    """The table's rows of one workload (torch's module, ours forced, ours replayed) and the profiles of ours,
+    as text."""
     modules, x = _modules(workload, runner.device)
     rows, details = [], ""
     for name, module in modules.items():
-        step = train_step(module, x)
-        for _ in range(3):
-            step()  # warm-up: kernels compiled, plans made
-        cuda = runner.device == "cuda"
-        graphed = graphed_seconds(module, x) if cuda else NO_CUDA
-        kernels, busy, table = _profile(step) if cuda else (NO_CUDA, NO_CUDA, "")
-        plan = getattr(module, "last_stats", {}).get("plan", "torch's layer")
-        rows.append([
-            name, *map(str, workload[:5]), ms_text(_step_seconds(runner, step)),
-            ms_text(_host_seconds(step, runner.device)), ms_text(_back_to_back_seconds(step, runner.device)),
-            ms_text(graphed), _syncs(step) if cuda else NO_CUDA,
-            kernels if isinstance(kernels, str) else f"{kernels:.0f}",
-            busy if isinstance(busy, str) else f"{busy:.0f}", plan,
-        ])  # fmt: skip
-        if name.startswith("BPPSA"):
-            title = f"{name}, {workload[0]} B={workload[1]} T={workload[2]} in={workload[3]} H={workload[4]}"
-            details += f"\n## {title}\n\ntorch.profiler, {PROFILED_STEPS} steps:\n\n```\n{table}```\n"
-            details += f"\ncProfile, {BACK_TO_BACK} steps:\n\n```\n{python_profile(step, runner.device)}```\n"
+        with _scan_decided(name):
+            row, table, step = _host_columns(runner, workload, name, module, x)
+            rows.append(row)
+            if name.startswith("BPPSA"):
+                title = f"{name}, {workload[0]} B={workload[1]} T={workload[2]} in={workload[3]} H={workload[4]}"
+                details += f"\n## {title}\n\ntorch.profiler, {PROFILED_STEPS} steps:\n\n```\n{table}```\n"
+                details += f"\ncProfile, {BACK_TO_BACK} steps:\n\n```\n{python_profile(step, runner.device)}```\n"
     return rows, details
+
+
+def _host_columns(
+    runner: Runner, workload: HostWorkload, name: str, module: nn.Module, x: torch.Tensor
+) -> tuple[list[str], str, Callable[[], None]]:
+    """``module``'s row of the host table, its profiler table (CUDA) and its step."""
+    step = train_step(module, x)
+    for _ in range(3):
+        step()  # warm-up: kernels compiled, plans made (and a replayed step's graphs captured)
+    cuda = runner.device == "cuda"
+    graphed = graphed_seconds(module, x) if cuda else NO_CUDA
+    kernels, busy, table = _profile(step) if cuda else (NO_CUDA, NO_CUDA, "")
+    plan = getattr(module, "last_stats", {}).get("plan", "torch's layer")
+    row = [
+        name, *map(str, workload[:5]), ms_text(_step_seconds(runner, step)),
+        ms_text(_host_seconds(step, runner.device)), ms_text(_back_to_back_seconds(step, runner.device)),
+        ms_text(graphed), _syncs(step) if cuda else NO_CUDA,
+        kernels if isinstance(kernels, str) else f"{kernels:.0f}",
+        busy if isinstance(busy, str) else f"{busy:.0f}", plan,
+    ]  # fmt: skip
+    return row, table, step
 
 
 def host_stage(runner: Runner) -> list[list[str]]:
@@ -185,15 +222,16 @@ def host_stage(runner: Runner) -> list[list[str]]:
     details = ""
     for workload in workloads:
         if runner.left() <= 0:
-            done.append([SKIPPED, *map(str, workload[:5]), *[SKIPPED] * (len(HOST_COLUMNS) - 6)])
+            rows = [[SKIPPED, *map(str, workload[:5]), *[SKIPPED] * (len(HOST_COLUMNS) - 6)]]
         else:
             rows, more = host_row(runner, workload)
-            done += rows
             details += more
-        for row in done[-2:]:
+        done += rows
+        for row in rows:
             print("host " + " | ".join(row), flush=True)
         write(runner, "cuda-host.md", header(runner, "The host path of one training step") + (
-            "Per workload, torch's module and lightning_bppsa's with the scan forced; step = zero the gradients, "
+            "Per workload, torch's module, lightning_bppsa's with the scan forced, and an \"auto\" one made sure of the "
+            "scan (its model patched), whose steps replay from CUDA graphs from the second on; step = zero the gradients, "
             "forward, loss = sum of the last output step, backward, float32. step ms: each step waited for "
             f"({runner.timer}); host ms: CPU time to queue one step; back-to-back ms: {BACK_TO_BACK} steps "
             "queued, one wait, per step; graphed ms: the step captured in one CUDA graph, per replay; syncs: "

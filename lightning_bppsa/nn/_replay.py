@@ -6,16 +6,19 @@ At T ~ 1000 and a small batch a training step on a GPU waits for its host: on an
 in 0.24 ms, 3.15x cuDNN's captured step (``cuda-step-h200-213b46c.md``). So an ``algorithm="auto"`` module whose
 call may replay (:func:`replayable`) keeps, per call key, its scan's forward and backward captured as two CUDA
 graphs (:class:`StepGraphs`, as ``torch.cuda.make_graphed_callables`` captures a module), and a call copies its
-input in and launches one graph each way (:class:`_Replayed`). The decision between torch's layer and the scan
-times the scan's step replayed where it would replay (``_ScanRecurrent._measure``).
+input (and initial state, if given) in and launches one graph each way (:class:`_Replayed`). The decision
+between torch's layer and the scan times the scan's step replayed where it would replay
+(``_ScanRecurrent._measure``).
 
 What keeps this exact where a graphed module of one's own is not:
 
 - a graph's static outputs and gradients are handed out as aliases, and a graph runs again only where nothing
   but the graph holds any of them (storage use counts): an output kept by the caller, a backward still to run
-  (its context holds the output), or a ``.grad`` that took a gradient (autograd keeps one where it can) make
-  the next call take a second graph, or the eager scan where :data:`GRAPHS_PER_KEY` are busy;
-- where the output was modified in place before the backward (the graphs' states would be stale), under
+  (its context holds aliases of the outputs), or a ``.grad`` that took a gradient (autograd keeps one where it
+  can) make the next call take a second graph, or the eager scan where :data:`GRAPHS_PER_KEY` are busy (the
+  least recently used free pair of another key makes room past :data:`GRAPHS_PER_MODULE`; a module stops
+  capturing after :data:`MAX_CAPTURES`);
+- where an output was modified in place before the backward (the graphs' states could be stale), under
   double backward (``create_graph=True``) and :func:`~lightning_bppsa.nn.reference_backward`, the backward
   recomputes the call with the eager scan and differentiates that.
 
@@ -86,6 +89,11 @@ class CudaGraphs:
 GRAPHS: Any = CudaGraphs()
 
 
+def _states(hx: Any) -> tuple[Tensor, ...]:
+    """A module's initial state (``None``, a tensor, an LSTM's pair) as a tuple of tensors."""
+    return () if hx is None else hx if isinstance(hx, tuple) else (hx,)
+
+
 def _flat(outputs: tuple) -> list[Tensor]:
     """A module's ``(output, h_n)`` / ``(output, (h_n, c_n))`` as a list."""
     output, states = outputs
@@ -98,26 +106,29 @@ def _nested(flat: tuple[Tensor, ...]) -> tuple:
 
 
 class StepGraphs:
-    """One call key's scan step captured: the forward (``input`` -> outputs, the states kept for the backward
-    in the graphs' memory) and the backward (the outputs' gradients -> the gradients of ``input`` and the
-    weights that need them). Built by capturing ``module``'s eager scan after one warm-up step."""
+    """One call key's scan step captured: the forward (``input`` and the initial state ``hx`` -> outputs, the
+    states kept for the backward in the graphs' memory) and the backward (the outputs' gradients -> the
+    gradients of the input, the initial state and the weights that need them). Built by capturing ``module``'s
+    eager scan after one warm-up step."""
 
-    def __init__(self, module: torch.nn.Module, input: Tensor, weights: list[tuple[Tensor, ...]]) -> None:  # noqa: A002
+    def __init__(self, module: torch.nn.Module, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> None:  # noqa: A002
         self.module = weakref.ref(module)  # the module keeps its graphs: no cycle
         self.used = 0  # when last used (_free_graphs: the least recently used free pair makes room)
         self.layer_weights = weights
         self.weights = [w for layer in weights for w in layer]
-        self.input = input.detach().clone().requires_grad_(input.requires_grad)
-        self.wanted = [t.requires_grad for t in (input, *self.weights)]
+        self.paired = isinstance(hx, tuple)  # an LSTM's (h0, c0)
+        states = _states(hx)
+        self.input, *self.states = (t.detach().clone().requires_grad_(t.requires_grad) for t in (input, *states))
+        self.wanted = [t.requires_grad for t in (input, *states, *self.weights)]
         # the weights' storage as captured (a graph reads those addresses; an in-place update shows, a swapped
         # .data does not: the caller's key has the addresses); kept, so that no other tensor takes that memory
         # while the graphs live
         own = self._captured_weights = [tuple(w.detach().requires_grad_(w.requires_grad) for w in layer) for layer in weights]
-        wrt = [t for t in (self.input, *(w for layer in own for w in layer)) if t.requires_grad]
+        wrt = [t for t in (self.input, *self.states, *(w for layer in own for w in layer)) if t.requires_grad]
         live: list[Tensor] = []  # the outputs of the last eager run, whose autograd graph the backward takes
 
         def forward() -> list[Tensor]:
-            live[:] = _flat(self.module()._scan_forward(self.input, None, weights=own))
+            live[:] = _flat(self.module()._scan_forward(self.input, self.hx(self.states), weights=own))
             return live
 
         def backward() -> list[Tensor]:
@@ -151,9 +162,14 @@ class StepGraphs:
         """Whether nothing but these graphs holds an output or a gradient of theirs (a replay may overwrite)."""
         return all(_use_count(t) <= idle for t, idle in zip(self._handed, self._idle, strict=True))
 
-    def replay_forward(self, input: Tensor) -> list[Tensor]:  # noqa: A002
-        """The forward on ``input``: aliases of the static outputs."""
-        self.input.copy_(input)
+    def hx(self, states: list[Tensor]) -> Any:
+        """``states`` as the module takes its initial state (``None``, a tensor, or an LSTM's pair)."""
+        return tuple(states) if self.paired else states[0] if states else None
+
+    def replay_forward(self, input: Tensor, states: tuple[Tensor, ...]) -> list[Tensor]:  # noqa: A002
+        """The forward on ``input`` from ``states``: aliases of the static outputs."""
+        for static, value in zip((self.input, *self.states), (input, *states), strict=True):
+            static.copy_(value)
         with torch.enable_grad():  # the emulation reruns the eager forward, whose graph its backward takes
             self._forward(self.outputs)
         return [o.detach() for o in self.outputs]
@@ -170,15 +186,18 @@ class StepGraphs:
         computed = iter(self.grads)
         return [_alias(next(computed)) if want else None for want in self.wanted]
 
-    def recomputed_backward(self, input: Tensor, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:  # noqa: A002
-        """The same gradients through the eager scan on ``input`` (double backward: differentiable)."""
+    def recomputed_backward(
+        self, input: Tensor, states: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]  # noqa: A002
+    ) -> list[Tensor | None]:
+        """The same gradients through the eager scan on ``input`` from ``states`` (double backward:
+        differentiable)."""
         module = self.module()
         if module is None:
             raise RuntimeError("lightning_bppsa: the module of a replayed call was freed before its backward")
         create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
-            outputs = _flat(module._scan_forward(input, None, weights=self.layer_weights))
-            wrt = [t for t, want in zip((input, *self.weights), self.wanted, strict=True) if want]
+            outputs = _flat(module._scan_forward(input, self.hx(list(states)), weights=self.layer_weights))
+            wrt = [t for t, want in zip((input, *states, *self.weights), self.wanted, strict=True) if want]
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
             computed = iter(
                 torch.autograd.grad(
@@ -193,31 +212,32 @@ def _alias(tensor: Tensor | None) -> Tensor | None:
 
 
 class _Replayed(torch.autograd.Function):
-    """``(graphs, input, *weights) -> outputs`` from :class:`StepGraphs`' forward graph; the backward from its
-    backward graph, or recomputed eagerly where that cannot serve (see the module docstring)."""
+    """``(graphs, input, *states, *weights) -> outputs`` from :class:`StepGraphs`' forward graph; the backward
+    from its backward graph, or recomputed eagerly where that cannot serve (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, graphs: StepGraphs, input: Tensor, *weights: Tensor):  # noqa: A002
-        outputs = graphs.replay_forward(input)
+    def forward(ctx, graphs: StepGraphs, input: Tensor, *rest: Tensor):  # noqa: A002
+        states = rest[: len(graphs.states)]
+        outputs = graphs.replay_forward(input, states)
         ctx.graphs = graphs
         # aliases of the outputs, held until the backward, keep the graphs busy (StepGraphs.free); their versions
         # (shared with the outputs) say whether the caller modified an output in place since (the graphs'
         # states could then be stale). Not the outputs themselves: their grad_fn holds ctx (a cycle only gc frees)
         ctx.outs = [o.detach() for o in outputs]
         ctx.versions = [o._version for o in ctx.outs]
-        ctx.save_for_backward(input)
+        ctx.save_for_backward(input, *states)
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
-        (input,) = ctx.saved_tensors  # autograd's error on a second backward without retain_graph
+        input, *states = ctx.saved_tensors  # autograd's error on a second backward without retain_graph
         outs = ctx.outs
         if not _keeps_graph():  # released as autograd releases saved tensors: the graphs are free again
             ctx.outs = None
         changed = any(o._version != v for o, v in zip(outs, ctx.versions, strict=True))
         if changed or torch.is_grad_enabled() or reference_backward_enabled():
-            return None, *ctx.graphs.recomputed_backward(input, grads)
+            return None, *ctx.graphs.recomputed_backward(input, tuple(states), grads)
         return None, *ctx.graphs.replay_backward(grads)
 
 
@@ -241,16 +261,16 @@ def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
     )
 
 
-def run(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> tuple | None:  # noqa: A002
-    """``module``'s outputs for a memoised scan call (``key``: its memo key, ``weights``: its layers' weights)
-    replayed from graphs, or ``None``: the call runs the eager scan (not :func:`replayable`, every graph of
-    the key busy, or capturing failed, said once)."""
+def run(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> tuple | None:  # noqa: A002
+    """``module``'s outputs for a memoised scan call (``key``: its memo key, ``hx``: its initial state or
+    ``None``, ``weights``: its layers' weights) replayed from graphs, or ``None``: the call runs the eager scan
+    (not :func:`replayable`, every graph of the key busy, or capturing failed, said once)."""
     if not replayable(module, input):
         return None
-    graphs = _free_graphs(module, key, input, weights)
+    graphs = _free_graphs(module, key, input, hx, weights)
     if graphs is None:
         return None
-    outputs = _Replayed.apply(graphs, input, *graphs.weights)
+    outputs = _Replayed.apply(graphs, input, *_states(hx), *graphs.weights)
     module.__dict__["last_stats"] = dict(graphs.stats)
     return _nested(outputs)
 
@@ -303,7 +323,7 @@ def _evict_one(module: torch.nn.Module) -> bool:
     return True
 
 
-def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
+def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
     """A free :class:`StepGraphs` of this call, captured if the limits allow, else ``None``."""
     flat = [w for layer in weights for w in layer]
     # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws
@@ -325,7 +345,7 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, weights: li
         return None
     _CAPTURES[module] = _CAPTURES.get(module, 0) + 1
     try:
-        captured = StepGraphs(module, input, weights)
+        captured = StepGraphs(module, input, hx, weights)
     except Exception as error:  # noqa: BLE001  (the eager scan runs; a capture the device refuses is not the caller's error)
         refused.add(full_key)
         log.warning("lightning_bppsa: %s runs its scan eagerly, capturing it in CUDA graphs failed: %s",

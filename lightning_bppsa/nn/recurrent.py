@@ -112,7 +112,7 @@ class _ScanRecurrent:
         if path == "forward kernel":
             self.last_stats["plan"] = "forward kernel (no gradient needed)"
         elif weights is not None and self.algorithm == "auto":  # a memoised scan call: from CUDA graphs if it may
-            replayed = _replay.run(self, key, input, weights)
+            replayed = _replay.run(self, key, input, hx, weights)
             if replayed is not None:
                 return replayed
         return self._scan_forward(input, hx, grads=path == "scan", weights=weights)
@@ -121,9 +121,11 @@ class _ScanRecurrent:
         return f"{super().extra_repr()}, algorithm={self.algorithm!r} [BPPSA scan backward]"
 
     def _memo_key(self, input: Any, hx: Any) -> tuple | None:  # noqa: A002
-        """What a memoised decision depends on, for the common call (a plain tensor, no initial state);
-        ``None`` (never memoised) for any other."""
-        if type(input) is not Tensor or hx is not None:
+        """What a memoised decision depends on, for the common call (a plain tensor, no initial state or plain
+        tensors as the module's state: truncated backpropagation through time passes the last one); ``None``
+        (never memoised) for any other."""
+        states = () if hx is None else hx if type(hx) is tuple else (hx,)
+        if type(input) is not Tensor or not all(type(s) is Tensor for s in states):
             return None
         # the parameters themselves (not ``_flat_weights``): functional_call swaps the ones in _parameters
         try:
@@ -131,17 +133,18 @@ class _ScanRecurrent:
         except KeyError:  # a parametrized weight (torch.nn.utils.parametrize): a new tensor at every access
             return None
         needs_grad = torch.is_grad_enabled() and (
-            input.requires_grad or any(w.requires_grad for w in weights)
+            input.requires_grad or any(w.requires_grad for w in (*weights, *states))
         )
         # the weights' dtype too: converting the module in place keeps their ids, and a memoised call skips
-        # torch's checks (the input's dtype against theirs, :meth:`_scan_forward`); on CUDA, whether a CUDA graph
+        # torch's checks (the input's dtype against theirs, the states' sizes, :meth:`_scan_forward`; a state of
+        # another structure, e.g. an LSTM's single tensor, gives another key and torch's error); on CUDA, whether a CUDA graph
         # is being captured (a decision's LayerPlan.captured; asked directly: a CUDA input means CUDA is there, and
         # layer_plan.capturing's availability check is three more calls, one an environment lookup, every step)
         return (
             input.shape, input.dtype, input.device, needs_grad, torch._C._are_functorch_transforms_active(),
             self.algorithm, layer_plan.generation(), weights[0].dtype,
             input.is_cuda and torch.cuda.is_current_stream_capturing(),
-            *map(id, weights),
+            *map(id, weights), *((s.shape, s.dtype, s.device, s.requires_grad) for s in states),
         )  # fmt: skip
 
     def _path(self, input: Any, hx: Any) -> tuple[str, str, bool]:  # noqa: A002
@@ -257,7 +260,7 @@ class _ScanRecurrent:
         key, weights = self._memo_key(input, hx), self._layer_weights()
 
         def scan_step() -> Tensor:  # the step as later calls run it: replayed from CUDA graphs where they may
-            replayed = None if key is None else _replay.run(self, key, input, weights)
+            replayed = None if key is None else _replay.run(self, key, input, hx, weights)
             return (self._scan_forward(input, hx) if replayed is None else replayed)[0]
 
         times = time_training_steps({"scan": scan_step, "autograd": lambda: torch_forward(input, hx)[0]}, wrt, input.device)

@@ -399,9 +399,11 @@ def test_the_host_table_has_torch_and_ours_per_workload_and_our_python_profile(f
     assert [row[:6] for row in rows] == [
         ["torch", cell, str(batch), str(length), str(inputs), str(hidden)],
         [f"BPPSA {algorithm}", cell, str(batch), str(length), str(inputs), str(hidden)],
+        ["BPPSA auto, replayed", cell, str(batch), str(length), str(inputs), str(hidden)],
     ]
     assert all(float(row[6]) > 0 and float(row[7]) > 0 and float(row[8]) > 0 for row in rows)
     assert rows[1][-1].startswith(f"scan {algorithm}")  # the forced scan ran
+    assert rows[2][-1].startswith("scan")  # "auto" made sure of the scan (no CUDA graphs on the CPU: eager)
     assert "cProfile, 20 steps" in text and "_scan_layer.py" in text  # ours, profiled by function
 
 

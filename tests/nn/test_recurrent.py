@@ -807,7 +807,7 @@ def test_eager_forward_runs_without_the_dynamo_disable_wrapper(monkeypatch):
 
 
 def test_a_memoised_decision_answers_only_a_call_like_the_one_that_made_it(monkeypatch):
-    """A training loop's calls (same shape, dtype, device, gradients needed, parameters, no initial state)
+    """A training loop's calls (same shape, dtype, device, gradients needed, parameters, initial state's sizes)
     reuse the first call's decision without asking again (issue 28: torch's layer pays ~1 µs, not ~10); any
     change that could change the decision asks again, and each answer is the one a fresh module gives."""
     torch.manual_seed(0)
@@ -858,9 +858,13 @@ def test_a_memoised_decision_answers_only_a_call_like_the_one_that_made_it(monke
         p.requires_grad_(False)
     assert path_of(x)[1] == 1 and ours.last_stats["path"] != "scan"  # nothing needs a gradient
     assert path_of(x)[1] == 1  # inference decisions are not memoised
-    assert path_of(x, torch.zeros(1, 2, 3))[1] == 1  # an initial state: never memoised
     for p in ours.parameters():
         p.requires_grad_(True)
+    h0 = torch.zeros(1, 2, 3)
+    assert path_of(x, h0)[1] == 1 and path_of(x, h0 + 1) == ("scan", 0)  # an initial state: its shapes in the key
+    with pytest.raises(RuntimeError, match="Expected hidden size"):
+        ours(x, torch.zeros(1, 3, 3))  # another state size: torch's checks run
+    assert path_of(x, h0.requires_grad_())[1] == 1  # a state needing a gradient
     memoised()
     with pytest.raises(RuntimeError, match="input.size\\(-1\\) must be equal to input_size"):
         ours(torch.randn(2, 4, 3))  # another shape: torch's checks run

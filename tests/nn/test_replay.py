@@ -255,3 +255,33 @@ def test_a_module_whose_keys_keep_changing_stops_capturing(graphs, monkeypatch, 
     assert graphs.captures == 4  # two pairs, then none
     assert "captured CUDA graphs 2 times" in caplog.text
     assert_derived_close(out, ref(x)[0], name="output")
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_truncated_backpropagation_through_time_replays_with_the_carried_state(graphs, cell):
+    """A long sequence in chunks, each chunk's initial state the last one's final state detached (the state
+    a plain tensor or an LSTM's pair); then a learnt initial state that needs its own gradient."""
+    ours, ref = _pair(cell, num_layers=2)
+    state = ref_state = None
+    for _ in range(6):  # two chunks eager (no state, then the first state: decided), then two graphs alternate
+        x = torch.randn(3, 5, 3, dtype=torch.float64)
+        ours.zero_grad(), ref.zero_grad()
+        out, state = ours(x, state)
+        expected, ref_state = ref(x, ref_state)
+        _loss((out, state)).backward()
+        _loss((expected, ref_state)).backward()
+        _check_grads(ours, ref, x, x)
+        state = tuple(s.detach() for s in state) if cell == "LSTM" else state.detach()
+        ref_state = tuple(s.detach() for s in ref_state) if cell == "LSTM" else ref_state.detach()
+    assert "replayed" in ours.last_stats["plan"] and graphs.captures == 4
+    learnt = [torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True) for _ in range(2 if cell == "LSTM" else 1)]
+    learnt_ref = [s.detach().clone().requires_grad_() for s in learnt]
+    for _ in range(3):
+        for s in (*learnt, *learnt_ref):
+            s.grad = None
+        outputs = ours(x, tuple(learnt) if cell == "LSTM" else learnt[0])
+        _loss(outputs).backward()
+        _loss(ref(x, tuple(learnt_ref) if cell == "LSTM" else learnt_ref[0])).backward()
+        for s, r in zip(learnt, learnt_ref, strict=True):
+            assert_derived_close(s.grad, r.grad, name="initial state")
+    assert "replayed" in ours.last_stats["plan"]
