@@ -90,6 +90,7 @@ class _ScanRecurrent:
         # without the checks below, and torch's layer pays ~1 µs for asking (issue 28: <= ~30 µs on a GPU host)
         key = self._memo_key(input, hx)
         memo = self.__dict__.get("_plan_memo")
+        pending = None  # the memo this call makes, kept once it ran (a call torch's checks refuse raises again)
         if memo is not None and memo[0] == key:
             path, reason, stats, weights = memo[1]
             self.__dict__["last_stats"] = dict(stats)  # a plain attribute: nn.Module's __setattr__ costs µs
@@ -106,16 +107,20 @@ class _ScanRecurrent:
             }
             self.last_stats = dict(stats)
             if keep and key is not None:  # the key holds the weights' ids: the same tensors while it matches
-                self.__dict__["_plan_memo"] = (key, (path, reason, stats, self._layer_weights()))
+                pending = (key, (path, reason, stats, self._layer_weights()))
         if path == "autograd":
-            return super().forward(input, hx)
-        if path == "forward kernel":
-            self.last_stats["plan"] = "forward kernel (no gradient needed)"
-        elif weights is not None and self.algorithm == "auto":  # a memoised scan call: from CUDA graphs if it may
-            replayed = _replay.run(self, key, input, hx, weights)
-            if replayed is not None:
-                return replayed
-        return self._scan_forward(input, hx, grads=path == "scan", weights=weights)
+            result = super().forward(input, hx)
+        else:
+            if path == "forward kernel":
+                self.last_stats["plan"] = "forward kernel (no gradient needed)"
+            elif weights is not None and self.algorithm == "auto":  # a memoised scan call: from CUDA graphs if it may
+                replayed = _replay.run(self, key, input, hx, weights)
+                if replayed is not None:
+                    return replayed
+            result = self._scan_forward(input, hx, grads=path == "scan", weights=weights)
+        if pending is not None:
+            self.__dict__["_plan_memo"] = pending
+        return result
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, algorithm={self.algorithm!r} [BPPSA scan backward]"
