@@ -244,7 +244,7 @@ class _Replayed(torch.autograd.Function):
 def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
     """Whether a memoised scan call of ``module`` on ``input`` may replay: the graphs take its device (CUDA),
     no graph is being captured (a caller's capture holds the eager scan), nothing traces or intercepts ops
-    (``torch.compile``, dispatch and function modes, tensor subclasses), no autocast, no dropout drawn, and
+    (``torch.compile``, dispatch and function modes, tensor subclasses), no dropout drawn, and
     outputs of at most :data:`REPLAY_ELEMENTS` elements."""
     layers = module.num_layers * (2 if module.bidirectional else 1)
     return (
@@ -255,7 +255,6 @@ def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._is_torch_function_mode_enabled()
-        and not torch.is_autocast_enabled(input.device.type)
         and (module.dropout == 0 or not module.training)
         and input.numel() // input.shape[-1] * module.hidden_size * layers <= REPLAY_ELEMENTS
     )
@@ -326,8 +325,13 @@ def _evict_one(module: torch.nn.Module) -> bool:
 def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
     """A free :class:`StepGraphs` of this call, captured if the limits allow, else ``None``."""
     flat = [w for layer in weights for w in layer]
-    # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws
-    full_key = (key, input.requires_grad, module.training, *(w.data_ptr() for w in flat), *(w.requires_grad for w in flat))
+    # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws;
+    # autocast's state: the layers cast their outputs to its dtype (explicit casts, autocast itself off inside:
+    # the captured work holds none of autocast's cached weight casts, which a capture must not)
+    device_type = input.device.type
+    autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    full_key = (key, input.requires_grad, module.training, autocast, *(w.data_ptr() for w in flat),
+                *(w.requires_grad for w in flat))  # fmt: skip
     per_key = _KEPT.setdefault(module, {})
     graphs = per_key.setdefault(full_key, [])
     for candidate in graphs:

@@ -285,3 +285,22 @@ def test_truncated_backpropagation_through_time_replays_with_the_carried_state(g
         for s, r in zip(learnt, learnt_ref, strict=True):
             assert_derived_close(s.grad, r.grad, name="initial state")
     assert "replayed" in ours.last_stats["plan"]
+
+
+def test_autocast_on_and_off_replay_their_own_graphs(graphs):
+    """Under autocast the layers round their outputs to its dtype (explicit casts, autocast off inside): its
+    state is part of a graph's key, so turning it off replays float32 graphs, not the bfloat16 ones."""
+    ours, ref = _pair("RNN")
+    ours.float(), ref.float()
+    x = torch.randn(2, 5, 3)
+    captured = []
+    for autocast, dtype in ((True, torch.bfloat16), (False, torch.float32), (True, torch.bfloat16)):
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out, h_n = ours(x)
+                expected, _ = ref(x)
+            out.float().square().sum().backward()
+        assert "replayed" in ours.last_stats["plan"] and out.dtype == expected.dtype == dtype
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        captured.append(graphs.captures)
+    assert captured == [4, 8, 8]  # two pairs each way (the last output held), the third round the first's
