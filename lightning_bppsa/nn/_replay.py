@@ -319,6 +319,8 @@ def _evict_one(module: torch.nn.Module) -> bool:
         return False
     _, key, graphs = min(free, key=lambda entry: entry[0])
     per_key[key].remove(graphs)
+    if not per_key[key]:
+        del per_key[key]
     return True
 
 
@@ -333,7 +335,7 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, we
     full_key = (key, input.requires_grad, module.training, autocast, *(w.data_ptr() for w in flat),
                 *(w.requires_grad for w in flat))  # fmt: skip
     per_key = _KEPT.setdefault(module, {})
-    graphs = per_key.setdefault(full_key, [])
+    graphs = per_key.get(full_key, [])  # a key gets an entry with its first pair (keys may change every call)
     for candidate in graphs:
         if candidate.free():
             candidate.used = next(_uses)
@@ -359,5 +361,5 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, we
         refused.add(full_key)
         return None
     captured.used = next(_uses)
-    graphs.append(captured)
+    per_key.setdefault(full_key, []).append(captured)
     return captured
