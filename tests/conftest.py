@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 
@@ -7,6 +9,14 @@ from lightning_bppsa import backends, layer_plan, testing
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_reach_caplog(monkeypatch):
+    """Lightning stops its logger propagating where the root logger had no handler when it was first imported,
+    which the collection order decides (``pytest tests/callbacks tests/strategy`` lost the strategy's table
+    from ``caplog``): every test sees Lightning's messages whatever ran first."""
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
 
 
 @pytest.fixture(autouse=True)
