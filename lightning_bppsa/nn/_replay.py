@@ -111,7 +111,9 @@ class StepGraphs:
     gradients of the input, the initial state and the weights that need them). Built by capturing ``module``'s
     eager scan after one warm-up step."""
 
-    def __init__(self, module: torch.nn.Module, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> None:  # noqa: A002
+    def __init__(
+        self, module: torch.nn.Module, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]], grads: bool  # noqa: A002
+    ) -> None:
         self.module = weakref.ref(module)  # the module keeps its graphs: no cycle
         self.used = 0  # when last used (_free_graphs: the least recently used free pair makes room)
         self.layer_weights = weights
@@ -128,7 +130,7 @@ class StepGraphs:
         live: list[Tensor] = []  # the outputs of the last eager run, whose autograd graph the backward takes
 
         def forward() -> list[Tensor]:
-            live[:] = _flat(self.module()._scan_forward(self.input, self.hx(self.states), weights=own))
+            live[:] = _flat(self.module()._scan_forward(self.input, self.hx(self.states), grads, weights=own))
             return live
 
         def backward() -> list[Tensor]:
@@ -136,7 +138,8 @@ class StepGraphs:
 
         def warm_up() -> None:
             forward()
-            torch.autograd.grad(live, wrt, [torch.ones_like(o) for o in live], allow_unused=True)
+            if grads:
+                torch.autograd.grad(live, wrt, [torch.ones_like(o) for o in live], allow_unused=True)
 
         device = input.device
         GRAPHS.warm_up(warm_up, device)
@@ -145,13 +148,17 @@ class StepGraphs:
         live.clear()
         result, self._forward, pool = GRAPHS.capture(forward, None, device)
         self.outputs = [o.detach() for o in result]
-        grads, self._backward, _ = GRAPHS.capture(backward, pool, device)
-        self.grads = list(grads)
-        del result, grads
+        self.grads: list[Tensor | None] = []  # a forward without gradients (inference) has no backward graph
+        if grads:
+            computed, self._backward, _ = GRAPHS.capture(backward, pool, device)
+            self.grads = list(computed)
+            del computed
+        del result
         live.clear()  # the eager graph of the capture: its states now live in the graphs' memory only
         # a replay runs no Python of the layers: their timings are not taken (as under torch.compile)
         stats = dict(module.last_stats, forward_seconds=0.0, scan_seconds=0.0)
-        stats["plan"] = f"{stats.get('plan', 'scan')}, replayed from CUDA graphs"
+        plan = stats.get("plan", "scan") if grads else "forward kernel (no gradient needed)"
+        stats["plan"] = f"{plan}, replayed from CUDA graphs"
         self.stats = stats
         self._handed = [t for t in (*self.outputs, *self.grads) if t is not None]
         # counted with nothing handed out; two handed-out tensors on one storage would alias two gradients
@@ -260,16 +267,22 @@ def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
     )
 
 
-def run(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> tuple | None:  # noqa: A002
+def run(
+    module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]], grads: bool = True  # noqa: A002
+) -> tuple | None:
     """``module``'s outputs for a memoised scan call (``key``: its memo key, ``hx``: its initial state or
-    ``None``, ``weights``: its layers' weights) replayed from graphs, or ``None``: the call runs the eager scan
-    (not :func:`replayable`, every graph of the key busy, or capturing failed, said once)."""
+    ``None``, ``weights``: its layers' weights; ``grads=False``: the forward kernel alone, no gradient needed)
+    replayed from graphs, or ``None``: the call runs eagerly (not :func:`replayable`, every graph of the key
+    busy, or capturing failed, said once)."""
     if not replayable(module, input):
         return None
-    graphs = _free_graphs(module, key, input, hx, weights)
+    graphs = _free_graphs(module, key, input, hx, weights, grads)
     if graphs is None:
         return None
-    outputs = _Replayed.apply(graphs, input, *_states(hx), *graphs.weights)
+    if grads:
+        outputs = _Replayed.apply(graphs, input, *_states(hx), *graphs.weights)
+    else:  # outside autograd: the aliases themselves
+        outputs = graphs.replay_forward(input, _states(hx))
     module.__dict__["last_stats"] = dict(graphs.stats)
     return _nested(outputs)
 
@@ -324,7 +337,9 @@ def _evict_one(module: torch.nn.Module) -> bool:
     return True
 
 
-def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]]) -> StepGraphs | None:  # noqa: A002
+def _free_graphs(
+    module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, weights: list[tuple[Tensor, ...]], grads: bool  # noqa: A002
+) -> StepGraphs | None:
     """A free :class:`StepGraphs` of this call, captured if the limits allow, else ``None``."""
     flat = [w for layer in weights for w in layer]
     # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws;
@@ -332,8 +347,9 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, we
     # the captured work holds none of autocast's cached weight casts, which a capture must not)
     device_type = input.device.type
     autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
-    full_key = (key, input.requires_grad, module.training, autocast, *(w.data_ptr() for w in flat),
-                *(w.requires_grad for w in flat))  # fmt: skip
+    # inference mode: tensors made under it (the static ones) take no in-place copy outside it
+    full_key = (key, grads, torch.is_inference_mode_enabled(), input.requires_grad, module.training, autocast,
+                *(w.data_ptr() for w in flat), *(w.requires_grad for w in flat))  # fmt: skip
     per_key = _KEPT.setdefault(module, {})
     graphs = per_key.get(full_key, [])  # a key gets an entry with its first pair (keys may change every call)
     for candidate in graphs:
@@ -351,7 +367,7 @@ def _free_graphs(module: torch.nn.Module, key: tuple, input: Tensor, hx: Any, we
         return None
     _CAPTURES[module] = _CAPTURES.get(module, 0) + 1
     try:
-        captured = StepGraphs(module, input, hx, weights)
+        captured = StepGraphs(module, input, hx, weights, grads)
     except Exception as error:  # noqa: BLE001  (the eager scan runs; a capture the device refuses is not the caller's error)
         refused.add(full_key)
         log.warning("lightning_bppsa: %s runs its scan eagerly, capturing it in CUDA graphs failed: %s",

@@ -113,8 +113,9 @@ class _ScanRecurrent:
         else:
             if path == "forward kernel":
                 self.last_stats["plan"] = "forward kernel (no gradient needed)"
-            elif weights is not None and self.algorithm == "auto":  # a memoised scan call: from CUDA graphs if it may
-                replayed = _replay.run(self, key, input, hx, weights)
+            if weights is not None and (self.algorithm == "auto" or path == "forward kernel"):
+                # a memoised call of the scan ("auto") or of the forward kernel: from CUDA graphs if it may
+                replayed = _replay.run(self, key, input, hx, weights, grads=path == "scan")
                 if replayed is not None:
                     return replayed
             result = self._scan_forward(input, hx, grads=path == "scan", weights=weights)
@@ -144,10 +145,13 @@ class _ScanRecurrent:
         # torch's checks (the input's dtype against theirs, the states' sizes, :meth:`_scan_forward`; a state of
         # another structure, e.g. an LSTM's single tensor, gives another key and torch's error); on CUDA, whether a CUDA graph
         # is being captured (a decision's LayerPlan.captured; asked directly: a CUDA input means CUDA is there, and
-        # layer_plan.capturing's availability check is three more calls, one an environment lookup, every step)
+        # layer_plan.capturing's availability check is three more calls, one an environment lookup, every step);
+        # autocast and tracing: a call without gradients runs torch's forward under either
+        device_type = input.device.type
         return (
             input.shape, input.dtype, input.device, needs_grad, torch._C._are_functorch_transforms_active(),
-            self.algorithm, layer_plan.generation(), weights[0].dtype,
+            torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type),
+            torch.compiler.is_compiling(), self.algorithm, layer_plan.generation(), weights[0].dtype,
             input.is_cuda and torch.cuda.is_current_stream_capturing(),
             *map(id, weights), *((s.shape, s.dtype, s.device, s.requires_grad) for s in states),
         )  # fmt: skip
@@ -179,7 +183,7 @@ class _ScanRecurrent:
             return "autograd", "torch.func transform: the scan's Function has no functorch rules", False
         cell = cell_of(self.mode)
         if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in params)):
-            return (*self._inference_path(input, hx, cell, params), False)
+            return self._inference_path(input, hx, cell, params)
         if self.algorithm != "auto":
             return "scan", f"algorithm={self.algorithm!r} as asked", True
         shape = self._layer_shape(input, self.mode)
@@ -197,9 +201,10 @@ class _ScanRecurrent:
         # kept while the cache holds it (the memo's key has the cache's generation)
         return plan.path, plan.reason, layer_plan.cached(shape)
 
-    def _inference_path(self, input: Tensor, hx: Any, cell: RecurrentCell, params: list[Tensor]) -> tuple[str, str]:  # noqa: A002
-        """Where no gradient is needed: ``("forward kernel", why)`` (the forward kernel alone, nothing kept for a
-        backward) or ``("autograd", why)`` (torch's forward). The CPU kernels run wherever they run as in training
+    def _inference_path(self, input: Tensor, hx: Any, cell: RecurrentCell, params: list[Tensor]) -> tuple[str, str, bool]:  # noqa: A002
+        """Where no gradient is needed: ``("forward kernel", why, keep)`` (the forward kernel alone, nothing kept
+        for a backward) or ``("autograd", why, keep)`` (torch's forward); ``keep``: whether the answer may be
+        memoised (every answer but a CUDA shape's not yet decided; the memo key has autocast's state). The CPU kernels run wherever they run as in training
         (B=16 T=1000 H=20: ~1 ms, torch's fused forward ~10 ms; not under autocast, which casts to bfloat16). The
         CUDA kernels run where measured faster than cuDNN's forward for this shape, once per shape
         (:func:`~lightning_bppsa.layer_plan.plan_layer`; the forward of a GRU H=256 B=16 T=1000 took 1.2-1.3 ms as
@@ -209,16 +214,15 @@ class _ScanRecurrent:
         if torch.compiler.is_compiling() or (
             torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
         ):
-            return "autograd", "no gradient needed"
+            return "autograd", "no gradient needed", True
         kernels = backends.forward_backend(cell, self.hidden_size, (input, *params))[0]
         if kernels is backends.NATIVE:
-            return "forward kernel", ""
+            return "forward kernel", "", True
         if not isinstance(kernels, backends.CudaBackend):
-            return "autograd", "no gradient needed"
+            return "autograd", "no gradient needed", True
         shape = self._layer_shape(input, f"{self.mode} forward")
         # no model of cuDNN's forward: its modelled training step bounds its forward, and ours (a scan step the
         # model does not price is inf) at most as much; asked only before the shape's decision is made
-        # (inference decisions are not memoised: every call asks)
         affordable = layer_plan.cached(shape)
         if not affordable:
             scan, torch_ = _predict(dataclasses.replace(shape, cell=self.mode))
@@ -227,7 +231,7 @@ class _ScanRecurrent:
             shape, lambda: "no model of cuDNN's forward", (lambda: self._measure_forward(input, hx)) if affordable else None,
             timed="a forward (no gradient needed)", unmeasured="autograd",
         )  # fmt: skip
-        return ("forward kernel" if plan.path == "scan" else "autograd"), plan.reason
+        return ("forward kernel" if plan.path == "scan" else "autograd"), plan.reason, layer_plan.cached(shape)
 
     def _layer_shape(self, input: Tensor, cell: str) -> LayerShape:  # noqa: A002
         """This module's layer decision key for ``input`` (batched or not), under the cell name ``cell``."""

@@ -74,3 +74,19 @@ def test_an_in_place_change_and_accumulated_gradients_match_torch(replaying):
         out.square().sum().backward()
         expected.square().sum().backward()
     _check(ours, ref)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM"])
+def test_inference_replays_the_forward_kernel_with_torchs_outputs(replaying, kind, monkeypatch):
+    """Without gradients (validation) a memoised forward-kernel call replays a forward graph; the decision for
+    the forward kernel over cuDNN's forward forced (injected measurement: what it picks is the GPU's to say)."""
+    device = replaying.device
+    monkeypatch.setattr(recurrent._ScanRecurrent, "_measure_forward", lambda self, i, h: {"scan": 1e-3, "autograd": 2e-3})
+    ours, ref = _pair(kind, device)
+    ours.eval(), ref.eval()
+    with torch.no_grad(), layer_plan.measurements(True):
+        for step in range(4):
+            x = torch.randn(4, 64, 3, device=device, dtype=torch.float64)
+            out, _ = ours(x)
+            assert_derived_close(out, ref(x)[0], name="output")
+            assert ("replayed from CUDA graphs" in ours.last_stats["plan"]) == (step > 0), ours.last_stats["plan"]

@@ -857,7 +857,9 @@ def test_a_memoised_decision_answers_only_a_call_like_the_one_that_made_it(monke
     for p in ours.parameters():
         p.requires_grad_(False)
     assert path_of(x)[1] == 1 and ours.last_stats["path"] != "scan"  # nothing needs a gradient
-    assert path_of(x)[1] == 1  # inference decisions are not memoised
+    assert path_of(x) == ("forward kernel", 0)  # an inference decision is memoised too
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's state is in the key: torch's forward there
+        assert path_of(x) == ("autograd", 1) and path_of(x) == ("autograd", 0)
     for p in ours.parameters():
         p.requires_grad_(True)
     h0 = torch.zeros(1, 2, 3)

@@ -305,3 +305,26 @@ def test_autocast_on_and_off_replay_their_own_graphs(graphs):
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
         captured.append(graphs.captures)
     assert captured == [4, 8, 8]  # two pairs each way (the last output held), the third round the first's
+
+
+def test_calls_without_gradients_replay_the_forward_kernel_alone(graphs):
+    """Inference (validation): a memoised forward-kernel call replays a forward graph of its own (no backward
+    captured), outputs equal torch's; a kept output is not overwritten; no_grad and inference_mode take
+    separate graphs (tensors made under inference mode take no copy outside it)."""
+    ours, ref = _pair("LSTM", num_layers=2)
+    ours.eval(), ref.eval()
+    xs = [torch.randn(3, 6, 3, dtype=torch.float64) for _ in range(4)]
+    with torch.no_grad():
+        kept = [ours(x) for x in xs]  # decided, captured, a second graph (the first's outputs kept), eager
+        assert graphs.captures == 2 and "replayed" not in ours.last_stats["plan"]
+        for x, outputs in zip(xs, kept, strict=True):
+            for got, expected in zip(_replay._flat(outputs), _replay._flat(ref(x)), strict=True):
+                assert_derived_close(got, expected, name="output")
+        del kept
+        out, _ = ours(xs[0])
+        assert ours.last_stats["plan"] == "forward kernel (no gradient needed), replayed from CUDA graphs"
+    with torch.inference_mode():
+        ours(xs[1])  # captured under inference mode
+        out, _ = ours(xs[1])
+    assert graphs.captures == 3 and "replayed" in ours.last_stats["plan"]
+    assert_derived_close(out, ref(xs[1])[0], name="output under inference mode")
