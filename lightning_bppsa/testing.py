@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_bppsa.algorithms import compute_dtype
 
-__all__ = ["OpCounter", "assert_derived_close", "cuda_path_on_cpu", "graphs_on_cpu", "relative_error"]
+__all__ = ["EmulatedGraphs", "OpCounter", "assert_derived_close", "cuda_path_on_cpu", "graphs_on_cpu", "relative_error"]
 
 
 def relative_error(actual: Tensor, reference: Tensor) -> float:
@@ -143,12 +143,17 @@ class EmulatedGraphs:
         self.run_graphs = run_graphs
 
     def accepts(self, tensor: Tensor) -> bool:
+        """Any device (the CUDA graphs take CUDA tensors only)."""
         return True
 
-    def warm_up(self, fn, device: torch.device) -> None:
+    def warm_up(self, fn: Callable[[], object], device: torch.device) -> None:
+        """``fn`` once (no side stream on the host)."""
         fn()
 
-    def capture(self, fn, pool: object, device: torch.device):
+    def capture(
+        self, fn: Callable[[], list], pool: object, device: torch.device
+    ) -> tuple[list, Callable[[list], None], object]:
+        """``(fn's result, replay, pool)``, as :meth:`lightning_bppsa.nn._replay.CudaGraphs.capture`."""
         self.captures += 1
         result = fn()
 
