@@ -161,12 +161,9 @@ def _modules(workload: HostWorkload, device: str) -> tuple[dict[str, nn.Module],
 
 
 @contextlib.contextmanager
-def _scan_decided(name: str) -> Iterator[None]:
-    """For the :data:`REPLAYED` row, "auto" made sure of the scan (its model patched), the decisions forgotten
-    after it (no later stage may read a decision made so)."""
-    if name != REPLAYED:
-        yield
-        return
+def scan_decided() -> Iterator[None]:
+    """"auto" made sure of the scan (its model patched) inside, the decisions forgotten before and after (no
+    other measurement may read a decision made so): the replayed rows here and in ``host_proxy.py``."""
     from lightning_bppsa import layer_plan
     from lightning_bppsa.nn import recurrent
 
@@ -184,7 +181,7 @@ def host_row(runner: Runner, workload: HostWorkload) -> tuple[list[list[str]], s
     modules, x = _modules(workload, runner.device)
     rows, details = [], ""
     for name, module in modules.items():
-        with _scan_decided(name):
+        with scan_decided() if name == REPLAYED else contextlib.nullcontext():
             row, table, step = _host_columns(runner, workload, name, module, x)
             rows.append(row)
             if name.startswith("BPPSA"):

@@ -39,10 +39,11 @@ from unittest import mock
 
 import torch
 from device_runner import RESULTS, Runner, header, markdown_table, train_step, uncommitted
+from host_path import scan_decided
 
 from lightning_bppsa import nn as bnn
 from lightning_bppsa.bench.measure import load_average, machine_description
-from lightning_bppsa.nn import _scan_layer, recurrent
+from lightning_bppsa.nn import _scan_layer
 from lightning_bppsa.testing import OpCounter, cuda_path_on_cpu, graphs_on_cpu
 
 COLUMNS = ("cell", "algorithm", "plan", "us/step", "Python calls/step", "aten ops (launching)/step", "torch us/step")
@@ -91,7 +92,7 @@ def measure(runner: Runner, rounds: int, calls: int) -> list[list[str]]:
         x = torch.randn(BATCH, STEPS, INPUTS)
         with cuda_path_on_cpu(run_kernels=False), contextlib.ExitStack() as stack:
             if replayed:  # the scan decided (the model made sure), its graphs' replays dropped as the launches are
-                stack.enter_context(mock.patch.object(recurrent, "_predict", lambda shape: (1e-3, 1e-2)))
+                stack.enter_context(scan_decided())
                 stack.enter_context(graphs_on_cpu(run_graphs=False))
             steps = {"ours": train_step(ours, x), "torch": train_step(ref, x)}
             for step in steps.values():

@@ -41,7 +41,7 @@ from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn._scan_layer import _keeps_graph
 from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
 
-__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "MAX_CAPTURES", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "kept", "replayable", "run"]
+__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "MAX_CAPTURES", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "initial_states", "kept", "replayable", "run"]
 
 #: graph pairs kept per call key: a training loop alternates two (the last step's output is still referenced,
 #: by the caller's variable, while the next forward runs)
@@ -89,7 +89,7 @@ class CudaGraphs:
 GRAPHS: Any = CudaGraphs()
 
 
-def _states(hx: Any) -> tuple[Tensor, ...]:
+def initial_states(hx: Any) -> tuple[Tensor, ...]:
     """A module's initial state (``None``, a tensor, an LSTM's pair) as a tuple of tensors."""
     return () if hx is None else hx if isinstance(hx, tuple) else (hx,)
 
@@ -119,7 +119,7 @@ class StepGraphs:
         self.layer_weights = weights
         self.weights = [w for layer in weights for w in layer]
         self.paired = isinstance(hx, tuple)  # an LSTM's (h0, c0)
-        states = _states(hx)
+        states = initial_states(hx)
         self.input, *self.states = (t.detach().clone().requires_grad_(t.requires_grad) for t in (input, *states))
         self.wanted = [t.requires_grad for t in (input, *states, *self.weights)]
         # the weights' storage as captured (a graph reads those addresses; an in-place update shows, a swapped
@@ -144,7 +144,7 @@ class StepGraphs:
         device = input.device
         GRAPHS.warm_up(warm_up, device)
         # on the caller's stream, not the warm-up's (a block of a dropped stream could be handed out again)
-        self.grad_outputs = [torch.zeros_like(o) for o in live]
+        self.grad_outputs = [torch.zeros_like(o) for o in live] if grads else []
         live.clear()
         result, self._forward, pool = GRAPHS.capture(forward, None, device)
         self.outputs = [o.detach() for o in result]
@@ -280,9 +280,9 @@ def run(
     if graphs is None:
         return None
     if grads:
-        outputs = _Replayed.apply(graphs, input, *_states(hx), *graphs.weights)
+        outputs = _Replayed.apply(graphs, input, *initial_states(hx), *graphs.weights)
     else:  # outside autograd: the aliases themselves
-        outputs = graphs.replay_forward(input, _states(hx))
+        outputs = graphs.replay_forward(input, initial_states(hx))
     module.__dict__["last_stats"] = dict(graphs.stats)
     return _nested(outputs)
 

@@ -130,7 +130,7 @@ class _ScanRecurrent:
         """What a memoised decision depends on, for the common call (a plain tensor, no initial state or plain
         tensors as the module's state: truncated backpropagation through time passes the last one); ``None``
         (never memoised) for any other."""
-        states = () if hx is None else hx if type(hx) is tuple else (hx,)
+        states = _replay.initial_states(hx)
         if type(input) is not Tensor or not all(type(s) is Tensor for s in states):
             return None
         # the parameters themselves (not ``_flat_weights``): functional_call swaps the ones in _parameters
@@ -261,7 +261,7 @@ class _ScanRecurrent:
         """Seconds of a whole training step of this call on each path (:func:`~lightning_bppsa.layer_plan.plan_layer`):
         forward and the gradients of every input that needs one, returned, not accumulated; the random state
         (dropout) restored, so the call itself draws what it would have drawn."""
-        states = () if hx is None else hx if isinstance(hx, tuple) else (hx,)
+        states = _replay.initial_states(hx)
         params = [getattr(self, name) for name in self._flat_weights_names]
         wrt = [t for t in (*params, input, *states) if t.requires_grad]
         torch_forward = super().forward
