@@ -238,8 +238,14 @@ def cluster_layout(cell: str, hidden: int, direction: str, shared_limit: int, cl
 #: unit (at most 64 blocks: one wave on any sm_90 GPU, 78-132 SMs): more of a lane's share of ``W_hh`` in
 #: registers, half of it a lane; on an H200 at B = 16 T = 1000 the GRU H = 192 kernels 1.51x (forward) / 1.67x
 #: (backward) faster, LSTM H = 160 1.52x / 1.39x (``benchmarks/results/cluster-layouts-h200-f9d52e5.md``;
-#: layers already on 4 or 8 blocks gained nothing from other layouts there, the RNN's were not measured)
+#: layers already on 4 or 8 blocks gained nothing from other layouts there, the RNN's were not measured). So
+#: does a GRU's backward that one block runs with at most :data:`SPREAD_REGISTER_SHARE` of a lane's share in
+#: registers (H 123-160 on an H100): there GRU H = 128's backward (31 of 48 packs) 1.26x faster on 4 blocks of
+#: 4 lanes (all of a lane's share in registers), its forward 0.93x (the forward stays; an LSTM's one-block
+#: backward was not measured). Above that share the step model prices the spread slower (H = 120: 0.97x)
 SPREAD_BATCH = 16
+SPREAD_CLUSTER = SPREAD_SPLIT = 4
+SPREAD_REGISTER_SHARE = 2 / 3
 
 
 @functools.lru_cache(maxsize=512)
@@ -247,14 +253,25 @@ def launch_layout(
     cell: str, hidden: int, direction: str, shared_limit: int, cluster_limit: int, spread: bool
 ) -> WideLayout | None:
     """The cluster layout a launch of the ``direction`` kernel takes: :func:`cluster_layout`'s, or, for a
-    ``spread`` batch (at most :data:`SPREAD_BATCH` rows) of a GRU / LSTM that takes 2 blocks a row, 4 blocks
-    of 4 lanes a unit where those fit and hold at least as many packs of a lane's share in registers; ``None`` where one block runs it, or nothing does."""
+    ``spread`` batch (at most :data:`SPREAD_BATCH` rows), :data:`SPREAD_CLUSTER` blocks of :data:`SPREAD_SPLIT`
+    lanes a unit where those fit: for a GRU / LSTM that takes 2 blocks a row where they hold at least as many packs
+    of a lane's share in registers, for a GRU's backward that one block runs with at most
+    :data:`SPREAD_REGISTER_SHARE` of a lane's share in registers where they hold all of it there; ``None`` where
+    one block runs it, or nothing does."""
     layout = cluster_layout(cell, hidden, direction, shared_limit, cluster_limit)
-    if not spread or layout is None or layout.cluster != 2 or cell not in ("gru", "lstm") or cluster_limit < 4:
+    if not spread or cell not in ("gru", "lstm") or cluster_limit < SPREAD_CLUSTER:
         return layout
-    wider = wide_layout(cell, hidden, direction, 4, splits=(4,))
+    wider = wide_layout(cell, hidden, direction, SPREAD_CLUSTER, splits=(SPREAD_SPLIT,))
     rows = CELLS[cell] if direction == "forward" else 1
-    if wider is None or wider.register_packs < layout.register_packs or _wide_bytes(wider, hidden, rows) > shared_limit:
+    if wider is None or _wide_bytes(wider, hidden, rows) > shared_limit:
+        return layout
+    if layout is None:  # one block runs it, or nothing does
+        single = wide_layout(cell, hidden, direction)
+        hybrid = single is not None and single.register_packs <= SPREAD_REGISTER_SHARE * single.lane_packs
+        one_block = single is not None and _wide_bytes(single, hidden, rows) <= shared_limit
+        wanted = cell == "gru" and direction == "backward" and hybrid and one_block
+        return wider if wanted and wider.register_packs == wider.lane_packs else None
+    if layout.cluster != 2 or wider.register_packs < layout.register_packs:
         return layout
     return wider
 
