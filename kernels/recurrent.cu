@@ -21,12 +21,12 @@
 //
 // 1. bppsa_<cell>_forward_f32_h<H>: float32, H <= 32 a COMPILE-TIME constant (the module is compiled per H
 //    on demand with -DBPPSA_REC_HIDDEN=<H>, or for a list with BPPSA_REC_HIDDEN_LIST(X) = X(1) X(5) ...),
-//    one warp per row for the RNN cells, one warp per GATE for GRU and LSTM (gate_split_forward: each warp
-//    one gate's dot product and activation, a barrier, every warp the cell's update from the G gates, a
-//    barrier; the stores shared out). A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from
-//    shared memory), the dot products (fully unrolled, W_hh in registers: G H floats per lane, or H a warp
-//    of a gated cell), the cell's functions, store h_t to shared memory, a barrier (__syncwarp for one
-//    warp). Everything else is kept off that path (the RNN's time loop in groups of kFixedUnroll steps: ring
+//    one warp per row for the RNN cells; for GRU and LSTM a unit's G gates in G neighbouring lanes, 32 / G
+//    units a warp (unit_group_forward: each lane one gate's dot product and activation, the unit's gates
+//    exchanged by shuffles, every lane of the unit the cell's update; the stores shared out by gate; a block
+//    barrier). A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from shared memory), the dot
+//    products (fully unrolled, W_hh in registers: H floats a lane), the cell's functions, store h_t to shared
+//    memory, a barrier (__syncwarp for one warp). Everything else is kept off that path (the RNN's time loop in groups of kFixedUnroll steps: ring
 //    slots, state buffers and output offsets are immediates; its SASS pinned by the tests):
 //    - gi is staged through a ring of R = BPPSA_REC_RING step rows in shared memory, filled R - 1 steps
 //      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). The previous kernel loaded a
@@ -69,8 +69,8 @@
 // other, so ONE barrier per step suffices); a lane reads it as broadcast 16-byte vectors. The unit's own
 // h_{t-1}[j] and c_{t-1}[j] stay in registers. V independent partial sums per gate break the FMA chains.
 // Shared memory (computed by kernels/recurrent_cuda.py:shared_bytes, which with prepare picks the kernel
-// and returns None where the caller runs torch's forward): family 1 (2 KC 4 + R G H) floats (the RNN's state
-// buffers a value a lane: 2 32 + R H; GRU / LSTM: and their warps' gates, (G + 1) 32 / G 32), family 2
+// and returns None where the caller runs torch's forward): family 1 the RNN's 2 32 + R H floats (its state
+// buffers a value a lane), GRU / LSTM 2 KC 4 + R 32 W (the ring a word a thread of W warps), family 2
 // (G H + 2) KC V elements.
 #include "cuda_host_emulation.h"
 #include "recurrent_emulation.h"
@@ -134,6 +134,16 @@ __device__ __forceinline__ T gate_stage(int g, T u, T v) {
     return g == 2 ? bppsa_rec::tanh_of(u + v) : bppsa_rec::sigmoid_of(u + v);
 }
 
+// gate_stage for a lane of unit_group_forward, whose warp's lanes take different gates g: every function the
+// cell's gates take computed, the lane's selected (a branch on g would diverge).
+template <int C>
+__device__ __forceinline__ float lane_gate_stage(int g, float u, float v) {
+    const float sigmoid = bppsa_rec::sigmoid_of(u + v);
+    if constexpr (C == kGru) return g < 2 ? sigmoid : v;
+    const float tanh = bppsa_rec::tanh_of(u + v);
+    return g == 2 ? tanh : sigmoid;
+}
+
 // The gated cells' update from their gate_stage values a (u2: GRU's input part of n); c is the LSTM's cell
 // state (updated); f receives the unit's factors. Returns h_t.
 template <class T, int C>
@@ -192,24 +202,35 @@ struct Outputs {
     }
     __device__ __forceinline__ void store(T h, const T (&f)[kFactors<C> ? kFactors<C> : 1], int H) {
         *out = h;
-#pragma unroll
-        for (int part = 1; part < kGates<C>; ++part) store_factors(f, H, part);
-    }
-    // part 1 .. G - 1 of the factors' stores (gate_split_forward's warps 1 .. G - 1 each store one)
-    __device__ __forceinline__ void store_factors(const T (&f)[kFactors<C> ? kFactors<C> : 1], int H, int part) {
         if constexpr (C == kGru) {
-            if (part == 1) {
-                f0[0] = f[0];
-                f0[H] = f[1];
-                f0[2 * H] = f[2];
-            } else {
-                *f1 = f[3];
-                *f2 = f[4];
-            }
+            f0[0] = f[0];
+            f0[H] = f[1];
+            f0[2 * H] = f[2];
+            *f1 = f[3];
+            *f2 = f[4];
         } else if constexpr (C == kLstm) {
-            if (part == 1) *f0 = f[0], f1[0] = f[1];
-            else if (part == 2) f1[H] = f[2], f1[2 * H] = f[3];
-            else f1[3 * H] = f[4];
+            *f0 = f[0];
+#pragma unroll
+            for (int g = 0; g < 4; ++g) f1[g * H] = f[1 + g];  // activated gates: in, forget, cand, out
+        }
+    }
+    // unit_group_forward: the lane of gate g points at its gate's own factor (GRU: f0's scale g, LSTM: f1's gate g)
+    __device__ __forceinline__ void own_gate(int g, int H) {
+        if constexpr (C == kGru) f0 += g * H;
+        if constexpr (C == kLstm) f1 += g * H;
+    }
+    // ... and stores its share of the unit's outputs (h_t, the factors f, `mine`: its gate's activated value),
+    // predicated on g (no branch): gate 0 out, every gate its own factor (GRU: scale g, LSTM: gate g), GRU's
+    // gates 1 and 2 z and dn, LSTM's gate 1 the cell
+    __device__ __forceinline__ void store_share(T h, const T (&f)[kFactors<C> ? kFactors<C> : 1], T mine, int g) {
+        if (g == 0) *out = h;
+        if constexpr (C == kGru) {
+            *f0 = g == 0 ? f[0] : g == 1 ? f[1] : f[2];
+            if (g == 1) *f1 = f[3];
+            if (g == 2) *f2 = f[4];
+        } else if constexpr (C == kLstm) {
+            *f1 = mine;
+            if (g == 1) *f0 = f[0];
         }
     }
     __device__ __forceinline__ void advance(int H) {
@@ -244,7 +265,7 @@ __device__ __forceinline__ void ring_groups(const i64 steps, Step& step, Next& n
 template <int C, int H>
 __device__ void fixed_forward(const Layer<float>& p) {
     static_assert(H >= 1 && H <= 32, "one warp: one lane per hidden unit");
-    static_assert(kGates<C> == 1, "the RNN cells (the gated cells: gate_split_forward, a warp a gate)");
+    static_assert(kGates<C> == 1, "the RNN cells (the gated cells: unit_group_forward, a lane a gate of a unit)");
     constexpr int KC = (H + 3) / 4, A = H < 4 ? H : 4, U = kFixedUnroll;
     const int lane = threadIdx.x % 32;
     const bool active = lane < H;
@@ -321,29 +342,41 @@ __device__ void fixed_forward(const Layer<float>& p) {
     copy.template wait<0>();  // no copy outlives the block (only empty groups can be pending here)
 }
 
-// The gated cells (GRU, LSTM) at H <= 32: one warp a gate, lane j unit j. Warp g holds row g H + j of W_hh
-// in registers, stages its own gate's slice of gi through the ring, and takes its gate to gate_stage; after a
-// barrier every warp combines the G gates alike (each keeps its own copy of c), and the stores are shared out:
-// warp 0 the output and h_t, the others the factors. A step's dependent chain is one gate's H multiply-adds
-// and activation, not G of each (measured: the one-warp kernel issued 242 / 296 instructions a step for
-// GRU / LSTM at H = 20, ~3.2 cycles each, cuDNN's forward ~0.48 us a step against our 0.56-0.62).
+// The gated cells (GRU, LSTM) at H <= 32, a unit's gates in neighbouring lanes: lane u G + g of warp w holds
+// gate g of unit j = w U + u (U = kGroupUnits: 10 GRU units a warp, 8 LSTM ones; kGroupWarps warps), row g H + j
+// of W_hh in registers, and stages its own word of gi through the ring (read by itself alone: its wait makes
+// it visible, no barrier). A step: the lane's gate (its dot product of h_{t-1} and gate_stage), the unit's G
+// values exchanged by shuffles, every lane of the unit cell_combine alike (the same bits), the stores shared
+// out by gate (Outputs::store_share), h_t into the state buffer; then ONE block barrier (every unit's h_t
+// before step t + 1 reads the state). The previous design, a warp a gate, took two a step (its gates through
+// shared memory, then h_t), each a round trip through shared memory on the step's dependent chain (issued
+// GRU / LSTM 144 / 135 instructions a warp a step at H = 20, sm_90; on an H100 at b2ef8cf 438 / 467 ns a step
+// against cuDNN's 362 / 330). Lanes beyond the units (a GRU warp's lanes 30 and 31, the last warp's beyond H)
+// shadow unit H - 1 and store nothing. Everything a lane does depends on its gate g only through selects and
+// predicated stores: the lanes of a warp take different g, a branch on it would diverge.
+template <int C>
+constexpr int kGroupUnits = 32 / kGates<C>;
 template <int C, int H>
-__device__ void gate_split_forward(const Layer<float>& p) {
-    static_assert(H >= 1 && H <= 32 && (C == kGru || C == kLstm), "gated cells, one lane per hidden unit");
+constexpr int kGroupWarps = (H + kGroupUnits<C> - 1) / kGroupUnits<C>;
+
+template <int C, int H>
+__device__ void unit_group_forward(const Layer<float>& p) {
+    static_assert(H >= 1 && H <= 32 && (C == kGru || C == kLstm), "gated cells, a lane a gate of a unit");
     constexpr int G = kGates<C>, GH = G * H, KC = (H + 3) / 4, P = 4 * KC, A = H < 4 ? H : 4;
-    const int lane = threadIdx.x % 32, g = threadIdx.x / 32;
-    const bool active = lane < H;
-    const int j = active ? lane : H - 1;  // lanes >= H shadow unit H - 1 and store nothing
+    constexpr int kThreads = 32 * kGroupWarps<C, H>;
+    const int lane = threadIdx.x % 32, g = lane % G, leader = lane - g;  // leader: the lane of the unit's gate 0
+    const int unit = static_cast<int>(threadIdx.x) / 32 * kGroupUnits<C> + lane / G;
+    const bool active = lane / G < kGroupUnits<C> && unit < H;
+    const int j = active ? unit : H - 1;  // the shadows compute unit H - 1's gate g and store nothing
     const i64 b = blockIdx.x, steps = p.steps;
 
     BPPSA_DYNAMIC_SHARED(smem);
     float* state = reinterpret_cast<float*>(smem);  // two buffers of P values (16-byte aligned)
-    float* ring = state + 2 * P;                    // kRing slots of one step's gi row (G H values)
-    float* gates = ring + kRing * GH;               // [G (+ 1)][32]: gate_stage of each gate (GRU: n's u)
+    float* ring = state + 2 * P + threadIdx.x;      // kRing slots of kThreads words: this thread's word of each
 
-    const float* src = p.gi + b * steps * GH + g * H;  // row b's gi, step 0, this warp's gate
-    bppsa_rec::RowCopy<H> copy;
-    for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start(ring + s * GH + g * H, src + s * GH);
+    const float* src = p.gi + b * steps * GH + g * H + j;  // this lane's word of row b's gi, step 0
+    bppsa_rec::RowCopy<32> copy;
+    for (int s = 0; s < kRing - 1 && s < steps; ++s) copy.start_word(ring + s * kThreads, src + s * GH);
     copy.commit();
     src += (kRing - 1) * GH;
 
@@ -352,28 +385,27 @@ __device__ void gate_split_forward(const Layer<float>& p) {
     for (int k = 0; k < H; ++k) w[k] = p.w_hh[(g * H + j) * H + k];
     const float bias = p.b_hh ? p.b_hh[g * H + j] : 0.0f;
     const bool inside = C == kGru && g == 2;
-    const float u_bias = inside ? 0.0f : bias, v_bias = bias;
+    const float u_bias = inside ? 0.0f : bias;
     for (int e = threadIdx.x; e < P; e += blockDim.x) {
         state[e] = e < H ? p.h0[b * H + e] : 0.0f;
         state[P + e] = 0.0f;
     }
     float h_own = p.h0[b * H + j], c_own = C == kLstm ? p.c0[b * H + j] : 0.0f;
     Outputs<float, C> outputs(p, b, H, j);
+    outputs.own_gate(g, H);
     copy.template wait<0>();
     __syncthreads();
 
     // Step t = t0 + k of a group of U, as fixed_forward's: ring slots, state buffers and gi's offsets at
     // compile-time offsets, the bookkeeping once a group, `guarded` where the copy may lie beyond T. The LSTM's
-    // groups of 4, the GRU's of 2: by 4 ptxas spilled the GRU's registers at H = 8, 23 and 32 (sm_90); both
-    // spilled sooner while sigmoid_of's IEEE division called its slow path (its registers saved around the call).
+    // groups of 4, the GRU's of 2 (by 4 ptxas spilled the GRU's registers at H = 8, 23 and 32 a warp a gate).
     constexpr int U = C == kLstm && kRing % 4 == 0 ? 4 : kRing % 2 == 0 ? 2 : 1;
-    const int mine = g * H + j;  // this lane's entry of a ring slot
     int base = 0;
     const auto step = [&](const int k, const i64 t, const bool guarded) {
         const int parity = U % 2 ? int(t & 1) : k & 1;  // the buffer h_{t-1} is in
         const float* h_in = state + parity * P;
         float* h_out = state + (parity ^ 1) * P;
-        const float u = ring[(base + k) * GH + mine] + u_bias;
+        const float u = ring[(base + k) * kThreads] + u_bias;
         float acc[A];
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
@@ -387,31 +419,26 @@ __device__ void gate_split_forward(const Layer<float>& p) {
         float sum = A == 4 ? (acc[0] + acc[1]) + (acc[2] + acc[3]) : acc[0];
         if constexpr (A == 2 || A == 3) sum += acc[1];
         if constexpr (A == 3) sum += acc[2];
-        const float v = inside ? sum + v_bias : sum;  // x + 0.0f is not folded (-0): only where the bias is
-        gates[g * 32 + lane] = gate_stage<float, C>(g, u, v);
-        if (inside) gates[G * 32 + lane] = u;
-        // the copy of step t + R - 1 into slot (t - 1) mod R, the one step t - 1 read
+        const float v = inside ? sum + bias : sum;  // x + 0.0f is not folded (-0): only where the bias is
+        const float mine = lane_gate_stage<C>(g, u, v);
+        // the copy of step t + R - 1 into slot (t - 1) mod R, the one this lane read at step t - 1 (its value used)
         const int slot = k > 0 ? base + k - 1 : (base == 0 ? kRing - 1 : base - 1);
-        if (!guarded || t + kRing - 1 < steps) copy.start(ring + slot * GH + g * H, src + k * GH);
+        if (!guarded || t + kRing - 1 < steps) copy.start_word(ring + slot * kThreads, src + k * GH);
         copy.commit();
-        __syncthreads();  // every gate of step t staged
 
         float a[G], f[kFactors<C>];
 #pragma unroll
-        for (int q = 0; q < G; ++q) a[q] = gates[q * 32 + lane];
-        const float h_new = cell_combine<float, C>(a, C == kGru ? gates[G * 32 + lane] : 0.0f, h_own, c_own, f);
+        for (int q = 0; q < G; ++q) a[q] = __shfl_sync(0xffffffffu, mine, leader + q);
+        const float u2 = C == kGru ? __shfl_sync(0xffffffffu, u, leader + 2) : 0.0f;  // n's input part
+        const float h_new = cell_combine<float, C>(a, u2, h_own, c_own, f);
         if (active) {
-            if (g == 0) {
-                h_out[lane] = h_new;
-                *outputs.out = h_new;
-            } else {
-                outputs.store_factors(f, H, g);  // warp g: part g of them
-            }
+            if (g == 0) h_out[j] = h_new;
+            outputs.store_share(h_new, f, mine, g);
         }
         h_own = h_new;
         outputs.advance(H);
-        copy.template wait<kRing - 2>();  // step t + 1's slice has landed (in this lane's view) ...
-        __syncthreads();  // ... and in every lane's, with h_t; the gates of step t read by every warp
+        copy.template wait<kRing - 2>();  // step t + 1's word has landed (this lane reads it alone) ...
+        __syncthreads();  // ... and every unit's h_t is in the state; nobody reads h_in any more
     };
     const auto next_group = [&] {
         src += U * GH;
@@ -906,10 +933,10 @@ __device__ void cell_backward(const CellBackward<T>& p) {
         fixed_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                     \
     }                                                                                                       \
     BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
-// the gated cells' forward at H <= 32: a warp a gate
-#define BPPSA_REC_GATE_SPLIT_KERNEL(NAME, CELL, H)                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * kGates<CELL>) NAME BPPSA_REC_PARAMS(float) {         \
-        gate_split_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                \
+// the gated cells' forward at H <= 32: a unit's gates in neighbouring lanes
+#define BPPSA_REC_UNIT_GROUP_KERNEL(NAME, CELL, H)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * kGroupWarps<CELL, H>) NAME BPPSA_REC_PARAMS(float) { \
+        unit_group_forward<CELL, H>(BPPSA_REC_LAYER(float));                                                \
     }                                                                                                       \
     BPPSA_ENTRY(NAME, BPPSA_REC_PARAMS(float), BPPSA_REC_HOST_ARGS(float))
 // the backward compiled for H, W_hh's column split over S lanes a unit (H S threads, whole warps), RR packs
@@ -931,8 +958,8 @@ constexpr int kFixedSplit = C == kGru ? 2 : C == kLstm ? 4 : 1;
 #define BPPSA_REC_FIXED_KERNELS_(H)                                         \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_tanh_forward_f32_h##H, kRnnTanh, H)  \
     BPPSA_REC_FIXED_KERNEL(bppsa_rnn_relu_forward_f32_h##H, kRnnRelu, H)  \
-    BPPSA_REC_GATE_SPLIT_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)       \
-    BPPSA_REC_GATE_SPLIT_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)     \
+    BPPSA_REC_UNIT_GROUP_KERNEL(bppsa_gru_forward_f32_h##H, kGru, H)       \
+    BPPSA_REC_UNIT_GROUP_KERNEL(bppsa_lstm_forward_f32_h##H, kLstm, H)     \
     BPPSA_BWD_FIXED_KERNEL(bppsa_rnn_tanh_backward_f32_h##H, kRnnTanh, H) \
     BPPSA_BWD_FIXED_KERNEL(bppsa_rnn_relu_backward_f32_h##H, kRnnRelu, H) \
     BPPSA_BWD_FIXED_KERNEL(bppsa_gru_backward_f32_h##H, kGru, H)           \

@@ -106,7 +106,7 @@ MAX_THREADS = 256  # kMaxThreads in recurrent.cu: one thread per hidden unit
 #: the widest float32 layer the kernels compiled per H take as a cluster of blocks (cluster_layout; sm_90)
 MAX_CLUSTER_HIDDEN = 512
 FIXED_HIDDEN = 32  # float32 with H <= 32: the kernels compiled for their H (W_hh in registers, one warp; GRU /
-# LSTM forward: a warp a gate)
+# LSTM forward: a unit's gates in neighbouring lanes, group_threads)
 #: lanes a unit of the gated cells' backward compiled for H <= 32 (recurrent.cu's kFixedSplit): a half / a
 #: quarter of the column's 3 H / 4 H multiply-adds a lane; the RNN cells keep one lane (one warp)
 FIXED_SPLIT = {"gru": 2, "lstm": 4}
@@ -132,6 +132,12 @@ class Launch:
     #: the -D options of the kernel's module (NVRTC's and the host emulation's g++'s): () for :data:`KERNELS`
     options: tuple[str, ...] = ()
     cluster: int = 1  # blocks of a cluster (the kernel's own __cluster_dims__; :func:`cluster_layout`)
+
+
+def group_threads(cell: str, hidden: int) -> int:
+    """Threads of the gated cells' forward compiled for ``hidden <= FIXED_HIDDEN`` (``recurrent.cu``'s
+    ``unit_group_forward``): a unit's gates in neighbouring lanes, ``32 // G`` units a warp, whole warps."""
+    return 32 * math.ceil(hidden / (32 // CELLS[cell]))
 
 
 def _fixed(hidden: int, element_bytes: int) -> bool:
@@ -307,7 +313,7 @@ def wide_blocks_per_sm(cell: str, hidden: int, direction: str, cluster: int = 1)
 def _register_layout(cell: str, hidden: int, element_bytes: int, direction: str) -> WideLayout | None:
     """The layout of ``W_hh`` of the ``direction`` kernel compiled per ``H``: for ``H <= 32`` the backward's
     column over :data:`FIXED_SPLIT` lanes a unit (the RNN cells' one lane: one warp; the forward's
-    :data:`FIXED_HIDDEN` kernels, a warp a gate, are not described by it), or :func:`wide_layout`; ``None`` for
+    :data:`FIXED_HIDDEN` kernels, a lane a gate of a unit, are not described by it), or :func:`wide_layout`; ``None`` for
     the kernels of :data:`KERNELS` (float64)."""
     if element_bytes != 4:
         return None
@@ -335,7 +341,7 @@ def shared_bytes(cell: str, hidden: int, element_bytes: int) -> int:
     """Dynamic shared memory of a block: two state buffers (padded to 16-byte vectors; the RNN's per-``H``
     kernels: a value a lane), plus ``W_hh`` packed
     in 16-byte vectors, or, in the kernels compiled per ``H`` (float32, ``H <= 32``: ``W_hh`` in registers),
-    the ring of :data:`RING_DEPTH` steps of ``gi`` (GRU / LSTM: and their warps' gates, a warp a gate); in the
+    the ring of :data:`RING_DEPTH` steps of ``gi`` (GRU / LSTM: a word a thread); in the
     float32 kernels compiled per ``H`` above that (:func:`wide_layout`) the state buffers, padded to whole
     vectors for each of a unit's lanes, and the part of ``W_hh`` not in registers."""
     fixed = _fixed(hidden, element_bytes)
@@ -348,11 +354,10 @@ def _shared_bytes(
 ) -> int:
     width = 16 // element_bytes
     vectors = math.ceil(hidden / width)
-    if fixed:  # the RNN's state buffers hold a value a lane; the gated cells' forward also exchanges its
-        # warps' gates: [G (+ 1 for GRU's n)][32]
-        exchange = (CELLS[cell] + (cell == "gru")) * 32 if CELLS[cell] > 1 else 0
-        buffers = 2 * (32 if CELLS[cell] == 1 else vectors * width)
-        return (buffers + RING_DEPTH * CELLS[cell] * hidden + exchange) * element_bytes
+    if fixed:  # the RNN's state buffers hold a value a lane, its ring gi's rows; the gated cells' ring a word a thread
+        if CELLS[cell] == 1:
+            return (2 * 32 + RING_DEPTH * hidden) * element_bytes
+        return (2 * vectors * width + RING_DEPTH * group_threads(cell, hidden)) * element_bytes
     if layout is not None:
         return _wide_bytes(layout, hidden, CELLS[cell])
     return (CELLS[cell] * hidden + 2) * vectors * width * element_bytes
@@ -515,9 +520,10 @@ def _kernel_and_block(
     element_bytes = torch.finfo(dtype).bits // 8
     size = shared_bytes if direction == "forward" else backward_shared_bytes
     nbytes = size(cell, hidden, element_bytes)
-    if _fixed(hidden, element_bytes):  # the gated cells: forward a warp a gate, backward FIXED_SPLIT lanes a unit
+    if _fixed(hidden, element_bytes):  # forward: one warp (RNN), a unit's gates in neighbouring lanes (GRU / LSTM);
+        # backward: FIXED_SPLIT lanes a unit
         if direction == "forward":
-            threads = 32 * CELLS[cell]
+            threads = 32 if CELLS[cell] == 1 else group_threads(cell, hidden)
         else:
             threads = wide_threads(hidden, _register_layout(cell, hidden, 4, direction).split)
         return f"bppsa_{cell}_{direction}_f32_h{hidden}", threads, nbytes, module_options(hidden), 1

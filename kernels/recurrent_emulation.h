@@ -45,10 +45,11 @@ __device__ __forceinline__ float sigmoid_of(float x) {
 __device__ __forceinline__ double sigmoid_of(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 // One lane's share of copying rows of N floats from global to shared memory: the 32 lanes of a warp copy a
-// row together, lane l the words l, l + 32, ... (4-byte copies: a row may start at any float). The API is
-// cp.async's: start() adds a row's copy to the open group, commit() closes the group, wait<P>() returns
-// once at most P of the committed groups may still be in flight; a copy is visible to the OTHER lanes only
-// after a warp barrier that follows the wait. Three implementations, one contract:
+// row together, lane l the words l, l + 32, ... (4-byte copies: a row may start at any float); or, with
+// start_word(), each lane a word of its own (RowCopy<32>: one a lane at a time). The API is cp.async's:
+// start() adds a row's copy to the open group, commit() closes the group, wait<P>() returns once at most P of
+// the committed groups may still be in flight; a copy is visible to its own lane after the wait, to the OTHER
+// lanes only after a warp barrier that follows it. Three implementations, one contract:
 // - sm_80 and later: cp.async (the copy bypasses the registers; nothing waits for it but wait<P>).
 // - older GPUs: a register stage, one row in flight: start() loads into registers (storing the previous
 //   row first), wait() stores them. A row started at the top of a step and waited for at its end still
@@ -59,40 +60,35 @@ template <int N>
 struct RowCopy {
     static constexpr int kWords = (N + 31) / 32;  // per lane
 
+    __device__ __forceinline__ void start(float* dst, const float* src) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int k = 0; k < kWords; ++k)
+            if (lane + 32 * k < N) word(k, dst + lane + 32 * k, src + lane + 32 * k);
+    }
+    __device__ __forceinline__ void start_word(float* dst, const float* src) { word(0, dst, src); }
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     float value[kWords];
-    float* target = nullptr;
+    float* target[kWords] = {};
 
-    __device__ __forceinline__ void land() {
-        const int lane = threadIdx.x % 32;
-#pragma unroll
-        for (int k = 0; k < kWords; ++k)
-            if (lane + 32 * k < N) target[lane + 32 * k] = value[k];
-        target = nullptr;
-    }
-    __device__ __forceinline__ void start(float* dst, const float* src) {
-        if (target) land();
-        const int lane = threadIdx.x % 32;
-#pragma unroll
-        for (int k = 0; k < kWords; ++k)
-            if (lane + 32 * k < N) value[k] = src[lane + 32 * k];
-        target = dst;
+    // the k-th word of a lane's row: the one it held before lands first
+    __device__ __forceinline__ void word(int k, float* dst, const float* src) {
+        if (target[k]) *target[k] = value[k];
+        value[k] = *src;
+        target[k] = dst;
     }
     __device__ __forceinline__ void commit() {}
     template <int Pending>
     __device__ __forceinline__ void wait() {
-        if (target) land();
-    }
-#elif defined(__CUDACC__)
-    __device__ __forceinline__ void start(float* dst, const float* src) {
-        const int lane = threadIdx.x % 32;
 #pragma unroll
         for (int k = 0; k < kWords; ++k)
-            if (lane + 32 * k < N) {
-                const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + lane + 32 * k));
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src + lane + 32 * k)
-                             : "memory");
-            }
+            if (target[k]) *target[k] = value[k], target[k] = nullptr;
+    }
+#elif defined(__CUDACC__)
+    __device__ __forceinline__ void word(int, float* dst, const float* src) {
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src) : "memory");
     }
     __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
     template <int Pending>
@@ -103,11 +99,7 @@ struct RowCopy {
     std::vector<std::pair<float*, const float*>> open;
     std::deque<std::vector<std::pair<float*, const float*>>> committed;
 
-    void start(float* dst, const float* src) {
-        const int lane = threadIdx.x % 32;
-        for (int k = 0; k < kWords; ++k)
-            if (lane + 32 * k < N) open.emplace_back(dst + lane + 32 * k, src + lane + 32 * k);
-    }
+    void word(int, float* dst, const float* src) { open.emplace_back(dst, src); }
     void commit() {
         committed.push_back(std::move(open));
         open.clear();

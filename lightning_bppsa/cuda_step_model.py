@@ -30,7 +30,7 @@ A layer whose backward runs the fused kernel (``recurrent_cuda.<cell>_backward``
 gate gradients in one launch, in place of the factored scan) costs :func:`fused_seconds` instead of the scan
 kernel: a launch plus the form of the forward kernel's steps (:func:`_row_kernel_seconds`) with constants of
 its own. Both directions' kernels come in three families: float32 ``H <= 32`` compiled per ``H`` (``W_hh``
-in registers, the RNN cells in one warp, the gated cells' forward a warp a gate: a constant a step, measured
+in registers, the RNN cells in one warp, the gated cells' forward a lane a gate of a unit: a constant a step, measured
 on the RNN only); float32 ``32 < H <= 256`` compiled per cell and ``H``
 (``recurrent_cuda.wide_layout``: a unit's share of ``W_hh`` split over its lanes, in registers or partly in
 shared memory: a step plus a lane's multiply-adds from each, in waves of the blocks the SMs hold by

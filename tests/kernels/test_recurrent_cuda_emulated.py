@@ -362,13 +362,15 @@ def test_launch_config():
         return prepare(cell, make_layer(cell, 3, 4, hidden, seed=0), dtype)[0]
 
     depth = recurrent_cuda.RING_DEPTH
-    small = launch("gru", 20, torch.float32)  # a warp a gate; their gates exchanged: [3 + 1 (n's u)][32]
-    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_h20", 3, 96)
+    small = launch("gru", 20, torch.float32)  # a unit's 3 gates in neighbouring lanes, 10 units a warp: 2 warps
+    assert (small.kernel, small.grid, small.block) == ("bppsa_gru_forward_f32_h20", 3, 64)
     assert small.options == ("-DBPPSA_REC_HIDDEN=20", f"-DBPPSA_REC_RING={depth}")
-    assert small.shared_bytes == (2 * 20 + depth * 3 * 20 + 4 * 32) * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
-    odd = launch("lstm", 5, torch.float32)  # state buffers padded to whole float4 vectors, the ring is not
-    assert (odd.kernel, odd.block) == ("bppsa_lstm_forward_f32_h5", 128)
-    assert odd.shared_bytes == (2 * 8 + depth * 4 * 5 + 4 * 32) * 4
+    # the state buffers, the ring a word a thread
+    assert small.shared_bytes == (2 * 20 + depth * 64) * 4 == recurrent_cuda.shared_bytes("gru", 20, 4)
+    odd = launch("lstm", 5, torch.float32)  # state buffers padded to whole float4 vectors; 8 units a warp
+    assert (odd.kernel, odd.block) == ("bppsa_lstm_forward_f32_h5", 32)
+    assert odd.shared_bytes == (2 * 8 + depth * 32) * 4
+    assert [recurrent_cuda.group_threads(c, h) for c in ("gru", "lstm") for h in (10, 11, 32)] == [32, 64, 128, 64, 64, 128]
     one = launch("rnn_tanh", 20, torch.float32)  # one warp, its state buffers a value a lane
     assert (one.block, one.shared_bytes) == (32, (2 * 32 + depth * 20) * 4)
     shared = launch("gru", 20, torch.float64)
@@ -637,11 +639,13 @@ def test_cluster_step_stores_after_its_arrival(cell, direction):
 #: 67 / 78 / 98 / 107 and backward 39.5 / 44 / 61.25 / 79.5 at H = 1 / 5 / 20 / 32; the groups of 4 with
 #: compile-time offsets, forward 37 / 47 / 65 / 78 and backward 23 / 28 / 43 / 58.
 RNN_STEP_CAP = {"forward": {1: 40, 5: 50, 20: 68, 32: 80}, "backward": {1: 26, 5: 31, 20: 46, 32: 61}}
-#: the same for a step of the gated cells' forward (a warp a gate; its branches by warp stay), by cell and H:
-#: single steps issued LSTM 145 / 155 / 179 / 181 and GRU 150 / 161 / 184 / 191 (a CALL of the division's slow
-#: path in each sigmoid); the LSTM's groups of 2 127 / 133 / 160 / 171; without the call, the LSTM's groups of 4
-#: 102 / 115 / 135 / 143 and the GRU's of 2 121 / 129 / 144 / 156.
-GATED_FORWARD = {"lstm": (4, {1: 105, 5: 118, 20: 138, 32: 146}), "gru": (2, {1: 124, 5: 132, 20: 147, 32: 159})}
+#: the same for a step of the gated cells' forward (a unit's gates in neighbouring lanes, one block barrier a
+#: step), by cell and H: a warp a gate (two barriers a step, its gates through shared memory), single steps issued
+#: LSTM 145 / 155 / 179 / 181 and GRU 150 / 161 / 184 / 191 (a CALL of the division's slow path in each sigmoid);
+#: the LSTM's groups of 2 127 / 133 / 160 / 171; without the call, the LSTM's groups of 4 102 / 115 / 135 / 143
+#: and the GRU's of 2 121 / 129 / 144 / 156. A unit's gates in neighbouring lanes: LSTM 89.5 / 94.5 / 117.75 /
+#: 134.5, GRU 94 / 100 / 121.5 / 140.
+GATED_FORWARD = {"lstm": (4, {1: 92, 5: 97, 20: 120, 32: 137}), "gru": (2, {1: 96, 5: 102, 20: 124, 32: 142})}
 #: the same for a step of the gated cells' backward, whose loop runs groups of kBackwardAhead = 4 steps: the GRU's
 #: checked its bounds every step (its registers spilled with the unchecked copy of the loop: ptxas kept 96 and
 #: spilled at H = 18 until the kernels asked for one block an SM), 61.5 / 75.5 / 110.5 / 123.25 instructions a
@@ -657,8 +661,8 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
     step; backward: a row stored a step) with no branch but the loop's own (ring slots, state or row buffers and
     output offsets at compile-time offsets; every lane computes, the lanes beyond H store into padding or
     nothing), within :data:`RNN_STEP_CAP` a step (the groups near the sequence's ends run a guarded copy); the
-    gated cells' forward in groups (:data:`GATED_FORWARD`: LSTM 4 steps, GRU 2) within its caps a step, no call
-    in them (sigmoid_of's reciprocal inline), and their backward's unchecked groups within
+    gated cells' forward in groups (:data:`GATED_FORWARD`: LSTM 4 steps, GRU 2) within its caps a step, one block
+    barrier a step, no call in them (sigmoid_of's reciprocal inline), and their backward's unchecked groups within
     :data:`GATED_BACKWARD`."""
     try:
         loops = cuda_inspect.sass_loops("sm_90", source="recurrent.cu", options=recurrent_cuda.module_options(hidden))
@@ -682,6 +686,7 @@ def test_rnn_time_loops_are_branch_free_groups(hidden):
         assert not any("CALL" in kind for loop in groups for kind in loop.kinds), f"{name}: {groups[0].kinds}"
         step = min(loop.instructions for loop in groups) / unroll
         assert step <= caps[hidden], f"{name}: {step} instructions a step"
+        assert all(loop.kinds.get("BAR") == unroll for loop in groups), f"{name}: {[loop.kinds for loop in groups]}"
     for cell, caps in GATED_BACKWARD.items():
         name = f"bppsa_{cell}_backward_f32_h{hidden}"
         groups = [loop for loop in loops[name] if loop.kinds.get("STS", 0) >= 4]  # the main loop, the tail's
