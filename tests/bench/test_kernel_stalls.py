@@ -110,8 +110,8 @@ def test_the_stage_profiles_every_module_and_workload_and_writes_the_table(tmp_p
     first = commands[0]
     assert first[:5] == ["/opt/ncu", "--csv", "--profile-from-start", "off", "--metrics"]
     assert first[5].split(",") == list(stalls.METRICS)
-    assert first[-8:] == ["--run", "cudnn", "RNN", "16", "1000", "1", "20", "linear"]
-    assert commands[-1][-8:] == ["--run", "bppsa", "RNN", "16", "1000", "1", "128", "linear"]
+    assert first[-8:] == ["--run", "bppsa", "GRU", "16", "1034", "12", "20", "linear"]
+    assert commands[-1][-8:] == ["--run", "cudnn", "RNN", "16", "1000", "1", "128", "linear"]
     rows = _written_rows(tmp_path)
     assert rows == [[cell.strip() for cell in row] for row in done] and len(rows) == 2 * len(commands)
 
