@@ -17,7 +17,7 @@ cells ~2 minutes; one call of every stage but the paper's grids fitted the devic
 ``stalls`` stage, added since, has not run on a GPU yet: ten ncu profiles, each bounded by PROFILE_SECONDS and
 the deadline; what the deadline leaves no time for is written as skipped):
 
-    python benchmarks/gpu.py --all --stages tests,host,step,fused,stalls,overhead,chain,cells,calib --within 540
+    python benchmarks/gpu.py --all --stages tests,host,step,fused,forward,stalls,overhead,chain,cells,calib --within 540
 
 ``--all`` runs the stages below, each writing its files under ``benchmarks/results/`` as it goes (a killed run
 leaves what was finished), each headed by the device, torch, cuDNN, CuPy, the commit (``$BPPSA_COMMIT`` or
@@ -45,6 +45,8 @@ ours with the scan forced: step waited for, host time to queue it, back to back,
 and GPU busy per step, the profiler's and cProfile's tables). Between 2 and 3 (each with its own time
 budget): ``cuda-fused.md`` (one layer call's backward by the fused backward kernel and by the factored scan
 of the linear plan, on the same factors: whether the fused kernel should also replace the warp sweep),
+``cuda-forward.md`` (``benchmarks/recurrent_forward_gpu.py``: the forward kernels alone against cuDNN's forward,
+device time a call),
 ``cuda-stalls.md`` (``benchmarks/kernel_stalls.py``: Nsight Compute's profile of every kernel of one training
 step, cuDNN's and ours, RNN / GRU / LSTM at H = 20 (linear) and the RNN at T = 10000 (chunked): ns and
 instructions per dependent step, and the stall reasons a warp waits in), ``cuda-overhead.md`` (what our module adds where "auto"
@@ -134,6 +136,7 @@ from device_runner import (
 from device_runner import commit as _commit  # noqa: F401 - tests/bench/test_gpu_command.py clears its cache
 from host_path import HostWorkload, graphed_seconds, host_stage, python_profile
 from kernel_stalls import stalls_stage
+from recurrent_forward_gpu import forward_stage
 
 HIDDEN = 20
 RNN_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000, 30000)
@@ -178,8 +181,8 @@ CALIB_COLUMNS = ("what", "cell", "d", "B", "T", "algorithm", "chunk", "ms", "pla
 #: the stages still to run (what one leaves unused goes to those after it); a whole run needs ~10 minutes
 #: of an H100 (two calls of <= 5 minutes: see the module docstring)
 STAGE_SHARES = {
-    "tests": 0.15, "host": 0.1, "step": 0.15, "fused": 0.05, "stalls": 0.1, "overhead": 0.05, "chain": 0.05,
-    "cells": 0.2, "calib": 0.3, "paper": 0.05,
+    "tests": 0.15, "host": 0.1, "step": 0.15, "fused": 0.05, "forward": 0.05, "stalls": 0.1, "overhead": 0.05,
+    "chain": 0.05, "cells": 0.2, "calib": 0.3, "paper": 0.05,
 }  # fmt: skip
 #: every stage of ``--all`` in its order (``paper``: the paper's grids)
 STAGES = tuple(STAGE_SHARES)
@@ -1119,6 +1122,7 @@ def run_all(
         "host": host_stage,
         "step": step_stage,
         "fused": fused_stage,
+        "forward": forward_stage,
         "stalls": stalls_stage,
         "overhead": overhead_stage,
         "chain": chain_stage,

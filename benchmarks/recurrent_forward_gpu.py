@@ -1,7 +1,10 @@
 """The recurrent forward kernels alone on a GPU, against cuDNN's forward (issue 29's forward target).
 
-    python benchmarks/recurrent_forward_gpu.py                      # GPU: prints a markdown table
-    python benchmarks/recurrent_forward_gpu.py --out benchmarks/results/recurrent-forward-gpu.md
+    python benchmarks/recurrent_forward_gpu.py --results /tmp/r   # GPU: writes cuda-forward.md there
+    python benchmarks/gpu.py --all                                # its "forward" stage: the same table
+
+(``benchmarks/results/recurrent-forward-gpu.md``: its first run, at b2ef8cf, written by the standalone form of
+then.) Every workload's row is written as it is measured, the rest "skipped: out of time" past the deadline.
 
 Per workload (cell, B, T, input I, H; float32, no grad), the device time per call read from ``torch.profiler``
 (kernels only: no host time), after warm-up calls that compile the per-H module:
@@ -16,7 +19,7 @@ Per workload (cell, B, T, input I, H; float32, no grad), the device time per cal
 - ``max abs diff``, ``shared max abs diff``: the largest difference between the per-H / shared kernel's ``out``
   and cuDNN's (a sanity check; cuDNN's GEMMs may run in TF32).
 
-Nothing here runs without CUDA (exit status 2 with a message).
+Without CUDA every row says so ("n/a: no CUDA").
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from lightning_bppsa.kernels import cupy_loader, recurrent_cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also where loaded by path
+from device_runner import NO_CUDA, RESULTS, SKIPPED, Runner, header, markdown_table, write
 
 #: (cell, B, T, I, H): the issue's rows first (RNN B16 T1000 H20, GRU B64 T1034 I12 H20), then B, T, H around them
 WORKLOADS = (
@@ -133,38 +141,51 @@ def measure(cell: str, batch: int, steps: int, inputs: int, hidden: int, calls: 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+#: profiled calls per function
+CALLS = 20
+COLUMNS = ("workload", "per-H us", "shared us", "cuDNN rec us", "cuDNN all us", "ours all us", "max abs diff",
+           "shared max abs diff")  # fmt: skip
+
+
+def row_text(row: dict[str, object]) -> list[str]:
+    """:func:`measure`'s row as table cells: microseconds to 0.1, differences in 3 digits."""
+    return [f"{v:.1f}" if isinstance(v, float) and "us" in k else f"{v:.2e}" if isinstance(v, float) else str(v)
+            for k, v in row.items()]  # fmt: skip
+
+
+def forward_stage(runner: Runner, calls: int = CALLS) -> list[list[str]]:
+    """:func:`measure` of every workload of :data:`WORKLOADS` while time is left, ``cuda-forward.md`` rewritten
+    after each."""
+    ok, reason = recurrent_cuda.available() if runner.device == "cuda" else (False, NO_CUDA)
+    done: list[list[str]] = []
+    for workload in WORKLOADS:
+        label = f"{workload[0]} B{workload[1]} T{workload[2]} I{workload[3]} H{workload[4]}"
+        absent = (
+            NO_CUDA if runner.device != "cuda"
+            else f"n/a: the kernels cannot run here ({reason})" if not ok
+            else SKIPPED if runner.left() <= 0
+            else None
+        )  # fmt: skip
+        done.append([label, absent, *["-"] * (len(COLUMNS) - 2)] if absent else row_text(measure(*workload, calls)))
+        print("forward " + " | ".join(done[-1]), flush=True)
+        write(runner, "cuda-forward.md", header(runner, "Recurrent forward kernels vs cuDNN") + (
+            f"float32, no gradient, device time per call (torch.profiler, {calls} calls), ring depth "
+            f"{recurrent_cuda.RING_DEPTH}; the columns: `benchmarks/recurrent_forward_gpu.py`'s docstring.\n\n"
+            + markdown_table(COLUMNS, done)
+        ))  # fmt: skip
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=20, help="profiled calls per function (default 20)")
-    parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--calls", type=int, default=CALLS, help="profiled calls per function (default %(default)s)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where cuda-forward.md goes")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("recurrent_forward_gpu.py needs a CUDA device", file=sys.stderr)
-        return 2
-    ok, reason = recurrent_cuda.available()
-    if not ok:
-        print(f"the recurrent CUDA kernels cannot run here: {reason}", file=sys.stderr)
-        return 2
-    props = torch.cuda.get_device_properties(0)
-    head = (
-        f"# Recurrent forward kernels vs cuDNN\n\n{props.name}, torch {torch.__version__}, cuDNN "
-        f"{torch.backends.cudnn.version()}, CuPy {cupy_loader.cupy_version()}, float32, device time per call "
-        f"(torch.profiler, {args.calls} calls), ring depth {recurrent_cuda.RING_DEPTH}\n"
-    )
-    rows = [measure(*workload, args.calls) for workload in WORKLOADS]
-    columns = list(rows[0])
-    lines = [head, "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for row in rows:
-        cells = [f"{v:.1f}" if isinstance(v, float) and "us" in k else f"{v:.2e}" if isinstance(v, float) else v
-                 for k, v in row.items()]  # fmt: skip
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text)
-    return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = Runner(device, None, time.monotonic() + 600, results=args.results,
+                    command="python benchmarks/recurrent_forward_gpu.py")  # fmt: skip
+    forward_stage(runner, args.calls)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

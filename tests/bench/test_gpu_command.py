@@ -92,6 +92,7 @@ def test_every_file_has_the_header(full_run: Path) -> None:
         "cuda-host.md",
         "cuda-step.md",
         "cuda-fused.md",
+        "cuda-forward.md",
         "cuda-stalls.md",
         "cuda-overhead.md",
         "cuda-chain.md",
@@ -473,6 +474,38 @@ def test_the_fused_stage_compares_the_two_backwards_on_every_workload(full_run: 
     for row in rows:
         assert float(row[4]) > 0 and float(row[5]) > 0 and row[7].startswith("linear")
         assert float(row[8]) < 1e-5, row
+
+
+def test_the_forward_stage_names_every_workload(full_run: Path) -> None:
+    """Without CUDA the forward kernels' table lists every workload of ``recurrent_forward_gpu`` as such."""
+    forward = sys.modules["recurrent_forward_gpu"]
+    rows = _table_rows(_read(full_run, "cuda-forward.md"))
+    assert [row[0] for row in rows] == [f"{c} B{b} T{t} I{i} H{h}" for c, b, t, i, h in forward.WORKLOADS]
+    assert all(row[1] == bench.NO_CUDA and len(row) == len(forward.COLUMNS) for row in rows)
+
+
+def test_the_forward_stage_measures_while_time_is_left(tmp_path: Path, monkeypatch) -> None:
+    """On CUDA each workload is measured (``measure``, here a stand-in that takes 5 s of the clock) until the
+    deadline, the rest written as skipped; the row's microseconds to 0.1, its differences in 3 digits."""
+    forward = sys.modules["recurrent_forward_gpu"]
+    clock = FakeClock()
+    measured = []
+
+    def measure(cell, batch, steps, inputs, hidden, calls):
+        measured.append((cell, batch, steps, inputs, hidden, calls))
+        clock.jump(5.0)
+        row = dict.fromkeys(forward.COLUMNS, 1.234567)
+        return {**row, "workload": f"{cell} B{batch}"}
+
+    monkeypatch.setattr(forward, "measure", measure)
+    monkeypatch.setattr(forward.recurrent_cuda, "available", lambda: (True, ""))
+    monkeypatch.setattr(forward, "header", lambda runner, title: f"# {title}\n\n")
+    runner = dataclasses.replace(_runner(tmp_path, clock, budget=12.0), device="cuda")
+    rows = forward.forward_stage(runner, calls=7)
+    assert measured == [(*w, 7) for w in forward.WORKLOADS[:3]]
+    assert rows[0] == ["rnn_tanh B16", "1.2", "1.2", "1.2", "1.2", "1.2", "1.23e+00", "1.23e+00"]
+    assert [row[1] for row in rows[3:]] == [bench.SKIPPED] * (len(forward.WORKLOADS) - 3)
+    assert _table_rows(_read(tmp_path, "cuda-forward.md")) == rows
 
 
 def test_the_backward_alone_is_timed_on_a_fresh_graph_without_a_recomputed_forward(monkeypatch) -> None:
