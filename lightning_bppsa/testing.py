@@ -136,10 +136,11 @@ def cuda_path_on_cpu(run_kernels: bool = True) -> Iterator[object]:
 class EmulatedGraphs:
     """A host stand-in for CUDA graphs (:func:`graphs_on_cpu`): a capture runs the work and keeps its result, a
     replay runs the work again and copies its result into the captured tensors (what a graph's replay leaves in
-    its static tensors); ``run_graphs=False``: a replay does nothing. ``captures`` counts the captures."""
+    its static tensors); ``run_graphs=False``: a replay does nothing. ``captures`` counts the captures,
+    ``replays`` the replays (a forward graph's and a backward graph's each count)."""
 
     def __init__(self, run_graphs: bool = True) -> None:
-        self.captures = 0
+        self.captures = self.replays = 0
         self.run_graphs = run_graphs
 
     def accepts(self, tensor: Tensor) -> bool:
@@ -158,6 +159,7 @@ class EmulatedGraphs:
         result = fn()
 
         def replay(targets: list) -> None:
+            self.replays += 1
             if not self.run_graphs:
                 return
             fresh = fn()
