@@ -49,17 +49,18 @@ int launch(void (*entry)(const uint64_t*), int gates, std::vector<int> factor_wi
         (uint64_t)(bias ? filled<T>(owned, gh) : nullptr), (uint64_t)filled<T>(owned, batch * hidden),
         (uint64_t)(lstm ? filled<T>(owned, batch * hidden) : nullptr), (uint64_t)filled<T>(owned, batch * steps * hidden),
         (uint64_t)factors[0], (uint64_t)factors[1], (uint64_t)factors[2], (uint64_t)batch, (uint64_t)steps, (uint64_t)hidden};
-    // as recurrent_cuda.py's shared_bytes: the per-H RNN's state buffers a value a lane, the gated cells' the
-    // padded state and their warps' exchange ([G (+ 1 for GRU's n)][32])
+    // as recurrent_cuda.py's shared_bytes and threads: the per-H RNN's state buffers a value a lane and its ring
+    // gi's rows, one warp; the per-H gated cells' padded state and their ring a word a thread, 32 / G units a warp
+    // (group_threads); the shared-memory kernels W_hh and the state, a thread a unit
     const long width = 16 / sizeof(T), padded = (hidden + width - 1) / width * width;
-    const long exchange = gates > 1 ? (gates + (gates == 3)) * 32 : 0;
-    const long buffers = 2 * (gates == 1 ? 32 : padded);
-    const size_t shared =
-        (per_hidden ? buffers + BPPSA_REC_RING * gh + exchange : (gh + 2) * padded) * sizeof(T);
+    const long group_threads = 32 * ((hidden + 32 / gates - 1) / (32 / gates));
+    const long threads = per_hidden ? (gates == 1 ? 32 : group_threads) : (hidden + 31) / 32 * 32;
+    const long fixed = gates == 1 ? 2 * 32 + BPPSA_REC_RING * hidden : 2 * padded + BPPSA_REC_RING * threads;
+    const size_t shared = (per_hidden ? fixed : (gh + 2) * padded) * sizeof(T);
     const int status = cluster.size
         ? bppsa_emu_launch_clusters(entry, args, batch * cluster.size, cluster.threads, cluster.shared, batch, 60.0, 1,
                                     0.0, cluster.size)
-        : bppsa_emu_launch(entry, args, batch, (hidden + 31) / 32 * 32, shared, batch, 60.0, 1, 0.0);
+        : bppsa_emu_launch(entry, args, batch, threads, shared, batch, 60.0, 1, 0.0);
     for (void* p : owned) std::free(p);
     return status;
 }

@@ -735,11 +735,19 @@ def test_nvrtc_compiles_what_cupy_loads():
 
 @pytest.mark.slow  # ~5 s per sanitizer build
 @pytest.mark.parametrize("sanitizers", ["address,undefined", "thread"])
-def test_sanitized_launches(tmp_path, sanitizers):
+def test_sanitized_launches(tmp_path, sanitizers, monkeypatch):
     """Every cell and dtype, one warp and several, and clusters of blocks, under ASan + UBSan (exact-size global
     buffers) and TSan (the one barrier per step orders the state buffers' writes, a peer block's included, before
-    the next step's reads). The driver's cluster launches state their threads and shared memory: checked here
-    against recurrent_cuda's."""
+    the next step's reads). The driver's launches state their threads and shared memory: the cluster ones and
+    the per-H gated cells' (several warps at H = 32, a ring of 3) checked here against recurrent_cuda's."""
+    monkeypatch.setattr(recurrent_cuda, "RING_DEPTH", 3)  # the driver's ring
+    recurrent_cuda._kernel_and_block.cache_clear()
+    for cell, hidden, threads, shared in (("gru", 7, 32, (2 * 8 + 3 * 32) * 4), ("gru", 32, 128, (2 * 32 + 3 * 128) * 4),
+                                          ("lstm", 7, 32, (2 * 8 + 3 * 32) * 4), ("lstm", 32, 128, (2 * 32 + 3 * 128) * 4),
+                                          ("rnn_relu", 7, 32, (2 * 32 + 3 * 7) * 4)):  # fmt: skip
+        assert recurrent_cuda._kernel_and_block(cell, torch.float32, hidden, "forward", 48 * 1024, 1)[1:3] == (threads, shared)
+    monkeypatch.undo()
+    recurrent_cuda._kernel_and_block.cache_clear()
     for cell, hidden, limit, threads, shared in (("gru", 130, 8 * 1024, 160, 2 * 36 * 16),
                                                  ("lstm", 150, 48 * 1024, 160, 2 * 40 * 16 + 4 * 3 * 38 * 4 * 16)):
         assert recurrent_cuda._kernel_and_block(cell, torch.float32, hidden, "forward", limit, 8)[1:3] == (threads, shared)
