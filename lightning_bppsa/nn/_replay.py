@@ -20,7 +20,12 @@ What keeps this exact where a graphed module of one's own is not:
   capturing after :data:`MAX_CAPTURES`);
 - where an output was modified in place before the backward (the graphs' states could be stale), under
   double backward (``create_graph=True``) and :func:`~lightning_bppsa.nn.reference_backward`, the backward
-  recomputes the call with the eager scan and differentiates that.
+  recomputes the call with the eager scan and differentiates that;
+- dropout between layers (training mode) draws afresh at every replay: a CUDA graph's random ops read the
+  generator's seed and offset at replay and advance it as the eager ops would (torch's graph-safe RNG); the
+  capture's warm-up and capture leave the caller's random state as they found it, so a call draws what its
+  eager scan would have drawn from the same state; a recomputation draws again from the state its replay
+  started from (the same masks).
 
 Not yet run on a GPU (written in a session without one): the bookkeeping is tested on CPU over a host
 emulation of the graphs (:func:`lightning_bppsa.testing.graphs_on_cpu`), the graphs in ``tests/gpu``.
@@ -28,10 +33,11 @@ emulation of the graphs (:func:`lightning_bppsa.testing.graphs_on_cpu`), the gra
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -94,6 +100,23 @@ def initial_states(hx: Any) -> tuple[Tensor, ...]:
     return () if hx is None else hx if isinstance(hx, tuple) else (hx,)
 
 
+def _rng_state(device: torch.device) -> Tensor:
+    """The random state the ops on ``device`` draw from (its CUDA generator's, or the CPU's)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _rng_forked(device: torch.device, state: Tensor | None = None) -> Iterator[None]:
+    """What runs inside draws from ``state`` (``None``: the current one) and leaves the random state of
+    ``device`` (and the CPU's) as it found it."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if state is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        elif state is not None:
+            torch.set_rng_state(state)
+        yield
+
+
 def _flat(outputs: tuple) -> list[Tensor]:
     """A module's ``(output, h_n)`` / ``(output, (h_n, c_n))`` as a list."""
     output, states = outputs
@@ -142,17 +165,20 @@ class StepGraphs:
                 torch.autograd.grad(live, wrt, [torch.ones_like(o) for o in live], allow_unused=True)
 
         device = input.device
-        GRAPHS.warm_up(warm_up, device)
-        # on the caller's stream, not the warm-up's (a block of a dropped stream could be handed out again)
-        self.grad_outputs = [torch.zeros_like(o) for o in live] if grads else []
-        live.clear()
-        result, self._forward, pool = GRAPHS.capture(forward, None, device)
-        self.outputs = [o.detach() for o in result]
-        self.grads: list[Tensor | None] = []  # a forward without gradients (inference) has no backward graph
-        if grads:
-            computed, self._backward, _ = GRAPHS.capture(backward, pool, device)
-            self.grads = list(computed)
-            del computed
+        #: whether a replay draws random numbers (dropout between layers): a recomputation then draws them again
+        self.draws = module.training and module.dropout > 0 and module.num_layers > 1
+        with _rng_forked(device):  # the warm-up's draws (and the emulation's capture's) are not the caller's
+            GRAPHS.warm_up(warm_up, device)
+            # on the caller's stream, not the warm-up's (a block of a dropped stream could be handed out again)
+            self.grad_outputs = [torch.zeros_like(o) for o in live] if grads else []
+            live.clear()
+            result, self._forward, pool = GRAPHS.capture(forward, None, device)
+            self.outputs = [o.detach() for o in result]
+            self.grads: list[Tensor | None] = []  # a forward without gradients (inference) has no backward graph
+            if grads:
+                computed, self._backward, _ = GRAPHS.capture(backward, pool, device)
+                self.grads = list(computed)
+                del computed
         del result
         live.clear()  # the eager graph of the capture: its states now live in the graphs' memory only
         # a replay runs no Python of the layers: their timings are not taken (as under torch.compile)
@@ -194,15 +220,17 @@ class StepGraphs:
         return [_alias(next(computed)) if want else None for want in self.wanted]
 
     def recomputed_backward(
-        self, input: Tensor, states: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]  # noqa: A002
+        self, input: Tensor, states: tuple[Tensor, ...], grads: tuple[Tensor | None, ...], rng: Tensor | None  # noqa: A002
     ) -> list[Tensor | None]:
         """The same gradients through the eager scan on ``input`` from ``states`` (double backward:
-        differentiable)."""
+        differentiable); ``rng``: the random state the replay drew from (its dropout masks drawn again)."""
         module = self.module()
         if module is None:
             raise RuntimeError("lightning_bppsa: the module of a replayed call was freed before its backward")
         create_graph = torch.is_grad_enabled()
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
+            if rng is not None:
+                stack.enter_context(_rng_forked(input.device, rng))
             outputs = _flat(module._scan_forward(input, self.hx(list(states)), weights=self.layer_weights))
             wrt = [t for t, want in zip((input, *states, *self.weights), self.wanted, strict=True) if want]
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
@@ -225,6 +253,7 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: StepGraphs, input: Tensor, *rest: Tensor):  # noqa: A002
         states = rest[: len(graphs.states)]
+        ctx.rng = _rng_state(input.device) if graphs.draws else None  # what a recomputation draws from
         outputs = graphs.replay_forward(input, states)
         ctx.graphs = graphs
         # aliases of the outputs, held until the backward, keep the graphs busy (StepGraphs.free); their versions
@@ -244,15 +273,15 @@ class _Replayed(torch.autograd.Function):
             ctx.outs = None
         changed = any(o._version != v for o, v in zip(outs, ctx.versions, strict=True))
         if changed or torch.is_grad_enabled() or reference_backward_enabled():
-            return None, *ctx.graphs.recomputed_backward(input, tuple(states), grads)
+            return None, *ctx.graphs.recomputed_backward(input, tuple(states), grads, ctx.rng)
         return None, *ctx.graphs.replay_backward(grads)
 
 
 def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
     """Whether a memoised scan call of ``module`` on ``input`` may replay: the graphs take its device (CUDA),
     no graph is being captured (a caller's capture holds the eager scan), nothing traces or intercepts ops
-    (``torch.compile``, dispatch and function modes, tensor subclasses), no dropout drawn, and
-    outputs of at most :data:`REPLAY_ELEMENTS` elements."""
+    (``torch.compile``, dispatch and function modes, tensor subclasses), and outputs of at most
+    :data:`REPLAY_ELEMENTS` elements."""
     layers = module.num_layers * (2 if module.bidirectional else 1)
     return (
         _SOLE is not None
@@ -262,7 +291,6 @@ def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._is_torch_function_mode_enabled()
-        and (module.dropout == 0 or not module.training)
         and input.numel() // input.shape[-1] * module.hidden_size * layers <= REPLAY_ELEMENTS
     )
 
@@ -342,7 +370,7 @@ def _free_graphs(
 ) -> StepGraphs | None:
     """A free :class:`StepGraphs` of this call, captured if the limits allow, else ``None``."""
     flat = [w for layer in weights for w in layer]
-    # storage addresses too: a weight's .data swapped keeps its id; training mode: no dropout where it draws;
+    # storage addresses too: a weight's .data swapped keeps its id; training mode: dropout drawn or not;
     # autocast's state: the layers cast their outputs to its dtype (explicit casts, autocast itself off inside:
     # the captured work holds none of autocast's cached weight casts, which a capture must not)
     device_type = input.device.type

@@ -21,7 +21,8 @@ with ``", torch forward: why"`` where the device's forward kernel cannot launch;
 ``scan_algorithm`` (the plan without the word "scan"), ``forward_seconds`` (the layers' forward op: states
 and Jacobian factors) and ``scan_seconds`` (the backward op), timings in eager mode only. On CUDA an ``"auto"``
 call that runs the scan replays its step from CUDA graphs from its second call on (:mod:`~lightning_bppsa.nn._replay`:
-``plan`` then ends in ``"replayed from CUDA graphs"``, and no timings are taken).
+``plan`` then ends in ``"replayed from CUDA graphs"``, and no timings are taken; dropout between layers draws
+afresh at every replay).
 
 Torch's own forward (``path == "autograd"``) also runs where the scan has nothing to do or cannot run:
 gradients disabled off the kernels (another device or dtype, autocast, no compiler; on CUDA where cuDNN's

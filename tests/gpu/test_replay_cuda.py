@@ -90,3 +90,41 @@ def test_inference_replays_the_forward_kernel_with_torchs_outputs(replaying, kin
             out, _ = ours(x)
             assert_derived_close(out, ref(x)[0], name="output")
             assert ("replayed from CUDA graphs" in ours.last_stats["plan"]) == (step > 0), ours.last_stats["plan"]
+
+
+def test_dropout_replays_draw_what_the_eager_scan_draws(replaying, monkeypatch):
+    """Dropout between layers (training mode) replays: from the same seed a replayed step draws the masks the
+    eager scan draws (on a GPU: torch's graph-safe RNG, a graph's random ops reading the generator's state at
+    replay), so its output and gradients are the eager step's; an output modified in place recomputes the call
+    with the masks its replay drew; two replays in a row draw afresh."""
+    device = replaying.device
+    torch.manual_seed(0)
+    ours = bnn.LSTM(3, 20, num_layers=2, dropout=0.5, batch_first=True, algorithm="auto", dtype=torch.float64)
+    ours = ours.to(device)
+    x = torch.randn(4, 64, 3, device=device, dtype=torch.float64)
+
+    def step(seed: int, change: bool) -> tuple[torch.Tensor, list[torch.Tensor], str]:
+        ours.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # the CPU's generator and every CUDA device's
+        out, _ = ours(x)
+        plan = ours.last_stats["plan"]
+        if change:
+            out.mul_(2.0)
+        out.square().sum().backward()
+        return out.detach().clone(), [p.grad.clone() for p in ours.parameters()], plan
+
+    cases = [(seed, change) for seed in (1, 2) for change in (False, True)]
+    with monkeypatch.context() as eager_only:
+        eager_only.setattr(_replay, "REPLAY_ELEMENTS", 0)
+        eager = {case: step(*case) for case in cases}
+    step(0, False)
+    step(0, False)  # decided, then captured
+    for case in cases:
+        out, grads, plan = step(*case)
+        assert "replayed from CUDA graphs" in plan and "replayed" not in eager[case][2], (plan, eager[case][2])
+        assert_derived_close(out, eager[case][0], name=f"output {case}")
+        for (name, _), got, expected in zip(ours.named_parameters(), grads, eager[case][1], strict=True):
+            assert_derived_close(got, expected, name=f"{name} {case}")
+    torch.manual_seed(3)
+    first = ours(x)[0].detach().clone()
+    assert not torch.equal(first, ours(x)[0].detach()), "two replays drew the same masks"

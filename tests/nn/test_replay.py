@@ -162,9 +162,6 @@ def test_new_weight_storage_captures_anew_and_module_limit_holds(graphs):
 def test_what_cannot_replay_runs_the_eager_scan(graphs, monkeypatch):
     ours, _ = _pair("LSTM", num_layers=2, dropout=0.5)
     x = torch.randn(2, 5, 3, dtype=torch.float64)
-    for _ in range(3):
-        ours(x)  # dropout drawn in training
-    ours.eval()
     with OpCounter():  # a dispatch mode sees every op
         for _ in range(3):
             ours(x)
@@ -172,10 +169,44 @@ def test_what_cannot_replay_runs_the_eager_scan(graphs, monkeypatch):
     for _ in range(3):
         ours(x)
     assert graphs.captures == 0 and "replayed" not in ours.last_stats["plan"]
-    monkeypatch.setattr(_replay, "REPLAY_ELEMENTS", 2 * 5 * 5 * 2)  # evaluation mode: no dropout drawn
+    monkeypatch.setattr(_replay, "REPLAY_ELEMENTS", 2 * 5 * 5 * 2)
     ours(x)
     ours(x)
     assert graphs.captures == 2 and "replayed" in ours.last_stats["plan"]
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+@pytest.mark.parametrize("change_output", [False, True])
+def test_dropout_draws_at_every_replay_what_torch_draws_from_the_same_seed(graphs, cell, change_output):
+    """Dropout between layers in training mode replays, drawing afresh each step: with the same seed before
+    each step, outputs and gradients equal torch's (its masks), the capturing step's too (the capture's own
+    draws leave the random state alone); an output modified in place recomputes the call with the masks its
+    replay drew; evaluation mode replays graphs of its own, without dropout."""
+    ours, ref = _pair(cell, num_layers=3, dropout=0.4, bidirectional=True)
+    for step in range(4):  # the first call decides, the second captures, the third a second graph, then reuse
+        x = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        found = []
+        for module, inputs in ((ours, x), (ref, x_ref)):
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            output, states = module(inputs)
+            if module is ours:
+                plan = ours.last_stats["plan"]  # (a recomputing backward writes its own)
+            if change_output:
+                output.mul_(2)  # torch's layer saved no output: the in-place change is allowed there too
+            found.append(output.detach().clone())
+            _loss((output, states)).backward()
+        assert_derived_close(found[0], found[1], name="output")
+        _check_grads(ours, ref, x, x_ref)
+        assert ("replayed from CUDA graphs" in plan) == (step > 0), plan
+    torch.manual_seed(0)
+    first = ours(x)[0].detach().clone()
+    assert not torch.equal(first, ours(x)[0]), "two replays drew the same masks"
+    ours.eval()
+    ref.eval()
+    assert_derived_close(ours(x)[0], ref(x)[0], name="evaluation output")
+    assert ours(x)[0].requires_grad and "replayed" in ours.last_stats["plan"]
 
 
 def test_the_decision_times_the_replayed_step_and_drops_graphs_it_does_not_take(monkeypatch):
