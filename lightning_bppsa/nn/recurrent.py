@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -62,6 +63,9 @@ from lightning_bppsa.nn.convert import Conversion, carry_hooks, register_convert
 from lightning_bppsa.plan import check_algorithm
 
 __all__ = ["GRU", "LSTM", "RNN"]
+
+#: call keys a module keeps its decision for (:meth:`_ScanRecurrent._memo_key`), the least recently used dropped
+MEMO_KEYS = 4
 
 
 class _ScanRecurrent:
@@ -88,12 +92,16 @@ class _ScanRecurrent:
 
     def _forward(self, input: Tensor, hx: Any):  # noqa: A002
         # A training loop calls with one shape every step: the decision memoised for this call's key answers
-        # without the checks below, and torch's layer pays ~1 µs for asking (issue 28: <= ~30 µs on a GPU host)
+        # without the checks below, and torch's layer pays ~1 µs for asking (issue 28: <= ~30 µs on a GPU host).
+        # The last MEMO_KEYS keys are kept: a training step after validation (no gradients: another key), or
+        # two shapes in turn, still answer from the memo (and replay their graphs)
         key = self._memo_key(input, hx)
         memo = self.__dict__.get("_plan_memo")
+        hit = None if memo is None or key is None else memo.get(key)
         pending = None  # the memo this call makes, kept once it ran (a call torch's checks refuse raises again)
-        if memo is not None and memo[0] == key:
-            path, reason, stats, weights = memo[1]
+        if hit is not None:
+            memo.move_to_end(key)
+            path, reason, stats, weights = hit
             self.__dict__["last_stats"] = dict(stats)  # a plain attribute: nn.Module's __setattr__ costs µs
         else:
             weights = None
@@ -121,7 +129,10 @@ class _ScanRecurrent:
                     return replayed
             result = self._scan_forward(input, hx, grads=path == "scan", weights=weights)
         if pending is not None:
-            self.__dict__["_plan_memo"] = pending
+            memo = self.__dict__.setdefault("_plan_memo", OrderedDict())
+            memo[pending[0]] = pending[1]
+            if len(memo) > MEMO_KEYS:
+                memo.popitem(last=False)  # the least recently used
         return result
 
     def extra_repr(self) -> str:

@@ -209,6 +209,29 @@ def test_dropout_draws_at_every_replay_what_torch_draws_from_the_same_seed(graph
     assert ours(x)[0].requires_grad and "replayed" in ours.last_stats["plan"]
 
 
+def test_two_shapes_in_turn_with_validation_between_steps_replay(graphs):
+    """The module keeps the decisions of its last MEMO_KEYS call keys: two batch shapes in turn, each step followed
+    by a call without gradients (validation: another key), answer from the memo and replay from the third step
+    on (each key captured once), with torch's gradients and outputs."""
+    ours, ref = _pair("GRU")
+    shapes = [(2, 5, 3), (3, 4, 3)]
+    replayed = []
+    for step in range(6):
+        x = torch.randn(*shapes[step % 2], dtype=torch.float64)
+        ours.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = ours(x)
+        replayed.append("replayed from CUDA graphs" in ours.last_stats["plan"])
+        _loss(out).backward()
+        _loss(ref(x)).backward()
+        _check_grads(ours, ref, x, x)
+        with torch.no_grad():
+            assert_derived_close(ours(x)[0], ref(x)[0], name="validation output")
+    assert replayed == [False, False, True, True, True, True]
+    assert graphs.captures == 2 * 2 + 2  # a forward and a backward graph a training key, a forward one a validation key
+    assert len(ours._plan_memo) == recurrent.MEMO_KEYS == 4
+
+
 def test_the_decision_times_the_replayed_step_and_drops_graphs_it_does_not_take(monkeypatch):
     layer_plan.forget()
     timed = []
