@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,7 +48,7 @@ from lightning_bppsa.nn._reference_backward import reference_backward_enabled
 from lightning_bppsa.nn._scan_layer import _keeps_graph
 from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
 
-__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "MAX_CAPTURES", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "initial_states", "kept", "replayable", "run"]
+__all__ = ["GRAPHS_PER_KEY", "GRAPHS_PER_MODULE", "MAX_CAPTURES", "REPLAY_ELEMENTS", "CudaGraphs", "StepGraphs", "forget", "initial_states", "kept", "no_cuda_graphs", "replayable", "run"]
 
 #: graph pairs kept per call key: a training loop alternates two (the last step's output is still referenced,
 #: by the caller's variable, while the next forward runs)
@@ -93,6 +94,29 @@ class CudaGraphs:
 
 #: the graphs' implementation (:func:`lightning_bppsa.testing.graphs_on_cpu` replaces it)
 GRAPHS: Any = CudaGraphs()
+
+# Process-wide, a count (as reference_backward's): nested and concurrent blocks compose
+_lock = threading.Lock()
+_off = 0
+
+
+@contextlib.contextmanager
+def no_cuda_graphs() -> Iterator[None]:
+    """Inside it, ``"auto"`` recurrent layers run their scan steps eagerly: no step is captured in or replayed
+    from CUDA graphs (the graphs hold a step's states, up to 4 steps a module; e.g. where memory is short).
+    Graphs captured before stay with their module and replay again after the block. Process-wide::
+
+        with lightning_bppsa.nn.no_cuda_graphs():
+            trainer.fit(model)
+    """
+    global _off
+    with _lock:
+        _off += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _off -= 1
 
 
 def initial_states(hx: Any) -> tuple[Tensor, ...]:
@@ -278,13 +302,15 @@ class _Replayed(torch.autograd.Function):
 
 
 def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
-    """Whether a memoised scan call of ``module`` on ``input`` may replay: the graphs take its device (CUDA),
+    """Whether a memoised scan call of ``module`` on ``input`` may replay: not inside :func:`no_cuda_graphs`, the
+    graphs take its device (CUDA),
     no graph is being captured (a caller's capture holds the eager scan), nothing traces or intercepts ops
     (``torch.compile``, dispatch and function modes, tensor subclasses), and outputs of at most
     :data:`REPLAY_ELEMENTS` elements."""
     layers = module.num_layers * (2 if module.bidirectional else 1)
     return (
         _SOLE is not None
+        and _off == 0
         and type(input) is Tensor
         and GRAPHS.accepts(input)
         and not (input.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -232,6 +232,27 @@ def test_two_shapes_in_turn_with_validation_between_steps_replay(graphs):
     assert len(ours._plan_memo) == recurrent.MEMO_KEYS == 4
 
 
+def test_no_cuda_graphs_runs_the_eager_scan_and_replays_again_after(graphs):
+    ours, ref = _pair("LSTM")
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    with bnn.no_cuda_graphs(), bnn.no_cuda_graphs():  # nested blocks compose
+        for _ in range(3):
+            ours.zero_grad(set_to_none=True)
+            _loss(ours(x)).backward()
+            assert "replayed" not in ours.last_stats["plan"]
+        with bnn.no_cuda_graphs():
+            pass
+        ours(x)
+        assert graphs.captures == 0 and "replayed" not in ours.last_stats["plan"]
+    ref.zero_grad(set_to_none=True)
+    _loss(ref(x)).backward()
+    _check_grads(ours, ref, x, x)
+    ours.zero_grad(set_to_none=True)
+    _loss(ours(x)).backward()
+    assert graphs.captures == 2 and "replayed from CUDA graphs" in ours.last_stats["plan"]
+    _check_grads(ours, ref, x, x)
+
+
 def test_the_decision_times_the_replayed_step_and_drops_graphs_it_does_not_take(monkeypatch):
     layer_plan.forget()
     timed = []
