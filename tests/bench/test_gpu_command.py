@@ -10,6 +10,8 @@ import csv
 import dataclasses
 import importlib.util
 import io
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -528,3 +530,18 @@ def test_the_backward_alone_is_timed_on_a_fresh_graph_without_a_recomputed_forwa
         forwards = len(recomputed)
         call()
         assert len(recomputed) == forwards and module.weight_hh_l0.grad is not None
+
+
+def test_the_gpu_session_script_parses_and_passes_only_flags_its_scripts_take() -> None:
+    """``benchmarks/gpu_session.sh`` (one call of a lent GPU machine): bash parses it, and every flag it passes to
+    a benchmark script is one that script's ``--help`` lists."""
+    script = SCRIPT.with_name("gpu_session.sh")
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    calls = re.findall(r"python3 (benchmarks/\w+\.py)([^\n]*)", script.read_text())
+    assert sorted(name for name, _ in calls) == ["benchmarks/cluster_layouts.py", "benchmarks/gpu.py"]
+    for name, arguments in calls:
+        usage = subprocess.run(
+            [sys.executable, str(SCRIPT.parents[1] / name), "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        flags = re.findall(r"(--[a-z-]+)", arguments)
+        assert flags and all(flag in usage for flag in flags), (name, flags)
