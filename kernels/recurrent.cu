@@ -26,8 +26,9 @@
 //    exchanged by shuffles, every lane of the unit the cell's update; the stores shared out by gate; a block
 //    barrier). A step's dependent path is: read h_{t-1} (KC broadcast LDS.128 from shared memory), the dot
 //    products (fully unrolled, W_hh in registers: H floats a lane), the cell's functions, store h_t to shared
-//    memory, a barrier (__syncwarp for one warp). Everything else is kept off that path (the RNN's time loop in groups of kFixedUnroll steps: ring
-//    slots, state buffers and output offsets are immediates; its SASS pinned by the tests):
+//    memory, a barrier (__syncwarp for one warp). Everything else is kept off that path (the time loops in
+//    groups of steps: ring slots, state buffers and output offsets are immediates; their SASS pinned by the
+//    tests):
 //    - gi is staged through a ring of R = BPPSA_REC_RING step rows in shared memory, filled R - 1 steps
 //      ahead by asynchronous copies (cp.async on sm_80+, bppsa_rec::RowCopy). The previous kernel loaded a
 //      step's gi one step ahead, so a step could not be shorter than a global-load round trip: on an H100

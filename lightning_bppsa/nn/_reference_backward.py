@@ -1,4 +1,4 @@
-"""Global switches read by every BPPSA module's backward (shared by recurrent layers and chains)."""
+"""Process-wide switches read by BPPSA modules (shared by recurrent layers and chains): the reference backward."""
 
 from __future__ import annotations
 
@@ -6,18 +6,41 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["reference_backward", "reference_backward_enabled"]
+__all__ = ["ProcessSwitch", "reference_backward", "reference_backward_enabled"]
 
-# Process-wide, not thread-local: autograd runs the backward of CUDA (and other accelerator) tensors on its
-# own device threads, which never see a thread-local flag set by the caller (the "reference" then ran the
-# scan again and was compared with itself). A count, so nested and concurrent blocks compose.
-_lock = threading.Lock()
-_depth = 0
+
+class ProcessSwitch:
+    """A switch on while any thread is inside one of its :meth:`blocks <block>`. Process-wide, not
+    thread-local: autograd runs the backward of CUDA (and other accelerator) tensors on its own device threads,
+    which never see a thread-local flag set by the caller (a "reference" backward then ran the scan again and
+    was compared with itself). A count, so nested and concurrent blocks compose."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    def on(self) -> bool:
+        """Whether any thread is inside a block."""
+        return self._depth > 0  # one int read: atomic, no lock needed
+
+    @contextmanager
+    def block(self) -> Iterator[None]:
+        """The switch on for the block's duration (and while any other block lasts)."""
+        with self._lock:
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+
+
+_REFERENCE = ProcessSwitch()
 
 
 def reference_backward_enabled() -> bool:
     """True while any thread is inside :func:`reference_backward`."""
-    return _depth > 0  # one int read: atomic, no lock needed
+    return _REFERENCE.on()
 
 
 @contextmanager
@@ -31,11 +54,5 @@ def reference_backward() -> Iterator[None]:
     takes the reference path, whatever thread runs it (autograd's device threads included, which is why it
     is not thread-local), so backward passes of other threads during the block are slower but exact.
     """
-    global _depth
-    with _lock:
-        _depth += 1
-    try:
+    with _REFERENCE.block():
         yield
-    finally:
-        with _lock:
-            _depth -= 1

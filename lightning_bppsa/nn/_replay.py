@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_bppsa.nn._reference_backward import reference_backward_enabled
+from lightning_bppsa.nn._reference_backward import ProcessSwitch, reference_backward_enabled
 from lightning_bppsa.nn._scan_layer import _keeps_graph
 from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
 
@@ -95,9 +94,7 @@ class CudaGraphs:
 #: the graphs' implementation (:func:`lightning_bppsa.testing.graphs_on_cpu` replaces it)
 GRAPHS: Any = CudaGraphs()
 
-# Process-wide, a count (as reference_backward's): nested and concurrent blocks compose
-_lock = threading.Lock()
-_off = 0
+_NO_GRAPHS = ProcessSwitch()
 
 
 @contextlib.contextmanager
@@ -109,14 +106,8 @@ def no_cuda_graphs() -> Iterator[None]:
         with lightning_bppsa.nn.no_cuda_graphs():
             trainer.fit(model)
     """
-    global _off
-    with _lock:
-        _off += 1
-    try:
+    with _NO_GRAPHS.block():
         yield
-    finally:
-        with _lock:
-            _off -= 1
 
 
 def initial_states(hx: Any) -> tuple[Tensor, ...]:
@@ -310,7 +301,7 @@ def replayable(module: torch.nn.Module, input: Tensor) -> bool:  # noqa: A002
     layers = module.num_layers * (2 if module.bidirectional else 1)
     return (
         _SOLE is not None
-        and _off == 0
+        and not _NO_GRAPHS.on()
         and type(input) is Tensor
         and GRAPHS.accepts(input)
         and not (input.is_cuda and torch.cuda.is_current_stream_capturing())
