@@ -49,6 +49,15 @@ typedef long long i64;
 
 #define CELL_MAX_THREADS 256 /* H <= 256: one thread per coordinate (lightning_bppsa/nn/cell_cuda.py checks) */
 #define CELL_CW (CHI - CLO)  /* the state columns the pieces read */
+/* the forward with one thread per coordinate keeps thread j's weights (CELL_CW x NK) in registers where they take
+   at most 128 32-bit words: a step's products then load only the state from shared memory (they loaded a weight
+   for each multiply-add: at GRU H = 32 a step issued 407 instructions, sm_90) */
+#define CELL_WEIGHTS_IN_REGISTERS (!CELL_SPREAD && NK > 0 && CELL_CW * NK * (int)sizeof(REAL) <= 512)
+/* and the backward its columns of the read state blocks q (q H in [CLO, CHI): CELL_READ_BLOCKS of them, KH
+   values each), where they take at most 128 words (at GRU H = 32 a step issued 308 instructions, 96 of them
+   loads of W) */
+#define CELL_READ_BLOCKS ((CHI + H - 1) / H - (CLO + H - 1) / H)
+#define CELL_COLUMNS_IN_REGISTERS (!CELL_SPREAD && CELL_READ_BLOCKS > 0 && CELL_READ_BLOCKS * KH * (int)sizeof(REAL) <= 512)
 #if CELL_SPREAD /* ptxas otherwise keeps the items' loop to 32 registers and spills (CoprimeWidths, weights global) */
 #define CELL_LAUNCH_BOUNDS __launch_bounds__(CELL_MAX_THREADS, 1)
 #else
@@ -113,6 +122,14 @@ __device__ __forceinline__ void cell_forward(i64 steps, const REAL* __restrict__
     bppsa::copy_async_wait<0>();
 #endif
     __syncthreads();
+    REAL wr[CELL_WEIGHTS_IN_REGISTERS ? CELL_CW * NK : 1];  // wr[i NK + k] = w[i KH + k H + j]
+    if constexpr (CELL_WEIGHTS_IN_REGISTERS) {
+        const int unit = j < H ? j : H - 1;  // threads beyond H read a valid column and compute nothing
+#pragma unroll
+        for (int i = 0; i < CELL_CW; ++i)
+#pragma unroll
+            for (int k = 0; k < NK; ++k) wr[i * NK + k] = w[i * KH + k * H + unit];
+    }
     for (i64 t = 0; t < steps; ++t) {
         const i64 row = b * steps + t;
         const REAL* prev = state + (t & 1) * D;
@@ -140,11 +157,20 @@ __device__ __forceinline__ void cell_forward(i64 steps, const REAL* __restrict__
             REAL acc[NK > 0 ? NK : 1];
 #pragma unroll
             for (int k = 0; k < NK; ++k) acc[k] = offsets != nullptr ? offsets[row * KH + k * H + j] : REAL(0);
-            for (int i = 0; i < CELL_CW; ++i) {
-                const REAL v = prev[CLO + i];
-                const REAL* wi = w + i * KH + j;
+            if constexpr (CELL_WEIGHTS_IN_REGISTERS) {  // the same sums in the same order
 #pragma unroll
-                for (int k = 0; k < NK; ++k) acc[k] += v * wi[k * H];
+                for (int i = 0; i < CELL_CW; ++i) {
+                    const REAL v = prev[CLO + i];
+#pragma unroll
+                    for (int k = 0; k < NK; ++k) acc[k] += v * wr[i * NK + k];
+                }
+            } else {
+                for (int i = 0; i < CELL_CW; ++i) {
+                    const REAL v = prev[CLO + i];
+                    const REAL* wi = w + i * KH + j;
+#pragma unroll
+                    for (int k = 0; k < NK; ++k) acc[k] += v * wi[k * H];
+                }
             }
 #pragma unroll
             for (int k = 0; k < NK; ++k) piece[k * H + j] = acc[k];
@@ -253,6 +279,17 @@ __device__ __forceinline__ void cell_backward(i64 steps, const REAL* __restrict_
                      : REAL(0);
     }
     __syncthreads();
+    // the columns q H + j of the read blocks: wb[q KH + r] = w[(q H - CLO) + j + r ws] (only the read blocks'
+    // entries are indexed, the others take no registers)
+    REAL wb[CELL_COLUMNS_IN_REGISTERS ? M * KH : 1];
+    if constexpr (CELL_COLUMNS_IN_REGISTERS) {
+        const int unit = j < H ? j : H - 1;  // threads beyond H read a valid column and compute nothing
+#pragma unroll
+        for (int q = 0; q < M; ++q)
+            if (q * H >= CLO && q * H < CHI)
+#pragma unroll
+                for (int r = 0; r < KH; ++r) wb[q * KH + r] = w[(q * H - CLO) + unit + r * ws];
+    }
     for (i64 t = steps; t >= 1; --t) {
         const i64 row = b * steps + t - 1;
         const REAL* s = scales + row * scale_width;
@@ -265,8 +302,13 @@ __device__ __forceinline__ void cell_backward(i64 steps, const REAL* __restrict_
             for (int q = 0; q < M; ++q) {
                 REAL acc = REAL(0);
                 if (q * H >= CLO && q * H < CHI) {
-                    const REAL* wc = w + (q * H - CLO) + j;
-                    for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * ws];
+                    if constexpr (CELL_COLUMNS_IN_REGISTERS) {  // the same sum in the same order
+#pragma unroll
+                        for (int r = 0; r < KH; ++r) acc += ob[r] * wb[q * KH + r];
+                    } else {
+                        const REAL* wc = w + (q * H - CLO) + j;
+                        for (int r = 0; r < KH; ++r) acc += ob[r] * wc[r * ws];
+                    }
                 }
                 if (M == 1 && diagonal != nullptr) acc += g[0] * diagonal[row * D + j];
                 carry[q] = acc;

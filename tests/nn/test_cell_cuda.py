@@ -328,3 +328,30 @@ def test_nvcc_compiles_the_generated_source(tmp_path, dtype):
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"{cell_type.__name__} {dtype}:\n{result.stderr[-3000:]}"
         assert "warning" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow  # ~5 s of nvcc + cuobjdump
+def test_a_steps_products_read_their_weights_from_registers(tmp_path):
+    """sm_90 SASS of torch's GRU cell at H = 32, float32 (one thread per coordinate): a step of the forward loads
+    the state alone from shared memory (8 broadcast vectors and a few scalars), not a weight per multiply-add
+    (105 loads a step, 407 instructions, when it did), and a step of the backward the pieces' products alone (24
+    vectors; it loaded 96 weights more, 308 instructions); neither spills (ptxas)."""
+    from lightning_bppsa.kernels import cuda_inspect
+
+    structure, _ = _structure(CORPUS.TorchGRUCell(3, 32).float(), 2, torch.float32)
+    source, *_ = generate(structure, torch.float32)
+    path = tmp_path / "gru32.cu"
+    path.write_text(source.text)
+    try:
+        loops = cuda_inspect.sass_loops("sm_90", source=str(path), options=())
+    except FileNotFoundError as err:
+        pytest.skip(f"needs nvcc, cuobjdump and nvdisasm (the [dev] extra's NVIDIA wheels): {err}")
+    forward = max(loops["bppsa_cell_cuda_forward"], key=lambda loop: loop.instructions)
+    backward = max(loops["bppsa_cell_cuda_backward"], key=lambda loop: loop.instructions)
+    assert forward.kinds.get("LDS", 0) <= 12 and forward.instructions <= 340, forward.kinds
+    assert backward.kinds.get("LDS", 0) <= 26 and backward.instructions <= 250, backward.kinds
+    ptxas = subprocess.run(
+        [shutil.which("nvcc"), "-cubin", "-arch=sm_90", "-std=c++17", "-Xptxas", "-warn-spills", "-o",
+         str(tmp_path / "gru32.cubin"), str(path)], capture_output=True, text=True,
+    )  # fmt: skip
+    assert ptxas.returncode == 0 and "spill" not in ptxas.stderr, ptxas.stderr[-2000:]
