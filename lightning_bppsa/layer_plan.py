@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_bppsa._random import kept_generators
 from lightning_bppsa.kernels import _build, cupy_loader
 
 __all__ = ["LayerPlan", "LayerShape", "MEASURE_BUDGET_SECONDS", "QUEUED", "RETIME", "SCAN_MARGIN", "UNSURE", "capturing",
@@ -253,7 +254,7 @@ def time_training_steps(
         return run
 
     steps = {name: step(forward) for name, forward in forwards.items()}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with kept_generators(device):
         times = time_candidates(steps, device_timer(device))
         # torch.cuda._sleep is private: without it no queued times (a capture then runs the eager decision)
         if device.type == "cuda" and hasattr(torch.cuda, "_sleep"):  # a path whose warm-up raised stays out (inf)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_bppsa._random import generator_states, kept_generators
 from lightning_bppsa.nn._reference_backward import ProcessSwitch, reference_backward_enabled
 from lightning_bppsa.nn._scan_layer import _keeps_graph
 from lightning_bppsa.nn.cell_kernel import _SOLE, _use_count
@@ -115,23 +116,6 @@ def initial_states(hx: Any) -> tuple[Tensor, ...]:
     return () if hx is None else hx if isinstance(hx, tuple) else (hx,)
 
 
-def _rng_state(device: torch.device) -> Tensor:
-    """The random state the ops on ``device`` draw from (its CUDA generator's, or the CPU's)."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-@contextlib.contextmanager
-def _rng_forked(device: torch.device, state: Tensor | None = None) -> Iterator[None]:
-    """What runs inside draws from ``state`` (``None``: the current one) and leaves the random state of
-    ``device`` (and the CPU's) as it found it."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        if state is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(state, device)
-        elif state is not None:
-            torch.set_rng_state(state)
-        yield
-
-
 def _flat(outputs: tuple) -> list[Tensor]:
     """A module's ``(output, h_n)`` / ``(output, (h_n, c_n))`` as a list."""
     output, states = outputs
@@ -182,7 +166,7 @@ class StepGraphs:
         device = input.device
         #: whether a replay draws random numbers (dropout between layers): a recomputation then draws them again
         self.draws = module.training and module.dropout > 0 and module.num_layers > 1
-        with _rng_forked(device):  # the warm-up's draws (and the emulation's capture's) are not the caller's
+        with kept_generators(device):  # the warm-up's draws (and the emulation's capture's) are not the caller's
             GRAPHS.warm_up(warm_up, device)
             # on the caller's stream, not the warm-up's (a block of a dropped stream could be handed out again)
             self.grad_outputs = [torch.zeros_like(o) for o in live] if grads else []
@@ -235,7 +219,7 @@ class StepGraphs:
         return [_alias(next(computed)) if want else None for want in self.wanted]
 
     def recomputed_backward(
-        self, input: Tensor, states: tuple[Tensor, ...], grads: tuple[Tensor | None, ...], rng: Tensor | None  # noqa: A002
+        self, input: Tensor, states: tuple[Tensor, ...], grads: tuple[Tensor | None, ...], rng: list[Tensor] | None  # noqa: A002
     ) -> list[Tensor | None]:
         """The same gradients through the eager scan on ``input`` from ``states`` (double backward:
         differentiable); ``rng``: the random state the replay drew from (its dropout masks drawn again)."""
@@ -245,7 +229,7 @@ class StepGraphs:
         create_graph = torch.is_grad_enabled()
         with torch.enable_grad(), contextlib.ExitStack() as stack:
             if rng is not None:
-                stack.enter_context(_rng_forked(input.device, rng))
+                stack.enter_context(kept_generators(input.device, rng))
             outputs = _flat(module._scan_forward(input, self.hx(list(states)), weights=self.layer_weights))
             wrt = [t for t, want in zip((input, *states, *self.weights), self.wanted, strict=True) if want]
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
@@ -268,7 +252,7 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: StepGraphs, input: Tensor, *rest: Tensor):  # noqa: A002
         states = rest[: len(graphs.states)]
-        ctx.rng = _rng_state(input.device) if graphs.draws else None  # what a recomputation draws from
+        ctx.rng = generator_states(input.device) if graphs.draws else None  # what a recomputation draws from
         outputs = graphs.replay_forward(input, states)
         ctx.graphs = graphs
         # aliases of the outputs, held until the backward, keep the graphs busy (StepGraphs.free); their versions

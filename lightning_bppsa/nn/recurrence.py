@@ -110,6 +110,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_bppsa import layer_plan
+from lightning_bppsa._random import generator_states, kept_generators, set_generator_states
 from lightning_bppsa.jacobians.factored import FactoredJacobians
 from lightning_bppsa.layer_plan import LayerShape
 from lightning_bppsa.nn._autocast import autocast_state, replay_autocast, without_autocast
@@ -331,7 +332,7 @@ class Recurrence(nn.Module):
                 # the new states' columns the outputs read (a view of them), and the final state
                 new_states, final_flat = _ScanFunction.apply(self, spec, traced, x, s0, *params)
             except _Unbatchable as failed:
-                _set_rng_state(x.device, failed.rng)  # the rerun draws the same random numbers
+                set_generator_states(x.device, failed.rng)  # the rerun draws the same random numbers
                 path, reason = "autograd", failed.reason
                 decision = f"{decision}; then {reason}"
                 self._fell_back(reason, failed.sticky)
@@ -551,7 +552,7 @@ class Recurrence(nn.Module):
         except NotTraceable as error:
             return _Traced(None, str(error), str(error))
         x_k, s0_k = x[:_CHECK_ROWS, :_CHECK_STEPS].detach(), s0[:_CHECK_ROWS].detach()
-        with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        with torch.no_grad(), kept_generators(x.device):
             expected = self._loop(x_k, s0_k.clone(), spec)  # a cell breaking the rules raises its error here
             try:
                 ours = _traced_loop(self, structure, spec, x_k, s0_k)
@@ -581,10 +582,10 @@ class Recurrence(nn.Module):
         """
         x_k = x[:, :k].detach()
         with (
-            torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []),
+            kept_generators(x.device),
             torch.enable_grad(),
         ):
-            rng = _rng_state(x.device)
+            rng = generator_states(x.device)
             s0_leaf = s0.detach().requires_grad_()
             states = self._loop(x_k, s0_leaf.clone(), spec)  # a clone: a cell may modify its state in place
             if not _same_rng(x.device, rng):
@@ -704,7 +705,7 @@ class _ScanFunction(torch.autograd.Function):
         if traced.kernel is not None:  # the compiled loop: the Jacobians' factors come with the states
             states, ctx.factors = _kernel_forward(module, traced.kernel, x, s0)
         else:
-            states, ctx.factors = module._loop(x, s0, spec, rng=_rng_state(x.device), traced=traced), None
+            states, ctx.factors = module._loop(x, s0, spec, rng=generator_states(x.device), traced=traced), None
         ctx.module, ctx.spec, ctx.traced = module, spec, traced
         ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x, s0, states, *params)
@@ -1151,19 +1152,7 @@ def _synchronized_time(device: torch.device) -> float:
     return _timer()
 
 
-def _rng_state(device: torch.device) -> list[Tensor]:
-    """The default generators' states that a cell on ``device`` may draw from (CPU, and its CUDA device)."""
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
 def _same_rng(device: torch.device, states: list[Tensor]) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(_rng_state(device), states, strict=True))
+    return all(torch.equal(a, b) for a, b in zip(generator_states(device), states, strict=True))
 
 
-def _set_rng_state(device: torch.device, states: list[Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)

@@ -53,6 +53,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_bppsa import backends, cost_model, cuda_step_model, layer_plan
+from lightning_bppsa._random import kept_generators
 from lightning_bppsa.algorithms import compute_dtype
 from lightning_bppsa.cells import RecurrentCell, cell_of
 from lightning_bppsa.kernels import recurrent as native_kernels
@@ -261,7 +262,7 @@ class _ScanRecurrent:
         torch_forward = super().forward
         stats = self.last_stats
         device = input.device
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad(), kept_generators(device):
             times = layer_plan.time_candidates(
                 {"scan": lambda: self._scan_forward(input, hx, grads=False), "autograd": lambda: torch_forward(input, hx)},
                 layer_plan.device_timer(device),
